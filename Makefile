@@ -1,0 +1,33 @@
+# fedfields developer entry points: make install | demo | test | lint
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint
+
+install: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned and installed FIRST: on this machine pip resolves torch==2.13.0 to the
+# CPU wheel already on disk, and the pin keeps CI from pulling a multi-GB CUDA build.
+# Users elsewhere just `pip install -e .` and get torch from pyproject's range (>=2.4).
+# The stamp file makes repeated `make test` skip reinstalling until pyproject.toml changes.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+# Trains the bundled lego scene centrally for ~3 minutes; renders + metrics.json in runs/demo.
+demo: install
+	$(BIN)/fedfields train --scene data/lego --model hashgrid --downscale 2 --minutes 3 \
+		--holdout 8 --out runs/demo
+
+test: install
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .

@@ -1,0 +1,1 @@
+"""Flower ClientApps built on ``fedfields.train``."""

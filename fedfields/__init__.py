@@ -1,0 +1,1 @@
+"""Federated neural fields (NeRF, SIREN) on Flower, with privacy-leakage measurement."""

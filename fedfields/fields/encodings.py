@@ -1,0 +1,236 @@
+"""Input encodings: NeRF positional encoding, spherical harmonics, multi-resolution hash grid.
+
+The hash grid has a pure-PyTorch implementation (the default, fast on CPU) and a tinycudann
+backend with the same configuration, chosen automatically when tinycudann and CUDA are present.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Instant-NGP's spatial hash primes (Muller et al. 2022, Eq. 4); the first is 1.
+_HASH_PRIMES = (1, 2654435761, 805459861)
+
+
+class PositionalEncoding(nn.Module):
+    """NeRF's frequency encoding: x, sin(2^k x), cos(2^k x) for k < num_frequencies."""
+
+    def __init__(self, in_dim: int, num_frequencies: int, include_input: bool = True) -> None:
+        super().__init__()
+        self.in_dim = in_dim
+        self.include_input = include_input
+        self.register_buffer(
+            "frequencies", 2.0 ** torch.arange(num_frequencies, dtype=torch.float32), False
+        )
+        self.out_dim = in_dim * (2 * num_frequencies + int(include_input))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scaled = (x[..., None, :] * self.frequencies[:, None]).flatten(-2)
+        parts = [torch.sin(scaled), torch.cos(scaled)]
+        if self.include_input:
+            parts.insert(0, x)
+        return torch.cat(parts, dim=-1)
+
+
+class SphericalHarmonicsEncoding(nn.Module):
+    """Real spherical harmonics of unit directions up to degree 4 (16 terms), as Instant-NGP."""
+
+    out_dim = 16
+
+    def forward(self, directions: Tensor) -> Tensor:
+        x, y, z = directions.unbind(-1)
+        xx, yy, zz, xy, yz, xz = x * x, y * y, z * z, x * y, y * z, x * z
+        return torch.stack(
+            [
+                torch.full_like(x, 0.28209479177387814),
+                -0.48860251190291987 * y,
+                0.48860251190291987 * z,
+                -0.48860251190291987 * x,
+                1.0925484305920792 * xy,
+                -1.0925484305920792 * yz,
+                0.94617469575755997 * zz - 0.31539156525251999,
+                -1.0925484305920792 * xz,
+                0.54627421529603959 * (xx - yy),
+                0.59004358992664352 * y * (-3.0 * xx + yy),
+                2.8906114426405538 * xy * z,
+                0.45704579946446572 * y * (1.0 - 5.0 * zz),
+                0.3731763325901154 * z * (5.0 * zz - 3.0),
+                0.45704579946446572 * x * (1.0 - 5.0 * zz),
+                1.4453057213202769 * z * (xx - yy),
+                0.59004358992664352 * x * (-xx + 3.0 * yy),
+            ],
+            dim=-1,
+        )
+
+
+@dataclass(frozen=True)
+class HashGridConfig:
+    """Multi-resolution hash encoding (Instant-NGP) of points normalised to the unit cube."""
+
+    num_levels: int = 16
+    features_per_level: int = 2
+    log2_hashmap_size: int = 19
+    base_resolution: int = 16
+    max_resolution: int = 2048
+    implementation: Literal["auto", "torch", "tcnn"] = "auto"
+
+    @property
+    def per_level_scale(self) -> float:
+        if self.num_levels == 1:
+            return 1.0
+        ratio = self.max_resolution / self.base_resolution
+        return math.exp(math.log(ratio) / (self.num_levels - 1))
+
+    def resolutions(self) -> list[int]:
+        """Grid resolution of each level: floor(base * scale^level), as Instant-NGP."""
+        return [
+            int(math.floor(self.base_resolution * self.per_level_scale**level))
+            for level in range(self.num_levels)
+        ]
+
+
+@cache
+def tcnn_available() -> bool:
+    """True when tinycudann imports and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import tinycudann  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_implementation(config: HashGridConfig) -> Literal["torch", "tcnn"]:
+    """Pick the backend: tcnn when asked or when 'auto' finds it, else pure PyTorch."""
+    if config.implementation == "tcnn":
+        if not tcnn_available():
+            raise RuntimeError(
+                "hash grid implementation 'tcnn' needs tinycudann and a CUDA device; "
+                "install the 'tcnn' extra on a CUDA machine or use implementation='torch'"
+            )
+        return "tcnn"
+    if config.implementation == "auto" and tcnn_available():
+        return "tcnn"
+    return "torch"
+
+
+class _EmbeddingBagSum(torch.autograd.Function):
+    """Weighted sum of table rows per bag; backward is one flat scatter-add (fast on CPU).
+
+    torch's own embedding_bag backward sorts the indices, which is several times slower
+    on CPU than accumulating straight into the flattened table.
+    """
+
+    @staticmethod
+    def forward(ctx, table: Tensor, indices: Tensor, weights: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(indices, weights)
+        ctx.table_shape = table.shape
+        return F.embedding_bag(indices, table, per_sample_weights=weights, mode="sum")
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        indices, weights = ctx.saved_tensors
+        rows, width = ctx.table_shape
+        contributions = grad_output[:, None, :] * weights[..., None]
+        flat_index = (indices[..., None] * width + torch.arange(width)).reshape(-1)
+        grad_table = torch.zeros(rows * width, dtype=grad_output.dtype)
+        grad_table.scatter_add_(0, flat_index, contributions.reshape(-1))
+        return grad_table.view(rows, width), None, None
+
+
+class HashGridEncoding(nn.Module):
+    """Multi-resolution hash grid with trilinear interpolation; coarse levels index densely.
+
+    Input: points in [0, 1]^3 (outside values are clamped). Output: [N, levels * features].
+    """
+
+    def __init__(self, config: HashGridConfig = HashGridConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.out_dim = config.num_levels * config.features_per_level
+        self.implementation = resolve_implementation(config)
+        if self.implementation == "tcnn":
+            self.tcnn_encoding = _make_tcnn_encoding(config)
+            return
+        hashmap_size = 2**config.log2_hashmap_size
+        resolutions = config.resolutions()
+        dense = [(r + 1) ** 3 <= hashmap_size for r in resolutions]
+        sizes = [(r + 1) ** 3 if is_dense else hashmap_size for r, is_dense in zip(resolutions, dense)]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        # Per-level int32 strides: dense levels index x + y(r+1) + z(r+1)^2; hashed levels use
+        # the primes reduced mod the table size, exact for the low bits that the mask keeps.
+        strides = [
+            (1, r + 1, (r + 1) ** 2) if is_dense else tuple(p % hashmap_size for p in _HASH_PRIMES)
+            for r, is_dense in zip(resolutions, dense)
+        ]
+        self.num_dense_levels = sum(dense)
+        self.register_buffer("resolutions", torch.tensor(resolutions, dtype=torch.float32), False)
+        self.register_buffer("strides", torch.tensor(strides, dtype=torch.int32), False)
+        self.register_buffer("level_offsets", torch.tensor(offsets[:-1], dtype=torch.int32), False)
+        self.hash_mask = hashmap_size - 1
+        self.table = nn.Parameter(
+            torch.empty(offsets[-1], config.features_per_level).uniform_(-1e-4, 1e-4)
+        )
+
+    def forward(self, points: Tensor) -> Tensor:
+        if self.implementation == "tcnn":
+            return self.tcnn_encoding(points.clamp(0.0, 1.0)).float()
+        indices, weights = self.corner_indices_and_weights(points)
+        features = _EmbeddingBagSum.apply(self.table, indices, weights)
+        return features.view(points.shape[0], self.out_dim)
+
+    @torch.no_grad()
+    def corner_indices_and_weights(self, points: Tensor) -> tuple[Tensor, Tensor]:
+        """Table rows and trilinear weights of the 8 corners per level: [N * levels, 8] each.
+
+        Corner indices are separable (sum of per-axis terms on dense levels, xor on hashed
+        ones), so they are built from [N, L, 3, 2] terms without materialising 8x3 corners.
+        """
+        resolution = self.resolutions
+        scaled = points.clamp(0.0, 1.0)[:, None, :] * resolution[None, :, None]  # [N, L, 3]
+        lower = torch.minimum(scaled.floor(), (resolution - 1)[None, :, None])
+        frac = scaled - lower
+        lower = lower.int()
+        terms = torch.stack([lower, lower + 1], dim=-1) * self.strides[None, :, :, None]
+        tx, ty, tz = terms.unbind(2)  # [N, L, 2] each
+        split = self.num_dense_levels
+        dense_index = (
+            tx[:, :split, :, None, None] + ty[:, :split, None, :, None] + tz[:, :split, None, None]
+        )
+        hashed_index = (
+            tx[:, split:, :, None, None] ^ ty[:, split:, None, :, None] ^ tz[:, split:, None, None]
+        ) & self.hash_mask
+        index = torch.cat([dense_index, hashed_index], dim=1)
+        index += self.level_offsets[None, :, None, None, None]
+        axis_weights = torch.stack([1.0 - frac, frac], dim=-1)  # [N, L, 3, 2]
+        wx, wy, wz = axis_weights.unbind(2)
+        weight = wx[..., :, None, None] * wy[..., None, :, None] * wz[..., None, None, :]
+        num_rows = points.shape[0] * self.config.num_levels
+        return index.reshape(num_rows, 8), weight.reshape(num_rows, 8)
+
+
+def _make_tcnn_encoding(config: HashGridConfig) -> nn.Module:
+    """tinycudann HashGrid with the same levels, features, table size and scale."""
+    import tinycudann as tcnn
+
+    return tcnn.Encoding(
+        n_input_dims=3,
+        encoding_config={
+            "otype": "HashGrid",
+            "n_levels": config.num_levels,
+            "n_features_per_level": config.features_per_level,
+            "log2_hashmap_size": config.log2_hashmap_size,
+            "base_resolution": config.base_resolution,
+            "per_level_scale": config.per_level_scale,
+        },
+    )

@@ -1,0 +1,120 @@
+"""PSNR, SSIM and LPIPS between images in [0, 1], as reported by the papers we reproduce.
+
+Images are [H, W, C] or [N, H, W, C] numpy arrays or torch tensors with data range 1.
+LPIPS needs the optional `lpips` package and its backbone weights; without them it is
+reported as None (with one warning) so that a run without it still completes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from skimage.metrics import structural_similarity
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+def psnr(prediction: ArrayLike, target: ArrayLike, mask: ArrayLike | None = None) -> float:
+    """Peak signal-to-noise ratio in dB (data range 1); `mask` [H, W] (or [N, H, W]) weights pixels.
+
+    With a mask the squared error is averaged over pixels and channels weighted by the mask,
+    so a boolean mask restricts PSNR to the selected pixels.
+    """
+    prediction, target = _pair(prediction, target)
+    squared_error = (prediction - target) ** 2
+    if mask is None:
+        mse = float(squared_error.mean())
+    else:
+        weights = _mask_weights(mask, prediction.shape[:-1])
+        mse = float(
+            (squared_error * weights[..., None]).sum() / (weights.sum() * prediction.shape[-1])
+        )
+    return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+def ssim(prediction: ArrayLike, target: ArrayLike) -> float:
+    """Structural similarity (scikit-image, data range 1); for a batch the mean over images."""
+    prediction, target = _pair(prediction, target)
+    if prediction.ndim == 3:
+        return float(structural_similarity(prediction, target, channel_axis=-1, data_range=1.0))
+    return float(
+        np.mean(
+            [
+                structural_similarity(p, t, channel_axis=-1, data_range=1.0)
+                for p, t in zip(prediction, target, strict=True)
+            ]
+        )
+    )
+
+
+def lpips(prediction: ArrayLike, target: ArrayLike, network: str = "alex") -> float | None:
+    """LPIPS distance (mean over images); None when the `lpips` package or weights are missing."""
+    prediction, target = _pair(prediction, target)
+    model = _lpips_model(network)
+    if model is None:
+        return None
+    with torch.no_grad():
+        distance = model(_lpips_input(prediction), _lpips_input(target))
+    return float(distance.mean())
+
+
+@functools.cache
+def _lpips_model(network: str) -> Any | None:
+    """The LPIPS model for `network`, built once; on any failure warn once and return None."""
+    try:
+        import lpips as lpips_package
+
+        return lpips_package.LPIPS(net=network, verbose=False).eval()
+    except Exception as error:  # noqa: BLE001 - any import or weight-loading failure means "unavailable"
+        warnings.warn(
+            f"LPIPS unavailable: {type(error).__name__}: {error}; install the 'lpips' extra with "
+            f"backbone weights cached (torchvision downloads the {network} weights at first use). "
+            "LPIPS is reported as None.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _lpips_input(images: np.ndarray) -> torch.Tensor:
+    """[H, W, C] or [N, H, W, C] in [0, 1] -> float32 NCHW in [-1, 1] on the CPU."""
+    batch = images[None] if images.ndim == 3 else images
+    return torch.from_numpy(batch).permute(0, 3, 1, 2).float() * 2.0 - 1.0
+
+
+def _pair(prediction: ArrayLike, target: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """Both images as float64 numpy arrays of one shape, [H, W, C] or [N, H, W, C]."""
+    prediction, target = _as_numpy(prediction), _as_numpy(target)
+    if prediction.shape != target.shape:
+        raise ValueError(f"prediction shape {prediction.shape} != target shape {target.shape}")
+    if prediction.ndim not in (3, 4):
+        raise ValueError(f"images must be [H, W, C] or [N, H, W, C], got shape {prediction.shape}")
+    return prediction, target
+
+
+def _as_numpy(array: ArrayLike) -> np.ndarray:
+    """A float64 numpy copy of a numpy array or (any-device) torch tensor."""
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    return np.asarray(array, dtype=np.float64)
+
+
+def _mask_weights(mask: ArrayLike, pixel_shape: tuple[int, ...]) -> np.ndarray:
+    """Non-negative per-pixel weights broadcast to `pixel_shape`; an empty mask is an error."""
+    weights = _as_numpy(mask)
+    try:
+        weights = np.broadcast_to(weights, pixel_shape)
+    except ValueError as error:
+        raise ValueError(
+            f"mask shape {weights.shape} does not match image pixels {pixel_shape}"
+        ) from error
+    if (weights < 0).any():
+        raise ValueError("mask weights must be >= 0")
+    if not weights.sum() > 0:
+        raise ValueError("mask selects no pixels")
+    return weights

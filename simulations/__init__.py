@@ -1,0 +1,1 @@
+"""ServerApp entry points, experiment presets and benchmark scripts."""

@@ -1,0 +1,1 @@
+"""Benchmark scripts; see docs/BENCHMARKS.md for the commands and latest figures."""

@@ -1,0 +1,153 @@
+"""Image metrics agree with scikit-image; LPIPS degrades to None with one warning."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+from fedfields.metrics import image, lpips, psnr, ssim
+
+
+@pytest.fixture
+def images() -> tuple[np.ndarray, np.ndarray]:
+    """A target batch [3, 32, 24, 3] and a noisy prediction, both in [0, 1]."""
+    rng = np.random.default_rng(0)
+    target = rng.random((3, 32, 24, 3))
+    prediction = np.clip(target + rng.normal(0.0, 0.1, target.shape), 0.0, 1.0)
+    return prediction, target
+
+
+@pytest.fixture(autouse=True)
+def fresh_lpips_model() -> Iterator[None]:
+    """Each test builds (and may warn about) the LPIPS model anew."""
+    image._lpips_model.cache_clear()
+    yield
+    image._lpips_model.cache_clear()
+
+
+def test_psnr_matches_skimage(images: tuple[np.ndarray, np.ndarray]) -> None:
+    prediction, target = images
+    expected = peak_signal_noise_ratio(target[0], prediction[0], data_range=1)
+    assert psnr(prediction[0], target[0]) == pytest.approx(expected, rel=1e-12)
+    assert psnr(torch.from_numpy(prediction[0]), torch.from_numpy(target[0])) == pytest.approx(
+        expected, rel=1e-12
+    )
+    batch_expected = peak_signal_noise_ratio(target, prediction, data_range=1)
+    assert psnr(prediction, target) == pytest.approx(batch_expected, rel=1e-12)
+    assert psnr(target, target) == math.inf
+
+
+def test_boolean_mask_restricts_psnr(images: tuple[np.ndarray, np.ndarray]) -> None:
+    prediction, target = images[0][0], images[1][0]
+    mask = np.zeros(prediction.shape[:2], dtype=bool)
+    mask[4:20, 3:11] = True
+    mse = np.mean((prediction[mask] - target[mask]) ** 2)
+    assert psnr(prediction, target, mask) == pytest.approx(10 * math.log10(1 / mse), rel=1e-12)
+    assert psnr(prediction, target, torch.from_numpy(mask)) == pytest.approx(
+        10 * math.log10(1 / mse), rel=1e-12
+    )
+
+
+def test_float_mask_weights_pixels(images: tuple[np.ndarray, np.ndarray]) -> None:
+    prediction, target = images[0][0], images[1][0]
+    weights = np.random.default_rng(1).random(prediction.shape[:2])
+    squared = ((prediction - target) ** 2).sum(axis=-1)
+    mse = (squared * weights).sum() / (weights.sum() * 3)
+    assert psnr(prediction, target, weights) == pytest.approx(10 * math.log10(1 / mse), rel=1e-12)
+
+
+def test_psnr_rejects_empty_mask_and_mismatched_shapes(
+    images: tuple[np.ndarray, np.ndarray],
+) -> None:
+    prediction, target = images[0][0], images[1][0]
+    with pytest.raises(ValueError, match="no pixels"):
+        psnr(prediction, target, np.zeros(prediction.shape[:2]))
+    with pytest.raises(ValueError, match=r"\(32, 24, 3\).*\(24, 32, 3\)"):
+        psnr(prediction, target.transpose(1, 0, 2))
+    with pytest.raises(ValueError, match="mask shape"):
+        psnr(prediction, target, np.ones((5, 5)))
+
+
+def test_ssim_matches_skimage_and_averages_batches(images: tuple[np.ndarray, np.ndarray]) -> None:
+    prediction, target = images
+    per_image = [
+        structural_similarity(p, t, channel_axis=-1, data_range=1.0)
+        for p, t in zip(prediction, target, strict=True)
+    ]
+    assert ssim(prediction[1], target[1]) == pytest.approx(per_image[1], rel=1e-12)
+    assert ssim(torch.from_numpy(prediction).float(), target) == pytest.approx(
+        np.mean(per_image), abs=1e-6
+    )
+    assert ssim(prediction, target) == pytest.approx(np.mean(per_image), rel=1e-12)
+
+
+def test_lpips_unavailable_without_package_warns_once(
+    monkeypatch: pytest.MonkeyPatch, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    monkeypatch.setitem(sys.modules, "lpips", None)  # makes `import lpips` raise ImportError
+    prediction, target = images
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lpips(prediction, target) is None
+        assert lpips(prediction, target) is None
+    assert len(caught) == 1
+    assert caught[0].category is UserWarning
+    assert "LPIPS unavailable: ModuleNotFoundError" in str(caught[0].message)
+    assert "install the 'lpips' extra" in str(caught[0].message)
+
+
+def _fake_lpips_module(model_class: type) -> types.ModuleType:
+    module = types.ModuleType("lpips")
+    module.LPIPS = model_class  # type: ignore[attr-defined]
+    return module
+
+
+def test_lpips_unavailable_when_weights_cannot_be_fetched(
+    monkeypatch: pytest.MonkeyPatch, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    class OfflineLPIPS:
+        def __init__(self, net: str, verbose: bool) -> None:
+            raise OSError(f"cannot download {net} weights")
+
+    monkeypatch.setitem(sys.modules, "lpips", _fake_lpips_module(OfflineLPIPS))
+    with pytest.warns(
+        UserWarning, match="LPIPS unavailable: OSError: cannot download alex weights"
+    ):
+        assert lpips(*images) is None
+
+
+def test_lpips_scales_inputs_and_returns_mean_distance(
+    monkeypatch: pytest.MonkeyPatch, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class RecordingLPIPS(torch.nn.Module):
+        def __init__(self, net: str, verbose: bool) -> None:
+            super().__init__()
+            assert net == "vgg"
+
+        def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+            assert not torch.is_grad_enabled()
+            seen.append((first, second))
+            return torch.tensor([0.1, 0.2, 0.6]).reshape(3, 1, 1, 1)
+
+    monkeypatch.setitem(sys.modules, "lpips", _fake_lpips_module(RecordingLPIPS))
+    prediction, target = images
+    target[0, 0, 0] = (0.0, 0.5, 1.0)
+    assert lpips(prediction, target, network="vgg") == pytest.approx(0.3)
+    first, second = seen[0]
+    assert first.shape == second.shape == (3, 3, 32, 24)
+    assert first.dtype == torch.float32
+    torch.testing.assert_close(second[0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))
+    assert second.min() == -1.0 and second.max() == 1.0
+    torch.testing.assert_close(
+        first, torch.from_numpy(prediction).permute(0, 3, 1, 2).float() * 2 - 1
+    )
