@@ -89,9 +89,12 @@ class HashGridConfig:
         return math.exp(math.log(ratio) / (self.num_levels - 1))
 
     def resolutions(self) -> list[int]:
-        """Grid resolution of each level: floor(base * scale^level), as Instant-NGP."""
+        """Grid resolution of each level: floor(base * scale^level), as Instant-NGP.
+
+        The small epsilon keeps the finest level at max_resolution despite rounding.
+        """
         return [
-            int(math.floor(self.base_resolution * self.per_level_scale**level))
+            int(math.floor(self.base_resolution * self.per_level_scale**level + 1e-6))
             for level in range(self.num_levels)
         ]
 
@@ -123,10 +126,10 @@ def resolve_implementation(config: HashGridConfig) -> Literal["torch", "tcnn"]:
 
 
 class _EmbeddingBagSum(torch.autograd.Function):
-    """Weighted sum of table rows per bag; backward is one flat scatter-add (fast on CPU).
+    """Weighted sum of table rows per bag; backward is a weighted bincount per feature.
 
-    torch's own embedding_bag backward sorts the indices, which is several times slower
-    on CPU than accumulating straight into the flattened table.
+    torch's own embedding_bag backward sorts the indices, which is several times slower on
+    CPU than histogramming the weighted output gradients straight into table rows.
     """
 
     @staticmethod
@@ -139,11 +142,19 @@ class _EmbeddingBagSum(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         indices, weights = ctx.saved_tensors
         rows, width = ctx.table_shape
-        contributions = grad_output[:, None, :] * weights[..., None]
-        flat_index = (indices[..., None] * width + torch.arange(width)).reshape(-1)
-        grad_table = torch.zeros(rows * width, dtype=grad_output.dtype)
-        grad_table.scatter_add_(0, flat_index, contributions.reshape(-1))
-        return grad_table.view(rows, width), None, None
+        flat_indices = indices.reshape(-1)
+        grad_table = torch.stack(
+            [
+                torch.bincount(
+                    flat_indices,
+                    weights=(weights * grad_output[:, feature, None]).reshape(-1),
+                    minlength=rows,
+                )
+                for feature in range(width)
+            ],
+            dim=-1,
+        )
+        return grad_table.to(grad_output.dtype), None, None
 
 
 class HashGridEncoding(nn.Module):
@@ -163,7 +174,10 @@ class HashGridEncoding(nn.Module):
         hashmap_size = 2**config.log2_hashmap_size
         resolutions = config.resolutions()
         dense = [(r + 1) ** 3 <= hashmap_size for r in resolutions]
-        sizes = [(r + 1) ** 3 if is_dense else hashmap_size for r, is_dense in zip(resolutions, dense)]
+        sizes = [
+            (r + 1) ** 3 if is_dense else hashmap_size
+            for r, is_dense in zip(resolutions, dense, strict=True)
+        ]
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + size)
@@ -171,7 +185,7 @@ class HashGridEncoding(nn.Module):
         # the primes reduced mod the table size, exact for the low bits that the mask keeps.
         strides = [
             (1, r + 1, (r + 1) ** 2) if is_dense else tuple(p % hashmap_size for p in _HASH_PRIMES)
-            for r, is_dense in zip(resolutions, dense)
+            for r, is_dense in zip(resolutions, dense, strict=True)
         ]
         self.num_dense_levels = sum(dense)
         self.register_buffer("resolutions", torch.tensor(resolutions, dtype=torch.float32), False)
@@ -204,13 +218,15 @@ class HashGridEncoding(nn.Module):
         terms = torch.stack([lower, lower + 1], dim=-1) * self.strides[None, :, :, None]
         tx, ty, tz = terms.unbind(2)  # [N, L, 2] each
         split = self.num_dense_levels
-        dense_index = (
-            tx[:, :split, :, None, None] + ty[:, :split, None, :, None] + tz[:, :split, None, None]
+        index = torch.empty(
+            points.shape[0], self.config.num_levels, 2, 2, 2, dtype=torch.int32, device=points.device
         )
-        hashed_index = (
-            tx[:, split:, :, None, None] ^ ty[:, split:, None, :, None] ^ tz[:, split:, None, None]
-        ) & self.hash_mask
-        index = torch.cat([dense_index, hashed_index], dim=1)
+        dense, hashed = index[:, :split], index[:, split:]
+        dense_xy = tx[:, :split, :, None] + ty[:, :split, None, :]
+        torch.add(dense_xy[..., None], tz[:, :split, None, None, :], out=dense)
+        hashed_xy = tx[:, split:, :, None] ^ ty[:, split:, None, :]
+        torch.bitwise_xor(hashed_xy[..., None], tz[:, split:, None, None, :], out=hashed)
+        hashed &= self.hash_mask
         index += self.level_offsets[None, :, None, None, None]
         axis_weights = torch.stack([1.0 - frac, frac], dim=-1)  # [N, L, 3, 2]
         wx, wy, wz = axis_weights.unbind(2)

@@ -1,0 +1,61 @@
+"""Checkpoints that carry everything needed to rebuild and render a field."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedfields.fields import Field, build_field
+from fedfields.render import OccupancyGrid, RenderConfig
+
+
+def save_checkpoint(
+    path: str | Path,
+    field: Field,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Write field configuration and weights, render settings and occupancy grid to `path`.
+
+    Written to a temporary file first and renamed, so a crash never leaves half a checkpoint.
+    """
+    path = Path(path)
+    payload = {
+        "format": "fedfields-checkpoint-1",
+        "field": field.config_dict(),
+        "state_dict": field.state_dict(),
+        "render": asdict(render_config),
+        "occupancy": occupancy.state_dict() if occupancy is not None else None,
+        "metadata": metadata or {},
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(payload, partial)
+    partial.replace(path)
+
+
+def load_checkpoint(
+    path: str | Path,
+) -> tuple[Field, RenderConfig, OccupancyGrid | None, dict[str, Any]]:
+    """Rebuild (field, render config, occupancy grid, metadata) from a checkpoint file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != "fedfields-checkpoint-1":
+        raise ValueError(f"{path} is not a fedfields checkpoint (missing format tag)")
+    field = build_field(payload["field"])
+    field.load_state_dict(payload["state_dict"])
+    field.eval()
+    render = payload["render"]
+    render_config = RenderConfig(
+        **{**render, "aabb": tuple(render["aabb"]), "background": tuple(render["background"])}
+    )
+    occupancy = None
+    if payload["occupancy"] is not None:
+        occupancy = OccupancyGrid(render_config.aabb_tensor)
+        occupancy.load_state_dict(payload["occupancy"])
+    return field, render_config, occupancy, payload["metadata"]

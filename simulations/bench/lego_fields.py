@@ -1,0 +1,75 @@
+"""Benchmark: vanilla NeRF vs hash-grid field on lego at 100x100 for the same wall-clock budget.
+
+Prints held-out PSNR/SSIM, training rays per second, and the MLP's achieved FLOP/s as a
+fraction of a torch.matmul peak measured in the same run. Not a test: it takes minutes.
+
+    .venv/bin/python -m simulations.bench.lego_fields --minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from fedfields.data import holdout_indices, load_scene
+from fedfields.metrics import linear_flops_per_sample, matmul_peak_flops
+from fedfields.train import default_setup, evaluate, train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_model(model: str, minutes: float, train_scene, test_scene, peak: float) -> dict:
+    """Train one model for `minutes`, evaluate on the held-out views, return its figures."""
+    torch.manual_seed(0)
+    setup = default_setup(model, train_scene)
+    config = setup.train_config(minutes=minutes, progress=False)
+    result = train(setup.field, train_scene, config, setup.render_config, setup.occupancy)
+    evaluation = evaluate(
+        setup.field, test_scene, setup.render_config, setup.occupancy, progress=False
+    )
+    # Forward + backward of a dense layer costs about 3x its forward multiply-adds.
+    mlp_flops = 3 * linear_flops_per_sample(setup.field) * result.samples
+    achieved = mlp_flops / result.seconds
+    return {
+        "model": model,
+        "steps": result.steps,
+        "psnr": round(evaluation.psnr, 2),
+        "ssim": round(evaluation.ssim, 4),
+        "lpips": evaluation.lpips,
+        "rays_per_second": round(result.rays_per_second),
+        "samples_per_ray": round(result.samples / max(result.rays, 1), 1),
+        "mlp_gflops": round(achieved / 1e9, 2),
+        "mlp_fraction_of_matmul_peak": round(achieved / peak, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scene", type=Path, default=REPO / "data" / "lego")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--downscale", type=float, default=2.0)
+    parser.add_argument("--holdout", type=int, default=8)
+    parser.add_argument("--models", nargs="+", default=["nerf", "hashgrid"])
+    args = parser.parse_args()
+    scene = load_scene(args.scene, downscale=args.downscale)
+    train_ids, test_ids = holdout_indices(len(scene), args.holdout)
+    train_scene, test_scene = scene.subset(train_ids), scene.subset(test_ids)
+    peak = matmul_peak_flops()
+    print(f"torch.matmul peak: {peak / 1e9:.1f} GFLOP/s, threads: {torch.get_num_threads()}")
+    print(
+        f"{len(train_ids)} training / {len(test_ids)} held-out views at "
+        f"{scene.cameras.width}x{scene.cameras.height}, {args.minutes} min per model"
+    )
+    rows = [run_model(m, args.minutes, train_scene, test_scene, peak) for m in args.models]
+    for row in rows:
+        print(json.dumps(row))
+    if len(rows) == 2:
+        ratio = rows[1]["rays_per_second"] / max(rows[0]["rays_per_second"], 1)
+        print(f"{rows[1]['model']} / {rows[0]['model']} rays per second: {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

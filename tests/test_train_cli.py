@@ -1,0 +1,153 @@
+"""Centralised trainer, checkpoints and the `fedfields` command line on a tiny lego."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from fedfields.cli import main
+from fedfields.data import holdout_indices, load_scene
+from fedfields.metrics import psnr
+from fedfields.render import render_image
+from fedfields.train import (
+    TrainConfig,
+    default_setup,
+    evaluate,
+    learning_rate_factor,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+)
+from fedfields.train.centralised import adapt_batch_rays
+
+LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
+
+
+@pytest.fixture(scope="module")
+def tiny_lego():
+    """Lego at 25x25: 70 training and 10 held-out views."""
+    scene = load_scene(LEGO, downscale=8)
+    train_ids, test_ids = holdout_indices(len(scene), 8)
+    return scene.subset(train_ids), scene.subset(test_ids)
+
+
+def test_hashgrid_training_reduces_loss_and_beats_constant_image(tiny_lego):
+    train_scene, test_scene = tiny_lego
+    torch.manual_seed(0)
+    setup = default_setup("hashgrid", train_scene)
+    config = setup.train_config(steps=60, progress=False, log_every=5)
+    result = train(setup.field, train_scene, config, setup.render_config, setup.occupancy)
+    assert result.steps == 60 and result.rays > 0 and result.samples > 0
+    losses = [h["loss"] for h in result.history]
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:2]) / 2
+    evaluation = evaluate(
+        setup.field, test_scene, setup.render_config, setup.occupancy, progress=False
+    )
+    # A field that learnt nothing renders the white background: score that as the baseline.
+    blank = psnr(torch.ones_like(test_scene.images), test_scene.images)
+    assert evaluation.psnr > blank + 3.0
+
+
+def test_checkpoint_round_trip_renders_identically(tiny_lego, tmp_path):
+    train_scene, _ = tiny_lego
+    setup = default_setup("hashgrid", train_scene)
+    config = setup.train_config(steps=5, progress=False)
+    train(setup.field, train_scene, config, setup.render_config, setup.occupancy)
+    save_checkpoint(tmp_path / "c.pt", setup.field, setup.render_config, setup.occupancy)
+    field, render_config, occupancy, _ = load_checkpoint(tmp_path / "c.pt")
+    assert render_config == setup.render_config
+    assert torch.equal(occupancy.occupied, setup.occupancy.occupied)
+    setup.field.eval()
+    before = render_image(setup.field, train_scene.cameras, 0, setup.render_config, setup.occupancy)
+    after = render_image(field, train_scene.cameras, 0, render_config, occupancy)
+    assert torch.allclose(before.rgb, after.rgb) and torch.allclose(before.depth, after.depth)
+
+
+def test_load_checkpoint_rejects_other_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a fedfields checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_train_config_needs_exactly_one_budget():
+    with pytest.raises(ValueError, match="exactly one"):
+        TrainConfig()
+    with pytest.raises(ValueError, match="exactly one"):
+        TrainConfig(steps=10, minutes=1.0)
+    with pytest.raises(ValueError, match="positive"):
+        TrainConfig(steps=0)
+
+
+def test_learning_rate_schedule_and_dynamic_batch():
+    assert learning_rate_factor(0.0) == pytest.approx(0.01)
+    assert learning_rate_factor(0.3) == 1.0
+    assert learning_rate_factor(0.6) == pytest.approx(0.33)
+    assert learning_rate_factor(0.95) == pytest.approx(0.33**3)
+    # Twice the target samples halves the proposal; the batch moves half-way towards it.
+    assert adapt_batch_rays(1000, 2000, 1000, 10_000) == 750
+    assert adapt_batch_rays(1000, 0, 1000, 4000) == 4000
+
+
+def test_cli_train_then_eval_scores_the_held_out_views(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--scene",
+            str(LEGO),
+            "--downscale",
+            "8",
+            "--steps",
+            "20",
+            "--holdout",
+            "8",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train"]["steps"] == 20 and metrics["train"]["rays_per_second"] > 0
+    assert len(metrics["eval_views"]) == 10 and metrics["eval"]["lpips"] is None
+    renders = sorted((out / "renders").glob("*.png"))
+    assert len(renders) == 10
+    with Image.open(renders[0]) as strip:
+        assert strip.size == (3 * 25, 25)  # ground truth | render | depth
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "eval",
+                "--checkpoint",
+                str(out / "checkpoint.pt"),
+                "--scene",
+                str(LEGO),
+                "--downscale",
+                "8",
+                "--views",
+                "holdout",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["views"] == 10
+    assert scored["psnr"] == pytest.approx(metrics["eval"]["psnr"], abs=1e-4)
+    assert set(scored) == {"psnr", "ssim", "lpips", "views"}
+
+
+def test_cli_reports_bad_input_without_writing(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["train", "--scene", str(tmp_path), "--steps", "1", "--out", str(out)]) == 2
+    assert "transforms" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--scene", str(LEGO), "--steps", "1", "--minutes", "1", "--out", str(out)])
