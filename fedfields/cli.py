@@ -14,6 +14,7 @@ from fedfields.train import (
     default_setup,
     evaluate,
     load_checkpoint,
+    resolve_device,
     save_checkpoint,
     train,
     write_renders,
@@ -124,6 +125,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     field, render_config, occupancy, metadata = load_checkpoint(args.checkpoint)
+    field.to(resolve_device("auto"))
     scene = load_scene(args.scene, downscale=args.downscale, background=render_config.background)
     if args.views != "all":
         holdout = int(metadata.get("holdout", 0))

@@ -201,9 +201,7 @@ def _sphere_cells(resolution: int) -> Tensor:
 def test_opaque_sphere_with_conservative_occupancy_grid() -> None:
     rays, t_hit = _sphere_rays(32, (0.0, 0.8), seed=3)
     step = 0.004
-    config = RenderConfig(
-        near=0.0, far=8.0, aabb=UNIT_BOX, step_size=step, transmittance_threshold=0.0
-    )
+    config = RenderConfig(near=0.0, far=8.0, aabb=UNIT_BOX, step_size=step)
     grid = OccupancyGrid(config.aabb_tensor, resolution=16)
     grid.occupied = _sphere_cells(16)
     grid.density = torch.where(grid.occupied, 1e4, 0.0)
@@ -213,11 +211,11 @@ def test_opaque_sphere_with_conservative_occupancy_grid() -> None:
     assert (depth >= t_hit - 1e-4).all() and (depth <= t_hit + step + 1e-4).all()
 
 
-def test_transmittance_pruning_keeps_surface_behind_partly_filled_cells() -> None:
+def test_updated_grid_keeps_surface_behind_partly_filled_cells() -> None:
     torch.manual_seed(0)
     field = _sphere_field()
     rays, _ = _sphere_rays(32, (0.0, 0.8), seed=4)
-    config = RenderConfig(near=0.0, far=8.0, aabb=UNIT_BOX, step_size=0.004)  # default pruning
+    config = RenderConfig(near=0.0, far=8.0, aabb=UNIT_BOX, step_size=0.004)
     grid = OccupancyGrid(config.aabb_tensor, resolution=16)
     for _ in range(5):
         grid.update(field.density, config.step_size)
@@ -534,7 +532,7 @@ def test_march_returns_exactly_the_steps_in_occupied_cells() -> None:
     rays = _random_rays(40, seed=0)
     t_near, t_far = intersect_aabb(rays, grid.aabb, 0.0, 10.0)
     step = 0.02
-    samples = grid.march(rays, t_near, t_far, step, perturb=False, transmittance_threshold=0.0)
+    samples = grid.march(rays, t_near, t_far, step, perturb=False)
     assert samples.t_mid.numel() > 0
     assert (samples.ray_index.diff() >= 0).all()
     torch.testing.assert_close(samples.deltas, torch.full_like(samples.t_mid, step))
@@ -553,7 +551,7 @@ def test_march_returns_exactly_the_steps_in_occupied_cells() -> None:
         torch.testing.assert_close(got, torch.tensor(expected[r]), atol=1e-5, rtol=0)
 
     torch.manual_seed(0)
-    jittered = grid.march(rays, t_near, t_far, step, perturb=True, transmittance_threshold=0.0)
+    jittered = grid.march(rays, t_near, t_far, step, perturb=True)
     points = (
         rays.origins[jittered.ray_index]
         + jittered.t_mid[:, None] * rays.directions[jittered.ray_index]
@@ -577,37 +575,3 @@ def test_march_through_empty_space_returns_no_samples() -> None:
     # No ray hits the box at all.
     samples = grid.march(rays[2:], t_near[2:], t_far[2:], 0.01, perturb=False)
     assert samples.t_mid.numel() == 0
-
-
-def test_march_transmittance_pruning() -> None:
-    generator = torch.Generator().manual_seed(0)
-    grid = _box_grid()
-    grid.density = torch.where(
-        grid.occupied, 20 + 80 * torch.rand((GRID_RES,) * 3, generator=generator), 0.0
-    )
-    rays = _random_rays(20, seed=1)
-    t_near, t_far = intersect_aabb(rays, grid.aabb, 0.0, 10.0)
-    step = 0.02
-    everything = grid.march(rays, t_near, t_far, step, False, transmittance_threshold=0.0)
-    pruned = grid.march(rays, t_near, t_far, step, False, transmittance_threshold=1e-3)
-    assert pruned.t_mid.numel() < everything.t_mid.numel()
-
-    # Reference: a sample is dropped once the grid's optical depth up to the step `margin`
-    # steps earlier (two cells) exceeds -ln(1e-3).
-    margin = math.ceil(2 * (2.0 / GRID_RES) / step)
-    for r in range(len(rays)):
-        t_all = everything.t_mid[everything.ray_index == r]
-        steps = torch.round((t_all - t_near[r]) / step - 0.5).long().tolist()
-        cells = _cell_of(rays.origins[r] + t_all[:, None] * rays.directions[r])
-        depth_through = {}
-        depth = 0.0
-        for k, cell in zip(steps, cells, strict=True):
-            depth += float(grid.density[tuple(cell)]) * step
-            depth_through[k] = depth
-
-        def opaque_at(k: int, depths: dict[int, float] = depth_through) -> bool:
-            earlier = [d for j, d in depths.items() if j <= k]
-            return bool(earlier) and max(earlier) > -math.log(1e-3)
-
-        kept = [t for t, k in zip(t_all.tolist(), steps, strict=True) if not opaque_at(k - margin)]
-        torch.testing.assert_close(pruned.t_mid[pruned.ray_index == r], torch.tensor(kept))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,17 @@ class Cameras:
             height=self.height,
         )
 
+    def to(self, device: torch.device | str) -> Cameras:
+        """The same cameras with their tensors on `device`."""
+        return replace(
+            self,
+            camera_to_world=self.camera_to_world.to(device),
+            fx=self.fx.to(device),
+            fy=self.fy.to(device),
+            cx=self.cx.to(device),
+            cy=self.cy.to(device),
+        )
+
 
 @dataclass(frozen=True)
 class Scene:
@@ -88,6 +99,15 @@ class Scene:
             aabb=self.aabb,
             near=self.near,
             far=self.far,
+        )
+
+    def to(self, device: torch.device | str) -> Scene:
+        """The same scene with images, masks and cameras on `device`."""
+        return replace(
+            self,
+            images=self.images.to(device),
+            masks=self.masks.to(device),
+            cameras=self.cameras.to(device),
         )
 
 

@@ -219,7 +219,13 @@ class HashGridEncoding(nn.Module):
         tx, ty, tz = terms.unbind(2)  # [N, L, 2] each
         split = self.num_dense_levels
         index = torch.empty(
-            points.shape[0], self.config.num_levels, 2, 2, 2, dtype=torch.int32, device=points.device
+            points.shape[0],
+            self.config.num_levels,
+            2,
+            2,
+            2,
+            dtype=torch.int32,
+            device=points.device,
         )
         dense, hashed = index[:, :split], index[:, split:]
         dense_xy = tx[:, :split, :, None] + ty[:, :split, None, :]

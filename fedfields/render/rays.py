@@ -40,10 +40,13 @@ def pixel_rays(cameras: Cameras, view: Tensor, row: Tensor, column: Tensor) -> R
 
 def image_rays(cameras: Cameras, view: int) -> Rays:
     """All H*W rays of one view in row-major pixel order."""
+    device = cameras.camera_to_world.device
     rows, columns = torch.meshgrid(
-        torch.arange(cameras.height), torch.arange(cameras.width), indexing="ij"
+        torch.arange(cameras.height, device=device),
+        torch.arange(cameras.width, device=device),
+        indexing="ij",
     )
-    views = torch.full((rows.numel(),), view, dtype=torch.int64)
+    views = torch.full((rows.numel(),), view, dtype=torch.int64, device=device)
     return pixel_rays(cameras, views, rows.reshape(-1), columns.reshape(-1))
 
 

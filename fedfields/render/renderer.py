@@ -32,7 +32,6 @@ class RenderConfig:
     num_samples: int = 64  # stratified samples per ray (without an occupancy grid)
     num_importance: int = 0  # hierarchical resamples per ray (0: off)
     step_size: float = 3.0 * 3**0.5 / 256  # marching step with an occupancy grid
-    transmittance_threshold: float = 1e-4  # drop grid samples hidden behind this transmittance
     chunk: int = 8192  # rays per forward pass when rendering images
 
     @property
@@ -46,14 +45,18 @@ def render_rays(
     config: RenderConfig,
     occupancy: OccupancyGrid | None = None,
     perturb: bool = False,
+    background: Tensor | None = None,
 ) -> tuple[RenderOutputs, int]:
-    """Render a batch of rays; returns the outputs and the number of field samples used."""
-    t_near, t_far = intersect_aabb(rays, config.aabb_tensor, config.near, config.far)
-    background = torch.tensor(config.background, dtype=torch.float32)
+    """Render a batch of rays; returns the outputs and the number of field samples used.
+
+    `background` ([3] or per ray [R, 3]) overrides the config's background colour.
+    """
+    device = rays.origins.device
+    t_near, t_far = intersect_aabb(rays, config.aabb_tensor.to(device), config.near, config.far)
+    if background is None:
+        background = torch.tensor(config.background, dtype=torch.float32, device=device)
     if occupancy is not None:
-        samples = occupancy.march(
-            rays, t_near, t_far, config.step_size, perturb, config.transmittance_threshold
-        )
+        samples = occupancy.march(rays, t_near, t_far, config.step_size, perturb)
         directions = rays.directions[samples.ray_index]
         points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
         outputs = field(points, directions)

@@ -47,7 +47,7 @@ def packed_weights(densities: Tensor, deltas: Tensor, ray_index: Tensor, num_ray
     """
     optical_depth = densities * deltas
     cumulative = torch.cumsum(optical_depth.double(), dim=0)
-    ray_total = torch.zeros(num_rays, dtype=torch.float64).index_add_(
+    ray_total = optical_depth.new_zeros(num_rays, dtype=torch.float64).index_add_(
         0, ray_index, optical_depth.double()
     )
     ray_end = torch.cumsum(ray_total, dim=0)
@@ -65,8 +65,8 @@ def composite_packed(
     background: Tensor,
 ) -> RenderOutputs:
     """Accumulate packed samples into their rays, then add the background."""
-    opacity = torch.zeros(num_rays).index_add(0, ray_index, weights)
-    color = torch.zeros(num_rays, 3).index_add(0, ray_index, weights[:, None] * rgb)
-    depth = torch.zeros(num_rays).index_add(0, ray_index, weights * t_mid)
+    opacity = weights.new_zeros(num_rays).index_add(0, ray_index, weights)
+    color = weights.new_zeros(num_rays, 3).index_add(0, ray_index, weights[:, None] * rgb)
+    depth = weights.new_zeros(num_rays).index_add(0, ray_index, weights * t_mid)
     color = color + (1.0 - opacity)[:, None] * background
     return RenderOutputs(rgb=color, depth=depth, opacity=opacity)

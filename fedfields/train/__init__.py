@@ -7,6 +7,7 @@ from fedfields.train.centralised import (
     TrainResult,
     default_setup,
     learning_rate_factor,
+    resolve_device,
     train,
 )
 from fedfields.train.checkpoint import load_checkpoint, save_checkpoint
@@ -22,6 +23,7 @@ __all__ = [
     "evaluate",
     "learning_rate_factor",
     "load_checkpoint",
+    "resolve_device",
     "save_checkpoint",
     "train",
     "write_renders",

@@ -20,7 +20,7 @@ from fedfields.fields import (
     NeRFField,
     NeRFFieldConfig,
 )
-from fedfields.render import OccupancyGrid, RenderConfig, pixel_rays, render_rays
+from fedfields.render import OccupancyGrid, Rays, RenderConfig, pixel_rays, render_rays
 
 ModelName = Literal["hashgrid", "nerf"]
 
@@ -37,6 +37,8 @@ class TrainConfig:
     learning_rate: float = 1e-2
     weight_decay: float = 1e-6  # on MLP weights only, as Instant-NGP
     occupancy_update_every: int = 16
+    random_background: bool = True  # composite targets on random colours where alpha < 1
+    device: str = "auto"  # "auto": CUDA when available (and tinycudann then serves hash grids)
     seed: int = 0
     log_every: int = 25
     progress: bool = True
@@ -137,20 +139,53 @@ def make_optimizer(field: Field, learning_rate: float, weight_decay: float) -> t
     return torch.optim.Adam(groups, lr=learning_rate, betas=(0.9, 0.99), eps=1e-15)
 
 
+@dataclass
+class PixelBatch:
+    """Training pixels: their rays, target colours and the background they assume."""
+
+    rays: Rays
+    colors: Tensor  # [R, 3]
+    background: Tensor  # [3] or [R, 3]
+
+
 class PixelSampler:
-    """Uniformly random training pixels of a scene, with their rays and colours."""
+    """Uniformly random training pixels of a scene, with their rays and colours.
 
-    def __init__(self, scene: Scene) -> None:
-        self.scene = scene
+    With `random_background`, each pixel's transparent part is re-composited on a random
+    colour that the renderer also uses, so the field cannot explain the background with
+    matter (as nerfacc trains the Blender scenes).
+    """
+
+    def __init__(self, scene: Scene, random_background: bool) -> None:
+        self.cameras = scene.cameras
         self.colors = scene.images.reshape(-1, 3)
-        self.pixels_per_view = scene.cameras.height * scene.cameras.width
+        self.transparency = 1.0 - scene.masks.reshape(-1)
+        self.background = self.colors.new_tensor(scene.background)
+        self.random_background = random_background and bool((self.transparency > 0).any())
 
-    def sample(self, count: int) -> tuple[Tensor, Tensor]:
-        flat = torch.randint(0, self.colors.shape[0], (count,))
-        view = flat // self.pixels_per_view
-        within = flat % self.pixels_per_view
-        row, column = within // self.scene.cameras.width, within % self.scene.cameras.width
-        return flat, view, row, column
+    def sample(self, count: int) -> PixelBatch:
+        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
+        pixels_per_view = self.cameras.height * self.cameras.width
+        view, within = flat // pixels_per_view, flat % pixels_per_view
+        row, column = within // self.cameras.width, within % self.cameras.width
+        rays = pixel_rays(self.cameras, view, row, column)
+        if not self.random_background:
+            return PixelBatch(rays, self.colors[flat], self.background)
+        background = torch.rand(count, 3, device=self.colors.device)
+        shift = self.transparency[flat, None] * (background - self.background)
+        return PixelBatch(rays, self.colors[flat] + shift, background)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' means CUDA when a device is present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def field_device(field: Field) -> torch.device:
+    """The device holding a field's parameters (CPU for parameter-free fields)."""
+    return next(field.parameters(), torch.empty(0)).device
 
 
 def adapt_batch_rays(batch_rays: int, num_samples: int, target: int, maximum: int) -> int:
@@ -169,9 +204,13 @@ def train(
 ) -> TrainResult:
     """Fit `field` to the views of `scene` with Adam on the photometric MSE."""
     torch.manual_seed(config.seed)
-    field.train()
+    device = resolve_device(config.device)
+    field.to(device).train()
+    scene = scene.to(device)
+    if occupancy is not None:
+        occupancy.to(device)
     optimizer = make_optimizer(field, config.learning_rate, config.weight_decay)
-    sampler = PixelSampler(scene)
+    sampler = PixelSampler(scene, config.random_background)
     budget_seconds = config.minutes * 60.0 if config.minutes is not None else None
     total = config.steps if config.steps is not None else None
     result = TrainResult(steps=0, rays=0, samples=0, seconds=0.0)
@@ -190,10 +229,16 @@ def train(
             group["lr"] = config.learning_rate * learning_rate_factor(progress)
         if occupancy is not None and result.steps % config.occupancy_update_every == 0:
             occupancy.update(field.density, render_config.step_size)
-        flat, view, row, column = sampler.sample(batch_rays)
-        rays = pixel_rays(scene.cameras, view, row, column)
-        rendered, num_samples = render_rays(field, rays, render_config, occupancy, perturb=True)
-        loss = torch.nn.functional.mse_loss(rendered.rgb, sampler.colors[flat])
+        batch = sampler.sample(batch_rays)
+        rendered, num_samples = render_rays(
+            field, batch.rays, render_config, occupancy, perturb=True, background=batch.background
+        )
+        loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(
+                f"training diverged at step {result.steps}: loss is {loss.item()}; "
+                "try a lower learning rate"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

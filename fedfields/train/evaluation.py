@@ -15,6 +15,7 @@ from fedfields.data.scene import Scene
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
+from fedfields.train.centralised import field_device
 
 
 @dataclass
@@ -40,8 +41,11 @@ def evaluate(
 ) -> Evaluation:
     """Render every view of `scene` and compare with its images (PSNR, SSIM, LPIPS)."""
     field.eval()
+    scene_on_device = scene.to(field_device(field))
+    if occupancy is not None:
+        occupancy.to(field_device(field))
     renders = [
-        render_image(field, scene.cameras, view, render_config, occupancy)
+        _to_cpu(render_image(field, scene_on_device.cameras, view, render_config, occupancy))
         for view in tqdm(range(len(scene)), desc="render", disable=not progress, leave=False)
     ]
     predictions = torch.stack([r.rgb.clamp(0.0, 1.0) for r in renders])
@@ -53,6 +57,12 @@ def evaluate(
         lpips=perceptual,
         per_view_psnr=per_view,
         renders=renders,
+    )
+
+
+def _to_cpu(render: RenderOutputs) -> RenderOutputs:
+    return RenderOutputs(
+        rgb=render.rgb.cpu(), depth=render.depth.cpu(), opacity=render.opacity.cpu()
     )
 
 
