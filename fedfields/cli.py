@@ -75,6 +75,8 @@ def split_views(scene: Scene, holdout: int) -> tuple[Scene, Scene]:
     if holdout == 0:
         return scene, scene
     train_ids, heldout_ids = holdout_indices(len(scene), holdout)
+    if not train_ids:
+        raise ValueError(f"--holdout {holdout} holds out every view; use 0 or at least 2")
     return scene.subset(train_ids), scene.subset(heldout_ids)
 
 

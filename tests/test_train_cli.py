@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,11 @@ from PIL import Image
 
 from fedfields.cli import main
 from fedfields.data import holdout_indices, load_scene
+from fedfields.fields import Field, FieldOutputs
 from fedfields.metrics import psnr
 from fedfields.render import render_image
 from fedfields.train import (
+    PixelSampler,
     TrainConfig,
     default_setup,
     evaluate,
@@ -149,5 +152,50 @@ def test_cli_reports_bad_input_without_writing(tmp_path, capsys):
     assert main(["train", "--scene", str(tmp_path), "--steps", "1", "--out", str(out)]) == 2
     assert "transforms" in capsys.readouterr().err
     assert not out.exists()
+    assert (
+        main(["train", "--scene", str(LEGO), "--steps", "1", "--holdout", "1", "--out", str(out)])
+        == 2
+    )
+    assert "holds out every view" in capsys.readouterr().err
+    assert not out.exists()
     with pytest.raises(SystemExit):
         main(["train", "--scene", str(LEGO), "--steps", "1", "--minutes", "1", "--out", str(out)])
+
+
+def test_random_background_targets_match_the_images_composited_on_that_colour():
+    on_white = load_scene(LEGO, downscale=8, background=(1.0, 1.0, 1.0))
+    on_black = load_scene(LEGO, downscale=8, background=(0.0, 0.0, 0.0))
+    torch.manual_seed(3)
+    batch = PixelSampler(on_white, random_background=True).sample(512)
+    torch.manual_seed(3)
+    flat = torch.randint(0, on_black.images[..., 0].numel(), (512,))
+    alpha = on_black.masks.reshape(-1)[flat, None]
+    expected = on_black.images.reshape(-1, 3)[flat] + (1.0 - alpha) * batch.background
+    assert batch.background.shape == (512, 3)
+    assert torch.allclose(batch.colors, expected, atol=1e-5)
+    assert ((alpha > 0) & (alpha < 1)).any()  # the check covers partly transparent pixels
+    fixed = PixelSampler(on_white, random_background=False).sample(8)
+    assert torch.equal(fixed.background, torch.ones(3))
+
+
+class _NaNField(Field):
+    """A field whose density is NaN everywhere: training must stop with a clear error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def density(self, points):
+        return self.scale * torch.full_like(points[:, 0], float("nan"))
+
+    def forward(self, points, directions):
+        return FieldOutputs(self.density(points), torch.sigmoid(points) * self.scale)
+
+
+def test_training_stops_on_a_non_finite_loss(tiny_lego):
+    train_scene, _ = tiny_lego
+    setup = default_setup("nerf", train_scene)
+    config = setup.train_config(steps=3, progress=False, batch_rays=16)
+    render_config = replace(setup.render_config, num_samples=4, num_importance=0)
+    with pytest.raises(FloatingPointError, match="diverged at step 0"):
+        train(_NaNField(), train_scene, config, render_config)

@@ -54,7 +54,7 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What a run did: steps, rays and field samples processed, seconds, last losses."""
+    """What a run did: steps, rays and field samples processed, seconds, training curve."""
 
     steps: int
     rays: int

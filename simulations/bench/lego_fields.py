@@ -63,9 +63,10 @@ def main() -> None:
         f"{len(train_ids)} training / {len(test_ids)} held-out views at "
         f"{scene.cameras.width}x{scene.cameras.height}, {args.minutes} min per model"
     )
-    rows = [run_model(m, args.minutes, train_scene, test_scene, peak) for m in args.models]
-    for row in rows:
-        print(json.dumps(row))
+    rows = []
+    for model in args.models:
+        rows.append(run_model(model, args.minutes, train_scene, test_scene, peak))
+        print(json.dumps(rows[-1]), flush=True)
     if len(rows) == 2:
         ratio = rows[1]["rays_per_second"] / max(rows[0]["rays_per_second"], 1)
         print(f"{rows[1]['model']} / {rows[0]['model']} rays per second: {ratio:.1f}x")
