@@ -212,9 +212,15 @@ def train(
     optimizer = make_optimizer(field, config.learning_rate, config.weight_decay)
     sampler = PixelSampler(scene, config.random_background)
     budget_seconds = config.minutes * 60.0 if config.minutes is not None else None
-    total = config.steps if config.steps is not None else None
     result = TrainResult(steps=0, rays=0, samples=0, seconds=0.0)
-    bar = tqdm(total=total, desc="train", disable=not config.progress, unit="step", mininterval=1.0)
+    # The bar counts steps for a step budget and seconds for a time budget.
+    bar = tqdm(
+        total=config.steps if budget_seconds is None else round(budget_seconds),
+        unit="step" if budget_seconds is None else "s",
+        desc="train",
+        disable=not config.progress,
+        mininterval=1.0,
+    )
     batch_rays = config.batch_rays
     start = time.perf_counter()
     while True:
@@ -222,7 +228,7 @@ def train(
         if budget_seconds is not None:
             progress = elapsed / budget_seconds
         else:
-            progress = result.steps / total
+            progress = result.steps / config.steps
         if progress >= 1.0:
             break
         for group in optimizer.param_groups:
@@ -245,11 +251,8 @@ def train(
         result.steps += 1
         result.rays += batch_rays
         result.samples += num_samples
-        if config.target_samples is not None:
-            batch_rays = adapt_batch_rays(
-                batch_rays, num_samples, config.target_samples, config.max_batch_rays
-            )
-        bar.update(1)
+        ticks = result.steps if budget_seconds is None else int(time.perf_counter() - start)
+        bar.update(min(ticks, bar.total) - bar.n)
         if result.steps % config.log_every == 0:
             record = {
                 "step": result.steps,
@@ -260,7 +263,15 @@ def train(
                 "batch_rays": batch_rays,
             }
             result.history.append(record)
-            bar.set_postfix(psnr=f"{record['psnr']:.2f}", spr=f"{record['samples_per_ray']:.1f}")
+            bar.set_postfix(
+                step=result.steps,
+                psnr=f"{record['psnr']:.2f}",
+                spr=f"{record['samples_per_ray']:.1f}",
+            )
+        if config.target_samples is not None:
+            batch_rays = adapt_batch_rays(
+                batch_rays, num_samples, config.target_samples, config.max_batch_rays
+            )
     result.seconds = time.perf_counter() - start
     bar.close()
     return result
