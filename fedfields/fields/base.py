@@ -36,6 +36,11 @@ class Field(nn.Module, ABC):
         """Everything needed to rebuild this field with `fedfields.fields.build_field`."""
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        """The device holding the field's parameters (CPU for parameter-free fields)."""
+        return next(self.parameters(), torch.empty(0)).device
+
 
 class _TruncExp(torch.autograd.Function):
     """exp with its gradient clamped at exp(15): Instant-NGP's stable density activation."""

@@ -183,11 +183,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def field_device(field: Field) -> torch.device:
-    """The device holding a field's parameters (CPU for parameter-free fields)."""
-    return next(field.parameters(), torch.empty(0)).device
-
-
 def adapt_batch_rays(batch_rays: int, num_samples: int, target: int, maximum: int) -> int:
     """Next batch size so a step holds about `target` field samples (nerfacc's dynamic batch)."""
     proposed = batch_rays * target / max(num_samples, 1)

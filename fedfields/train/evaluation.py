@@ -15,7 +15,6 @@ from fedfields.data.scene import Scene
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
-from fedfields.train.centralised import field_device
 
 
 @dataclass
@@ -41,9 +40,9 @@ def evaluate(
 ) -> Evaluation:
     """Render every view of `scene` and compare with its images (PSNR, SSIM, LPIPS)."""
     field.eval()
-    scene_on_device = scene.to(field_device(field))
+    scene_on_device = scene.to(field.device)
     if occupancy is not None:
-        occupancy.to(field_device(field))
+        occupancy.to(field.device)
     renders = [
         _to_cpu(render_image(field, scene_on_device.cameras, view, render_config, occupancy))
         for view in tqdm(range(len(scene)), desc="render", disable=not progress, leave=False)
