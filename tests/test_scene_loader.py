@@ -180,6 +180,20 @@ def test_split_selection(tmp_path: Path) -> None:
         load_scene(tmp_path, split="val")
 
 
+def test_split_tags_in_one_transforms_json(tmp_path: Path) -> None:
+    meta = _write_scene(tmp_path, num_frames=4)
+    for frame, tag in zip(meta["frames"], ["support", "query", "support", "query"], strict=True):
+        frame["split"] = tag
+    _write_json(tmp_path / "transforms.json", meta)
+    assert len(load_scene(tmp_path)) == 4
+    assert [p.name for p in load_scene(tmp_path, split="support").image_paths] == [
+        "r_0.png",
+        "r_2.png",
+    ]
+    with pytest.raises(SceneError, match=r"transforms\.json.*no frame.*'test'"):
+        load_scene(tmp_path, split="test")
+
+
 def test_split_files_take_precedence_order_train_val_test(tmp_path: Path) -> None:
     _write_scene(tmp_path, num_frames=1, json_name="transforms_test.json", first=2)
     _write_scene(tmp_path, num_frames=1, json_name="transforms_val.json", first=1)

@@ -120,6 +120,7 @@ class _Frame:
     image_path: Path
     camera_to_world: np.ndarray  # [4, 4] float64
     camera: dict[str, float]  # intrinsic keys, per-frame values overriding top-level ones
+    split: str | None  # the frame's own "split" tag, if any
 
 
 def load_scene(
@@ -131,7 +132,9 @@ def load_scene(
     """Load a scene directory holding `transforms.json` or `transforms_{train,val,test}.json`.
 
     split=None loads every file present (train, val, test order); a split name loads only
-    that file. `downscale` F resizes to round(W/F) x round(H/F) by box (area) averaging.
+    that file, or, in a single transforms.json, only the frames whose "split" tag equals it
+    (how object collections mark support and query views). `downscale` F resizes to
+    round(W/F) x round(H/F) by box (area) averaging.
     Top-level "aabb" (default +-1.5 cube) and "near"/"far" (default 2 and 6) give the
     bounds; the defaults are those of the NeRF-synthetic scenes.
     """
@@ -145,6 +148,10 @@ def load_scene(
     frames = [
         frame for path, meta in zip(json_paths, metas, strict=True) for frame in _frames(path, meta)
     ]
+    if split is not None and json_paths[0].name == "transforms.json":
+        frames = [frame for frame in frames if frame.split == split]
+        if not frames:
+            raise SceneError(f'{json_paths[0]}: no frame has "split": {split!r}')
     width, height = _common_image_size(frames)
     intrinsics = np.array([_intrinsics(frame, width, height) for frame in frames])
     new_width, new_height = round(width / downscale), round(height / downscale)
@@ -203,9 +210,11 @@ def _scene_files(scene_dir: Path, split: str | None) -> list[Path]:
     """The transforms files to read, in train, val, test order."""
     if split is not None:
         path = scene_dir / f"transforms_{split}.json"
-        if not path.is_file():
-            raise SceneError(f"{path}: split file for split {split!r} not found")
-        return [path]
+        if path.is_file():
+            return [path]
+        if (scene_dir / "transforms.json").is_file():
+            return [scene_dir / "transforms.json"]
+        raise SceneError(f"{path}: split file for split {split!r} not found")
     split_paths = [scene_dir / f"transforms_{name}.json" for name in SPLITS]
     present = [path for path in split_paths if path.is_file()]
     if present:
@@ -249,6 +258,7 @@ def _frames(json_path: Path, meta: dict[str, Any]) -> list[_Frame]:
                 image_path=_image_path(json_path, label, entry["file_path"]),
                 camera_to_world=_matrix(json_path, label, entry["transform_matrix"]),
                 camera=top_camera | _camera_values(json_path, label, entry),
+                split=entry.get("split"),
             )
         )
     return frames

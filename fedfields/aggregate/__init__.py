@@ -1,0 +1,43 @@
+"""Pure aggregation maths over state dicts: FedAvg, FedProx, Scaffold, DecentNeRF, costs."""
+
+from __future__ import annotations
+
+from fedfields.aggregate.accounting import (
+    STRATEGIES,
+    RoundCost,
+    centralised_cost,
+    round_cost,
+    secagg_reconstruction_flops,
+)
+from fedfields.aggregate.decentnerf import (
+    ALPHA_KEY,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+)
+from fedfields.aggregate.fedavg import weighted_mean
+from fedfields.aggregate.fedprox import proximal_term
+from fedfields.aggregate.scaffold import (
+    scaffold_client_control_update,
+    scaffold_corrected_gradient,
+    scaffold_server_update,
+)
+from fedfields.aggregate.states import state_sum
+
+__all__ = [
+    "ALPHA_KEY",
+    "STRATEGIES",
+    "RoundCost",
+    "alpha_update",
+    "alpha_weighted_payload",
+    "centralised_cost",
+    "decentnerf_aggregate",
+    "proximal_term",
+    "round_cost",
+    "scaffold_client_control_update",
+    "scaffold_corrected_gradient",
+    "scaffold_server_update",
+    "secagg_reconstruction_flops",
+    "state_sum",
+    "weighted_mean",
+]

@@ -1,0 +1,77 @@
+"""DecentNeRF learned federation (Eqs. 1-2 and Algorithm 1 of the DecentNeRF paper).
+
+Round m, client k: receive G = sum_j dL_j/dg at the aggregate g^(m-1) (securely summed),
+update its own weight alpha_k <- alpha_k - eta <G, g_k^(m-1)>, train, and upload the
+payload alpha_k g_k^(m) together with alpha_k under the reserved key `ALPHA_KEY`. The
+server sees only the sum of payloads and returns g^(m) = sum alpha_k g_k / sum alpha_k;
+dividing by the summed alpha (our addition) keeps the aggregate's scale whatever alphas do.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from fedfields.aggregate.states import State, check_scalar, check_states, like
+
+ALPHA_KEY = "__alpha__"
+"""Payload entry holding alpha_k as a 1-element tensor (shape (1,)) of the state's dtype."""
+
+
+def alpha_update(
+    alpha: float, gradient_sum: State, previous_local_state: State, learning_rate: float
+) -> float:
+    """alpha_k - eta * <G, g_k^(m-1)> (Eqs. 1-2; Algorithm 1, line 12), the dot in float64.
+
+    `gradient_sum` is G = sum_j dL_j/dg at g^(m-1); both dicts hold the federated keys only.
+    """
+    alpha = check_scalar(alpha, "alpha", positive=False)
+    learning_rate = check_scalar(learning_rate, "learning_rate", positive=False)
+    if learning_rate < 0:
+        raise ValueError(f"learning_rate must be >= 0 (0 freezes alpha), got {learning_rate}")
+    check_states(
+        [gradient_sum, previous_local_state], names=["gradient_sum", "previous_local_state"]
+    )
+    inner = sum(
+        float((gradient_sum[key].double() * previous_local_state[key].double()).sum())
+        for key in gradient_sum
+    )
+    return check_scalar(alpha - learning_rate * inner, "updated alpha", positive=False)
+
+
+def alpha_weighted_payload(local_state: State, alpha: float) -> dict[str, Tensor]:
+    """alpha_k * g_k^(m) key-wise plus alpha_k under `ALPHA_KEY` (Algorithm 1, line 15)."""
+    alpha = check_scalar(alpha, "alpha", positive=False)
+    check_states([local_state], names=["local_state"])
+    if ALPHA_KEY in local_state:
+        raise ValueError(f"local_state uses the reserved key {ALPHA_KEY!r}")
+    for key, tensor in local_state.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"local_state, key {key!r}: {tensor.dtype} is not a float dtype")
+    payload = {key: like(g.detach().double() * alpha, g) for key, g in local_state.items()}
+    reference = next(iter(local_state.values()))
+    payload[ALPHA_KEY] = reference.new_full((1,), alpha)
+    return payload
+
+
+def decentnerf_aggregate(summed_payload: State) -> dict[str, Tensor]:
+    """g^(m) = sum_k alpha_k g_k / sum_k alpha_k from the summed payload (Algorithm 1, line 18).
+
+    Reads only sums, so no client's alpha is seen; the summed alpha must be positive.
+    """
+    if ALPHA_KEY not in summed_payload:
+        raise ValueError(f"summed_payload lacks the summed alpha under {ALPHA_KEY!r}")
+    check_states([summed_payload], names=["summed_payload"])
+    alpha_entry = summed_payload[ALPHA_KEY]
+    if alpha_entry.numel() != 1:
+        raise ValueError(f"{ALPHA_KEY!r} must hold one value, got shape {tuple(alpha_entry.shape)}")
+    alpha_sum = float(alpha_entry.double().reshape(()))
+    if not alpha_sum > 0:
+        raise ValueError(
+            f"sum of client alphas is {alpha_sum}; it must be positive to normalise the "
+            "aggregate (lower the alpha learning rate or re-initialise the alphas)"
+        )
+    return {
+        key: like(total.double() / alpha_sum, total)
+        for key, total in summed_payload.items()
+        if key != ALPHA_KEY
+    }

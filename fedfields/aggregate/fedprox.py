@@ -1,0 +1,47 @@
+"""FedProx (Li et al. 2020, Eq. 2): the proximal term mu/2 ||w - w_g||^2 added to a local loss."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+Parameters = Iterable[Tensor] | Mapping[str, Tensor]
+
+
+def _aligned(local: Parameters, remote: Parameters) -> list[tuple[str, Tensor, Tensor]]:
+    """(name, w, w_g) triples from two dicts with the same keys or two aligned iterables."""
+    if isinstance(local, Mapping) and isinstance(remote, Mapping):
+        if local.keys() != remote.keys():
+            raise ValueError(f"keys differ: local {list(local)}, global {list(remote)}")
+        return [(repr(key), local[key], remote[key]) for key in local]
+    if isinstance(local, Mapping) or isinstance(remote, Mapping):
+        raise ValueError("pass both parameter sets as dicts or both as iterables")
+    local, remote = list(local), list(remote)
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local parameters but {len(remote)} global ones")
+    return [(str(i), w, g) for i, (w, g) in enumerate(zip(local, remote, strict=True))]
+
+
+def proximal_term(parameters: Parameters, global_parameters: Parameters, mu: float) -> Tensor:
+    """mu/2 * sum ||w - w_g||^2 as a 0-d tensor, differentiable in w (w_g is detached).
+
+    Pass two aligned iterables (e.g. `module.parameters()`) or two dicts with the same keys;
+    squares are summed in float64 and the result has the first parameter's dtype.
+    """
+    mu = float(mu)
+    if not (math.isfinite(mu) and mu >= 0):
+        raise ValueError(f"mu must be non-negative and finite, got {mu}")
+    triples = _aligned(parameters, global_parameters)
+    if not triples:
+        raise ValueError("no parameters given")
+    squared = []
+    for name, w, g in triples:
+        if w.shape != g.shape:
+            raise ValueError(
+                f"parameter {name}: local shape {tuple(w.shape)} != global {tuple(g.shape)}"
+            )
+        squared.append((w - g.detach().to(w.dtype)).pow(2).sum(dtype=torch.float64))
+    return (0.5 * mu * torch.stack(squared).sum()).to(triples[0][1].dtype)

@@ -1,0 +1,126 @@
+"""Scaffold (Karimireddy et al. 2020, Algorithm 1 with option II control variates).
+
+Client i runs K local steps y <- y - lr (g_i(y) - c_i + c) from the global model x, then
+c_i+ = c_i - c + (x - y_i) / (K lr) and uploads (y_i - x, c_i+ - c_i). The server applies
+x <- x + lr_g mean(delta y) and c <- c + |S|/N mean(delta c) over the sampled set S.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import overload
+
+from torch import Tensor
+
+from fedfields.aggregate.states import State, check_scalar, check_states, like
+
+
+@overload
+def scaffold_corrected_gradient(
+    grad: Tensor, server_control: Tensor, client_control: Tensor
+) -> Tensor: ...
+@overload
+def scaffold_corrected_gradient(
+    grad: State, server_control: State, client_control: State
+) -> dict[str, Tensor]: ...
+def scaffold_corrected_gradient(
+    grad: Tensor | State, server_control: Tensor | State, client_control: Tensor | State
+) -> Tensor | dict[str, Tensor]:
+    """g - c_i + c (Algorithm 1, local step), for one tensor or key-wise for dicts.
+
+    Runs every local step, so it checks keys and shapes but not finiteness (no device sync).
+    """
+    if isinstance(grad, Tensor):
+        if not (isinstance(server_control, Tensor) and isinstance(client_control, Tensor)):
+            raise ValueError("grad is a tensor, so both controls must be tensors too")
+        if not grad.shape == server_control.shape == client_control.shape:
+            raise ValueError(
+                f"shapes differ: grad {tuple(grad.shape)}, server control "
+                f"{tuple(server_control.shape)}, client control {tuple(client_control.shape)}"
+            )
+        return grad - client_control.to(grad.dtype) + server_control.to(grad.dtype)
+    for name, control in (("server_control", server_control), ("client_control", client_control)):
+        if not isinstance(control, Mapping):
+            raise ValueError(f"grad is a dict, so {name} must be a dict too")
+        if control.keys() != grad.keys():
+            raise ValueError(f"{name}: keys {list(control)} differ from grad's {list(grad)}")
+    return {
+        key: scaffold_corrected_gradient(g, server_control[key], client_control[key])
+        for key, g in grad.items()
+    }
+
+
+def scaffold_client_control_update(
+    client_control: State,
+    server_control: State,
+    global_state: State,
+    local_state: State,
+    local_steps: int,
+    learning_rate: float,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Control variate c_i+ = c_i - c + (x - y_i) / (K lr) (Algorithm 1, option II).
+
+    Returns (c_i+, delta c_i = c_i+ - c_i), both in `client_control`'s dtypes.
+    """
+    check_states(
+        [client_control, server_control, global_state, local_state],
+        names=["client_control", "server_control", "global_state", "local_state"],
+    )
+    if int(local_steps) != local_steps or local_steps < 1:
+        raise ValueError(f"local_steps must be a positive integer, got {local_steps}")
+    step = check_scalar(learning_rate, "learning_rate") * int(local_steps)
+    new_control, control_delta = {}, {}
+    for key, c_i in client_control.items():
+        c_i64 = c_i.detach().double()
+        drift = (global_state[key].detach().double() - local_state[key].detach().double()) / step
+        updated = c_i64 - server_control[key].detach().double() + drift
+        new_control[key] = like(updated, c_i)
+        control_delta[key] = like(updated - c_i64, c_i)
+    return new_control, control_delta
+
+
+def scaffold_server_update(
+    global_state: State,
+    model_deltas: Sequence[State],
+    control_deltas: Sequence[State],
+    server_control: State,
+    num_clients_total: int,
+    global_lr: float = 1.0,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """x <- x + lr_g mean(y_i - x), c <- c + |S|/N mean(delta c_i) (Algorithm 1).
+
+    Returns (new global state, new server control) in the input dtypes.
+    """
+    if len(model_deltas) != len(control_deltas):
+        raise ValueError(
+            f"{len(model_deltas)} model deltas but {len(control_deltas)} control deltas"
+        )
+    sampled = len(model_deltas)
+    if sampled == 0:
+        raise ValueError("no client deltas given")
+    check_states([global_state, *model_deltas], names=["global_state"] + _clients(sampled))
+    check_states([server_control, *control_deltas], names=["server_control"] + _clients(sampled))
+    if int(num_clients_total) != num_clients_total or num_clients_total < sampled:
+        raise ValueError(
+            f"num_clients_total must be an integer >= the {sampled} sampled clients, "
+            f"got {num_clients_total}"
+        )
+    global_lr = check_scalar(global_lr, "global_lr")
+    new_global = {
+        key: like(x.detach().double() + global_lr * _mean(model_deltas, key), x)
+        for key, x in global_state.items()
+    }
+    fraction = sampled / num_clients_total
+    new_control = {
+        key: like(c.detach().double() + fraction * _mean(control_deltas, key), c)
+        for key, c in server_control.items()
+    }
+    return new_global, new_control
+
+
+def _clients(count: int) -> list[str]:
+    return [f"client {i}" for i in range(count)]
+
+
+def _mean(states: Sequence[State], key: str) -> Tensor:
+    return sum(state[key].detach().double() for state in states) / len(states)
