@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -241,6 +242,7 @@ def run_objects(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `fedfields` command; errors in inputs exit with status 2."""
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = lambda message, *_args, **_kw: f"fedfields: warning: {message}\n"
     commands = {"train": run_train, "eval": run_eval, "crowd": run_crowd, "objects": run_objects}
     name = args.command if args.command != "data" else args.data_command
     try:

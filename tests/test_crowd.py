@@ -243,3 +243,14 @@ def test_cli_writes_user_datasets_and_contact_sheet(tmp_path: Path) -> None:
     ]
     for user in range(4):
         assert len(load_scene(out / f"user_{user:02d}")) == 5
+
+
+def test_yaw_sectors_keep_the_best_spot_and_leave_unseeable_views_clean(lego_black) -> None:
+    config = CrowdConfig(users=16, views_per_user=5, partition="yaw", seed=0, max_tries=300)
+    with pytest.warns(UserWarning, match="person is missing from views"):
+        crowd = build_crowd(lego_black, config, progress=False)
+    for user in crowd.users:
+        empty = [int(mask.sum()) == 0 for mask in user.masks]
+        assert not all(empty), f"user {user.user} shows its person nowhere"
+        for position in [i for i, is_empty in enumerate(empty) if is_empty]:
+            assert torch.equal(user.rgba[position], user.clean_rgba[position])

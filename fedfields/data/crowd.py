@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from PIL import Image, ImageDraw
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fedfields.data.figures import person, place
+from fedfields.data.figures import TORSO_SPAN, person, place
 from fedfields.data.partition import (
     Partition,
     direction_clusters,
@@ -36,7 +37,7 @@ from fedfields.render.rays import image_rays
 
 PARTITIONS = ("directions", "yaw", "random")
 CROWD_FORMAT = "fedfields-crowd-1"
-ANCHOR_HEIGHT = 0.55  # the anchor's height above the feet, as a fraction of the person's
+ANCHOR_HEIGHT = sum(TORSO_SPAN) / 2  # inside every torso, as a fraction of the height
 
 
 class CrowdError(ValueError):
@@ -96,7 +97,7 @@ class PersonSpec:
     def anchor(self) -> tuple[float, float, float]:
         """The point inside the person's torso on its vertical axis: where it 'is' in 3D.
 
-        `figures.person` puts hips below 0.5 and shoulders above 0.6 of its height.
+        `figures.TORSO_SPAN` guarantees the torso covers this height in every draw.
         """
         return (self.feet[0], self.feet[1], self.feet[2] + ANCHOR_HEIGHT * self.height)
 
@@ -222,13 +223,18 @@ def build_crowd(scene: Scene, config: CrowdConfig, progress: bool = True) -> Cro
     users = []
     for user, views in enumerate(tqdm(partition.groups, desc="persons", disable=not progress)):
         views = tuple(int(v) for v in views)
-        spec = _place_person(scene, views, sphere, config, rng, f"user {user}")
+        spec, shown = _place_person(scene, views, sphere, config, rng, f"user {user}")
         masks, rgba = _composite(scene, clean[list(views)], views, spec.build())
+        hidden = torch.tensor([not ok for ok in shown])
+        masks[hidden] = False
+        rgba[hidden] = clean[[view for view, ok in zip(views, shown, strict=True) if not ok]]
         transients: list[PersonSpec | None] = []
         for position, view in enumerate(views):
             passer_by = None
             if rng.random() < config.transient_probability:
-                passer_by = _place_person(scene, (view,), sphere, config, rng, f"view {view}")
+                passer_by, _ = _place_person(
+                    scene, (view,), sphere, config, rng, f"passer-by in view {view}"
+                )
                 extra_mask, extra_rgba = _composite(
                     scene, rgba[position : position + 1], (view,), passer_by.build()
                 )
@@ -248,10 +254,13 @@ def _place_person(
     config: CrowdConfig,
     rng: np.random.Generator,
     who: str,
-) -> PersonSpec:
-    """A random person at a spot that every one of `views` sees whole and in front of the scene.
+) -> tuple[PersonSpec, tuple[bool, ...]]:
+    """A random person at a spot that `views` see in front of the scene; which views show it.
 
-    Cheap projection tests reject most candidates before any ray is cast.
+    The first spot valid in every view wins. When `max_tries` random spots find none (views
+    from directions too far apart, as yaw sectors of an upper-hemisphere capture give), the
+    spot valid in the most views is kept with a warning; views that cannot show the person
+    physically (behind the scene or out of frame) stay clean. Cheap projections come first.
     """
     cameras = scene.cameras
     centre = torch.tensor(sphere.centre, dtype=torch.float64)
@@ -266,6 +275,7 @@ def _place_person(
         raise CrowdError(f"{who}: cameras sit too close to the scene to fit a person")
     area_scale = cameras.width * cameras.height / 10_000
     min_pixels = max(1, round(config.min_person_pixels * area_scale))
+    best: tuple[PersonSpec, tuple[bool, ...]] | None = None
     for _ in range(config.max_tries):
         direction = towards_users + torch.from_numpy(rng.normal(scale=0.45, size=3))
         distance = inner + (outer - inner) * rng.random() ** 2
@@ -273,45 +283,53 @@ def _place_person(
         spec = PersonSpec(
             seed=int(rng.integers(2**31)),
             height=height,
-            feet=_triple(
-                anchor - torch.tensor([0.0, 0.0, ANCHOR_HEIGHT * height], dtype=torch.float64)
-            ),
+            feet=_triple(anchor - torch.tensor([0.0, 0.0, ANCHOR_HEIGHT * height])),
             yaw=float(math.atan2(towards_users[1], towards_users[0]) + rng.uniform(-0.6, 0.6)),
         )
-        if not _fits_in_views(cameras, views, anchor, reach, config.margin):
+        fits = [_fits_in_view(cameras, view, anchor, reach, config.margin) for view in views]
+        if sum(fits) <= (0 if best is None else sum(best[1])):
             continue
         figure = spec.build()
         figure_centre, figure_radius = figure.bounding_sphere()
         if float((figure_centre.double() - centre).norm()) <= sphere.radius + figure_radius:
             continue
-        if _valid_in_views(scene, views, figure, sphere, min_pixels):
-            return spec
-    raise CrowdError(
+        shown = tuple(
+            fit and valid
+            for fit, valid in zip(
+                fits, _valid_in_views(scene, views, figure, sphere, min_pixels), strict=True
+            )
+        )
+        if all(shown):
+            return spec, shown
+        if sum(shown) > (0 if best is None else sum(best[1])):
+            best = (spec, shown)
+    if best is None:
+        raise CrowdError(f"{who}: no spot for a person in any of its views {list(views)}")
+    missing = [view for view, ok in zip(views, best[1], strict=True) if not ok]
+    warnings.warn(
         f"{who}: no spot outside the scene's bounding sphere (radius {sphere.radius:.2f}) is "
-        f"visible in all of its views {list(views)} after {config.max_tries} tries; its views "
-        "look from directions too far apart (try --partition directions or fewer views per user)"
+        f"visible in all of its views after {config.max_tries} tries; its person is missing "
+        f"from views {missing} (views from directions too far apart; --partition directions "
+        "avoids this)",
+        stacklevel=2,
     )
+    return best
 
 
-def _fits_in_views(
-    cameras: Cameras, views: tuple[int, ...], anchor: Tensor, reach: float, margin: float
-) -> bool:
-    """Whether `anchor` projects into every view at least `margin` (a fraction) from its edges.
+def _fits_in_view(cameras: Cameras, view: int, anchor: Tensor, reach: float, margin: float) -> bool:
+    """Whether `anchor` projects into the view at least `margin` (a fraction) from its edges.
 
     The figure may be cut by an edge, as people at the border of a photo are; the camera must
     stay more than `reach` away so that no part of the person is behind it.
     """
-    for view in views:
-        pixels, depth = project(cameras, view, anchor[None])
-        if float(depth[0]) <= 2.0 * reach:
-            return False
-        x, y = float(pixels[0, 0]), float(pixels[0, 1])
-        border_x, border_y = margin * cameras.width, margin * cameras.height
-        if not (border_x <= x <= cameras.width - border_x):
-            return False
-        if not (border_y <= y <= cameras.height - border_y):
-            return False
-    return True
+    pixels, depth = project(cameras, view, anchor[None])
+    x, y = float(pixels[0, 0]), float(pixels[0, 1])
+    border_x, border_y = margin * cameras.width, margin * cameras.height
+    return (
+        float(depth[0]) > 2.0 * reach
+        and border_x <= x <= cameras.width - border_x
+        and border_y <= y <= cameras.height - border_y
+    )
 
 
 def _valid_in_views(
@@ -320,24 +338,25 @@ def _valid_in_views(
     figure: SurfaceObject,
     sphere: BoundingSphere,
     min_pixels: int,
-) -> bool:
-    """Whether the figure shows enough pixels in every view and is nearer than the scene in each.
+) -> list[bool]:
+    """Per view, whether the figure shows enough pixels and is nearer than the scene there.
 
     A pixel where the scene has any alpha may only show the person if the person is hit before
     the ray enters the bounding sphere; where the scene's alpha is zero nothing is occluded.
     """
     rendered = render_surfaces([figure], scene.cameras, views=list(views))
+    valid = []
     for position, view in enumerate(views):
-        hit = torch.isfinite(rendered.depth[position]).reshape(-1)
-        if int(hit.sum()) < min_pixels:
-            return False
+        depth = rendered.depth[position].reshape(-1)
+        hit = torch.isfinite(depth)
         covered = hit & (scene.masks[view].reshape(-1) > 0)
+        in_front = True
         if bool(covered.any()):
             rays = image_rays(scene.cameras, view)[covered]
             entry = _sphere_entry(rays.origins.double(), rays.directions.double(), sphere)
-            if bool((rendered.depth[position].reshape(-1)[covered].double() >= entry).any()):
-                return False
-    return True
+            in_front = bool((depth[covered].double() < entry).all())
+        valid.append(int(hit.sum()) >= min_pixels and in_front)
+    return valid
 
 
 def _sphere_entry(origins: Tensor, directions: Tensor, sphere: BoundingSphere) -> Tensor:
