@@ -236,6 +236,7 @@ def test_cli_writes_user_datasets_and_contact_sheet(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [
         "contact_sheet.png",
         "crowd.json",
+        "heldout",  # the 60 views no user holds
         "user_00",
         "user_01",
         "user_02",
@@ -254,3 +255,17 @@ def test_yaw_sectors_keep_the_best_spot_and_leave_unseeable_views_clean(lego_bla
         assert not all(empty), f"user {user.user} shows its person nowhere"
         for position in [i for i, is_empty in enumerate(empty) if is_empty]:
             assert torch.equal(user.rgba[position], user.clean_rgba[position])
+
+
+def test_views_no_user_holds_are_written_clean_for_evaluation(lego_black, tmp_path: Path) -> None:
+    crowd = build_crowd(lego_black, CrowdConfig(users=16, views_per_user=4), progress=False)
+    write_crowd(crowd, tmp_path / "c")
+    heldout = sorted(json.loads((tmp_path / "c" / "crowd.json").read_text())["heldout_views"])
+    used = {view for user in crowd.users for view in user.views}
+    assert len(heldout) == 16 and used.isdisjoint(heldout) and len(used) == 64
+    scene = load_scene(tmp_path / "c" / "heldout")
+    white = load_scene(LEGO, downscale=DOWNSCALE)  # the source views composited on white
+    torch.testing.assert_close(scene.images, white.images[heldout], atol=2.5 / 255, rtol=0)
+    torch.testing.assert_close(
+        scene.cameras.camera_to_world, white.cameras.camera_to_world[heldout]
+    )

@@ -416,6 +416,8 @@ def write_crowd(crowd: Crowd, out: Path, source: dict[str, Any] | None = None) -
     cameras = crowd.cameras
     for user in crowd.users:
         _write_user(staging / f"user_{user.user:02d}", user, crowd, source or {})
+    if crowd.partition.left_out:
+        _write_heldout(staging / "heldout", crowd)
     summary = {
         "format": CROWD_FORMAT,
         "source": source or {},
@@ -423,6 +425,7 @@ def write_crowd(crowd: Crowd, out: Path, source: dict[str, Any] | None = None) -
         "image_size": [cameras.width, cameras.height],
         "bounding_sphere": asdict(crowd.sphere),
         "partition": {"method": crowd.partition.method, **crowd.partition.stats()},
+        "heldout_views": list(crowd.partition.left_out),
         "persons": [
             {
                 "user": user.user,
@@ -438,6 +441,45 @@ def write_crowd(crowd: Crowd, out: Path, source: dict[str, Any] | None = None) -
     if out.exists():
         out.rmdir()
     staging.rename(out)
+
+
+def _write_heldout(folder: Path, crowd: Crowd) -> None:
+    """The views no user holds, without personal content: novel views for evaluation."""
+    (folder / "images").mkdir(parents=True)
+    cameras = crowd.cameras
+    clean = _straight_rgba(crowd.scene)
+    frames = []
+    for view in crowd.partition.left_out:
+        stem = f"r_{view:03d}.png"
+        _png(folder / "images" / stem, clean[view])
+        frames.append(
+            {
+                "file_path": f"images/{stem}",
+                "transform_matrix": cameras.camera_to_world[view].tolist(),
+                "source_view": view,
+            }
+        )
+    meta = {
+        **_intrinsics_and_bounds(crowd),
+        "frames": frames,
+    }
+    (folder / "transforms.json").write_text(json.dumps(meta, indent=2))
+
+
+def _intrinsics_and_bounds(crowd: Crowd) -> dict[str, Any]:
+    """Top-level transforms.json keys shared by all written views (one camera model)."""
+    cameras, scene = crowd.cameras, crowd.scene
+    return {
+        "w": cameras.width,
+        "h": cameras.height,
+        "fl_x": float(cameras.fx[0]),
+        "fl_y": float(cameras.fy[0]),
+        "cx": float(cameras.cx[0]),
+        "cy": float(cameras.cy[0]),
+        "aabb": scene.aabb.tolist(),
+        "near": scene.near,
+        "far": scene.far,
+    }
 
 
 def _write_user(folder: Path, user: UserViews, crowd: Crowd, source: dict[str, Any]) -> None:
@@ -469,13 +511,8 @@ def _write_user(folder: Path, user: UserViews, crowd: Crowd, source: dict[str, A
                 "transient_person": None if transient is None else asdict(transient),
             }
         )
-    scene = crowd.scene
     meta = {
-        "w": cameras.width,
-        "h": cameras.height,
-        "aabb": scene.aabb.tolist(),
-        "near": scene.near,
-        "far": scene.far,
+        **_intrinsics_and_bounds(crowd),
         "user": user.user,
         "person": {**asdict(user.person), "anchor": list(user.person.anchor)},
         "bounding_sphere": asdict(crowd.sphere),
