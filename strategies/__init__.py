@@ -1,5 +1,15 @@
 """Flower strategies (message API) built on ``fedfields.aggregate``.
 
-Empty for now: the strategies (FedAvg over global fields, learned federation weights,
-meta-learning servers, ...) arrive with the federation issue.
+Each speaks the protocol of ``fedfields.flower_io`` and runs standalone under any Flower
+1.41 ServerApp: ``strategy.start(grid, initial_arrays, num_rounds, train_config=...)``.
 """
+
+from __future__ import annotations
+
+from strategies.base import ProtocolStrategy, StrategyOptions
+from strategies.decentnerf import DecentNeRF
+from strategies.fedavg import FedAvg
+from strategies.fedprox import FedProx
+from strategies.scaffold import Scaffold
+
+__all__ = ["DecentNeRF", "FedAvg", "FedProx", "ProtocolStrategy", "Scaffold", "StrategyOptions"]

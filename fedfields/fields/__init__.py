@@ -1,4 +1,4 @@
-"""Neural fields behind one interface: NeRF MLP, Instant-NGP hash grid, SIREN."""
+"""Neural fields behind one interface: NeRF MLP, Instant-NGP hash grid, SIREN, personal fields."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fedfields.fields.base import Field, FieldOutputs
 from fedfields.fields.encodings import HashGridConfig, HashGridEncoding, tcnn_available
 from fedfields.fields.hashgrid import HashGridField, HashGridFieldConfig
 from fedfields.fields.nerf import NeRFField, NeRFFieldConfig
+from fedfields.fields.personal import GlobalPersonalField, PersonalField, PersonalFieldConfig
 from fedfields.fields.siren import Siren, SirenConfig, SirenField
 
 
@@ -24,18 +25,33 @@ def build_field(config: dict[str, Any]) -> Field:
         return NeRFField(NeRFFieldConfig(**options))
     if kind == "siren":
         return SirenField(SirenConfig(**options))
-    raise ValueError(f"unknown field kind {kind!r}; expected 'hashgrid', 'nerf' or 'siren'")
+    if kind == "personal":
+        encoding = HashGridConfig(**options.pop("encoding", {}))
+        options["aabb"] = tuple(options.get("aabb", PersonalFieldConfig.aabb))
+        return PersonalField(PersonalFieldConfig(encoding=encoding, **options))
+    if kind == "global_personal":
+        personal = build_field(options["personal_field"])
+        if not isinstance(personal, PersonalField):
+            raise ValueError("a global_personal field's personal_field must be of kind 'personal'")
+        return GlobalPersonalField(build_field(options["global_field"]), personal)
+    raise ValueError(
+        f"unknown field kind {kind!r}; expected 'hashgrid', 'nerf', 'siren', 'personal' "
+        "or 'global_personal'"
+    )
 
 
 __all__ = [
     "Field",
     "FieldOutputs",
+    "GlobalPersonalField",
     "HashGridConfig",
     "HashGridEncoding",
     "HashGridField",
     "HashGridFieldConfig",
     "NeRFField",
     "NeRFFieldConfig",
+    "PersonalField",
+    "PersonalFieldConfig",
     "Siren",
     "SirenConfig",
     "SirenField",

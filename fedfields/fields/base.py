@@ -11,17 +11,23 @@ from torch import Tensor, nn
 
 @dataclass
 class FieldOutputs:
-    """Per-sample field values: volume density (>= 0) and colour in [0, 1]."""
+    """Per-sample field values: volume density (>= 0) and colour in [0, 1].
+
+    A global+personal field also reports the personal branch's share of the density, which
+    NeRF-W's sparsity loss penalises; other fields leave it None.
+    """
 
     density: Tensor  # [N]
     rgb: Tensor  # [N, 3]
+    personal_density: Tensor | None = None  # [N]
 
 
 class Field(nn.Module, ABC):
     """A radiance field over world-space points (nerfstudio's get_density / get_outputs split).
 
     `density(points)` answers where matter is (used for occupancy grids and proposal passes);
-    `forward(points, directions)` gives density and view-dependent colour together.
+    `forward(points, directions)` gives density and view-dependent colour together. Fields
+    with per-image appearance (NeRF-W) take the images' indices [N] as a third argument.
     """
 
     @abstractmethod

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fedfields.data.scene import Cameras
-from fedfields.fields.base import Field
+from fedfields.fields.base import Field, FieldOutputs
 from fedfields.render.occupancy import OccupancyGrid
 from fedfields.render.rays import Rays, image_rays, intersect_aabb
 from fedfields.render.samplers import importance_bins, stratified_bins
@@ -39,6 +39,17 @@ class RenderConfig:
         return torch.tensor(self.aabb, dtype=torch.float32).view(2, 3)
 
 
+@dataclass
+class RayOutputs(RenderOutputs):
+    """`render_rays`' per-ray outputs plus the personal density [S] of every sample it drew.
+
+    `personal_density` is set for a global+personal field (for NeRF-W's L1 sparsity loss on
+    transient density) and None for other fields.
+    """
+
+    personal_density: Tensor | None = None
+
+
 def render_rays(
     field: Field,
     rays: Rays,
@@ -46,10 +57,13 @@ def render_rays(
     occupancy: OccupancyGrid | None = None,
     perturb: bool = False,
     background: Tensor | None = None,
-) -> tuple[RenderOutputs, int]:
+    image_index: Tensor | None = None,
+) -> tuple[RayOutputs, int]:
     """Render a batch of rays; returns the outputs and the number of field samples used.
 
     `background` ([3] or per ray [R, 3]) overrides the config's background colour.
+    `image_index` ([R] int64), when given, is passed per sample as the field's third argument
+    (the image whose appearance embedding colours the ray, NeRF-W).
     """
     device = rays.origins.device
     t_near, t_far = intersect_aabb(rays, config.aabb_tensor.to(device), config.near, config.far)
@@ -59,12 +73,13 @@ def render_rays(
         samples = occupancy.march(rays, t_near, t_far, config.step_size, perturb)
         directions = rays.directions[samples.ray_index]
         points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
-        outputs = field(points, directions)
+        sample_images = None if image_index is None else image_index[samples.ray_index]
+        outputs = _query(field, points, directions, sample_images)
         weights = packed_weights(outputs.density, samples.deltas, samples.ray_index, len(rays))
         rendered = composite_packed(
             weights, outputs.rgb, samples.t_mid, samples.ray_index, len(rays), background
         )
-        return rendered, samples.t_mid.numel()
+        return _with_samples(rendered, outputs), samples.t_mid.numel()
     t_far = torch.maximum(t_far, t_near + 1e-4)  # rays missing the box render the background
     edges = stratified_bins(t_near, t_far, config.num_samples, perturb)
     if config.num_importance > 0:
@@ -76,14 +91,36 @@ def render_rays(
     mids = 0.5 * (edges[:, 1:] + edges[:, :-1])
     points = _points(rays, mids)
     directions = rays.directions[:, None, :].expand_as(points)
-    outputs = field(points.reshape(-1, 3), directions.reshape(-1, 3))
+    sample_images = None
+    if image_index is not None:
+        sample_images = image_index[:, None].expand(mids.shape).reshape(-1)
+    outputs = _query(field, points.reshape(-1, 3), directions.reshape(-1, 3), sample_images)
     weights = dense_weights(outputs.density.view(mids.shape), edges[:, 1:] - edges[:, :-1])
     rendered = composite_dense(weights, outputs.rgb.view(*mids.shape, 3), mids, background)
-    return rendered, mids.numel()
+    return _with_samples(rendered, outputs), mids.numel()
 
 
 def _points(rays: Rays, t: Tensor) -> Tensor:
     return rays.origins[:, None, :] + t[..., None] * rays.directions[:, None, :]
+
+
+def _query(
+    field: Field, points: Tensor, directions: Tensor, image_index: Tensor | None
+) -> FieldOutputs:
+    """The field at samples; their image indices, when given, go in as its third argument."""
+    if image_index is None:
+        return field(points, directions)
+    return field(points, directions, image_index)
+
+
+def _with_samples(rendered: RenderOutputs, outputs: FieldOutputs) -> RayOutputs:
+    """Per-ray outputs with the per-sample values the caller's losses need."""
+    return RayOutputs(
+        rgb=rendered.rgb,
+        depth=rendered.depth,
+        opacity=rendered.opacity,
+        personal_density=outputs.personal_density,
+    )
 
 
 @torch.no_grad()

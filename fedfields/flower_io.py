@@ -1,0 +1,146 @@
+"""The fedfields message protocol on Flower 1.41 records, and state-dict <-> record conversion.
+
+The only fedfields module that imports Flower. Strategies (`strategies/`) and ClientApps
+(`clients/`) name records, config keys and metric keys through these constants only.
+
+Train message (server -> client), records by name:
+  ARRAYS          global federated state g (x for Scaffold)
+  CONFIG          "server-round", "strategy", "local-steps", "proximal-mu" (FedProx),
+                  "alpha-lr" (DecentNeRF), plus the user's train config
+  SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
+  GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
+Train reply (client -> server):
+  ARRAYS          local state (y_i for Scaffold); DecentNeRF: alpha_k g_k plus alpha_k
+                  under `fedfields.aggregate.ALPHA_KEY`
+  METRICS         "num-examples" (pixels; FedAvg/FedProx weights), "train-loss", "train-psnr"
+  CONTROL_DELTA   Scaffold only: delta c_i
+Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
+GRADIENT G_k = dL_k/dg at g^(m-1) back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from torch import Tensor
+
+# ------------------------------------------------------------------ record names
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+SERVER_CONTROL = "server-control"
+CONTROL_DELTA = "control-delta"
+GRADIENT = "gradient"
+
+GRADIENT_QUERY = "query.gradient"
+"""Message type of DecentNeRF's in-round gradient exchange (handler `@app.query("gradient")`)."""
+
+# ------------------------------------------------------------------ train config keys
+SERVER_ROUND = "server-round"
+STRATEGY = "strategy"
+LOCAL_STEPS = "local-steps"
+PROXIMAL_MU = "proximal-mu"
+ALPHA_LR = "alpha-lr"
+
+STRATEGY_NAMES = ("fedavg", "fedprox", "scaffold", "decentnerf")
+"""Values of the "strategy" config entry."""
+
+# ------------------------------------------------------------------ metric keys
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+TRAIN_PSNR = "train-psnr"
+
+# Server-side entries the strategies add to each round's aggregated train MetricRecord.
+NUM_REPLIES = "num-replies"
+NUM_FAILURES = "num-failures"
+BYTES_UP = "bytes-up"
+BYTES_DOWN = "bytes-down"
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def state_to_arrays(state: Mapping[str, Tensor]) -> ArrayRecord:
+    """ArrayRecord holding `state`'s tensors (detached, on CPU) under the same keys, in order."""
+    record = ArrayRecord()
+    for key, tensor in state.items():
+        if tensor.dtype == torch.bfloat16:
+            raise ValueError(f"key {key!r}: Flower records cannot carry bfloat16; cast it first")
+        record[key] = Array(tensor.detach().cpu().numpy())
+    return record
+
+
+def arrays_to_state(record: ArrayRecord) -> dict[str, Tensor]:
+    """CPU tensors from an ArrayRecord, keyed and ordered as the record."""
+    state = {}
+    for key, array in record.items():
+        try:
+            state[key] = torch.from_numpy(array.numpy())
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"key {key!r}: cannot decode the array ({error})") from None
+    return state
+
+
+def shapes_of(record: ArrayRecord) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of each array in `record` (from its metadata, without decoding)."""
+    return {key: tuple(array.shape) for key, array in record.items()}
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Bytes of the ArrayRecords in a message's content (keys and array data)."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> dict[str, Tensor]:
+    """The ArrayRecord `record_name` of a reply as tensors, or one ValueError naming the problem.
+
+    Missing or unexpected keys, shapes other than `expected_shapes` and non-finite floating
+    values are all reported together with the sender's node id and the record name.
+    """
+    where = f"reply from node {message.metadata.src_node_id}, record {record_name!r}"
+    if message.has_error():
+        raise ValueError(f"{where}: the node reported an error: {message.error.reason}")
+    record = message.content.get(record_name)
+    if not isinstance(record, ArrayRecord):
+        found = "nothing" if record is None else type(record).__name__
+        raise ValueError(f"{where}: expected an ArrayRecord, found {found}")
+    problems = []
+    missing = [key for key in expected_shapes if key not in record]
+    extra = [key for key in record if key not in expected_shapes]
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if extra:
+        problems.append(f"unexpected keys {extra}")
+    try:
+        state = arrays_to_state(record)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    for key, tensor in state.items():
+        if key not in expected_shapes:
+            continue
+        expected = tuple(expected_shapes[key])
+        if tuple(tensor.shape) != expected:
+            problems.append(f"key {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"key {key!r} has non-finite values")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return state
+
+
+def reply_metric(message: Message, key: str, *, positive: bool = False) -> float:
+    """Scalar `key` of a reply's METRICS record, or a ValueError naming node and key.
+
+    The value must be finite, and > 0 if `positive` (e.g. "num-examples" as a weight).
+    """
+    where = f"reply from node {message.metadata.src_node_id}, record {METRICS!r}"
+    record = message.content.metric_records.get(METRICS)
+    if record is None or key not in record:
+        raise ValueError(f"{where}: missing metric {key!r}")
+    value = record[key]
+    if isinstance(value, list) or not math.isfinite(value) or (positive and value <= 0):
+        requirement = "a positive finite scalar" if positive else "a finite scalar"
+        raise ValueError(f"{where}: metric {key!r} must be {requirement}, got {value!r}")
+    return float(value)

@@ -1,0 +1,340 @@
+"""A federated client's local computation: training a round, federated state, DecentNeRF's G_k.
+
+Only the global field is federated. With a personal field the client trains DecentNeRF's
+global+personal composite (NeRF-W's static and transient branches, DecentNeRF Sec. 4.2) and
+the personal field stays on the device. FedProx (Li et al. 2020, Eq. 2) and Scaffold
+(Karimireddy et al. 2020, Algorithm 1) act on the global parameters only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedfields.aggregate import proximal_term
+from fedfields.data.scene import Scene
+from fedfields.fields import Field, GlobalPersonalField, PersonalField
+from fedfields.render import OccupancyGrid, RenderConfig, pixel_rays, render_rays
+from fedfields.train.centralised import (
+    PixelBatch,
+    PixelSampler,
+    adapt_batch_rays,
+    make_optimizer,
+    resolve_device,
+)
+
+LOSS_WINDOW = 10
+"""`LocalTrainResult.loss` averages the photometric loss of this many last steps."""
+
+
+def federated_state(field: Field) -> dict[str, Tensor]:
+    """The global field's parameters as detached CPU copies: what a client sends and receives.
+
+    Given a `GlobalPersonalField`, only its global field counts (keys without a prefix).
+    """
+    if isinstance(field, PersonalField):
+        raise ValueError("a personal field is never federated; pass the global field")
+    if isinstance(field, GlobalPersonalField):
+        field = field.global_field
+    return {name: p.detach().to("cpu", copy=True) for name, p in field.named_parameters()}
+
+
+def load_federated_state(field: Field, state: Mapping[str, Tensor]) -> None:
+    """Copy `state` (keyed like `federated_state(field)`) into the global field's parameters."""
+    if isinstance(field, GlobalPersonalField):
+        field = field.global_field
+    parameters = dict(field.named_parameters())
+    _check_state(state, parameters, "federated state")
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(state[name])
+
+
+@dataclass
+class LocalTrainConfig:
+    """One round of local training: steps, Adam settings, batch and loss weights.
+
+    The learning rates stay constant within a round: a warm-up or decay inside each round
+    would restart every round, so any schedule over rounds is the strategy's to send.
+    """
+
+    steps: int
+    learning_rate: float = 1e-2
+    personal_learning_rate: float = 1e-2
+    target_samples: int = 1 << 14  # adapt the ray batch to ~this many field samples per step
+    batch_rays: int = 512  # the first step's batch
+    max_batch_rays: int = 8192
+    personal_density_weight: float = 0.01  # NeRF-W's L1 on transient (personal) density
+    proximal_mu: float = 0.0  # FedProx mu; 0 turns the proximal term off
+    occupancy_update_every: int = 16
+    random_background: bool = True
+    weight_decay: float = 1e-6
+    seed: int = 0
+    device: str = "cpu"  # or "cuda", or "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_rays", "max_batch_rays", "occupancy_update_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("personal_density_weight", "proximal_mu"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class ScaffoldControls:
+    """Scaffold's server control c and this client's control c_i, keyed like federated_state."""
+
+    server: dict[str, Tensor]
+    client: dict[str, Tensor]
+
+
+@dataclass
+class LocalTrainResult:
+    """What a round did, its closing photometric loss, and Scaffold's new control if used."""
+
+    steps: int
+    rays: int
+    samples: int
+    seconds: float
+    loss: float  # photometric MSE averaged over the last LOSS_WINDOW steps
+    psnr: float  # of that loss
+    num_examples: int  # pixels in the client's scene (FedAvg's weight)
+    client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+
+    control_delta: dict[str, Tensor] | None = None  # c_i+ - c_i
+
+    @property
+    def rays_per_second(self) -> float:
+        return self.rays / max(self.seconds, 1e-9)
+
+
+def local_train(
+    global_field: Field,
+    scene: Scene,
+    config: LocalTrainConfig,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    personal_field: PersonalField | None = None,
+    global_reference: Mapping[str, Tensor] | None = None,
+    scaffold: ScaffoldControls | None = None,
+) -> LocalTrainResult:
+    """Fit the global field (and the personal one, if given) to `scene` with Adam on the MSE.
+
+    Loss: photometric MSE, plus `personal_density_weight` * mean personal density over the
+    samples (NeRF-W's sparsity term) with a personal field, plus FedProx's
+    mu/2 ||g - g_ref||^2 when mu > 0 (`global_reference` defaults to the starting weights).
+    The occupancy grid follows the composite density, so personal content is sampled too.
+
+    Scaffold: each step adds c - c_i to the global gradients before Adam's step. The new
+    control is the mean of the uncorrected local gradients, which is what option II's
+    c_i - c + (x - y_i) / (K lr) equals under SGD; under Adam (x - y_i) / (K lr) is a
+    normalised step of order 1 per coordinate whatever the gradient's scale, so we take the
+    mean directly to keep controls in gradient units (tests/test_federated_training.py).
+    """
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
+    global_field.to(device).train()
+    if personal_field is not None:
+        personal_field.to(device).train()
+    field = _composite(global_field, personal_field, len(scene))
+    scene = scene.to(device)
+    if occupancy is not None:
+        occupancy.to(device)
+    parameters = dict(global_field.named_parameters())
+    reference = None
+    if config.proximal_mu > 0:
+        reference = _on_device(global_reference, parameters, "global_reference")
+    correction, gradient_sum = None, None
+    if scaffold is not None:
+        server = _on_device(scaffold.server, parameters, "scaffold server control")
+        client = _on_device(scaffold.client, parameters, "scaffold client control")
+        # c - c_i formed once: equal controls then leave every gradient bit for bit unchanged.
+        correction = {name: server[name] - client[name] for name in parameters}
+        gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
+    optimizer = make_optimizer(global_field, config.learning_rate, config.weight_decay)
+    if personal_field is not None:
+        personal_groups = make_optimizer(
+            personal_field, config.personal_learning_rate, config.weight_decay
+        ).param_groups
+        for group in personal_groups:
+            optimizer.add_param_group(group)
+    sampler = _ImagePixelSampler(scene, config.random_background)
+    recent: deque[float] = deque(maxlen=LOSS_WINDOW)
+    batch_rays, total_rays, total_samples = config.batch_rays, 0, 0
+    start = time.perf_counter()
+    for step in range(config.steps):
+        if occupancy is not None and step % config.occupancy_update_every == 0:
+            occupancy.update(field.density, render_config.step_size)
+        batch = sampler.sample(batch_rays)
+        rendered, num_samples = render_rays(
+            field,
+            batch.rays,
+            render_config,
+            occupancy,
+            perturb=True,
+            background=batch.background,
+            image_index=batch.image_index if personal_field is not None else None,
+        )
+        photometric = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+        loss = photometric
+        if rendered.personal_density is not None and num_samples > 0:
+            loss = loss + config.personal_density_weight * rendered.personal_density.mean()
+        if reference is not None:
+            loss = loss + proximal_term(parameters, reference, config.proximal_mu)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(
+                f"local training diverged at step {step}: loss is {loss.item()}; "
+                "try a lower learning rate"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if correction is not None and gradient_sum is not None:
+            for name, parameter in parameters.items():
+                if parameter.grad is None:  # no sample reached it this step
+                    parameter.grad = torch.zeros_like(parameter)
+                gradient_sum[name] += parameter.grad
+                parameter.grad += correction[name]
+        optimizer.step()
+        recent.append(photometric.item())
+        total_rays += batch_rays
+        total_samples += num_samples
+        batch_rays = adapt_batch_rays(
+            batch_rays, num_samples, config.target_samples, config.max_batch_rays
+        )
+    optimizer.zero_grad(set_to_none=True)  # no stale gradients outlive the round
+    mean_loss = sum(recent) / len(recent)
+    result = LocalTrainResult(
+        steps=config.steps,
+        rays=total_rays,
+        samples=total_samples,
+        seconds=time.perf_counter() - start,
+        loss=mean_loss,
+        psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
+        num_examples=scene.images.shape[:3].numel(),
+    )
+    if scaffold is not None and gradient_sum is not None:
+        result.client_control = {
+            name: (total / config.steps).to("cpu", scaffold.client[name].dtype)
+            for name, total in gradient_sum.items()
+        }
+        result.control_delta = {
+            name: control - scaffold.client[name].to(control.dtype)
+            for name, control in result.client_control.items()
+        }
+    return result
+
+
+def loss_gradient(
+    global_field: Field,
+    scene: Scene,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    personal_field: PersonalField | None = None,
+    num_rays: int = 4096,
+    seed: int = 0,
+) -> dict[str, Tensor]:
+    """DecentNeRF's G_k = dL_k/dg at the current weights, both fields frozen (Algorithm 1, l. 9).
+
+    L_k is the photometric MSE on a fixed subset of `num_rays` pixels (at most all) from `seed`,
+    rendered without jitter on the scene's own background (the sparsity term does not depend
+    on g). No parameter or `.grad` changes; the result is keyed like `federated_state`.
+    Memory grows with `num_rays`, all rendered in one pass.
+    """
+    device = global_field.device
+    if personal_field is not None:
+        personal_field.to(device)
+    field = _composite(global_field, personal_field, len(scene))
+    scene = scene.to(device)
+    sampler = _ImagePixelSampler(scene, random_background=False)
+    num_pixels = sampler.colors.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randperm(num_pixels, generator=generator)[:num_rays].to(device)
+    batch = sampler.pixels(pixels)
+    rendered, _ = render_rays(
+        field,
+        batch.rays,
+        render_config,
+        occupancy,
+        background=batch.background,
+        image_index=batch.image_index if personal_field is not None else None,
+    )
+    loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+    parameters = dict(global_field.named_parameters())
+    gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+    return {
+        name: (torch.zeros_like(p) if g is None else g).detach().cpu()
+        for (name, p), g in zip(parameters.items(), gradients, strict=True)
+    }
+
+
+@dataclass
+class _ImagePixelBatch(PixelBatch):
+    """Training pixels with the index of each one's image within the scene."""
+
+    image_index: Tensor  # [R] int64
+
+
+class _ImagePixelSampler(PixelSampler):
+    """`PixelSampler` that also reports each pixel's image (NeRF-W's appearance index)."""
+
+    def sample(self, count: int) -> _ImagePixelBatch:
+        """`count` uniformly random pixels of all views."""
+        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
+        return self.pixels(flat)
+
+    def pixels(self, flat: Tensor) -> _ImagePixelBatch:
+        """Pixels at flat indices (view-major, then row, then column)."""
+        pixels_per_view = self.cameras.height * self.cameras.width
+        view, within = flat // pixels_per_view, flat % pixels_per_view
+        row, column = within // self.cameras.width, within % self.cameras.width
+        rays = pixel_rays(self.cameras, view, row, column)
+        if not self.random_background:
+            return _ImagePixelBatch(rays, self.colors[flat], self.background, view)
+        background = torch.rand(len(flat), 3, device=self.colors.device)
+        shift = self.transparency[flat, None] * (background - self.background)
+        return _ImagePixelBatch(rays, self.colors[flat] + shift, background, view)
+
+
+def _composite(global_field: Field, personal_field: PersonalField | None, num_images: int) -> Field:
+    """The field a client renders: the global one alone, or with its personal field."""
+    if personal_field is None:
+        return global_field
+    if personal_field.config.num_images != num_images:
+        raise ValueError(
+            f"personal field has {personal_field.config.num_images} appearance embeddings "
+            f"but the scene has {num_images} images"
+        )
+    return GlobalPersonalField(global_field, personal_field)
+
+
+def _on_device(
+    state: Mapping[str, Tensor] | None, parameters: dict[str, Tensor], what: str
+) -> dict[str, Tensor]:
+    """`state` checked against the parameters and moved to their device and dtype.
+
+    None stands for the parameters' current values.
+    """
+    if state is None:
+        return {name: p.detach().clone() for name, p in parameters.items()}
+    _check_state(state, parameters, what)
+    return {name: state[name].to(p.device, p.dtype) for name, p in parameters.items()}
+
+
+def _check_state(state: Mapping[str, Tensor], parameters: Mapping[str, Tensor], what: str) -> None:
+    """Raise a ValueError naming missing or unexpected keys, or a key with the wrong shape."""
+    missing = [name for name in parameters if name not in state]
+    unexpected = [name for name in state if name not in parameters]
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+    for name, parameter in parameters.items():
+        if state[name].shape != parameter.shape:
+            raise ValueError(
+                f"{what}, key {name!r}: shape {tuple(state[name].shape)} differs from the "
+                f"field's {tuple(parameter.shape)}"
+            )

@@ -1,0 +1,143 @@
+"""`python -m simulations.launch`: the default federated run, by `flwr run .` through Ray.
+
+It does what a careful user of Flower 1.41 does by hand (see README): keeps Flower's home
+and state inside the project, forbids run-time dependency installation (which would pull a
+CUDA torch), builds the crowdsourced dataset once and passes absolute paths (app bundles
+carry no images), streams the logs, then asks the SuperLink whether the run completed,
+since `flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
+ENVIRONMENT = {
+    "FLWR_HOME": str(ROOT / ".flwr-home"),
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(SUPERLINK_PORT),
+    "FLWR_LOCAL_CONTROL_API_PORT": str(SUPERLINK_PORT + 2),
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations.launch",
+        description="Run the federated NeRF job with `flwr run .` on virtual SuperNodes (Ray).",
+    )
+    parser.add_argument("--scene", type=Path, default=ROOT / "data" / "lego")
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--views-per-user", type=int, default=5)
+    parser.add_argument("--downscale", type=float, default=2.0, help="of the scene's images")
+    parser.add_argument("--crowd", type=Path, default=None, help="crowd dataset (built if missing)")
+    parser.add_argument(
+        "--run-config", default="", help="extra run-config, e.g. \"strategy='fedavg'\""
+    )
+    parser.add_argument("--run-dir", type=Path, default=None, help="default runs/<time>-<strategy>")
+    return parser.parse_args(argv)
+
+
+def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
+    """The crowd folder, built by `fedfields data crowd` on first use."""
+    crowd = args.crowd or ROOT / "runs" / (
+        f"crowd_{args.scene.name}_{args.users}x{args.views_per_user}_ds{args.downscale:g}"
+    )
+    if not (crowd / "crowd.json").is_file():
+        command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]
+        command += ["--scene", str(args.scene), "--users", str(args.users)]
+        command += ["--views-per-user", str(args.views_per_user)]
+        command += ["--downscale", str(args.downscale), "--out", str(crowd)]
+        subprocess.run(command, check=True, env=env)
+    return crowd.resolve()
+
+
+def superlink_pid() -> int | None:
+    """PID of the process listening on our SuperLink port, if any."""
+    listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        if f":{SUPERLINK_PORT} " in line:
+            match = re.search(r"pid=(\d+)", line)
+            return int(match.group(1)) if match else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = {**os.environ, **ENVIRONMENT}
+    Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
+    crowd = crowd_dataset(args, env)
+    strategy = re.search(r"strategy\s*=\s*['\"](\w+)", args.run_config)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    run_dir = args.run_dir or ROOT / "runs" / f"{stamp}-{strategy[1] if strategy else 'decentnerf'}"
+    run_config = f"data-dir={json.dumps(str(crowd))} run-dir={json.dumps(str(run_dir.resolve()))}"
+    users = len(list(crowd.glob("user_*")))
+    federation = f"num-supernodes={users} client-resources-num-cpus=1"
+    flwr = str(Path(sys.executable).with_name("flwr"))
+    started_superlink = superlink_pid() is None
+    command = [flwr, "run", str(ROOT), "--stream", "--federation-config", federation]
+    command += ["--run-config", f"{run_config} {args.run_config}".strip()]
+    print("$", " ".join(shlex.quote(part) for part in command), flush=True)
+    try:
+        output = _run_streaming(command, env)
+        run_id = re.search(r"run (\d+)", output)
+        if run_id is None:
+            print("fedfields: flwr run did not start a run", file=sys.stderr)
+            return 1
+        status = _run_status(flwr, run_id[1], env)
+    finally:
+        pid = superlink_pid()
+        if started_superlink and pid is not None:
+            os.kill(pid, signal.SIGTERM)
+    if status != "finished:completed":
+        print(f"fedfields: run {run_id[1]} ended as {status!r}; see the log above", file=sys.stderr)
+        return 1
+    print(f"fedfields: report in {run_dir.resolve()}")
+    return 0
+
+
+def _run_streaming(command: list[str], env: dict[str, str]) -> str:
+    """Run `command`, echoing its output live; returns the output."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    process.wait()
+    return "".join(lines)
+
+
+def _run_status(flwr: str, run_id: str, env: dict[str, str]) -> str:
+    """The SuperLink's final status of the run, e.g. 'finished:completed'."""
+    for _ in range(30):
+        listing = subprocess.run(
+            [flwr, "ls", "--run-id", run_id, "--format", "json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        match = re.search(r'"status":\s*"([^"]+)"', listing.stdout)
+        if match and match[1].startswith("finished"):
+            return match[1]
+        time.sleep(1.0)
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

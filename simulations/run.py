@@ -1,0 +1,78 @@
+"""Programmatic runs of the federated NeRF job, for tests and benchmarks (no `flwr run` CLI).
+
+Flower's `run_simulation` takes no run-config and a ClientApp may not change its Context's
+run-config, so both apps are wrapped to see `run_config` through a new Context that shares
+the node's persistent state (FLOWER_1_41_NOTES section 2).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from clients import client_app as nerf_client
+from fedfields.flower_io import GRADIENT_QUERY
+from simulations.federated_nerf import run_federated_nerf
+
+
+def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
+    """The same node (id, node-config, persistent state) seeing `run_config`."""
+    return Context(
+        run_id=context.run_id,
+        node_id=context.node_id,
+        node_config=context.node_config,
+        state=context.state,
+        run_config=dict(run_config),
+    )
+
+
+def client_app(run_config: dict[str, Any]) -> ClientApp:
+    """The NeRF ClientApp's handlers, seeing `run_config`."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return nerf_client.train(msg, with_run_config(context, run_config))
+
+    @app.query(GRADIENT_QUERY.split(".", 1)[1])
+    def gradient(msg: Message, context: Context) -> Message:
+        return nerf_client.gradient(msg, with_run_config(context, run_config))
+
+    return app
+
+
+def server_app(run_config: dict[str, Any], outcome: dict[str, Path]) -> ServerApp:
+    """A ServerApp running the job with `run_config`; the run directory lands in `outcome`."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        outcome["run_dir"] = run_federated_nerf(grid, run_config)
+
+    return app
+
+
+def run_with_ray(
+    run_config: dict[str, Any], num_supernodes: int, cpus_per_client: float = 1.0
+) -> Path:
+    """Run the job through Flower's simulation engine (Ray); returns the run directory."""
+    from flwr.simulation import run_simulation
+
+    outcome: dict[str, Path] = {}
+    backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation is deprecated in 1.41
+        run_simulation(
+            server_app=server_app(run_config, outcome),
+            client_app=client_app(run_config),
+            num_supernodes=num_supernodes,
+            backend_config=backend,
+        )
+    if "run_dir" not in outcome:
+        raise RuntimeError("the federated job failed inside the simulation; see the log above")
+    return outcome["run_dir"]

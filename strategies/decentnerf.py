@@ -1,0 +1,119 @@
+"""DecentNeRF learned federation (Algorithm 1 of the DecentNeRF paper) on the fedfields protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from logging import WARNING
+from typing import Unpack
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.aggregate import ALPHA_KEY, decentnerf_aggregate, state_sum
+from fedfields.aggregate.states import check_scalar
+from fedfields.flower_io import (
+    ALPHA_LR,
+    ARRAYS,
+    CONFIG,
+    GRADIENT,
+    GRADIENT_QUERY,
+    Shapes,
+    reply_state,
+    state_to_arrays,
+)
+from strategies.base import ProtocolStrategy, StrategyOptions
+
+
+class DecentNeRF(ProtocolStrategy):
+    """DecentNeRF: g^(m) = sum_k alpha_k g_k / sum_k alpha_k from summed payloads only.
+
+    Round m >= 2 opens with a gradient query (message type GRADIENT_QUERY carrying ARRAYS =
+    g^(m-1) and CONFIG) to the sampled nodes; their GRADIENT replies G_k are summed and
+    G = sum_k G_k goes out with the train messages under GRADIENT. Clients own alpha_k: they
+    update it (`alpha_update`), train, and reply ARRAYS = alpha_k g_k plus alpha_k under
+    `ALPHA_KEY` (`alpha_weighted_payload`). The server only sums (`sum_states`, the seam for
+    secure aggregation) and divides by the summed alpha (`decentnerf_aggregate`): it never
+    reads one client's alpha and ignores "num-examples". A failed or missing reply is left
+    out of a sum; dividing by the remaining clients' summed alpha keeps the aggregate's
+    scale. If no gradient reply arrives, no GRADIENT is sent and clients keep their alpha.
+
+    Args:
+        alpha_lr: eta in alpha_k <- alpha_k - eta <G, g_k^(m-1)>, sent as "alpha-lr".
+        query_timeout: seconds to wait for gradient replies (None waits for all).
+        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+    """
+
+    strategy_name = "decentnerf"
+
+    def __init__(
+        self,
+        *,
+        alpha_lr: float = 1e-4,
+        query_timeout: float | None = 3600.0,
+        **options: Unpack[StrategyOptions],
+    ) -> None:
+        super().__init__(**options)
+        self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
+        if self.alpha_lr < 0:
+            raise ValueError(f"alpha_lr must be >= 0 (0 freezes alpha), got {alpha_lr}")
+        self.query_timeout = query_timeout
+
+    def protocol_config(self) -> dict[str, int | float | str]:
+        """The shared entries plus "alpha-lr"."""
+        return {**super().protocol_config(), ALPHA_LR: self.alpha_lr}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes; from round 2 first sum their gradients, then send g^(m-1) and G."""
+        train_round = self.begin_round(server_round, arrays, grid)
+        train_config = self.train_config(server_round, config)
+        records: dict[str, ArrayRecord | ConfigRecord] = {ARRAYS: arrays, CONFIG: train_config}
+        if server_round >= 2 and train_round.node_ids:
+            gradient_sum = self.gradient_sum(arrays, train_config, grid)
+            if gradient_sum is not None:
+                records[GRADIENT] = state_to_arrays(gradient_sum)
+        return self.messages(RecordDict(records), MessageType.TRAIN)
+
+    def gradient_sum(
+        self, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> dict[str, Tensor] | None:
+        """G = sum_k dL_k/dg at g^(m-1) over the sampled nodes (Algorithm 1, line 10)."""
+        train_round = self.active_round
+        queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
+        replies = grid.send_and_receive(queries, timeout=self.query_timeout)
+        successful = self.successful_replies(replies)
+        return self.sum_states(train_round.node_ids, GRADIENT, successful, train_round.shapes)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """g^(m) from the summed payload alone (Algorithm 1, line 18); metrics unweighted."""
+        train_round = self.round_state(server_round)
+        successful = self.successful_replies(replies)
+        payload_shapes = {**train_round.shapes, ALPHA_KEY: (1,)}
+        payload_sum = self.sum_states(train_round.node_ids, ARRAYS, successful, payload_shapes)
+        if payload_sum is None:
+            return None, self.train_metrics(successful)
+        return state_to_arrays(decentnerf_aggregate(payload_sum)), self.train_metrics(successful)
+
+    def sum_states(
+        self,
+        node_ids: Sequence[int],
+        record_name: str,
+        replies: Sequence[Message],
+        expected_shapes: Shapes,
+    ) -> dict[str, Tensor] | None:
+        """Key-wise sum of the replies' `record_name` records (plain `state_sum`), None if none.
+
+        Override to sum securely (e.g. Flower SecAgg+): the strategy uses nothing else of the
+        replies' ArrayRecords. `node_ids` are the nodes asked; missing ones are logged.
+        """
+        answered = {reply.metadata.src_node_id for reply in replies}
+        if missing := [node_id for node_id in node_ids if node_id not in answered]:
+            log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
+        if not replies:
+            return None
+        return state_sum([reply_state(reply, record_name, expected_shapes) for reply in replies])

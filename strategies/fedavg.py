@@ -1,0 +1,61 @@
+"""FedAvg (McMahan et al. 2017) on the fedfields protocol: the example-weighted mean of states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedfields.aggregate import weighted_mean
+from fedfields.flower_io import (
+    ARRAYS,
+    CONFIG,
+    NUM_EXAMPLES,
+    reply_metric,
+    reply_state,
+    state_to_arrays,
+)
+from strategies.base import ProtocolStrategy
+
+
+class FedAvg(ProtocolStrategy):
+    """FedAvg: g <- sum_k n_k g_k / sum_k n_k with n_k the reply's "num-examples".
+
+    Train messages carry ARRAYS and CONFIG ("server-round", "strategy", "local-steps" and the
+    user's train config); replies must carry ARRAYS with the global's keys and shapes and
+    METRICS with a positive "num-examples". A bad reply raises one ValueError before
+    anything is aggregated; failed replies are dropped, as in Flower's FedAvg.
+
+    Args:
+        fraction_train: fraction of the connected nodes sampled for training (Flower's FedAvg).
+        fraction_evaluate: fraction sampled for federated evaluation (0 skips it).
+        min_train_nodes: at least this many nodes are sampled for training.
+        min_evaluate_nodes: at least this many nodes are sampled for evaluation.
+        min_available_nodes: sampling waits until this many nodes are connected.
+        local_steps: local optimisation steps per round, sent as "local-steps"; None (default)
+            takes "local-steps" from the train config given to `start`, else 1.
+    """
+
+    strategy_name = "fedavg"
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes and send them the global state and the train config."""
+        self.begin_round(server_round, arrays, grid)
+        content = RecordDict({ARRAYS: arrays, CONFIG: self.train_config(server_round, config)})
+        return self.messages(content, MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Weighted mean of the replies' states (`fedfields.aggregate.weighted_mean`)."""
+        train_round = self.round_state(server_round)
+        successful = self.successful_replies(replies)
+        if not successful:
+            return None, self.train_metrics(successful)
+        states = [reply_state(reply, ARRAYS, train_round.shapes) for reply in successful]
+        weights = [reply_metric(reply, NUM_EXAMPLES, positive=True) for reply in successful]
+        mean = weighted_mean(states, weights)
+        return state_to_arrays(mean), self.train_metrics(successful, weights)

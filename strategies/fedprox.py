@@ -1,0 +1,34 @@
+"""FedProx (Li et al. 2020) on the fedfields protocol: FedAvg plus the client's proximal term."""
+
+from __future__ import annotations
+
+import math
+from typing import Unpack
+
+from fedfields.flower_io import PROXIMAL_MU
+from strategies.base import StrategyOptions
+from strategies.fedavg import FedAvg
+
+
+class FedProx(FedAvg):
+    """FedProx: FedAvg's aggregation; clients add mu/2 ||w - g||^2 (Eq. 2) to their loss.
+
+    The server only sends mu as "proximal-mu" in the train config; clients compute the term
+    with `fedfields.aggregate.proximal_term`. mu = 0 is FedAvg.
+
+    Args:
+        proximal_mu: weight mu >= 0 of the proximal term.
+        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+    """
+
+    strategy_name = "fedprox"
+
+    def __init__(self, *, proximal_mu: float, **options: Unpack[StrategyOptions]) -> None:
+        super().__init__(**options)
+        if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
+            raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")
+        self.proximal_mu = float(proximal_mu)
+
+    def protocol_config(self) -> dict[str, int | float | str]:
+        """FedAvg's entries plus "proximal-mu"."""
+        return {**super().protocol_config(), PROXIMAL_MU: self.proximal_mu}

@@ -1,0 +1,105 @@
+"""Scaffold (Karimireddy et al. 2020, Algorithm 1) on the fedfields protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+from typing import Unpack
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.aggregate import scaffold_server_update
+from fedfields.aggregate.states import check_scalar
+from fedfields.flower_io import (
+    ARRAYS,
+    CONFIG,
+    CONTROL_DELTA,
+    SERVER_CONTROL,
+    arrays_to_state,
+    reply_state,
+    state_to_arrays,
+)
+from strategies.base import ProtocolStrategy, StrategyOptions
+
+
+class Scaffold(ProtocolStrategy):
+    """Scaffold: x <- x + lr_g mean(y_i - x), c <- c + |S|/N mean(delta c_i) (Algorithm 1).
+
+    Train messages carry ARRAYS (x), SERVER_CONTROL (c, zeros at first, same keys as x) and
+    CONFIG; replies carry ARRAYS (y_i), CONTROL_DELTA (delta c_i) and optional METRICS.
+    N is the number of connected nodes when the round is sampled. Clients keep their own
+    c_i (e.g. in `context.state`) and use the fedfields.aggregate Scaffold helpers.
+
+    Args:
+        global_lr: server step size lr_g.
+        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+
+    Attributes:
+        server_control: c as a state dict, carried across rounds (empty before round 1; set
+            it to {} to restart with zeros).
+        global_state: x as sent in the current round (aggregate_train receives no arrays).
+    """
+
+    strategy_name = "scaffold"
+
+    def __init__(self, *, global_lr: float = 1.0, **options: Unpack[StrategyOptions]) -> None:
+        super().__init__(**options)
+        self.global_lr = check_scalar(global_lr, "global_lr")
+        self.server_control: dict[str, Tensor] = {}
+        self.global_state: dict[str, Tensor] = {}
+
+    def summary(self) -> None:
+        """Log the server step size, then the shared summary."""
+        log(INFO, "\t├──> Scaffold global_lr: %s", self.global_lr)
+        super().summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes; send x and c, remembering x (aggregate_train receives no arrays)."""
+        train_round = self.begin_round(server_round, arrays, grid)
+        self.global_state = arrays_to_state(arrays)
+        if not self.server_control:
+            self.server_control = {key: torch.zeros_like(x) for key, x in self.global_state.items()}
+        elif {key: tuple(c.shape) for key, c in self.server_control.items()} != train_round.shapes:
+            raise ValueError(
+                "server_control's keys or shapes differ from the global state's; "
+                "set strategy.server_control = {} to restart from zeros"
+            )
+        content = RecordDict(
+            {
+                ARRAYS: arrays,
+                SERVER_CONTROL: state_to_arrays(self.server_control),
+                CONFIG: self.train_config(server_round, config),
+            }
+        )
+        return self.messages(content, MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """New x from the replies' y_i; c is replaced only once every reply checked out."""
+        train_round = self.round_state(server_round)
+        successful = self.successful_replies(replies)
+        if not successful:
+            return None, self.train_metrics(successful)
+        shapes = train_round.shapes
+        local_states = [reply_state(reply, ARRAYS, shapes) for reply in successful]
+        control_deltas = [reply_state(reply, CONTROL_DELTA, shapes) for reply in successful]
+        model_deltas = [
+            {key: y[key].double() - x.double() for key, x in self.global_state.items()}
+            for y in local_states
+        ]
+        new_global, self.server_control = scaffold_server_update(
+            self.global_state,
+            model_deltas,
+            control_deltas,
+            self.server_control,
+            num_clients_total=train_round.num_nodes_total,
+            global_lr=self.global_lr,
+        )
+        return state_to_arrays(new_global), self.train_metrics(successful)

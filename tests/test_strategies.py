@@ -1,0 +1,559 @@
+"""The fedfields strategies through Flower's real ClientApp dispatch on an in-process grid.
+
+Fake clients solve least-squares problems with the fedfields.aggregate client helpers;
+Flower's own FedAvg is the oracle for ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import Tensor
+
+from fedfields.aggregate import (
+    ALPHA_KEY,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+    scaffold_client_control_update,
+    scaffold_corrected_gradient,
+    state_sum,
+)
+from fedfields.flower_io import (
+    ALPHA_LR,
+    ARRAYS,
+    BYTES_DOWN,
+    BYTES_UP,
+    CONFIG,
+    CONTROL_DELTA,
+    GRADIENT,
+    GRADIENT_QUERY,
+    LOCAL_STEPS,
+    METRICS,
+    NUM_EXAMPLES,
+    NUM_FAILURES,
+    NUM_REPLIES,
+    PROXIMAL_MU,
+    SERVER_CONTROL,
+    SERVER_ROUND,
+    STRATEGY,
+    TRAIN_LOSS,
+    arrays_to_state,
+    state_to_arrays,
+)
+from strategies import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
+
+State = dict[str, Tensor]
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------ least-squares clients
+
+
+@dataclass
+class LeastSquares:
+    """Client k's loss f_k(w, b) = |X w + b - t|^2 / (2n)."""
+
+    features: Tensor
+    targets: Tensor
+
+    def residual(self, state: State) -> Tensor:
+        return self.features @ state["weight"] + state["bias"] - self.targets
+
+    def loss(self, state: State) -> float:
+        return float(self.residual(state).pow(2).mean() / 2)
+
+    def gradient(self, state: State) -> State:
+        residual = self.residual(state)
+        return {
+            "weight": self.features.T @ residual / len(residual),
+            "bias": residual.mean().reshape(1),
+        }
+
+
+def heterogeneous_problems(count: int = 4, dim: int = 3, rows: int = 24) -> list[LeastSquares]:
+    """Clients with differently scaled features and different optima (client drift)."""
+    gen = torch.Generator().manual_seed(0)
+    problems = []
+    for k in range(count):
+        features = torch.randn(rows, dim, generator=gen, dtype=F64) * (0.5 + 0.5 * k)
+        optimum = torch.randn(dim, generator=gen, dtype=F64) * 2
+        targets = features @ optimum + k + 0.1 * torch.randn(rows, generator=gen, dtype=F64)
+        problems.append(LeastSquares(features, targets))
+    return problems
+
+
+def joint_minimiser(problems: Sequence[LeastSquares]) -> Tensor:
+    """argmin of the clients' mean loss, (weight, bias) stacked, by the normal equations."""
+    designs = [
+        torch.cat([p.features, torch.ones(len(p.targets), 1, dtype=F64)], 1) for p in problems
+    ]
+    gram = sum(a.T @ a / len(a) for a in designs)
+    moment = sum(a.T @ p.targets / len(a) for a, p in zip(designs, problems, strict=True))
+    return torch.linalg.solve(gram, moment)
+
+
+def flat(state: State) -> Tensor:
+    return torch.cat([state["weight"], state["bias"]])
+
+
+def initial_state(dim: int = 3) -> State:
+    return {"weight": torch.zeros(dim, dtype=F64), "bias": torch.zeros(1, dtype=F64)}
+
+
+@dataclass
+class Produced:
+    """What a DecentNeRF fake client held when it replied to a train message."""
+
+    server_round: int
+    node_id: int
+    alpha: float
+    local_state: State
+
+
+def least_squares_app(
+    problems: Sequence[LeastSquares],
+    lr: float,
+    alphas: Sequence[float] = (),
+    produced: list[Produced] | None = None,
+) -> ClientApp:
+    """A ClientApp running K local GD steps under each strategy's client rule.
+
+    DecentNeRF clients start from `alphas[partition]` and append to `produced`.
+    """
+    app = ClientApp()
+
+    def problem_of(context: Context) -> LeastSquares:
+        return problems[int(context.node_config["partition-id"])]
+
+    def reply(message: Message, records: dict[str, State], loss: float, n: int) -> Message:
+        content = RecordDict({name: state_to_arrays(state) for name, state in records.items()})
+        content[METRICS] = MetricRecord({NUM_EXAMPLES: n, TRAIN_LOSS: loss})
+        return Message(content, reply_to=message)
+
+    def descend(problem: LeastSquares, start: State, steps: int, step_fn: Callable) -> State:
+        state = {key: value.clone() for key, value in start.items()}
+        for _ in range(steps):
+            state = {key: state[key] - lr * g for key, g in step_fn(problem, state).items()}
+        return state
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        problem, config = problem_of(context), message.content[CONFIG]
+        x, steps = arrays_to_state(message.content[ARRAYS]), int(config[LOCAL_STEPS])
+        n = len(problem.targets)
+        if config[STRATEGY] in ("fedavg", "fedprox"):
+            mu = float(config.get(PROXIMAL_MU, 0.0))
+
+            def prox_gradient(p: LeastSquares, s: State) -> State:
+                return {k: g + mu * (s[k] - x[k]) for k, g in p.gradient(s).items()}
+
+            y = descend(problem, x, steps, prox_gradient)
+            return reply(message, {ARRAYS: y}, problem.loss(y), n)
+        if config[STRATEGY] == "scaffold":
+            c = arrays_to_state(message.content[SERVER_CONTROL])
+            stored = context.state.get("client-control")
+            c_i = (
+                arrays_to_state(stored)
+                if stored
+                else {k: torch.zeros_like(v) for k, v in x.items()}
+            )
+
+            def corrected(p: LeastSquares, s: State) -> State:
+                return scaffold_corrected_gradient(p.gradient(s), c, c_i)
+
+            y = descend(problem, x, steps, corrected)
+            c_i, delta = scaffold_client_control_update(c_i, c, x, y, steps, lr)
+            context.state["client-control"] = state_to_arrays(c_i)
+            return reply(message, {ARRAYS: y, CONTROL_DELTA: delta}, problem.loss(y), n)
+        # decentnerf: alpha and the previous local state never leave the node
+        memory = context.state.get("decentnerf")
+        if memory is None:
+            alpha = alphas[int(context.node_config["partition-id"])]
+        else:
+            alpha = float(memory["alpha"])
+            if GRADIENT in message.content:
+                gradient_sum = arrays_to_state(message.content[GRADIENT])
+                previous = arrays_to_state(context.state["previous-local"])
+                alpha = alpha_update(alpha, gradient_sum, previous, float(config[ALPHA_LR]))
+        g_k = descend(problem, x, steps, LeastSquares.gradient)
+        context.state["decentnerf"] = ConfigRecord({"alpha": alpha})
+        context.state["previous-local"] = state_to_arrays(g_k)
+        if produced is not None:
+            produced.append(Produced(int(config[SERVER_ROUND]), context.node_id, alpha, g_k))
+        # a misleading example count: DecentNeRF must not weight by it
+        misleading = 1 + 10 * int(context.node_config["partition-id"])
+        payload = alpha_weighted_payload(g_k, alpha)
+        return reply(message, {ARRAYS: payload}, problem.loss(g_k), misleading)
+
+    @app.query("gradient")
+    def gradient(message: Message, context: Context) -> Message:
+        problem = problem_of(context)
+        g = arrays_to_state(message.content[ARRAYS])
+        return Message(
+            RecordDict({GRADIENT: state_to_arrays(problem.gradient(g))}), reply_to=message
+        )
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        problem = problem_of(context)
+        loss = problem.loss(arrays_to_state(message.content[ARRAYS]))
+        metrics = MetricRecord({NUM_EXAMPLES: len(problem.targets), "eval-loss": loss})
+        return Message(RecordDict({METRICS: metrics}), reply_to=message)
+
+    return app
+
+
+# ------------------------------------------------------------------ fixed-reply nodes
+
+
+def fixed_reply_node(records: dict[str, State], metrics: dict[str, float]) -> Callable:
+    """A plain-function node that answers any message with the given records."""
+
+    def handler(message: Message, context: Context) -> Message:
+        content = RecordDict({name: state_to_arrays(state) for name, state in records.items()})
+        content[METRICS] = MetricRecord(metrics)
+        return Message(content, reply_to=message)
+
+    return handler
+
+
+def random_state(seed: int, dtype: torch.dtype = torch.float32) -> State:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(4, 3, generator=gen).to(dtype),
+        "layer.bias": torch.randn(4, generator=gen).to(dtype),
+    }
+
+
+def one_round(
+    strategy: ProtocolStrategy, grid: InProcessGrid, arrays: ArrayRecord, server_round: int = 1
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+    return strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+
+
+# ------------------------------------------------------------------ FedAvg / FedProx
+
+
+def test_fedavg_equals_flower_fedavg_on_identical_replies() -> None:
+    weights = [3, 10.5, 40]
+    grid = InProcessGrid(
+        [
+            fixed_reply_node({ARRAYS: random_state(k)}, {NUM_EXAMPLES: w, TRAIN_LOSS: k + 1.0})
+            for k, w in enumerate(weights)
+        ]
+    )
+    ours = FedAvg(min_available_nodes=3)
+    messages = ours.configure_train(1, state_to_arrays(random_state(9)), ConfigRecord(), grid)
+    replies = list(grid.send_and_receive(messages))
+    arrays, metrics = ours.aggregate_train(1, replies)
+    oracle_arrays, oracle_metrics = FlowerFedAvg().aggregate_train(1, replies)
+    assert arrays is not None and oracle_arrays is not None and metrics is not None
+    assert list(arrays) == list(oracle_arrays)
+    for key in arrays:
+        got, expected = arrays[key].numpy(), oracle_arrays[key].numpy()
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        torch.testing.assert_close(
+            torch.from_numpy(got), torch.from_numpy(expected), rtol=1e-6, atol=1e-6
+        )
+    assert metrics[TRAIN_LOSS] == pytest.approx(oracle_metrics[TRAIN_LOSS], rel=1e-9)
+    assert metrics[NUM_REPLIES] == 3 and metrics[NUM_FAILURES] == 0
+    assert metrics[BYTES_DOWN] == 3 * state_to_arrays(random_state(9)).count_bytes()
+    assert metrics[BYTES_UP] == sum(
+        state_to_arrays(random_state(k)).count_bytes() for k in range(3)
+    )
+
+
+def test_fedprox_with_zero_mu_aggregates_as_fedavg_and_sends_mu() -> None:
+    grid = InProcessGrid(
+        [fixed_reply_node({ARRAYS: random_state(k)}, {NUM_EXAMPLES: k + 1}) for k in range(3)]
+    )
+    arrays = state_to_arrays(random_state(7))
+    fedavg_arrays, _ = one_round(FedAvg(min_available_nodes=3), grid, arrays)
+    fedprox_arrays, _ = one_round(FedProx(proximal_mu=0.0, min_available_nodes=3), grid, arrays)
+    assert fedavg_arrays is not None and fedprox_arrays is not None
+    for key in fedavg_arrays:
+        assert (fedavg_arrays[key].numpy() == fedprox_arrays[key].numpy()).all()
+    messages = FedProx(proximal_mu=0.25).configure_train(2, arrays, ConfigRecord(), grid)
+    configs = [message.content[CONFIG] for message in messages]
+    assert [c[PROXIMAL_MU] for c in configs] == [0.25] * 3
+    assert {c[STRATEGY] for c in configs} == {"fedprox"}
+
+
+def test_train_config_carries_protocol_and_user_entries_without_mutating_them() -> None:
+    grid = InProcessGrid([fixed_reply_node({}, {})] * 2)
+    arrays = state_to_arrays(initial_state())
+    user = ConfigRecord({"lr": 0.01})
+
+    def sent_config(strategy: ProtocolStrategy, config: ConfigRecord) -> dict:
+        return dict(next(iter(strategy.configure_train(4, arrays, config, grid))).content[CONFIG])
+
+    protocol = {STRATEGY: "fedavg", SERVER_ROUND: 4}
+    assert sent_config(FedAvg(local_steps=5), user) == {"lr": 0.01, LOCAL_STEPS: 5, **protocol}
+    assert sent_config(FedAvg(), user) == {"lr": 0.01, LOCAL_STEPS: 1, **protocol}
+    assert sent_config(FedAvg(), ConfigRecord({LOCAL_STEPS: 8}))[LOCAL_STEPS] == 8
+    assert dict(user) == {"lr": 0.01}
+    with pytest.raises(ValueError, match="'local-steps'=2"):
+        FedAvg(local_steps=5).configure_train(1, arrays, ConfigRecord({LOCAL_STEPS: 2}), grid)
+    with pytest.raises(ValueError, match="'strategy'='scaffold'"):
+        FedAvg().configure_train(1, arrays, ConfigRecord({STRATEGY: "scaffold"}), grid)
+    with pytest.raises(ValueError, match="'local-steps' must be a positive integer"):
+        FedAvg().configure_train(1, arrays, ConfigRecord({LOCAL_STEPS: 0.5}), grid)
+
+
+# ------------------------------------------------------------------ Scaffold
+
+
+def run_least_squares(strategy: ProtocolStrategy, rounds: int, lr: float = 0.05) -> State:
+    problems = heterogeneous_problems()
+    grid = InProcessGrid([least_squares_app(problems, lr)] * len(problems), raise_errors=True)
+    result = strategy.start(grid, state_to_arrays(initial_state()), num_rounds=rounds)
+    return arrays_to_state(result.arrays)
+
+
+def test_scaffold_reaches_the_minimiser_where_fedavg_drifts() -> None:
+    optimum = joint_minimiser(heterogeneous_problems())
+    options = {"min_available_nodes": 4, "fraction_evaluate": 0.0, "local_steps": 10}
+    scaffold = flat(run_least_squares(Scaffold(**options), rounds=60))
+    fedavg = flat(run_least_squares(FedAvg(**options), rounds=60))
+    scaffold_error = float((scaffold - optimum).norm())
+    fedavg_error = float((fedavg - optimum).norm())
+    assert scaffold_error < 1e-9
+    assert fedavg_error > 0.1  # FedAvg's fixed point with K > 1 local steps is biased (0.31)
+
+
+# ------------------------------------------------------------------ DecentNeRF
+
+
+def test_decentnerf_aggregates_alpha_weighted_states_and_sums_gradients() -> None:
+    problems = heterogeneous_problems()
+    produced: list[Produced] = []
+    app = least_squares_app(problems, lr=0.05, alphas=[0.5, 1.0, 1.5, 2.0], produced=produced)
+    grid = InProcessGrid([app] * len(problems), raise_errors=True)
+    aggregates: dict[int, State] = {}
+
+    def keep(server_round: int, arrays: ArrayRecord) -> None:
+        aggregates[server_round] = arrays_to_state(arrays)
+
+    strategy = DecentNeRF(
+        alpha_lr=1e-3, local_steps=3, min_available_nodes=4, fraction_evaluate=0.0
+    )
+    strategy.start(grid, state_to_arrays(initial_state()), num_rounds=3, evaluate_fn=keep)
+
+    for server_round in (1, 2, 3):
+        rows = [p for p in produced if p.server_round == server_round]
+        assert len(rows) == 4
+        total = sum(p.alpha for p in rows)
+        for key in ("weight", "bias"):
+            expected = sum(p.alpha * p.local_state[key] for p in rows) / total
+            torch.testing.assert_close(
+                aggregates[server_round][key], expected, rtol=1e-12, atol=1e-12
+            )
+        sent = [m for m in grid.sent if m.metadata.group_id == str(server_round)]
+        queries = [m for m in sent if m.metadata.message_type == GRADIENT_QUERY]
+        trains = [m for m in sent if m.metadata.message_type == "train"]
+        assert len(trains) == 4
+        if server_round == 1:
+            assert queries == [] and all(GRADIENT not in m.content for m in trains)
+            continue
+        assert len(queries) == 4
+        answers = [
+            arrays_to_state(m.content[GRADIENT])
+            for m in grid.received
+            if m.metadata.group_id == str(server_round)
+            and m.metadata.message_type == GRADIENT_QUERY
+        ]
+        gradient_sum = state_sum(answers)
+        for message in trains:
+            sent_sum = arrays_to_state(message.content[GRADIENT])
+            for key in gradient_sum:
+                torch.testing.assert_close(sent_sum[key], gradient_sum[key], rtol=0, atol=0)
+    alphas = {p.node_id: p.alpha for p in produced if p.server_round == 3}
+    assert alphas != {p.node_id: p.alpha for p in produced if p.server_round == 1}
+
+
+class SecureSumStandIn(DecentNeRF):
+    """Returns a fixed 'secure' sum, so any other read of a reply's arrays would fail."""
+
+    def __init__(self, summed: State) -> None:
+        super().__init__(min_available_nodes=2)
+        self.summed = summed
+        self.calls: list[tuple[str, int]] = []
+
+    def sum_states(
+        self,
+        node_ids: Sequence[int],
+        record_name: str,
+        replies: Sequence[Message],
+        expected_shapes: Mapping[str, tuple[int, ...]],
+    ) -> State:
+        self.calls.append((record_name, len(replies)))
+        return self.summed
+
+
+def test_decentnerf_reads_only_summed_payloads() -> None:
+    summed = {
+        "weight": torch.tensor([2.0, 4.0, 6.0], dtype=F64),
+        "bias": torch.tensor([1.0], dtype=F64),
+    }
+    summed[ALPHA_KEY] = torch.tensor([4.0], dtype=F64)
+    # replies carry metrics only: no per-client payload exists for the strategy to read
+    grid = InProcessGrid([fixed_reply_node({}, {NUM_EXAMPLES: 5, TRAIN_LOSS: 1.0})] * 2)
+    strategy = SecureSumStandIn(summed)
+    arrays, metrics = one_round(strategy, grid, state_to_arrays(initial_state()))
+    assert strategy.calls == [(ARRAYS, 2)]
+    assert arrays is not None and metrics is not None and metrics[TRAIN_LOSS] == 1.0
+    expected = decentnerf_aggregate(summed)
+    for key, value in arrays_to_state(arrays).items():
+        torch.testing.assert_close(value, expected[key])
+
+
+def test_decentnerf_drops_a_failed_reply_and_keeps_the_scale() -> None:
+    def payload(value: float, alpha: float) -> State:
+        state = {
+            "weight": torch.full((3,), value, dtype=F64),
+            "bias": torch.full((1,), value, dtype=F64),
+        }
+        return alpha_weighted_payload(state, alpha)
+
+    def failing(message: Message, context: Context) -> Message:
+        raise RuntimeError("out of memory")
+
+    grid = InProcessGrid(
+        [
+            fixed_reply_node({ARRAYS: payload(1.0, 1.0)}, {}),
+            fixed_reply_node({ARRAYS: payload(4.0, 3.0)}, {}),
+            failing,
+        ]
+    )
+    arrays, metrics = one_round(
+        DecentNeRF(min_available_nodes=3), grid, state_to_arrays(initial_state())
+    )
+    assert arrays is not None and metrics is not None
+    assert metrics[NUM_REPLIES] == 2 and metrics[NUM_FAILURES] == 1
+    for value in arrays_to_state(arrays).values():
+        torch.testing.assert_close(value, torch.full_like(value, (1.0 + 12.0) / 4.0))
+
+
+# ------------------------------------------------------------------ bad replies
+
+
+def bad_replies() -> list[tuple[str, State, str]]:
+    nan = {
+        "weight": torch.tensor([0.0, float("nan"), 0.0], dtype=F64),
+        "bias": torch.zeros(1, dtype=F64),
+    }
+    wide = {"weight": torch.zeros(4, dtype=F64), "bias": torch.zeros(1, dtype=F64)}
+    missing = {"weight": torch.zeros(3, dtype=F64)}
+    return [
+        ("nan", nan, r"key 'weight' has non-finite values"),
+        ("shape", wide, r"key 'weight' has shape \(4,\), expected \(3,\)"),
+        ("missing", missing, r"missing keys \['bias'\]"),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_replies(), ids=lambda case: case[0])
+@pytest.mark.parametrize("strategy_name", ["fedavg", "scaffold", "decentnerf"])
+def test_a_bad_reply_raises_one_clear_error(
+    case: tuple[str, State, str], strategy_name: str
+) -> None:
+    _, bad, message = case
+    good = initial_state()
+    if strategy_name == "decentnerf":
+        good, bad = alpha_weighted_payload(good, 1.0), {**bad, ALPHA_KEY: torch.ones(1, dtype=F64)}
+    strategy: ProtocolStrategy = {
+        "fedavg": FedAvg(),
+        "scaffold": Scaffold(),
+        "decentnerf": DecentNeRF(),
+    }[strategy_name]
+    zeros = {key: torch.zeros_like(value) for key, value in initial_state().items()}
+    grid = InProcessGrid(
+        [
+            fixed_reply_node({ARRAYS: good, CONTROL_DELTA: zeros}, {NUM_EXAMPLES: 1}),
+            fixed_reply_node({ARRAYS: bad, CONTROL_DELTA: zeros}, {NUM_EXAMPLES: 1}),
+        ]
+    )
+    with pytest.raises(ValueError, match=rf"node 102, record 'arrays': {message}"):
+        one_round(strategy, grid, state_to_arrays(initial_state()))
+    if isinstance(strategy, Scaffold):  # nothing half-applied: c is still zero
+        assert all(not c.any() for c in strategy.server_control.values())
+
+
+def test_a_missing_example_count_names_node_and_key() -> None:
+    grid = InProcessGrid(
+        [fixed_reply_node({ARRAYS: initial_state()}, {NUM_EXAMPLES: 2})] * 2
+        + [fixed_reply_node({ARRAYS: initial_state()}, {TRAIN_LOSS: 0.5})]
+    )
+    with pytest.raises(
+        ValueError, match="node 103, record 'metrics': missing metric 'num-examples'"
+    ):
+        one_round(FedAvg(), grid, state_to_arrays(initial_state()))
+
+
+# ------------------------------------------------------------------ end to end
+
+
+STRATEGIES: dict[str, Callable[[], ProtocolStrategy]] = {
+    "fedavg": lambda: FedAvg(local_steps=2),
+    "fedprox": lambda: FedProx(proximal_mu=0.1, local_steps=2),
+    "scaffold": lambda: Scaffold(local_steps=2),
+    "decentnerf": lambda: DecentNeRF(alpha_lr=1e-3, local_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_start_runs_three_rounds_through_real_client_apps(name: str) -> None:
+    problems = heterogeneous_problems(count=3)
+    app = least_squares_app(problems, lr=0.05, alphas=[1.0, 1.0, 1.0])
+    grid = InProcessGrid([app] * 3, raise_errors=True)
+    initial = state_to_arrays(initial_state())
+    result = STRATEGIES[name]().start(
+        grid, initial, num_rounds=3, train_config=ConfigRecord({"lr": 0.05})
+    )
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    assert sorted(result.evaluate_metrics_clientapp) == [1, 2, 3]
+    for metrics in result.train_metrics_clientapp.values():
+        assert metrics[NUM_REPLIES] == 3 and metrics[BYTES_UP] > 0 and metrics[BYTES_DOWN] > 0
+    losses = [result.evaluate_metrics_clientapp[r]["eval-loss"] for r in (1, 3)]
+    assert losses[1] < losses[0]
+    final = arrays_to_state(result.arrays)
+    assert final.keys() == {"weight", "bias"} and all(v.dtype == F64 for v in final.values())
+    train_configs = [m.content[CONFIG] for m in grid.sent if m.metadata.message_type == "train"]
+    assert {c[STRATEGY] for c in train_configs} == {name}
+    assert {c["lr"] for c in train_configs} == {0.05}
+
+
+# ------------------------------------------------------------------ harness
+
+
+def test_harness_persists_node_state_copies_content_and_reports_errors() -> None:
+    def counter(message: Message, context: Context) -> Message:
+        count = int(context.state["count"]["n"]) + 1 if "count" in context.state else 1
+        context.state["count"] = ConfigRecord({"n": count})
+        message.content[CONFIG]["touched"] = True  # must not reach the server's copy
+        if context.node_config["partition-id"] == 1:
+            raise RuntimeError("boom")
+        return Message(RecordDict({METRICS: MetricRecord({"n": count})}), reply_to=message)
+
+    grid = InProcessGrid([counter, counter])
+    content = RecordDict({CONFIG: ConfigRecord({"a": 1})})
+    for _ in range(2):
+        replies = list(
+            grid.send_and_receive([Message(content, 101, "train"), Message(content, 102, "train")])
+        )
+    assert "touched" not in content[CONFIG] and "touched" not in grid.sent[0].content[CONFIG]
+    ok, failed = sorted(replies, key=lambda r: r.metadata.src_node_id)
+    assert ok.content[METRICS]["n"] == 2 and "boom" in failed.error.reason
+    assert len(grid.sent) == len(grid.received) == 4
+    grid.offline.add(102)
+    assert [
+        r.metadata.src_node_id for r in grid.send_and_receive([Message(content, 102, "train")])
+    ] == []
