@@ -47,6 +47,8 @@ OCCUPANCY = "occupancy"
 PREVIOUS_GLOBAL = "previous-global"
 CLIENT_CONTROL = "client-control"
 USER = "user"  # ConfigRecord in context.state: alpha
+OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
+GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 
 app = ClientApp()
 
@@ -75,6 +77,7 @@ def train(msg: Message, context: Context) -> Message:
         target_samples=config.target_samples,
         personal_density_weight=config.personal_density_weight,
         proximal_mu=config.proximal_mu if config.strategy == "fedprox" else 0.0,
+        occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.seed * 100_003 + int(round_config["server-round"]) * 1009 + _user(context),
     )
     result = local_train(
@@ -120,6 +123,7 @@ def gradient(msg: Message, context: Context) -> Message:
         render_config(scene),
         _occupancy(context, scene),
         personal_field=personal,
+        num_rays=GRADIENT_RAYS,
         seed=config.seed + int(msg.content[CONFIG]["server-round"]),
     )
     return Message(RecordDict({GRADIENT: state_to_arrays(grads)}), reply_to=msg)
@@ -148,7 +152,7 @@ def _user_scene(context: Context, config: FederatedConfig) -> Scene:
     return _load_user_scene(str(_user_dir(context, config)), config.downscale)
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=64)
 def _load_user_scene(path: str, downscale: float) -> Scene:
     """A user's views, read once per process (simulation actors serve many rounds)."""
     return load_scene(path, downscale=downscale)

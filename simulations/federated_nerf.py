@@ -83,7 +83,12 @@ class ServerAudit:
         self.history: list[dict[str, Any]] = []
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Flower's evaluate_fn: score a spread of user views (and held-out views) this round."""
+        """Flower's evaluate_fn: score a spread of user views (and held-out views) this round.
+
+        Round 0 (the random initial field) is not rendered: it says nothing and is slow.
+        """
+        if server_round == 0:
+            return MetricRecord({"round": 0.0})
         self._load(arrays)
         every = max(1, len(self.data.users) // max(1, self.config.eval_views_per_round))
         users = self.data.users[::every][: self.config.eval_views_per_round]

@@ -64,19 +64,51 @@ def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
     return crowd.resolve()
 
 
-def superlink_pid() -> int | None:
-    """PID of the process listening on our SuperLink port, if any."""
-    listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    for line in listing.splitlines():
-        if f":{SUPERLINK_PORT} " in line:
-            match = re.search(r"pid=(\d+)", line)
-            return int(match.group(1)) if match else None
-    return None
+def our_superlinks() -> list[int]:
+    """PIDs of `flower-superlink` processes running with this project's FLWR_HOME."""
+    marker = f"FLWR_HOME={ENVIRONMENT['FLWR_HOME']}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes()
+            environment = (proc / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if b"flower-superlink" in command and marker in environment.split(b"\0"):
+            found.append(int(proc.name))
+    return found
+
+
+def stop_tree(pid: int) -> None:
+    """SIGTERM `pid` and every process below it (SuperExec, simulation runtime, Ray)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(proc.name))
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        tree.append(current)
+        frontier.extend(children.get(current, []))
+    for member in reversed(tree):
+        try:
+            os.kill(member, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = {**os.environ, **ENVIRONMENT}
+    # flwr starts `flower-superlink` by name: the venv's scripts must come first on PATH.
+    scripts = str(Path(sys.executable).parent)
+    env = {**os.environ, **ENVIRONMENT, "PATH": f"{scripts}:{os.environ.get('PATH', '')}"}
     Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
     crowd = crowd_dataset(args, env)
     strategy = re.search(r"strategy\s*=\s*['\"](\w+)", args.run_config)
@@ -86,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     users = len(list(crowd.glob("user_*")))
     federation = f"num-supernodes={users} client-resources-num-cpus=1"
     flwr = str(Path(sys.executable).with_name("flwr"))
-    started_superlink = superlink_pid() is None
+    already_running = set(our_superlinks())
     command = [flwr, "run", str(ROOT), "--stream", "--federation-config", federation]
     command += ["--run-config", f"{run_config} {args.run_config}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
@@ -97,10 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print("fedfields: flwr run did not start a run", file=sys.stderr)
             return 1
         status = _run_status(flwr, run_id[1], env)
-    finally:
-        pid = superlink_pid()
-        if started_superlink and pid is not None:
-            os.kill(pid, signal.SIGTERM)
+    finally:  # Flower leaves the SuperLink it started running (pitfall P3): stop ours
+        for pid in set(our_superlinks()) - already_running:
+            stop_tree(pid)
     if status != "finished:completed":
         print(f"fedfields: run {run_id[1]} ended as {status!r}; see the log above", file=sys.stderr)
         return 1

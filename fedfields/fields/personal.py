@@ -21,6 +21,11 @@ def _personal_encoding() -> HashGridConfig:
     return HashGridConfig(num_levels=8, log2_hashmap_size=14, max_resolution=256)
 
 
+# Personal density starts near exp(-4): a personal field is empty until its data needs it, so
+# at the start it neither hides the global field nor keeps occupancy grids dense.
+INITIAL_DENSITY_SHIFT = 4.0
+
+
 @dataclass(frozen=True)
 class PersonalFieldConfig:
     """A small hash grid with density and colour heads and one appearance embedding per image."""
@@ -58,7 +63,7 @@ class PersonalField(Field):
 
     def _geometry(self, points: Tensor) -> tuple[Tensor, Tensor]:
         features = self.density_head(self.encoding(normalise_to_box(points, self.aabb)))
-        return trunc_exp(features[:, 0] - 1.0), features[:, 1:]
+        return trunc_exp(features[:, 0] - INITIAL_DENSITY_SHIFT), features[:, 1:]
 
     def density(self, points: Tensor) -> Tensor:
         return self._geometry(points)[0]

@@ -23,9 +23,9 @@ class FederatedConfig:
     """Settings of one federated NeRF run; field names are the run-config keys in snake_case."""
 
     strategy: str = "decentnerf"
-    num_server_rounds: int = 6
-    local_steps: int = 40
-    fraction_train: float = 1.0
+    num_server_rounds: int = 8
+    local_steps: int = 32
+    fraction_train: float = 0.5
     min_train_nodes: int = 2
     data_dir: str = ""  # absolute path of a `fedfields data crowd` dataset
     run_dir: str = ""  # "" -> runs/<time>-<strategy> under the working directory
@@ -38,7 +38,7 @@ class FederatedConfig:
     alpha_lr: float = 1e-4
     scaffold_global_lr: float = 1.0
     hash_log2_size: int = 15
-    eval_views_per_round: int = 8
+    eval_views_per_round: int = 4
     seed: int = 0
 
     def __post_init__(self) -> None:

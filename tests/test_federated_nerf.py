@@ -1,0 +1,165 @@
+"""The federated NeRF job end to end: in-process Flower grid, and once through Ray."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import ArrayRecord
+
+from clients.client_app import PERSONAL
+from fedfields.aggregate import ALPHA_KEY
+from fedfields.cli import main as fedfields_main
+from fedfields.data import load_scene
+from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+from fedfields.flower_io import arrays_to_state
+from fedfields.train.run_config import FederatedConfig
+from simulations.federated_nerf import run_federated_nerf
+from simulations.run import client_app, run_with_ray
+
+ROOT = Path(__file__).resolve().parents[1]
+LEGO = ROOT / "data" / "lego"
+
+
+@pytest.fixture(scope="module")
+def crowd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 users x 3 views of lego at 25x25, with 2 held-out views kept (the rest dropped)."""
+    lego = load_scene(LEGO, downscale=8, background=(0.0, 0.0, 0.0))
+    crowd = build_crowd(lego, CrowdConfig(users=3, views_per_user=3, seed=0), progress=False)
+    out = tmp_path_factory.mktemp("fed") / "crowd"
+    write_crowd(crowd, out)
+    heldout = out / "heldout" / "transforms.json"
+    meta = json.loads(heldout.read_text())
+    meta["frames"] = meta["frames"][:2]  # keeps the audit fast
+    heldout.write_text(json.dumps(meta))
+    return out
+
+
+def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> dict:
+    """A run-config small enough for a test: 2 rounds of 3 local steps on a 2^12 table."""
+    return {
+        "data-dir": str(crowd_dir),
+        "run-dir": str(run_dir),
+        "strategy": strategy,
+        "num-server-rounds": 2,
+        "local-steps": 3,
+        "fraction-train": 1.0,
+        "eval-views-per-round": 1,
+        "target-samples": 4096,
+        "hash-log2-size": 12,
+        **overrides,
+    }
+
+
+def _run_in_process(config: dict, users: int = 3) -> tuple[Path, InProcessGrid]:
+    grid = InProcessGrid([client_app(config)] * users, raise_errors=True)
+    return run_federated_nerf(grid, config), grid
+
+
+def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsys) -> None:
+    run_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / "run", "decentnerf"))
+    names = {p.name for p in run_dir.iterdir()}
+    expected = {"config.json", "metrics.jsonl", "checkpoint.pt", "renders", "summary.json"}
+    assert expected | {"alphas.jsonl", "alphas.png", "leakage.png"} <= names
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["server-flops"] > 0 and 0 < r["clean-psnr"] < 60 for r in rounds)
+    alphas = [json.loads(line) for line in (run_dir / "alphas.jsonl").read_text().splitlines()]
+    assert sorted({(a["round"], a["user"]) for a in alphas}) == [
+        (r, u) for r in (1, 2) for u in range(3)
+    ]
+    assert len(list((run_dir / "renders").glob("user_*.png"))) == 3
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert FederatedConfig.from_run_config(saved).strategy == "decentnerf"
+    # The server's checkpoint is what `fedfields eval` reads.
+    code = fedfields_main(
+        [
+            "eval",
+            "--checkpoint",
+            str(run_dir / "checkpoint.pt"),
+            "--scene",
+            str(crowd_dir / "heldout"),
+        ]
+        + ["--no-progress"]
+    )
+    assert code == 0
+    reported = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = json.loads((run_dir / "summary.json").read_text())["final"]
+    assert reported["psnr"] == pytest.approx(summary["heldout-psnr"], abs=0.5)
+
+
+def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path: Path) -> None:
+    config = tiny(crowd_dir, tmp_path / "run", "decentnerf")
+    _, grid = _run_in_process(config)
+    personal = [
+        tensor
+        for context in grid.contexts.values()
+        for tensor in arrays_to_state(context.state[PERSONAL]).values()
+    ]
+    assert personal, "clients kept no personal field"
+    global_keys = None
+    replies = [reply for reply in grid.received if not reply.has_error()]
+    assert len(replies) == 3 + 3 + 3  # round 1 train, round 2 gradient query and train
+    for reply in replies:
+        for name, record in reply.content.items():
+            if not isinstance(record, ArrayRecord):
+                assert "alpha" not in json.dumps(dict(record)), f"{name} carries alpha"
+                continue
+            state = arrays_to_state(record)
+            keys = set(state) - {ALPHA_KEY}
+            global_keys = global_keys or keys
+            assert keys == global_keys, "a reply carries tensors beyond the global field"
+            for sent in state.values():
+                for kept in personal:
+                    same = sent.shape == kept.shape and torch.allclose(sent, kept)
+                    assert not same, f"reply record {name!r} contains a personal tensor"
+    embedding_shape = (3, 8)  # 3 images x 8 appearance dimensions per user
+    assert any(t.shape == embedding_shape for t in personal)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "scaffold"])
+def test_baselines_run_in_process(crowd_dir: Path, tmp_path: Path, strategy: str) -> None:
+    run_dir, grid = _run_in_process(tiny(crowd_dir, tmp_path / strategy, strategy))
+    assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "alphas.jsonl").exists()
+    for context in grid.contexts.values():
+        assert PERSONAL not in context.state  # FedNeRF and the others share everything
+    final = json.loads((run_dir / "summary.json").read_text())["final"]
+    assert 0 < final["clean-psnr"] < 60
+
+
+def test_one_round_through_flowers_ray_simulation_engine(crowd_dir: Path, tmp_path: Path) -> None:
+    config = tiny(crowd_dir, tmp_path / "ray", "fedavg", **{"num-server-rounds": 1})
+    run_dir = run_with_ray(config, num_supernodes=3)
+    assert (run_dir / "checkpoint.pt").is_file()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_run_config_in_pyproject_matches_the_job_settings() -> None:
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
+    assert FederatedConfig.from_run_config(declared) == FederatedConfig()
+    assert declared == FederatedConfig().to_run_config()
+
+
+def test_bad_run_config_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown run-config keys \\['local-stepz'\\]"):
+        FederatedConfig.from_run_config({"local-stepz": 3})
+    with pytest.raises(ValueError, match="'strategy' must be one of"):
+        FederatedConfig.from_run_config({"strategy": "fedsgd"})
+    with pytest.raises(ValueError, match="'local-steps' must be int"):
+        FederatedConfig.from_run_config({"local-steps": 2.5})
+    with pytest.raises(FileNotFoundError, match="no user_NN folders"):
+        run_federated_nerf(InProcessGrid([]), {"data-dir": str(tmp_path)})
+
+
+def test_rejects_a_used_run_directory(crowd_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "old.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        run_federated_nerf(InProcessGrid([]), tiny(crowd_dir, tmp_path / "used", "fedavg"))
+    shutil.rmtree(tmp_path / "used")
