@@ -76,7 +76,7 @@ def train(msg: Message, context: Context) -> Message:
         personal_learning_rate=config.personal_learning_rate,
         target_samples=config.target_samples,
         personal_density_weight=config.personal_density_weight,
-        proximal_mu=config.proximal_mu if config.strategy == "fedprox" else 0.0,
+        proximal_mu=float(round_config.get("proximal-mu", 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.seed * 100_003 + int(round_config["server-round"]) * 1009 + _user(context),
     )
@@ -193,7 +193,8 @@ def _updated_alpha(context: Context, config: FederatedConfig, msg: Message) -> f
     previous = _state_tensors(context, PREVIOUS_GLOBAL)
     if GRADIENT in msg.content and previous is not None:
         gradient_sum = arrays_to_state(msg.content[GRADIENT])
-        alpha = alpha_update(alpha, gradient_sum, previous, config.alpha_lr)
+        alpha_lr = float(msg.content[CONFIG].get("alpha-lr", config.alpha_lr))
+        alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr)
     context.state[USER] = ConfigRecord({"alpha": alpha})
     return alpha
 

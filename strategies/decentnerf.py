@@ -40,7 +40,9 @@ class DecentNeRF(ProtocolStrategy):
     scale. If no gradient reply arrives, no GRADIENT is sent and clients keep their alpha.
 
     Args:
-        alpha_lr: eta in alpha_k <- alpha_k - eta <G, g_k^(m-1)>, sent as "alpha-lr".
+        alpha_lr: eta in alpha_k <- alpha_k - eta <G, g_k^(m-1)>, sent as "alpha-lr". The
+            paper gives no value; 0.1 moves alphas by ~0.01-0.1 per round for fedfields'
+            default 2^15 hash grid. <G, g> scales with the model, so rescale eta with it.
         query_timeout: seconds to wait for gradient replies (None waits for all).
         **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
     """
@@ -50,7 +52,7 @@ class DecentNeRF(ProtocolStrategy):
     def __init__(
         self,
         *,
-        alpha_lr: float = 1e-4,
+        alpha_lr: float = 0.1,
         query_timeout: float | None = 3600.0,
         **options: Unpack[StrategyOptions],
     ) -> None:

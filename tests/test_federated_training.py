@@ -24,6 +24,7 @@ from fedfields.fields import (
     PersonalFieldConfig,
     build_field,
 )
+from fedfields.fields.personal import INITIAL_DENSITY_SHIFT
 from fedfields.render import (
     OccupancyGrid,
     Rays,
@@ -87,11 +88,12 @@ def sample_inputs(num: int = 50, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]
 
 
 def set_density_bias(field: HashGridField | PersonalField, bias: float) -> None:
-    """Make the density head's raw output `bias` everywhere (density = exp(bias - 1))."""
+    """Make the density exp(bias - 1) everywhere, whatever shift the field's density uses."""
+    shift = INITIAL_DENSITY_SHIFT - 1.0 if isinstance(field, PersonalField) else 0.0
     with torch.no_grad():
         last = field.density_head[-1]
         last.weight[0].zero_()
-        last.bias[0] = bias
+        last.bias[0] = bias + shift
 
 
 def all_pixel_rays(scene: Scene) -> tuple[Rays, Tensor, Tensor]:

@@ -35,7 +35,7 @@ class FederatedConfig:
     target_samples: int = 1 << 14
     personal_density_weight: float = 0.01
     proximal_mu: float = 0.01
-    alpha_lr: float = 1e-4
+    alpha_lr: float = 0.1  # eta; alphas move ~0.01-0.1 per round on the default field
     scaffold_global_lr: float = 1.0
     hash_log2_size: int = 15
     eval_views_per_round: int = 4

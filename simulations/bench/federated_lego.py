@@ -1,0 +1,149 @@
+"""Benchmark: DecentNeRF vs its FedAvg-weights ablation vs FedNeRF vs centralised, one run each.
+
+All on crowdsourced lego (16 users x 5 views, 100x100) with equal total client steps: each
+federated run does rounds x sampled users x local steps optimiser steps, the centralised
+trainer does as many steps with the same samples per step on all users' photos (persons
+included, as a central server that collected the photos would). Federated runs go through
+Flower's simulation engine (Ray). Prints a markdown table; writes runs/bench_federated/*.
+
+    python -m simulations.bench.federated_lego [--rounds 8] [--local-steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedfields.aggregate import round_cost
+from fedfields.data import Scene
+from fedfields.metrics import psnr, ssim
+from fedfields.render import OccupancyGrid, render_image
+from fedfields.train import TrainConfig, train
+from fedfields.train.run_config import FederatedConfig, global_field, render_config
+from simulations.federated_nerf import CrowdData
+from simulations.launch import ROOT
+from simulations.run import run_with_ray
+
+VARIANTS = {
+    "DecentNeRF": {"strategy": "decentnerf"},
+    "DecentNeRF, FedAvg weights": {"strategy": "decentnerf", "alpha-lr": 0.0},
+    "FedNeRF (FedAvg)": {"strategy": "fedavg"},
+}
+
+
+def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[str, float]:
+    """The same global field trained on every user's photos in one place, equal steps."""
+    photos = Scene(
+        images=torch.cat([u.scene.images for u in data.users]),
+        masks=torch.cat([u.scene.masks for u in data.users]),
+        cameras=_cat_cameras([u.scene for u in data.users]),
+        image_paths=tuple(p for u in data.users for p in u.scene.image_paths),
+        background=data.users[0].scene.background,
+        aabb=data.users[0].scene.aabb,
+        near=data.users[0].scene.near,
+        far=data.users[0].scene.far,
+    )
+    field = global_field(config, photos)
+    settings = render_config(photos)
+    occupancy = OccupancyGrid(photos.aabb)
+    train_config = TrainConfig(
+        steps=steps,
+        learning_rate=config.learning_rate,
+        target_samples=config.target_samples,
+        batch_rays=512,
+        progress=False,
+    )
+    started = time.perf_counter()
+    train(field, photos, train_config, settings, occupancy)
+    seconds = time.perf_counter() - started
+    field.eval()
+    clean, personal, renders, targets = [], [], [], []
+    for user in data.users:
+        for view in range(len(user.scene)):
+            render = render_image(field, user.scene.cameras, view, settings, occupancy).rgb
+            render = render.clamp(0, 1)
+            clean.append(psnr(render, user.clean_images[view]))
+            personal.append(psnr(render, user.scene.images[view], user.personal_masks[view]))
+            renders.append(render)
+            targets.append(user.clean_images[view])
+    return {
+        "clean-psnr": float(np.mean(clean)),
+        "clean-ssim": ssim(torch.stack(renders), torch.stack(targets)),
+        "personal-psnr": float(np.mean(personal)),
+        "seconds": seconds,
+    }
+
+
+def _cat_cameras(scenes: list[Scene]):
+    first = scenes[0].cameras
+    return replace(
+        first,
+        camera_to_world=torch.cat([s.cameras.camera_to_world for s in scenes]),
+        fx=torch.cat([s.cameras.fx for s in scenes]),
+        fy=torch.cat([s.cameras.fy for s in scenes]),
+        cx=torch.cat([s.cameras.cx for s in scenes]),
+        cy=torch.cat([s.cameras.cy for s in scenes]),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--crowd", type=Path, default=ROOT / "runs" / "crowd_lego_16x5_ds2")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--local-steps", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_federated")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = CrowdData.load(str(args.crowd), 1.0)
+    base = FederatedConfig(
+        data_dir=str(args.crowd.resolve()),
+        num_server_rounds=args.rounds,
+        local_steps=args.local_steps,
+    )
+    sampled = max(int(len(data.users) * base.fraction_train), base.min_train_nodes)
+    total_steps = args.rounds * sampled * args.local_steps
+    parameters = sum(p.numel() for p in global_field(base, data.users[0].scene).parameters())
+    rows = {}
+    for name, overrides in VARIANTS.items():
+        stamp = time.strftime("%H%M%S")
+        run_dir = args.out / f"{stamp}-{overrides['strategy']}-{overrides.get('alpha-lr', 'a')}"
+        config = {**base.to_run_config(), **overrides, "run-dir": str(run_dir)}
+        started = time.perf_counter()
+        run_with_ray(config, num_supernodes=len(data.users))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        cost = round_cost(overrides["strategy"], parameters, sampled)
+        rows[name] = {
+            **summary["final"],
+            "seconds": time.perf_counter() - started,
+            "server-flops": cost.server_flops,
+            "bytes": cost.uplink_bytes + cost.downlink_bytes,
+        }
+        print(name, json.dumps(rows[name]), flush=True)
+    rows["Centralised (same steps)"] = {
+        **centralised(data, base, total_steps),
+        "server-flops": 0,
+        "bytes": 0,
+    }
+    (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    print(f"\n{total_steps} client steps in total, {parameters} federated parameters\n")
+    print(
+        "| run | clean PSNR | clean SSIM | personal-mask PSNR | server FLOPs/round | "
+        "bytes/round | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(
+            f"| {name} | {row['clean-psnr']:.2f} | {row['clean-ssim']:.3f} | "
+            f"{row['personal-psnr']:.2f} | {row['server-flops']:.3g} | {row['bytes']:.3g} | "
+            f"{row['seconds']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
