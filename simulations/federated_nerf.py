@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from logging import INFO
@@ -63,6 +64,30 @@ class CrowdData:
         if (root / "heldout" / "transforms.json").is_file():
             heldout = load_scene(root / "heldout", downscale=downscale)
         return cls(users, heldout)
+
+
+def score_crowd(
+    render: Callable[[Scene, int], torch.Tensor],
+    users: list[CrowdUser],
+    views: list[int] | None = None,
+) -> dict[str, float]:
+    """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views.
+
+    `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view.
+    """
+    clean, personal, predictions, targets = [], [], [], []
+    for user in users:
+        for view in views if views is not None else range(len(user.scene)):
+            image = render(user.scene, view)
+            clean.append(psnr(image, user.clean_images[view]))
+            personal.append(psnr(image, user.scene.images[view], user.personal_masks[view]))
+            predictions.append(image)
+            targets.append(user.clean_images[view])
+    return {
+        "clean-psnr": float(np.mean(clean)),
+        "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
+        "personal-psnr": float(np.mean(personal)),
+    }
 
 
 class ServerAudit:
@@ -140,20 +165,7 @@ class ServerAudit:
         return float(np.mean(values)), ssim(torch.stack(renders), targets), renders
 
     def _score_users(self, users: list[CrowdUser], views: list[int] | None) -> dict[str, float]:
-        """Clean-view PSNR/SSIM and PSNR inside the personal masks over the users' views."""
-        clean, personal, predictions, targets = [], [], [], []
-        for user in users:
-            for view in views if views is not None else range(len(user.scene)):
-                render = self._render(user.scene, view)
-                clean.append(psnr(render, user.clean_images[view]))
-                personal.append(psnr(render, user.scene.images[view], user.personal_masks[view]))
-                predictions.append(render)
-                targets.append(user.clean_images[view])
-        return {
-            "clean-psnr": float(np.mean(clean)),
-            "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
-            "personal-psnr": float(np.mean(personal)),
-        }
+        return score_crowd(self._render, users, views)
 
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
         """Full evaluation of the final field, checkpoint, renders and plots."""

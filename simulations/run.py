@@ -7,6 +7,7 @@ the node's persistent state (FLOWER_1_41_NOTES section 2).
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def run_with_ray(
     """Run the job through Flower's simulation engine (Ray); returns the run directory."""
     from flwr.simulation import run_simulation
 
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs to hide here
     outcome: dict[str, Path] = {}
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0}}
     with warnings.catch_warnings():

@@ -17,16 +17,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fedfields.aggregate import round_cost
-from fedfields.data import Scene
-from fedfields.metrics import psnr, ssim
+from fedfields.data import Cameras, Scene
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
-from simulations.federated_nerf import CrowdData
+from simulations.federated_nerf import CrowdData, score_crowd
 from simulations.launch import ROOT
 from simulations.run import run_with_ray
 
@@ -63,24 +61,15 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
     train(field, photos, train_config, settings, occupancy)
     seconds = time.perf_counter() - started
     field.eval()
-    clean, personal, renders, targets = [], [], [], []
-    for user in data.users:
-        for view in range(len(user.scene)):
-            render = render_image(field, user.scene.cameras, view, settings, occupancy).rgb
-            render = render.clamp(0, 1)
-            clean.append(psnr(render, user.clean_images[view]))
-            personal.append(psnr(render, user.scene.images[view], user.personal_masks[view]))
-            renders.append(render)
-            targets.append(user.clean_images[view])
-    return {
-        "clean-psnr": float(np.mean(clean)),
-        "clean-ssim": ssim(torch.stack(renders), torch.stack(targets)),
-        "personal-psnr": float(np.mean(personal)),
-        "seconds": seconds,
-    }
+
+    def render(scene: Scene, view: int) -> torch.Tensor:
+        return render_image(field, scene.cameras, view, settings, occupancy).rgb.clamp(0, 1)
+
+    return {**score_crowd(render, data.users), "seconds": seconds}
 
 
-def _cat_cameras(scenes: list[Scene]):
+def _cat_cameras(scenes: list[Scene]) -> Cameras:
+    """All scenes' cameras as one set (they share one image size)."""
     first = scenes[0].cameras
     return replace(
         first,
