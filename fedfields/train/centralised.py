@@ -146,6 +146,7 @@ class PixelBatch:
     rays: Rays
     colors: Tensor  # [R, 3]
     background: Tensor  # [3] or [R, 3]
+    image_index: Tensor  # [R] int64: each pixel's view (for per-image appearance embeddings)
 
 
 class PixelSampler:
@@ -164,16 +165,21 @@ class PixelSampler:
         self.random_background = random_background and bool((self.transparency > 0).any())
 
     def sample(self, count: int) -> PixelBatch:
+        """`count` uniformly random pixels of all views."""
         flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
+        return self.pixels(flat)
+
+    def pixels(self, flat: Tensor) -> PixelBatch:
+        """Pixels at flat indices (view-major, then row, then column)."""
         pixels_per_view = self.cameras.height * self.cameras.width
         view, within = flat // pixels_per_view, flat % pixels_per_view
         row, column = within // self.cameras.width, within % self.cameras.width
         rays = pixel_rays(self.cameras, view, row, column)
         if not self.random_background:
-            return PixelBatch(rays, self.colors[flat], self.background)
-        background = torch.rand(count, 3, device=self.colors.device)
+            return PixelBatch(rays, self.colors[flat], self.background, view)
+        background = torch.rand(len(flat), 3, device=self.colors.device)
         shift = self.transparency[flat, None] * (background - self.background)
-        return PixelBatch(rays, self.colors[flat] + shift, background)
+        return PixelBatch(rays, self.colors[flat] + shift, background, view)
 
 
 def resolve_device(device: str) -> torch.device:

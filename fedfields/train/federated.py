@@ -20,9 +20,8 @@ from torch import Tensor
 from fedfields.aggregate import proximal_term
 from fedfields.data.scene import Scene
 from fedfields.fields import Field, GlobalPersonalField, PersonalField
-from fedfields.render import OccupancyGrid, RenderConfig, pixel_rays, render_rays
+from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import (
-    PixelBatch,
     PixelSampler,
     adapt_batch_rays,
     make_optimizer,
@@ -164,7 +163,7 @@ def local_train(
         ).param_groups
         for group in personal_groups:
             optimizer.add_param_group(group)
-    sampler = _ImagePixelSampler(scene, config.random_background)
+    sampler = PixelSampler(scene, config.random_background)
     recent: deque[float] = deque(maxlen=LOSS_WINDOW)
     batch_rays, total_rays, total_samples = config.batch_rays, 0, 0
     start = time.perf_counter()
@@ -251,7 +250,7 @@ def loss_gradient(
         personal_field.to(device)
     field = _composite(global_field, personal_field, len(scene))
     scene = scene.to(device)
-    sampler = _ImagePixelSampler(scene, random_background=False)
+    sampler = PixelSampler(scene, random_background=False)
     num_pixels = sampler.colors.shape[0]
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randperm(num_pixels, generator=generator)[:num_rays].to(device)
@@ -271,34 +270,6 @@ def loss_gradient(
         name: (torch.zeros_like(p) if g is None else g).detach().cpu()
         for (name, p), g in zip(parameters.items(), gradients, strict=True)
     }
-
-
-@dataclass
-class _ImagePixelBatch(PixelBatch):
-    """Training pixels with the index of each one's image within the scene."""
-
-    image_index: Tensor  # [R] int64
-
-
-class _ImagePixelSampler(PixelSampler):
-    """`PixelSampler` that also reports each pixel's image (NeRF-W's appearance index)."""
-
-    def sample(self, count: int) -> _ImagePixelBatch:
-        """`count` uniformly random pixels of all views."""
-        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
-        return self.pixels(flat)
-
-    def pixels(self, flat: Tensor) -> _ImagePixelBatch:
-        """Pixels at flat indices (view-major, then row, then column)."""
-        pixels_per_view = self.cameras.height * self.cameras.width
-        view, within = flat // pixels_per_view, flat % pixels_per_view
-        row, column = within // self.cameras.width, within % self.cameras.width
-        rays = pixel_rays(self.cameras, view, row, column)
-        if not self.random_background:
-            return _ImagePixelBatch(rays, self.colors[flat], self.background, view)
-        background = torch.rand(len(flat), 3, device=self.colors.device)
-        shift = self.transparency[flat, None] * (background - self.background)
-        return _ImagePixelBatch(rays, self.colors[flat] + shift, background, view)
 
 
 def _composite(global_field: Field, personal_field: PersonalField | None, num_images: int) -> Field:
