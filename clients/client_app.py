@@ -61,10 +61,11 @@ def train(msg: Message, context: Context) -> Message:
     scene = _user_scene(context, config)
     field = _global_field(config, scene, msg)
     occupancy = _occupancy(context, scene)
-    personal = _personal_field(context, scene) if config.personal else None
+    strategy = _strategy(config, msg)
+    personal = _personal_field(context, scene) if strategy == "decentnerf" else None
     reference = federated_state(field)
     scaffold = None
-    if config.strategy == "scaffold":
+    if strategy == "scaffold":
         server_control = arrays_to_state(msg.content[SERVER_CONTROL])
         client_control = _state_tensors(context, CLIENT_CONTROL) or {
             key: torch.zeros_like(value) for key, value in server_control.items()
@@ -94,7 +95,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics = {"train-loss": result.loss, "train-psnr": result.psnr}
     local_state = federated_state(field)
     content = RecordDict()
-    if config.strategy == "decentnerf":
+    if strategy == "decentnerf":
         context.state[PERSONAL] = state_to_arrays(personal.state_dict())
         alpha = _updated_alpha(context, config, msg)
         context.state[PREVIOUS_GLOBAL] = state_to_arrays(local_state)
@@ -116,7 +117,7 @@ def gradient(msg: Message, context: Context) -> Message:
     config = FederatedConfig.from_run_config(context.run_config)
     scene = _user_scene(context, config)
     field = _global_field(config, scene, msg)
-    personal = _personal_field(context, scene) if config.personal else None
+    personal = _personal_field(context, scene) if _strategy(config, msg) == "decentnerf" else None
     grads = loss_gradient(
         field,
         scene,
@@ -127,6 +128,11 @@ def gradient(msg: Message, context: Context) -> Message:
         seed=config.seed + int(msg.content[CONFIG]["server-round"]),
     )
     return Message(RecordDict({GRADIENT: state_to_arrays(grads)}), reply_to=msg)
+
+
+def _strategy(config: FederatedConfig, msg: Message) -> str:
+    """The strategy named in the server's message (a plug-in server's wins), else run-config's."""
+    return str(msg.content[CONFIG].get("strategy", config.strategy))
 
 
 def _user(context: Context) -> int:

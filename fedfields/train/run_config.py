@@ -74,11 +74,6 @@ class FederatedConfig:
                     f"run-config '{_dash(name)}' must be a finite number >= 0, got {value}"
                 )
 
-    @property
-    def personal(self) -> bool:
-        """Whether clients keep a personal field (DecentNeRF); FedNeRF and the others do not."""
-        return self.strategy == "decentnerf"
-
     def to_run_config(self) -> dict[str, Any]:
         """The dash-case run-config dict that `from_run_config` reads back."""
         return {_dash(key): value for key, value in asdict(self).items()}
