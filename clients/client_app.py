@@ -1,6 +1,8 @@
-"""The NeRF ClientApp: one user's views, a global field it shares and a personal field it keeps.
+"""The ClientApp: the NeRF scene job, or FedMeNF's meta-learning when run-config `task` says so.
 
-Handlers are thin glue over `fedfields.train.federated`. What stays on the node lives in
+For `task` faces, video or objects the train handler is `clients.meta_client.train`. The scene
+job: one user's views, a global field it shares and a personal field it keeps; handlers are
+thin glue over `fedfields.train.federated`. What stays on the node lives in
 `context.state` across rounds: DecentNeRF's personal field and appearance embeddings, the
 user's alpha and last local global field, the occupancy grid, Scaffold's client control.
 Replies carry only what the strategy needs: the global field (or alpha * g_k and alpha for
@@ -17,6 +19,8 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients import meta_client
+from clients.meta_client import client_index
 from fedfields.aggregate import alpha_update, alpha_weighted_payload
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
@@ -57,6 +61,8 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     """Train locally from the received global field; reply with what the strategy aggregates."""
     config = FederatedConfig.from_run_config(context.run_config)
+    if config.task != "scene":
+        return meta_client.train(msg, context)
     round_config = msg.content[CONFIG]
     scene = _user_scene(context, config)
     field = _global_field(config, scene, msg)
@@ -64,6 +70,7 @@ def train(msg: Message, context: Context) -> Message:
     strategy = _strategy(config, msg)
     personal = _personal_field(context, scene) if strategy == "decentnerf" else None
     reference = federated_state(field)
+    user = client_index(context)
     scaffold = None
     if strategy == "scaffold":
         server_control = arrays_to_state(msg.content[SERVER_CONTROL])
@@ -79,7 +86,7 @@ def train(msg: Message, context: Context) -> Message:
         personal_density_weight=config.personal_density_weight,
         proximal_mu=float(round_config.get("proximal-mu", 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
-        seed=config.seed * 100_003 + int(round_config["server-round"]) * 1009 + _user(context),
+        seed=config.seed * 100_003 + int(round_config["server-round"]) * 1009 + user,
     )
     result = local_train(
         field,
@@ -100,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
         alpha = _updated_alpha(context, config, msg)
         context.state[PREVIOUS_GLOBAL] = state_to_arrays(local_state)
         content[ARRAYS] = state_to_arrays(alpha_weighted_payload(local_state, alpha))
-        _log_alpha(round_config, _user(context), alpha)
+        _log_alpha(round_config, user, alpha)
     else:
         content[ARRAYS] = state_to_arrays(local_state)
         metrics["num-examples"] = result.num_examples
@@ -132,17 +139,7 @@ def gradient(msg: Message, context: Context) -> Message:
 
 def _strategy(config: FederatedConfig, msg: Message) -> str:
     """The strategy named in the server's message (a plug-in server's wins), else run-config's."""
-    return str(msg.content[CONFIG].get("strategy", config.strategy))
-
-
-def _user(context: Context) -> int:
-    """This node's user index: `partition-id` in simulation, or `user` in node-config."""
-    node_config = context.node_config
-    if "user" in node_config:
-        return int(node_config["user"])
-    if "partition-id" not in node_config:
-        raise ValueError("node-config needs 'partition-id' (simulation) or 'user' (deployment)")
-    return int(node_config["partition-id"])
+    return str(msg.content[CONFIG].get("strategy", config.strategy_name))
 
 
 def _user_dir(context: Context, config: FederatedConfig) -> Path:
@@ -151,7 +148,7 @@ def _user_dir(context: Context, config: FederatedConfig) -> Path:
         return Path(str(context.node_config["user-dir"]))
     if not config.data_dir:
         raise ValueError("run-config 'data-dir' is empty: pass the absolute path of a crowd")
-    return Path(config.data_dir) / f"user_{_user(context):02d}"
+    return Path(config.data_dir) / f"user_{client_index(context):02d}"
 
 
 def _user_scene(context: Context, config: FederatedConfig) -> Scene:

@@ -121,7 +121,7 @@ class ServerAudit:
         if self.data.heldout is not None:
             count = min(len(self.data.heldout), self.config.eval_views_per_round)
             metrics["heldout-psnr"] = self._score_scene(self.data.heldout, range(count))[0]
-        cost = round_cost(self.config.strategy, self.num_parameters, self._clients_per_round())
+        cost = round_cost(self.config.strategy_name, self.num_parameters, self._clients_per_round())
         metrics |= {
             "round": server_round,
             "seconds": time.perf_counter() - self.started,
@@ -176,7 +176,7 @@ class ServerAudit:
                 self.data.heldout, range(len(self.data.heldout))
             )
             final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
-        metadata = {"strategy": self.config.strategy, "data-dir": self.config.data_dir}
+        metadata = {"strategy": self.config.strategy_name, "data-dir": self.config.data_dir}
         save_checkpoint(
             self.run_dir / "checkpoint.pt", self.field, self.render_config, self.occupancy, metadata
         )
@@ -252,11 +252,11 @@ def make_strategy(config: FederatedConfig, num_users: int) -> FedAvg | Scaffold 
         "min_available_nodes": num_users,
         "fraction_evaluate": 0.0,
     }
-    if config.strategy == "fedavg":
+    if config.strategy_name == "fedavg":
         return FedAvg(**sampling)
-    if config.strategy == "fedprox":
+    if config.strategy_name == "fedprox":
         return FedProx(proximal_mu=config.proximal_mu, **sampling)
-    if config.strategy == "scaffold":
+    if config.strategy_name == "scaffold":
         return Scaffold(global_lr=config.scaffold_global_lr, **sampling)
     return DecentNeRF(alpha_lr=config.alpha_lr, **sampling)
 
@@ -267,7 +267,7 @@ def make_run_dir(config: FederatedConfig) -> Path:
         path = Path(config.run_dir)
     else:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-        path = Path.cwd() / "runs" / f"{stamp}-{config.strategy}"
+        path = Path.cwd() / "runs" / f"{stamp}-{config.strategy_name}"
     path.mkdir(parents=True, exist_ok=True)
     if any(path.iterdir()):
         raise FileExistsError(f"run directory {path} is not empty; pick a new run-dir")

@@ -1,10 +1,12 @@
-"""`python -m simulations.launch`: the default federated run, by `flwr run .` through Ray.
+"""`python -m simulations.launch`: a federated run, by `flwr run .` through Ray.
 
 It does what a careful user of Flower 1.41 does by hand (see README): keeps Flower's home
 and state inside the project, forbids run-time dependency installation (which would pull a
-CUDA torch), builds the crowdsourced dataset once and passes absolute paths (app bundles
-carry no images), streams the logs, then asks the SuperLink whether the run completed,
-since `flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
+CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
+object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
+absolute paths (app bundles carry no images), starts one virtual SuperNode per user or
+client, streams the logs, then asks the SuperLink whether the run completed, since
+`flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
+
+from flwr.common.config import parse_config_args
+
+from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
@@ -37,15 +44,22 @@ ENVIRONMENT = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m simulations.launch",
-        description="Run the federated NeRF job with `flwr run .` on virtual SuperNodes (Ray).",
+        description="Run a fedfields job with `flwr run .` on virtual SuperNodes (Ray).",
     )
     parser.add_argument("--scene", type=Path, default=ROOT / "data" / "lego")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--views-per-user", type=int, default=5)
     parser.add_argument("--downscale", type=float, default=2.0, help="of the scene's images")
     parser.add_argument("--crowd", type=Path, default=None, help="crowd dataset (built if missing)")
+    parser.add_argument("--object-views", type=int, default=16, help="views per object")
+    parser.add_argument("--object-resolution", type=int, default=32, help="object image size")
     parser.add_argument(
-        "--run-config", default="", help="extra run-config, e.g. \"strategy='fedavg'\""
+        "--objects", type=Path, default=None, help="object collection (built if missing)"
+    )
+    parser.add_argument(
+        "--run-config",
+        default="",
+        help="extra run-config, e.g. \"strategy='fedavg'\" or \"task='faces'\"",
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="default runs/<time>-<strategy>")
     return parser.parse_args(argv)
@@ -63,6 +77,29 @@ def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
         command += ["--downscale", str(args.downscale), "--out", str(crowd)]
         subprocess.run(command, check=True, env=env)
     return crowd.resolve()
+
+
+def object_collection(
+    args: argparse.Namespace, settings: MetaSettings, env: dict[str, str]
+) -> Path:
+    """The N clients' and the held-out objects, built by `fedfields data objects` on first use."""
+    count = settings.num_clients + settings.heldout_tasks
+    objects = args.objects or ROOT / "runs" / (
+        f"objects_{count}x{args.object_views}_r{args.object_resolution}"
+    )
+    if not (objects / "collection.json").is_file():
+        command = [sys.executable, "-m", "fedfields.cli", "data", "objects", "--count", str(count)]
+        command += ["--views", str(args.object_views)]
+        command += ["--resolution", str(args.object_resolution), "--out", str(objects)]
+        subprocess.run(command, check=True, env=env)
+    return objects.resolve()
+
+
+def job_config(run_config: str) -> FederatedConfig:
+    """The job's settings: pyproject's run-config with the user's overrides."""
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
+    return FederatedConfig.from_run_config({**declared, **parse_config_args([run_config])})
 
 
 def our_superlinks() -> list[int]:
@@ -111,13 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     scripts = str(Path(sys.executable).parent)
     env = {**os.environ, **ENVIRONMENT, "PATH": f"{scripts}:{os.environ.get('PATH', '')}"}
     Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
-    crowd = crowd_dataset(args, env)
-    strategy = re.search(r"strategy\s*=\s*['\"](\w+)", args.run_config)
+    try:
+        config = job_config(args.run_config)
+        settings = meta_settings(config) if config.task != "scene" else None
+    except ValueError as error:
+        print(f"fedfields: {error}", file=sys.stderr)
+        return 2
+    name = config.strategy_name
+    if settings is None:
+        data_dir = crowd_dataset(args, env)
+        num_nodes = len(list(data_dir.glob("user_*")))
+    else:
+        data_dir = object_collection(args, settings, env) if config.task == "objects" else None
+        num_nodes = settings.num_clients
+        name = f"{config.task}-{name}-{config.meta_learner}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    run_dir = args.run_dir or ROOT / "runs" / f"{stamp}-{strategy[1] if strategy else 'decentnerf'}"
-    run_config = f"data-dir={json.dumps(str(crowd))} run-dir={json.dumps(str(run_dir.resolve()))}"
-    users = len(list(crowd.glob("user_*")))
-    federation = f"num-supernodes={users} client-resources-num-cpus=1"
+    run_dir = (args.run_dir or Path(config.run_dir or ROOT / "runs" / f"{stamp}-{name}")).resolve()
+    run_config = f"run-dir={json.dumps(str(run_dir))}"
+    if data_dir is not None:
+        run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
+    federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
     flwr = str(Path(sys.executable).with_name("flwr"))
     already_running = set(our_superlinks())
     command = [flwr, "run", str(ROOT), "--stream", "--federation-config", federation]
@@ -136,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if status != "finished:completed":
         print(f"fedfields: run {run_id[1]} ended as {status!r}; see the log above", file=sys.stderr)
         return 1
-    print(f"fedfields: report in {run_dir.resolve()}")
+    print(f"fedfields: report in {run_dir}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Programmatic runs of the federated NeRF job, for tests and benchmarks (no `flwr run` CLI).
+"""Programmatic runs of the fedfields jobs, for tests and benchmarks (no `flwr run` CLI).
 
 Flower's `run_simulation` takes no run-config and a ClientApp may not change its Context's
 run-config, so both apps are wrapped to see `run_config` through a new Context that shares
@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
 from fedfields.flower_io import GRADIENT_QUERY
-from simulations.federated_nerf import run_federated_nerf
+from simulations.server_app import run_job
 
 
 def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
@@ -33,7 +33,7 @@ def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
 
 
 def client_app(run_config: dict[str, Any]) -> ClientApp:
-    """The NeRF ClientApp's handlers, seeing `run_config`."""
+    """The ClientApp's handlers (scene or meta-learning, by `task`), seeing `run_config`."""
     app = ClientApp()
 
     @app.train()
@@ -53,7 +53,7 @@ def server_app(run_config: dict[str, Any], outcome: dict[str, Path]) -> ServerAp
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        outcome["run_dir"] = run_federated_nerf(grid, run_config)
+        outcome["run_dir"] = run_job(grid, run_config)
 
     return app
 

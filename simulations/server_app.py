@@ -1,17 +1,31 @@
-"""The fedfields ServerApp: runs the federated NeRF job named by the run-config.
+"""The fedfields ServerApp: runs the job named by the run-config's `task`.
 
-`flwr run .` starts it; `simulations.federated_nerf.run_federated_nerf` does the work.
+`flwr run .` starts it: task "scene" is the federated NeRF job
+(`simulations.federated_nerf.run_federated_nerf`), faces, video and objects the FedMeNF
+meta-learning job (`simulations.meta_job.run_meta_job`).
 """
+
+from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
+from simulations.meta_job import run_meta_job
 
 app = ServerApp()
 
 
+def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
+    """Run the run-config's job over the grid's nodes; returns its run directory."""
+    if FederatedConfig.from_run_config(run_config).task == "scene":
+        return run_federated_nerf(grid, run_config)
+    return run_meta_job(grid, run_config)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Train the shared field over the grid's nodes and write the run directory."""
-    run_federated_nerf(grid, dict(context.run_config))
+    """Train over the grid's nodes and write the run directory."""
+    run_job(grid, dict(context.run_config))

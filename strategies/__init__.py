@@ -9,7 +9,17 @@ from __future__ import annotations
 from strategies.base import ProtocolStrategy, StrategyOptions
 from strategies.decentnerf import DecentNeRF
 from strategies.fedavg import FedAvg
+from strategies.fedmenf import FedMeNF, m_of_n_sampling
 from strategies.fedprox import FedProx
 from strategies.scaffold import Scaffold
 
-__all__ = ["DecentNeRF", "FedAvg", "FedProx", "ProtocolStrategy", "Scaffold", "StrategyOptions"]
+__all__ = [
+    "DecentNeRF",
+    "FedAvg",
+    "FedMeNF",
+    "FedProx",
+    "ProtocolStrategy",
+    "Scaffold",
+    "StrategyOptions",
+    "m_of_n_sampling",
+]

@@ -1,33 +1,58 @@
 """The federated job's settings, read from Flower run-config (dash-case keys) and validated.
 
-Both the ServerApp and the ClientApp build their global field from the same `FederatedConfig`
-so the federated tensors agree; unknown keys and bad values fail with one clear error.
+Both the ServerApp and the ClientApp build their model from the same `FederatedConfig` so the
+federated tensors agree; unknown keys and bad values fail with one clear error. `task` picks
+the job: "scene" is the federated NeRF of a crowd (DecentNeRF and baselines), "faces",
+"video" and "objects" are FedMeNF's federated meta-learning, whose per-task presets
+(`META_PRESETS`, FedMeNF Table 7 where a CPU affords it) fill every meta key left at 0 or "".
+The meta tasks' model, client tasks and held-out tasks are built here for both apps.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from fedfields.data.scene import Scene
-from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
-from fedfields.render import RenderConfig
+from torch import nn
 
-STRATEGY_NAMES = ("decentnerf", "fedavg", "fedprox", "scaffold")
+from fedfields.data.scene import Scene
+from fedfields.data.tasks import LFW_FACES, VideoTask, client_tasks, gif_video, lfw_faces
+from fedfields.fields import (
+    HashGridConfig,
+    HashGridField,
+    HashGridFieldConfig,
+    NeRFField,
+    NeRFFieldConfig,
+    Siren,
+    SirenConfig,
+)
+from fedfields.render import RenderConfig
+from fedfields.train.meta import LEARNERS, OUTER_OPTIMIZERS, MetaConfig
+from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
+
+TASKS = ("scene", "faces", "video", "objects")
+META_TASKS = TASKS[1:]
+STRATEGY_NAMES = ("decentnerf", "fedavg", "fedprox", "scaffold", "fedmenf")
 
 
 @dataclass(frozen=True)
 class FederatedConfig:
-    """Settings of one federated NeRF run; field names are the run-config keys in snake_case."""
+    """Settings of one federated run; field names are the run-config keys in snake_case.
 
-    strategy: str = "decentnerf"
+    Meta-learning keys left at 0 or "" take the task's preset (`meta_settings`).
+    """
+
+    task: str = "scene"  # scene | faces | video | objects
+    strategy: str = ""  # "" -> decentnerf for the scene, fedmenf for the meta tasks
     num_server_rounds: int = 8
     local_steps: int = 32
     fraction_train: float = 0.5
     min_train_nodes: int = 2
-    data_dir: str = ""  # absolute path of a `fedfields data crowd` dataset
+    data_dir: str = ""  # absolute path of a `fedfields data crowd|objects` dataset
     run_dir: str = ""  # "" -> runs/<time>-<strategy> under the working directory
     downscale: float = 1.0
     learning_rate: float = 1e-2
@@ -40,16 +65,64 @@ class FederatedConfig:
     hash_log2_size: int = 15
     eval_views_per_round: int = 4
     seed: int = 0
+    # FedMeNF meta-learning (tasks faces, video, objects)
+    meta_learner: str = "fedmenf"  # maml | fomaml | reptile | fedmenf
+    gamma: float = 0.75  # FedMeNF's fixed gamma (Eq. 10); other learners use 0
+    privacy_budget: float = 0.0  # zeta > 0: adaptive gamma (Eq. 13-14) instead of `gamma`
+    clients_per_round: int = 5  # M
+    num_clients: int = 0  # N
+    outer_steps: int = 0  # E
+    inner_steps: int = 0  # K
+    inner_lr: float = 0.0  # lambda_i
+    outer_lr: float = 0.0  # lambda_o
+    outer_optimizer: str = ""  # sgd | adamw
+    tto_steps: int = 0  # test-time optimisation steps, scored at 0, 1, 2, 4, ... and this
+    tto_lr: float = 0.0  # Adam learning rate of test-time optimisation
+    field_width: int = 0  # SIREN (faces, video) or NeRF MLP (objects) width
+    field_depth: int = 0  # and depth
+    privacy_audit: bool = True  # simulation only: the server scores uploads against the data
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGY_NAMES:
+        for name, value, allowed in (
+            ("task", self.task, TASKS),
+            ("strategy", self.strategy, ("", *STRATEGY_NAMES)),
+            ("meta_learner", self.meta_learner, LEARNERS),
+            ("outer_optimizer", self.outer_optimizer, ("", *OUTER_OPTIMIZERS)),
+        ):
+            if value not in allowed:
+                raise ValueError(
+                    f"run-config '{_dash(name)}' must be one of {allowed}, got {value!r}"
+                )
+        if self.task != "scene" and self.strategy == "decentnerf":
             raise ValueError(
-                f"run-config 'strategy' must be one of {STRATEGY_NAMES}, got {self.strategy!r}"
+                f"run-config 'strategy' 'decentnerf' is for task 'scene' only; task "
+                f"{self.task!r} takes fedmenf, fedavg, fedprox or scaffold"
             )
-        for name in ("num_server_rounds", "local_steps", "min_train_nodes", "target_samples"):
+        if self.task == "scene" and self.strategy == "fedmenf":
+            raise ValueError("run-config 'strategy' 'fedmenf' is for the meta tasks, not 'scene'")
+        for name in (
+            "num_server_rounds",
+            "local_steps",
+            "min_train_nodes",
+            "target_samples",
+            "clients_per_round",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"run-config '{_dash(name)}' must be >= 1, got {getattr(self, name)}"
+                )
+        for name in (
+            "num_clients",
+            "outer_steps",
+            "inner_steps",
+            "tto_steps",
+            "field_width",
+            "field_depth",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"run-config '{_dash(name)}' must be >= 0 (0: the task's preset), "
+                    f"got {getattr(self, name)}"
                 )
         if not 0.0 < self.fraction_train <= 1.0:
             raise ValueError(
@@ -59,6 +132,8 @@ class FederatedConfig:
             raise ValueError(
                 f"run-config 'hash-log2-size' must be in [10, 22], got {self.hash_log2_size}"
             )
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"run-config 'gamma' must be in [0, 1], got {self.gamma}")
         for name in (
             "downscale",
             "learning_rate",
@@ -67,12 +142,23 @@ class FederatedConfig:
             "proximal_mu",
             "alpha_lr",
             "scaffold_global_lr",
+            "privacy_budget",
+            "inner_lr",
+            "outer_lr",
+            "tto_lr",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (name == "downscale" and value == 0):
                 raise ValueError(
                     f"run-config '{_dash(name)}' must be a finite number >= 0, got {value}"
                 )
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy to run: `strategy`, or the task's default when it is empty."""
+        if self.strategy:
+            return self.strategy
+        return "decentnerf" if self.task == "scene" else "fedmenf"
 
     def to_run_config(self) -> dict[str, Any]:
         """The dash-case run-config dict that `from_run_config` reads back."""
@@ -123,3 +209,232 @@ def render_config(scene: Scene) -> RenderConfig:
         background=scene.background,
         step_size=extent * math.sqrt(3) / 256,
     )
+
+
+# ------------------------------------------------------------------ FedMeNF meta-learning
+
+
+@dataclass(frozen=True)
+class MetaSettings:
+    """A meta task's resolved settings: its preset with the run-config's non-zero keys."""
+
+    num_clients: int  # N
+    outer_steps: int  # E
+    inner_steps: int  # K
+    inner_lr: float  # lambda_i
+    outer_lr: float  # lambda_o
+    outer_optimizer: str
+    tto_steps: int
+    tto_lr: float
+    field_width: int
+    field_depth: int
+    support_batch: int  # pixels or rays per inner batch B_k
+    query_batch: int  # per outer batch B_K
+    heldout_tasks: int  # tasks no client holds: the server's TTO evaluation
+
+
+META_PRESETS = {
+    # Table 7 PetFace: E=32, K=1, SGD, lambda_i=0.005, batch 1024; SIREN 6x128. lambda_o=0.001,
+    # not 0.01: at 0.01 FedMeNF's theta drifts within 8 rounds until TTO from it is worse than
+    # from a random SIREN. 25x25 grey LFW crops fit in 64 Adam steps, so TTO stops at 32.
+    "faces": MetaSettings(
+        num_clients=20,
+        outer_steps=32,
+        inner_steps=1,
+        inner_lr=0.005,
+        outer_lr=0.001,
+        outer_optimizer="sgd",
+        tto_steps=32,
+        tto_lr=1e-4,
+        field_width=128,
+        field_depth=6,
+        support_batch=1024,
+        query_batch=1024,
+        heldout_tasks=10,
+    ),
+    # Table 7 GolfDB: E=64, K=1, SGD, lambda_i=0.01, batch 2048; lambda_o=0.001 as for faces
+    # (0.05 drifts the same way). One clip of the 24-frame 25x14 GIF per client
+    # (`video_clips`), so N is small.
+    "video": MetaSettings(
+        num_clients=6,
+        outer_steps=64,
+        inner_steps=1,
+        inner_lr=0.01,
+        outer_lr=0.001,
+        outer_optimizer="sgd",
+        tto_steps=64,
+        tto_lr=1e-4,
+        field_width=128,
+        field_depth=6,
+        support_batch=2048,
+        query_batch=2048,
+        heldout_tasks=2,
+    ),
+    # Table 7 Cars: E=8, K=8, AdamW, lambda_i=0.001, 128 rays; a 4x128 NeRF with 32 samples
+    # per ray instead of 6x256 x 128 points, and lambda_o=1e-3 (0.05 kills its density).
+    "objects": MetaSettings(
+        num_clients=20,
+        outer_steps=8,
+        inner_steps=8,
+        inner_lr=0.001,
+        outer_lr=1e-3,
+        outer_optimizer="adamw",
+        tto_steps=64,
+        tto_lr=1e-3,
+        field_width=128,
+        field_depth=4,
+        support_batch=128,
+        query_batch=128,
+        heldout_tasks=4,
+    ),
+}
+"""Per-task defaults, used for every meta key the run-config leaves at 0 or ""."""
+
+
+def meta_settings(config: FederatedConfig) -> MetaSettings:
+    """The task's preset overridden by the run-config's non-zero meta keys; checks M <= N."""
+    if config.task not in META_PRESETS:
+        raise ValueError(f"task {config.task!r} is not a meta-learning task {META_TASKS}")
+    names = {f.name for f in fields(MetaSettings)} & {f.name for f in fields(FederatedConfig)}
+    overrides = {name: getattr(config, name) for name in names if getattr(config, name)}
+    settings = replace(META_PRESETS[config.task], **overrides)
+    if config.clients_per_round > settings.num_clients:
+        raise ValueError(
+            f"run-config 'clients-per-round' ({config.clients_per_round}) exceeds the "
+            f"{settings.num_clients} clients of task {config.task!r} ('num-clients')"
+        )
+    return settings
+
+
+def meta_config(
+    config: FederatedConfig,
+    settings: MetaSettings,
+    *,
+    outer_steps: int,
+    proximal_mu: float,
+    seed: int,
+) -> MetaConfig:
+    """One client's `MetaConfig`; gamma and the privacy budget reach FedMeNF only."""
+    fedmenf = config.meta_learner == "fedmenf"
+    return MetaConfig(
+        learner=config.meta_learner,
+        outer_steps=outer_steps,
+        inner_steps=settings.inner_steps,
+        inner_lr=settings.inner_lr,
+        outer_lr=settings.outer_lr,
+        outer_optimizer=settings.outer_optimizer,
+        gamma=config.gamma if fedmenf else 0.0,
+        privacy_budget=config.privacy_budget if fedmenf and config.privacy_budget > 0 else None,
+        num_clients=settings.num_clients,
+        rounds=config.num_server_rounds,
+        clients_per_round=config.clients_per_round,
+        support_batch=settings.support_batch,
+        query_batch=settings.query_batch,
+        proximal_mu=proximal_mu,
+        seed=seed,
+    )
+
+
+def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
+    """The meta-learned field: SIREN (x, y) -> grey or (t, x, y) -> RGB, or a NeRF MLP."""
+    if config.task == "objects":
+        nerf = NeRFFieldConfig(
+            depth=settings.field_depth,
+            width=settings.field_width,
+            skips=(),
+            position_frequencies=8,
+            view_dependent=False,
+        )
+        return NeRFField(nerf)
+    in_features, out_features = (2, 1) if config.task == "faces" else (3, 3)
+    return Siren(
+        SirenConfig(
+            in_features=in_features,
+            out_features=out_features,
+            width=settings.field_width,
+            depth=settings.field_depth,
+        )
+    )
+
+
+def client_meta_tasks(
+    config: FederatedConfig, settings: MetaSettings, client: int
+) -> list[MetaTask]:
+    """Client `client`'s private tasks (its D_train): faces, one video clip, or one object.
+
+    faces: the LFW faces outside the held-out ones, dealt IID to the N clients by `seed`;
+    video: clip `client` of `video_clips`; objects: `data-dir`/object_<client>.
+    """
+    if not 0 <= client < settings.num_clients:
+        raise ValueError(f"client {client} is outside the task's {settings.num_clients} clients")
+    if config.task == "objects":
+        return [_object_task(_object_dirs(config, settings)[client], config.downscale)]
+    return list(
+        _coordinate_tasks(config.task, settings.num_clients, settings.heldout_tasks, config.seed)[
+            client
+        ]
+    )
+
+
+def heldout_meta_tasks(config: FederatedConfig, settings: MetaSettings) -> list[MetaTask]:
+    """The tasks no client holds, for the server's test-time optimisation: the last faces,
+    clips or objects."""
+    if config.task == "objects":
+        folders = _object_dirs(config, settings)[settings.num_clients :]
+        return [_object_task(folder, config.downscale) for folder in folders]
+    return list(
+        _coordinate_tasks(config.task, settings.num_clients, settings.heldout_tasks, config.seed)[
+            -1
+        ]
+    )
+
+
+def video_clips(num_clips: int) -> list[VideoTask]:
+    """scikit-image's 24-frame GIF cut into `num_clips` consecutive clips of equal length."""
+    video = gif_video()
+    length = video.shape[0] // num_clips
+    if length < 1:
+        raise ValueError(f"the {video.shape[0]}-frame GIF cannot give {num_clips} clips")
+    frames = video.frames().numpy()
+    return [
+        VideoTask.from_frames(f"{video.name}_clip_{i:02d}", frames[i * length : (i + 1) * length])
+        for i in range(num_clips)
+    ]
+
+
+@lru_cache(maxsize=8)
+def _coordinate_tasks(
+    task: str, num_clients: int, heldout: int, seed: int
+) -> tuple[tuple[CoordinateTask, ...], ...]:
+    """Each client's faces or clip, then the held-out ones last (built once per process)."""
+    if task == "video":
+        clips = coordinate_tasks(video_clips(num_clients + heldout))
+        return (*((clip,) for clip in clips[:num_clients]), tuple(clips[num_clients:]))
+    if num_clients + heldout > LFW_FACES:
+        raise ValueError(
+            f"{num_clients} clients and {heldout} held-out faces exceed the {LFW_FACES} LFW faces"
+        )
+    faces = coordinate_tasks(lfw_faces())
+    pool, kept = faces[: LFW_FACES - heldout], faces[LFW_FACES - heldout :]
+    groups = client_tasks(pool, num_clients, seed)
+    return (*(tuple(group) for group in groups), tuple(kept))
+
+
+def _object_dirs(config: FederatedConfig, settings: MetaSettings) -> list[Path]:
+    """The collection's object folders for the N clients and the held-out objects, in order."""
+    if not config.data_dir:
+        raise ValueError("run-config 'data-dir' is empty: pass a `fedfields data objects` folder")
+    folders = sorted(Path(config.data_dir).glob("object_*"))
+    needed = settings.num_clients + settings.heldout_tasks
+    if len(folders) < needed:
+        raise ValueError(
+            f"{config.data_dir}: {len(folders)} objects, but {settings.num_clients} clients and "
+            f"{settings.heldout_tasks} held-out objects need {needed} (`fedfields data objects`)"
+        )
+    return folders[:needed]
+
+
+@lru_cache(maxsize=64)
+def _object_task(folder: Path, downscale: float) -> RayTask:
+    """One object's support and query views, read once per process."""
+    return RayTask.from_object(folder, downscale=downscale)

@@ -1,0 +1,215 @@
+"""The FedMeNF job end to end on an in-process Flower grid, and the FedMeNF strategy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
+
+from clients.meta_client import CLIENT, CLIENT_CONTROL, CLIENT_INDEX, GAMMA
+from fedfields.data.objects import CollectionConfig, write_collection
+from fedfields.flower_io import (
+    ARRAYS,
+    CONFIG,
+    CONTROL_DELTA,
+    METRICS,
+    NUM_EXAMPLES,
+    STRATEGY,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.train.run_config import FederatedConfig, meta_settings
+from simulations.meta_job import run_meta_job, tto_schedule
+from simulations.run import client_app
+from strategies import FedMeNF, m_of_n_sampling
+
+State = dict[str, torch.Tensor]
+
+
+def tiny(run_dir: Path, task: str = "faces", **overrides: object) -> dict:
+    """4 clients, 2 per round, 2 rounds of E=2, K=1 on a 2x16 SIREN, TTO up to 4 steps."""
+    return {
+        "task": task,
+        "run-dir": str(run_dir),
+        "num-server-rounds": 2,
+        "num-clients": 4,
+        "clients-per-round": 2,
+        "outer-steps": 2,
+        "inner-steps": 1,
+        "field-width": 16,
+        "field-depth": 2,
+        "tto-steps": 4,
+        **overrides,
+    }
+
+
+def run_in_process(config: dict) -> tuple[Path, InProcessGrid]:
+    num_clients = meta_settings(FederatedConfig.from_run_config(config)).num_clients
+    grid = InProcessGrid([client_app(config)] * num_clients, raise_errors=True)
+    return run_meta_job(grid, config), grid
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_replies(grid: InProcessGrid, group: str) -> list[Message]:
+    return [
+        reply
+        for reply in grid.received
+        if reply.metadata.message_type == MessageType.TRAIN and reply.metadata.group_id == group
+    ]
+
+
+@pytest.fixture(scope="module")
+def faces_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, InProcessGrid]:
+    return run_in_process(tiny(tmp_path_factory.mktemp("meta") / "faces"))
+
+
+def test_faces_run_writes_the_report(faces_run: tuple[Path, InProcessGrid]) -> None:
+    run_dir, grid = faces_run
+    names = {path.name for path in run_dir.iterdir()}
+    expected = {"config.json", "metrics.jsonl", "checkpoint.pt", "summary.json"}
+    assert expected | {"tto.png", "privacy.png", "renders.png"} <= names
+    lines = metric_lines(run_dir)
+    assert [line["round"] for line in lines] == [1, 2]
+    for line in lines:
+        assert 0 < line["psnr"] < 60 and 0 < line["psnr_p"] < 60
+        assert line["delta"] == pytest.approx(line["psnr"] - line["psnr_p"])
+        assert list(line["tto"]) == ["0", "1", "2", "4"]
+        assert line["tto"]["4"] == line["psnr"] and len(line["clients"]) == 2
+    train_messages = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert len(train_messages) == 4  # M = 2 of N = 4 clients, 2 rounds
+    assert {m.content[CONFIG][STRATEGY] for m in train_messages} == {"fedmenf"}
+    for reply in train_replies(grid, "1") + train_replies(grid, "2"):
+        assert 0.0 <= reply.content[METRICS][GAMMA] <= 1.0
+    saved = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
+    assert saved.task == "faces" and saved.strategy_name == "fedmenf"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"] == lines[-1] and set(summary["initial"]) == {"0", "1", "2", "4"}
+    assert summary["settings"]["outer_steps"] == 2 and summary["settings"]["inner_lr"] == 0.005
+
+
+def test_aggregate_is_the_size_weighted_mean_of_the_uploads(
+    faces_run: tuple[Path, InProcessGrid],
+) -> None:
+    run_dir, grid = faces_run
+    round_two = [m for m in grid.sent if m.metadata.group_id == "2"][0]
+    final = torch.load(run_dir / "checkpoint.pt", weights_only=True)["state_dict"]
+    for group, aggregate in (("1", arrays_to_state(round_two.content[ARRAYS])), ("2", final)):
+        replies = train_replies(grid, group)
+        sizes = [float(reply.content[METRICS][NUM_EXAMPLES]) for reply in replies]
+        states = [arrays_to_state(reply.content[ARRAYS]) for reply in replies]
+        for key, value in aggregate.items():
+            expected = sum(n * s[key].double() for n, s in zip(sizes, states, strict=True))
+            torch.testing.assert_close(value.double(), expected / sum(sizes))
+
+
+def test_privacy_audit_never_influences_training(
+    faces_run: tuple[Path, InProcessGrid], tmp_path: Path
+) -> None:
+    audited, _ = faces_run
+    blind, _ = run_in_process(tiny(tmp_path / "blind", **{"privacy-audit": False}))
+    first, second = (
+        torch.load(run_dir / "checkpoint.pt", weights_only=True)["state_dict"]
+        for run_dir in (audited, blind)
+    )
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    for with_audit, without in zip(metric_lines(audited), metric_lines(blind), strict=True):
+        assert "psnr_p" not in without and without["psnr"] == with_audit["psnr"]
+    assert not (blind / "renders.png").exists()
+
+
+@pytest.mark.parametrize("strategy", ["fedprox", "scaffold"])
+def test_meta_learners_under_fedprox_and_scaffold(strategy: str, tmp_path: Path) -> None:
+    config = tiny(
+        tmp_path / strategy,
+        strategy=strategy,
+        **{"meta-learner": "fomaml", "num-server-rounds": 1, "proximal-mu": 0.1},
+    )
+    run_dir, grid = run_in_process(config)
+    replies = train_replies(grid, "1")
+    assert len(replies) == 2 and "psnr_p" in metric_lines(run_dir)[0]
+    assert all(GAMMA not in reply.content[METRICS] for reply in replies)  # not FedMeNF
+    if strategy == "scaffold":
+        assert all(CONTROL_DELTA in reply.content for reply in replies)
+        clients = [reply.content[CLIENT][CLIENT_INDEX] for reply in replies]
+        assert all(CLIENT_CONTROL in grid.contexts[101 + c].state for c in clients)
+
+
+def test_video_and_objects_run_in_process(tmp_path: Path) -> None:
+    one_round = {"num-server-rounds": 1, "num-clients": 2, "outer-steps": 1, "tto-steps": 2}
+    video, _ = run_in_process(tiny(tmp_path / "video", "video", **one_round))
+    assert "psnr_p" in metric_lines(video)[0] and (video / "renders.png").is_file()
+    collection = tmp_path / "objects"
+    write_collection(
+        CollectionConfig(count=6, views=4, resolution=8, mean_support=1, mean_query=1),
+        collection,
+        progress=False,
+    )
+    objects, _ = run_in_process(
+        tiny(tmp_path / "run", "objects", **one_round, **{"data-dir": str(collection)})
+    )
+    assert "psnr_p" in metric_lines(objects)[0] and (objects / "renders.png").is_file()
+
+
+def test_bad_run_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'decentnerf' is for task 'scene' only"):
+        FederatedConfig.from_run_config({"task": "faces", "strategy": "decentnerf"})
+    with pytest.raises(ValueError, match="'fedmenf' is for the meta tasks"):
+        FederatedConfig.from_run_config({"strategy": "fedmenf"})
+    with pytest.raises(ValueError, match="'meta-learner' must be one of"):
+        FederatedConfig.from_run_config({"task": "faces", "meta-learner": "protonet"})
+    with pytest.raises(ValueError, match="'task' must be one of"):
+        FederatedConfig.from_run_config({"task": "audio"})
+    with pytest.raises(ValueError, match="unknown run-config keys \\['meta-lerner'\\]"):
+        FederatedConfig.from_run_config({"meta-lerner": "maml"})
+    too_many = FederatedConfig.from_run_config({"task": "faces", "clients-per-round": 30})
+    with pytest.raises(ValueError, match="'clients-per-round' \\(30\\) exceeds the 20 clients"):
+        meta_settings(too_many)
+    with pytest.raises(ValueError, match="'data-dir' is empty"):
+        run_in_process(tiny(tmp_path / "objects", "objects"))
+
+
+def test_presets_fill_only_the_keys_left_at_zero() -> None:
+    faces = meta_settings(FederatedConfig(task="faces", outer_lr=0.02))
+    assert (faces.outer_steps, faces.inner_steps, faces.outer_optimizer) == (32, 1, "sgd")
+    assert faces.outer_lr == 0.02
+    objects = meta_settings(FederatedConfig(task="objects"))
+    assert (objects.outer_steps, objects.inner_steps, objects.outer_optimizer) == (8, 8, "adamw")
+    assert FederatedConfig().strategy_name == "decentnerf"
+    assert FederatedConfig(task="video").strategy_name == "fedmenf"
+    assert tto_schedule(32) == (0, 1, 2, 4, 8, 16, 32) and tto_schedule(5) == (0, 1, 2, 4, 5)
+
+
+def fake_client(state: State, size: int):
+    """A node that uploads `state` with "num-examples" = `size`."""
+
+    def handle(message: Message, context: Context) -> Message:
+        metrics = MetricRecord({NUM_EXAMPLES: size})
+        content = RecordDict({ARRAYS: state_to_arrays(state), METRICS: metrics})
+        return Message(content, reply_to=message)
+
+    return handle
+
+
+def test_fedmenf_samples_m_of_n_and_weights_by_dataset_size() -> None:
+    generator = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(3, 2, generator=generator)} for _ in range(7)]
+    sizes = [1, 5, 2, 9, 3, 4, 6]
+    grid = InProcessGrid([fake_client(s, n) for s, n in zip(states, sizes, strict=True)])
+    strategy = FedMeNF(clients_per_round=3, num_clients=7, fraction_evaluate=0.0)
+    result = strategy.start(grid, state_to_arrays({"w": torch.zeros(3, 2)}), num_rounds=2)
+    for group in ("1", "2"):
+        assert len([m for m in grid.sent if m.metadata.group_id == group]) == 3
+    last = [reply.metadata.src_node_id - 101 for reply in train_replies(grid, "2")]
+    expected = sum(sizes[i] * states[i]["w"].double() for i in last) / sum(sizes[i] for i in last)
+    torch.testing.assert_close(arrays_to_state(result.arrays)["w"].double(), expected)
+    with pytest.raises(ValueError, match="exceeds num_clients"):
+        m_of_n_sampling(8, 7)
+    with pytest.raises(ValueError, match="sets \\['min_train_nodes'\\]"):
+        FedMeNF(clients_per_round=3, num_clients=7, min_train_nodes=2)
