@@ -16,6 +16,13 @@ Train reply (client -> server):
   CONTROL_DELTA   Scaffold only: delta c_i
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
 GRADIENT G_k = dL_k/dg at g^(m-1) back.
+
+Secure aggregation (CONFIG "secure-aggregation" true): a train or gradient reply carries no
+arrays and no per-client metrics, only HELD (the names of the records and metrics the client
+holds back). The server then sums what the clients hold with Flower's SecAgg+ over "train"
+messages whose legacy fit config carries the SECURE_SUM_* entries (`strategies.secure_sum`,
+`clients.secure_aggregation`): metrics travel masked in the METRICS pseudo-record together
+with the client's weight under WEIGHT_KEY (its "secure-weight" metric, or 1).
 """
 
 from __future__ import annotations
@@ -45,6 +52,13 @@ LOCAL_STEPS = "local-steps"
 PROXIMAL_MU = "proximal-mu"
 ALPHA_LR = "alpha-lr"
 
+SECURE_AGGREGATION = "secure-aggregation"
+"""True: replies are held back and summed with SecAgg+ (see the module docstring)."""
+SECURE_WEIGHT = "secure-weight"
+"""Metric the client multiplies its held payload by (e.g. "num-examples"); absent: 1."""
+SECURE_DELTA = "secure-delta"
+"""Records (list) the client holds as reply minus the message's record of the same name."""
+
 STRATEGY_NAMES = ("fedavg", "fedprox", "scaffold", "decentnerf")
 """Values of the "strategy" config entry."""
 
@@ -58,6 +72,19 @@ NUM_REPLIES = "num-replies"
 NUM_FAILURES = "num-failures"
 BYTES_UP = "bytes-up"
 BYTES_DOWN = "bytes-down"
+
+# ------------------------------------------------------------------ secure sums
+HELD = "held"
+"""ConfigRecord of a secure-mode reply: "records" and "metrics" the client holds back."""
+HELD_RECORDS = "records"
+HELD_METRICS = "metrics"
+WEIGHT_KEY = "__weight__"
+"""Key of the client's weight in the METRICS pseudo-record of a secure sum."""
+SECURE_SUM_STAGE = "secure-sum-stage"
+"""Fit-config entry of a SecAgg+ stage: "bounds" (exponent one-hots) or "payload"."""
+SECURE_SUM_LAYOUT = "secure-sum-layout"
+SECURE_SUM_SCALES = "secure-sum-scales"
+SECURE_SUM_CLIPPING = "secure-sum-clipping"
 
 Shapes = Mapping[str, tuple[int, ...]]
 

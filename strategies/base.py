@@ -6,32 +6,53 @@ strategies keep; records and keys follow `fedfields.flower_io`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import ClassVar, TypedDict
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
+from torch import Tensor
 
 from fedfields.flower_io import (
     ARRAYS,
     BYTES_DOWN,
     BYTES_UP,
     CONFIG,
+    HELD,
+    HELD_METRICS,
+    HELD_RECORDS,
     LOCAL_STEPS,
     METRICS,
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
+    SECURE_AGGREGATION,
+    SECURE_DELTA,
+    SECURE_WEIGHT,
     SERVER_ROUND,
     STRATEGY,
+    WEIGHT_KEY,
+    Shapes,
     content_bytes,
     shapes_of,
 )
+from fedfields.privacy.secure_sum import (
+    SecureAggregationConfig,
+    SecureAggregationError,
+    payload_layout,
+)
+from strategies.secure_sum import SecureSum, SecureSumResult
+
+SECURE_SUMS = "secure-sums"
+"""Train metric: secure sums completed this round (present when secure aggregation is on)."""
+SECURE_FAILURES = "secure-sum-failures"
+"""Train metric: secure sums that halted this round (the round's aggregate is then skipped)."""
 
 
 class StrategyOptions(TypedDict, total=False):
@@ -43,6 +64,7 @@ class StrategyOptions(TypedDict, total=False):
     min_evaluate_nodes: int
     min_available_nodes: int
     local_steps: int | None
+    secure_aggregation: SecureAggregationConfig | None
 
 
 DEFAULT_LOCAL_STEPS = 1
@@ -63,9 +85,14 @@ class TrainRound:
     node_ids: list[int]
     num_nodes_total: int
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    grid: Grid
     bytes_down: int = 0
     bytes_up: int = 0
     num_failures: int = 0
+    secure_sums: int = 0
+    secure_failures: int = 0
+    secure_metrics: dict[str, float] | None = None
 
 
 class ProtocolStrategy(FlowerFedAvg):
@@ -74,10 +101,15 @@ class ProtocolStrategy(FlowerFedAvg):
     Subclasses set `strategy_name`, extend `protocol_config` and implement
     `configure_train`/`aggregate_train` with `begin_round`, `messages`,
     `successful_replies` and `train_metrics`. Constructor arguments (`StrategyOptions`) are
-    documented on `strategies.FedAvg`.
+    documented on `strategies.FedAvg`. With `secure_aggregation` set, replies are held back
+    by the clients and aggregated through `secure_sums` (Flower SecAgg+) only.
     """
 
     strategy_name: ClassVar[str]
+    secure_weight: ClassVar[str] = ""
+    """Metric the clients weight their held payload by under secure aggregation ("": 1)."""
+    secure_delta: ClassVar[tuple[str, ...]] = ()
+    """Records the clients hold as differences from what they received."""
 
     def __init__(
         self,
@@ -88,6 +120,7 @@ class ProtocolStrategy(FlowerFedAvg):
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         local_steps: int | None = None,
+        secure_aggregation: SecureAggregationConfig | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -102,6 +135,7 @@ class ProtocolStrategy(FlowerFedAvg):
         if local_steps is not None:
             _check_local_steps(local_steps, "local_steps")
         self.local_steps = local_steps
+        self.secure_aggregation = secure_aggregation
         self.current_round: TrainRound | None = None
 
     def summary(self) -> None:
@@ -114,6 +148,12 @@ class ProtocolStrategy(FlowerFedAvg):
         own: dict[str, int | float | str] = {STRATEGY: self.strategy_name}
         if self.local_steps is not None:
             own[LOCAL_STEPS] = self.local_steps
+        if self.secure_aggregation is not None:
+            own[SECURE_AGGREGATION] = True
+            if self.secure_weight:
+                own[SECURE_WEIGHT] = self.secure_weight
+            if self.secure_delta:
+                own[SECURE_DELTA] = list(self.secure_delta)
         return own
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
@@ -145,7 +185,10 @@ class ProtocolStrategy(FlowerFedAvg):
             node_ids, all_nodes = sample_nodes(grid, self.min_available_nodes, sample_size)
             num_nodes_total = len(all_nodes)
             log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), num_nodes_total)
-        self.current_round = TrainRound(server_round, node_ids, num_nodes_total, shapes_of(arrays))
+        dtypes = {key: str(array.dtype) for key, array in arrays.items()}
+        self.current_round = TrainRound(
+            server_round, node_ids, num_nodes_total, shapes_of(arrays), dtypes, grid
+        )
         return self.current_round
 
     @property
@@ -209,15 +252,21 @@ class ProtocolStrategy(FlowerFedAvg):
         the round, gradient queries included); "num-examples" itself is not averaged.
         """
         weights = [1.0] * len(replies) if weights is None else weights
-        totals: dict[str, float] = {}
-        norms: dict[str, float] = {}
+        train_round = self.active_round
+        totals: dict[str, float] = dict(train_round.secure_metrics or {})
+        norms: dict[str, float] = dict.fromkeys(totals, 1.0)
         for reply, weight in zip(replies, weights, strict=True):
             for key, value in reply.content.metric_records.get(METRICS, {}).items():
                 if key == NUM_EXAMPLES or isinstance(value, list):
                     continue
                 totals[key] = totals.get(key, 0.0) + weight * value
                 norms[key] = norms.get(key, 0.0) + weight
-        train_round = self.active_round
+        secure = {}
+        if self.secure_aggregation is not None:
+            secure = {
+                SECURE_SUMS: train_round.secure_sums,
+                SECURE_FAILURES: train_round.secure_failures,
+            }
         return MetricRecord(
             {
                 **{key: total / norms[key] for key, total in totals.items()},
@@ -225,5 +274,61 @@ class ProtocolStrategy(FlowerFedAvg):
                 NUM_FAILURES: train_round.num_failures,
                 BYTES_UP: train_round.bytes_up,
                 BYTES_DOWN: train_round.bytes_down,
+                **secure,
             }
         )
+
+    def secure_sums(
+        self, replies: Sequence[Message], records: Mapping[str, Shapes]
+    ) -> SecureSumResult | None:
+        """Secure sum of the `records` the replying clients hold, plus their metrics.
+
+        Sets the round's train metrics to the held metrics' weighted means and counts the
+        masked upload in "bytes-up". A halted SecAgg+ run is logged as an ERROR, counted in
+        "secure-sum-failures" and returns None (the caller then leaves the global unchanged).
+        """
+        if self.secure_aggregation is None:
+            raise RuntimeError("secure_sums needs the strategy's secure_aggregation config")
+        train_round = self.active_round
+        metric_keys = _held_metric_keys(replies, records)
+        layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
+        node_ids = [reply.metadata.src_node_id for reply in replies]
+        try:
+            result = SecureSum(self.secure_aggregation)(
+                train_round.grid, node_ids, layout, train_round.server_round
+            )
+        except SecureAggregationError as error:
+            train_round.secure_failures += 1
+            log(ERROR, "secure aggregation failed, the round's aggregate is skipped: %s", error)
+            return None
+        train_round.secure_sums += 1
+        train_round.bytes_up += result.bytes_up
+        held_metrics = result.sums.pop(METRICS)
+        weight = float(held_metrics.pop(WEIGHT_KEY))
+        train_round.secure_metrics = {key: float(v) / weight for key, v in held_metrics.items()}
+        result.total_weight = weight
+        return result
+
+    def like_global(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """`state` with the global arrays' dtypes (secure sums are float64); others as they are."""
+        dtypes = self.active_round.dtypes
+        return {
+            key: value.to(getattr(torch, dtypes[key])) if key in dtypes else value
+            for key, value in state.items()
+        }
+
+
+def _held_metric_keys(replies: Sequence[Message], records: Mapping[str, Shapes]) -> list[str]:
+    """Metrics held by every reply (the weight included); ValueError if a record is not held."""
+    common: set[str] | None = None
+    for reply in replies:
+        held = reply.content.config_records.get(HELD)
+        where = f"reply from node {reply.metadata.src_node_id}"
+        if held is None:
+            raise ValueError(f"{where}: secure aggregation is on but the reply holds nothing back")
+        missing = sorted(set(records) - set(held.get(HELD_RECORDS, [])))
+        if missing:
+            raise ValueError(f"{where}: does not hold the records {missing}")
+        keys = set(held.get(HELD_METRICS, []))
+        common = keys if common is None else common & keys
+    return sorted((common or set()) | {WEIGHT_KEY})

@@ -110,12 +110,17 @@ class DecentNeRF(ProtocolStrategy):
     ) -> dict[str, Tensor] | None:
         """Key-wise sum of the replies' `record_name` records (plain `state_sum`), None if none.
 
-        Override to sum securely (e.g. Flower SecAgg+): the strategy uses nothing else of the
-        replies' ArrayRecords. `node_ids` are the nodes asked; missing ones are logged.
+        With `secure_aggregation` set the sum is Flower SecAgg+'s (`secure_sums`), so the
+        server never sees one client's G_k, alpha_k g_k or alpha_k; the strategy uses nothing
+        else of the replies' ArrayRecords. `node_ids` are the nodes asked; missing ones are
+        logged.
         """
         answered = {reply.metadata.src_node_id for reply in replies}
         if missing := [node_id for node_id in node_ids if node_id not in answered]:
             log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
         if not replies:
             return None
+        if self.secure_aggregation is not None:
+            result = self.secure_sums(replies, {record_name: expected_shapes})
+            return None if result is None else self.like_global(result.sums[record_name])
         return state_sum([reply_state(reply, record_name, expected_shapes) for reply in replies])

@@ -35,9 +35,12 @@ class FedAvg(ProtocolStrategy):
         min_available_nodes: sampling waits until this many nodes are connected.
         local_steps: local optimisation steps per round, sent as "local-steps"; None (default)
             takes "local-steps" from the train config given to `start`, else 1.
+        secure_aggregation: SecAgg+ settings; set, the server only learns
+            sum_k n_k g_k and sum_k n_k (clients put n_k inside the masked vector).
     """
 
     strategy_name = "fedavg"
+    secure_weight = NUM_EXAMPLES
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -55,6 +58,12 @@ class FedAvg(ProtocolStrategy):
         successful = self.successful_replies(replies)
         if not successful:
             return None, self.train_metrics(successful)
+        if self.secure_aggregation is not None:
+            result = self.secure_sums(successful, {ARRAYS: train_round.shapes})
+            if result is None:
+                return None, self.train_metrics([])
+            mean = {key: value / result.total_weight for key, value in result.sums[ARRAYS].items()}
+            return state_to_arrays(self.like_global(mean)), self.train_metrics(successful)
         states = [reply_state(reply, ARRAYS, train_round.shapes) for reply in successful]
         weights = [reply_metric(reply, NUM_EXAMPLES, positive=True) for reply in successful]
         mean = weighted_mean(states, weights)

@@ -12,7 +12,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate import scaffold_server_update
+from fedfields.aggregate import scaffold_server_update, scaffold_server_update_from_sums
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower_io import (
     ARRAYS,
@@ -36,7 +36,8 @@ class Scaffold(ProtocolStrategy):
 
     Args:
         global_lr: server step size lr_g.
-        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+        **options: sampling, "local-steps" and `secure_aggregation` (`StrategyOptions`); under
+            secure aggregation the server sums y_i - x and delta c_i and learns only the sums.
 
     Attributes:
         server_control: c as a state dict, carried across rounds (empty before round 1; set
@@ -45,6 +46,7 @@ class Scaffold(ProtocolStrategy):
     """
 
     strategy_name = "scaffold"
+    secure_delta = (ARRAYS,)
 
     def __init__(self, *, global_lr: float = 1.0, **options: Unpack[StrategyOptions]) -> None:
         super().__init__(**options)
@@ -88,6 +90,20 @@ class Scaffold(ProtocolStrategy):
         if not successful:
             return None, self.train_metrics(successful)
         shapes = train_round.shapes
+        if self.secure_aggregation is not None:
+            result = self.secure_sums(successful, {ARRAYS: shapes, CONTROL_DELTA: shapes})
+            if result is None:
+                return None, self.train_metrics([])
+            new_global, self.server_control = scaffold_server_update_from_sums(
+                self.global_state,
+                result.sums[ARRAYS],
+                result.sums[CONTROL_DELTA],
+                len(result.node_ids),
+                self.server_control,
+                num_clients_total=train_round.num_nodes_total,
+                global_lr=self.global_lr,
+            )
+            return state_to_arrays(new_global), self.train_metrics(successful)
         local_states = [reply_state(reply, ARRAYS, shapes) for reply in successful]
         control_deltas = [reply_state(reply, CONTROL_DELTA, shapes) for reply in successful]
         model_deltas = [

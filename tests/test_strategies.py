@@ -123,12 +123,13 @@ def least_squares_app(
     lr: float,
     alphas: Sequence[float] = (),
     produced: list[Produced] | None = None,
+    mods: Sequence[Callable] = (),
 ) -> ClientApp:
     """A ClientApp running K local GD steps under each strategy's client rule.
 
     DecentNeRF clients start from `alphas[partition]` and append to `produced`.
     """
-    app = ClientApp()
+    app = ClientApp(mods=list(mods))
 
     def problem_of(context: Context) -> LeastSquares:
         return problems[int(context.node_config["partition-id"])]

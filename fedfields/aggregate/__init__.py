@@ -21,6 +21,7 @@ from fedfields.aggregate.scaffold import (
     scaffold_client_control_update,
     scaffold_corrected_gradient,
     scaffold_server_update,
+    scaffold_server_update_from_sums,
 )
 from fedfields.aggregate.states import state_sum
 
@@ -37,6 +38,7 @@ __all__ = [
     "scaffold_client_control_update",
     "scaffold_corrected_gradient",
     "scaffold_server_update",
+    "scaffold_server_update_from_sums",
     "secagg_reconstruction_flops",
     "state_sum",
     "weighted_mean",

@@ -105,14 +105,47 @@ def scaffold_server_update(
             f"num_clients_total must be an integer >= the {sampled} sampled clients, "
             f"got {num_clients_total}"
         )
+    return scaffold_server_update_from_sums(
+        global_state,
+        {key: _sum(model_deltas, key) for key in global_state},
+        {key: _sum(control_deltas, key) for key in server_control},
+        sampled,
+        server_control,
+        num_clients_total,
+        global_lr,
+    )
+
+
+def scaffold_server_update_from_sums(
+    global_state: State,
+    model_delta_sum: State,
+    control_delta_sum: State,
+    num_sampled: int,
+    server_control: State,
+    num_clients_total: int,
+    global_lr: float = 1.0,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """`scaffold_server_update` from sum_i (y_i - x) and sum_i delta c_i over |S| clients.
+
+    What a server behind secure aggregation sees: the sums and how many clients are in them.
+    """
+    if int(num_sampled) != num_sampled or num_sampled < 1:
+        raise ValueError(f"num_sampled must be a positive integer, got {num_sampled}")
+    if int(num_clients_total) != num_clients_total or num_clients_total < num_sampled:
+        raise ValueError(
+            f"num_clients_total must be an integer >= the {num_sampled} sampled clients, "
+            f"got {num_clients_total}"
+        )
+    check_states([global_state, model_delta_sum], names=["global_state", "model_delta_sum"])
+    check_states([server_control, control_delta_sum], names=["server_control", "control_sum"])
     global_lr = check_scalar(global_lr, "global_lr")
     new_global = {
-        key: like(x.detach().double() + global_lr * _mean(model_deltas, key), x)
+        key: like(x.detach().double() + global_lr * model_delta_sum[key].double() / num_sampled, x)
         for key, x in global_state.items()
     }
-    fraction = sampled / num_clients_total
+    fraction = num_sampled / num_clients_total
     new_control = {
-        key: like(c.detach().double() + fraction * _mean(control_deltas, key), c)
+        key: like(c.detach().double() + fraction * control_delta_sum[key].double() / num_sampled, c)
         for key, c in server_control.items()
     }
     return new_global, new_control
@@ -122,5 +155,5 @@ def _clients(count: int) -> list[str]:
     return [f"client {i}" for i in range(count)]
 
 
-def _mean(states: Sequence[State], key: str) -> Tensor:
-    return sum(state[key].detach().double() for state in states) / len(states)
+def _sum(states: Sequence[State], key: str) -> Tensor:
+    return sum(state[key].detach().double() for state in states)

@@ -1,0 +1,153 @@
+"""Client side of secure aggregation: hold replies back, answer Flower SecAgg+ stages.
+
+`secure_aggregation_mod` wraps every ClientApp handler. For a message whose CONFIG asks for
+secure aggregation it runs the handler, keeps the reply's ArrayRecords and scalar metrics in
+`context.state` (multiplied by the "secure-weight" metric, as differences for "secure-delta"
+records) and replies with their names only. SecAgg+ messages go to Flower's
+`secaggplus_mod`, whose masked-vector stage is answered from what was held: exponent
+one-hots ("bounds") or the scaled payload ("payload"). The plaintext weight of every SecAgg+
+reply is 1 and its metrics are empty, so nothing but masked vectors identifies the client.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from torch import Tensor
+
+from fedfields.flower_io import (
+    CONFIG,
+    HELD,
+    HELD_METRICS,
+    HELD_RECORDS,
+    METRICS,
+    SECURE_AGGREGATION,
+    SECURE_DELTA,
+    SECURE_SUM_CLIPPING,
+    SECURE_SUM_LAYOUT,
+    SECURE_SUM_SCALES,
+    SECURE_SUM_STAGE,
+    SECURE_WEIGHT,
+    WEIGHT_KEY,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.privacy.secure_sum import (
+    CLIENT_WEIGHT,
+    bound_vectors,
+    check_payload,
+    decode_layout,
+    scaled_vectors,
+)
+
+HELD_PREFIX = "secure-held/"
+"""context.state keys of the held records: HELD_PREFIX + record name."""
+
+
+def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Route SecAgg+ stages to Flower's mod; hold back replies of secure-mode messages."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            raise ValueError("SecAgg+ stages must arrive as 'train' messages")
+        return secaggplus_mod(msg, context, _answer_stage)
+    config = msg.content.config_records.get(CONFIG)
+    if config is None or not bool(config.get(SECURE_AGGREGATION, False)):
+        return call_next(msg, context)
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    held = hold(msg, reply, context)
+    return Message(RecordDict({HELD: held}), reply_to=msg)
+
+
+def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
+    """Keep `reply`'s arrays and scalar metrics in `context.state`; return their names.
+
+    Everything is multiplied by the weight w (the CONFIG "secure-weight" metric, else 1);
+    w itself goes under WEIGHT_KEY of the METRICS pseudo-record.
+    """
+    config = msg.content[CONFIG]
+    metrics = dict(reply.content.metric_records.get(METRICS, MetricRecord()))
+    weight_name = str(config.get(SECURE_WEIGHT, ""))
+    weight = 1.0
+    if weight_name:
+        if weight_name not in metrics:
+            raise ValueError(f"reply lacks the metric {weight_name!r} that weights its payload")
+        weight = float(metrics.pop(weight_name))
+    delta_records = set(config.get(SECURE_DELTA, []))
+    _clear_held(context)
+    records = []
+    for name, record in reply.content.array_records.items():
+        state = arrays_to_state(record)
+        if name in delta_records:
+            reference = arrays_to_state(msg.content[name])
+            state = {key: value.double() - reference[key].double() for key, value in state.items()}
+        context.state[HELD_PREFIX + name] = state_to_arrays(
+            {key: value.double() * weight for key, value in state.items()}
+        )
+        records.append(name)
+    scalars = {
+        key: torch.tensor([float(value) * weight], dtype=torch.float64)
+        for key, value in metrics.items()
+        if not isinstance(value, list)
+    }
+    scalars[WEIGHT_KEY] = torch.tensor([weight], dtype=torch.float64)
+    context.state[HELD_PREFIX + METRICS] = state_to_arrays(scalars)
+    return ConfigRecord({HELD_RECORDS: records, HELD_METRICS: sorted(scalars)})
+
+
+def _clear_held(context: Context) -> None:
+    """Forget what an earlier message held back (a new reply replaces it)."""
+    for key in [key for key in context.state if key.startswith(HELD_PREFIX)]:
+        del context.state[key]
+
+
+def _held_payload(context: Context) -> dict[str, dict[str, Tensor]]:
+    """Record name -> held state."""
+    return {
+        key.removeprefix(HELD_PREFIX): arrays_to_state(context.state[key])
+        for key in context.state
+        if key.startswith(HELD_PREFIX)
+    }
+
+
+def _answer_stage(msg: Message, context: Context) -> Message:
+    """SecAgg+ masked-vector stage: this client's vectors, in Flower's legacy FitRes layout."""
+    fit_config = msg.content["fitins.config"]
+    layout = decode_layout(str(fit_config[SECURE_SUM_LAYOUT]))
+    held = _held_payload(context)
+    payload = {record: held.get(record, {}) for record, _, _ in layout}
+    wanted_metrics = {key for record, key, _ in layout if record == METRICS}
+    payload[METRICS] = {k: v for k, v in payload.get(METRICS, {}).items() if k in wanted_metrics}
+    check_payload(payload, layout)
+    stage = fit_config[SECURE_SUM_STAGE]
+    if stage == "bounds":
+        vectors = bound_vectors(payload, layout)
+    elif stage == "payload":
+        scales = [float(s) for s in fit_config[SECURE_SUM_SCALES]]
+        vectors = scaled_vectors(payload, layout, scales, float(fit_config[SECURE_SUM_CLIPPING]))
+        _clear_held(context)
+    else:
+        raise ValueError(f"unknown {SECURE_SUM_STAGE!r}: {stage!r}")
+    return Message(
+        RecordDict(
+            {
+                "fitres.parameters": ArrayRecord(vectors),
+                "fitres.num_examples": MetricRecord({"num_examples": CLIENT_WEIGHT}),
+                "fitres.metrics": ConfigRecord(),
+                "fitres.status": ConfigRecord({"code": 0, "message": "Success"}),
+            }
+        ),
+        reply_to=msg,
+    )

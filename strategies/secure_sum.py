@@ -1,0 +1,219 @@
+"""One secure sum of named tensors over chosen nodes with Flower's SecAggPlusWorkflow.
+
+Flower's workflow drives a legacy strategy; `_OneShotSum` is the smallest legacy strategy it
+accepts (FLOWER_1_41_NOTES.md section 3). Every client sends weight 1 (= max_weight), so the
+workflow's weighted mean times the number of survivors is the exact sum; anything a client
+wants weighted it multiplies into its masked vector itself. Clipping, quantisation and
+scales come from `fedfields.privacy.secure_sum`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.common.logger import log
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy as LegacyStrategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.flower_io import (
+    SECURE_SUM_CLIPPING,
+    SECURE_SUM_LAYOUT,
+    SECURE_SUM_SCALES,
+    SECURE_SUM_STAGE,
+)
+from fedfields.privacy.secure_sum import (
+    CLIENT_WEIGHT,
+    NUM_BUCKETS,
+    LayoutEntry,
+    SecureAggregationConfig,
+    SecureAggregationError,
+    encode_layout,
+    scales_from_histograms,
+    unpack_sum,
+)
+
+
+@dataclass
+class SecureSumResult:
+    """Record -> key -> summed float64 tensor, the nodes in the sum and their masked bytes.
+
+    `total_weight` is filled in by the strategy from the METRICS pseudo-record."""
+
+    sums: dict[str, dict[str, Tensor]]
+    node_ids: list[int]
+    bytes_up: int = 0
+    total_weight: float = 0.0
+
+
+class _NodeProxy:
+    """What the workflow reads of a legacy ClientProxy: its node id."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+
+
+class _OneShotSum(LegacyStrategy):
+    """Legacy strategy for one SecAgg+ run: fixed nodes and fit config; keeps the results."""
+
+    def __init__(self, node_ids: Sequence[int], fit_config: Mapping[str, object]) -> None:
+        self.node_ids = list(node_ids)
+        self.fit_config = dict(fit_config)
+        self.results: list = []
+        self.aggregated = False
+
+    def configure_fit(self, server_round, parameters, client_manager):  # noqa: ANN001, ANN201
+        """Every chosen node gets the (empty) parameters and the stage's fit config."""
+        return [(_NodeProxy(n), FitIns(parameters, dict(self.fit_config))) for n in self.node_ids]
+
+    def aggregate_fit(self, server_round, results, failures):  # noqa: ANN001, ANN201
+        """Called once the workflow unmasked the sum; results hold the survivors."""
+        self.results, self.aggregated = list(results), True
+        return (results[0][1].parameters, {}) if results else (None, {})
+
+    def initialize_parameters(self, client_manager):  # noqa: ANN001, ANN201
+        """Unused: the message-API strategy owns the parameters."""
+        return None
+
+    def configure_evaluate(self, server_round, parameters, client_manager):  # noqa: ANN001, ANN201
+        """No evaluation in a secure sum."""
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):  # noqa: ANN001, ANN201
+        """No evaluation in a secure sum."""
+        return None, {}
+
+    def evaluate(self, server_round, parameters):  # noqa: ANN001, ANN201
+        """No evaluation in a secure sum."""
+        return None
+
+
+class SecureSum:
+    """Sums tensors the clients hold back, securely: the server learns the sum only.
+
+    With `config.clipping_range` 0 it first sums per-tensor exponent one-hots (one SecAgg+
+    run) to pick power-of-two scales, then sums the scaled payload (a second run); with a
+    fixed clipping range it runs once and clients refuse values beyond it.
+    """
+
+    def __init__(self, config: SecureAggregationConfig) -> None:
+        self.config = config
+
+    def __call__(
+        self,
+        grid: Grid,
+        node_ids: Sequence[int],
+        layout: Sequence[LayoutEntry],
+        server_round: int,
+    ) -> SecureSumResult:
+        """Secure sum of `layout`'s tensors over `node_ids`; SecureAggregationError if halted."""
+        node_ids = list(node_ids)
+        bytes_up = 0
+        common = {SECURE_SUM_LAYOUT: encode_layout(layout)}
+        if self.config.clipping_range > 0:
+            scales, clipping = [1.0] * len(layout), self.config.clipping_range
+        else:
+            bounds, node_ids = self._run(
+                grid, node_ids, {**common, SECURE_SUM_STAGE: "bounds"}, 1.0, server_round
+            )
+            bytes_up += _masked_bytes(bounds, len(node_ids))
+            if any(vector.size != NUM_BUCKETS for vector in bounds):
+                raise SecureAggregationError("bounds stage returned vectors of the wrong length")
+            scales, clipping = scales_from_histograms(bounds), 1.0
+        payload_config = {
+            **common,
+            SECURE_SUM_STAGE: "payload",
+            SECURE_SUM_SCALES: scales,
+            SECURE_SUM_CLIPPING: clipping,
+        }
+        vectors, survivors = self._run(grid, node_ids, payload_config, clipping, server_round)
+        bytes_up += _masked_bytes(vectors, len(survivors))
+        return SecureSumResult(unpack_sum(vectors, layout, scales), survivors, bytes_up)
+
+    def _run(
+        self,
+        grid: Grid,
+        node_ids: list[int],
+        fit_config: Mapping[str, object],
+        clipping_range: float,
+        server_round: int,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """One SecAggPlusWorkflow over `node_ids`: the summed vectors and the survivors."""
+        stage = fit_config[SECURE_SUM_STAGE]
+        if len(node_ids) < 2:
+            raise SecureAggregationError(
+                f"round {server_round}: a secure sum needs at least 2 clients, "
+                f"{len(node_ids)} reached the {stage} stage"
+            )
+        shim = _OneShotSum(node_ids, fit_config)
+        workflow = SecAggPlusWorkflow(
+            num_shares=self.config.flower_num_shares,
+            reconstruction_threshold=self.config.flower_threshold,
+            max_weight=CLIENT_WEIGHT,
+            clipping_range=clipping_range,
+            quantization_range=self.config.quantization_range(len(node_ids)),
+            modulus_range=self.config.modulus_range,
+            timeout=self.config.timeout or None,
+        )
+        context = LegacyContext(
+            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            strategy=shim,
+            client_manager=SimpleClientManager(),
+        )
+        context.state[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: server_round})
+        context.state[MAIN_PARAMS_RECORD] = ArrayRecord()
+        recorder = _ErrorRecorder(grid)
+        workflow(recorder, context)  # type: ignore[arg-type]  # it only sends and receives
+        if not shim.aggregated or not shim.results:
+            shares, threshold = self.config.shares_and_threshold(len(node_ids))
+            reasons = "; ".join(recorder.errors[:3]) or "none reported (timeouts?)"
+            raise SecureAggregationError(
+                f"round {server_round}: SecAgg+ {stage} stage over {len(node_ids)} clients halted: "
+                f"too few clients or key shares survived (each client needs {threshold} of its "
+                f"{min(shares, len(node_ids))} neighbours' shares); nothing was aggregated. "
+                f"Client errors: {reasons}"
+            )
+        survivors = sorted(proxy.node_id for proxy, _ in shim.results)
+        mean = parameters_to_ndarrays(_parameters(shim.results))
+        log(INFO, "secure sum (%s): %d of %d clients", stage, len(survivors), len(node_ids))
+        return [array * len(survivors) for array in mean], survivors
+
+
+class _ErrorRecorder:
+    """The grid as SecAggPlusWorkflow uses it, keeping the reasons of clients' error replies."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.errors: list[str] = []
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        """Forward to the grid; record 'node N: reason' for each error reply."""
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.errors += [
+            f"node {reply.metadata.src_node_id}: {reply.error.reason}"
+            for reply in replies
+            if reply.has_error()
+        ]
+        return replies
+
+
+def _masked_bytes(vectors: Sequence[np.ndarray], num_clients: int) -> int:
+    """Bytes of the clients' masked uploads: 8-byte integers, plus the weight factor."""
+    return num_clients * 8 * (1 + sum(vector.size for vector in vectors))
+
+
+def _parameters(results: list) -> Parameters:
+    """The unmasked mean the workflow wrote into every FitRes (all the same object)."""
+    return results[0][1].parameters
