@@ -6,7 +6,9 @@ thin glue over `fedfields.train.federated`. What stays on the node lives in
 `context.state` across rounds: DecentNeRF's personal field and appearance embeddings, the
 user's alpha and last local global field, the occupancy grid, Scaffold's client control.
 Replies carry only what the strategy needs: the global field (or alpha * g_k and alpha for
-DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and scalar metrics.
+DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and scalar metrics. With
+run-config `secure-aggregation` on, `secure_aggregation_mod` holds all of it back for
+Flower's SecAgg+ (`clients.secure_aggregation`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from clients import meta_client
 from clients.meta_client import client_index
+from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.aggregate import alpha_update, alpha_weighted_payload
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
@@ -54,7 +57,7 @@ USER = "user"  # ConfigRecord in context.state: alpha
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 
-app = ClientApp()
+app = ClientApp(mods=[secure_aggregation_mod])
 
 
 @app.train()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
@@ -184,6 +184,7 @@ class ServerAudit:
         _plot_alphas(self.run_dir)
         _plot_leakage(self.run_dir, self.history)
         summary = {
+            "secure-aggregation": secure_aggregation_report(self.config),
             "final": final,
             "rounds": self.history,
             "seconds": time.perf_counter() - self.started,
@@ -244,6 +245,14 @@ def _plot_leakage(run_dir: Path, history: list[dict[str, Any]]) -> None:
     figure.savefig(run_dir / "leakage.png", dpi=120)
 
 
+def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
+    """What the report says about secure aggregation: on or off, and its SecAgg+ settings."""
+    secure = config.secure_aggregation_config()
+    if secure is None:
+        return {"enabled": False}
+    return {"enabled": True, "protocol": "Flower SecAgg+", **asdict(secure)}
+
+
 def make_strategy(config: FederatedConfig, num_users: int) -> FedAvg | Scaffold | DecentNeRF:
     """The strategy named by run-config, sampling `fraction-train` of the users per round."""
     sampling = {
@@ -251,6 +260,7 @@ def make_strategy(config: FederatedConfig, num_users: int) -> FedAvg | Scaffold 
         "min_train_nodes": min(config.min_train_nodes, num_users),
         "min_available_nodes": num_users,
         "fraction_evaluate": 0.0,
+        "secure_aggregation": config.secure_aggregation_config(),
     }
     if config.strategy_name == "fedavg":
         return FedAvg(**sampling)
@@ -295,6 +305,7 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any]) -> Path:
         evaluate_fn=audit,
     )
     summary = audit.finish(result.arrays)
+    log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))
     log(INFO, "fedfields: final %s", json.dumps(summary["final"]))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
     return run_dir

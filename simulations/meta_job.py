@@ -43,7 +43,7 @@ from fedfields.train.run_config import (
     meta_model,
     meta_settings,
 )
-from simulations.federated_nerf import make_run_dir
+from simulations.federated_nerf import make_run_dir, secure_aggregation_report
 from strategies import FedAvg, FedMeNF, FedProx, Scaffold, m_of_n_sampling
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
@@ -240,6 +240,7 @@ class MetaAudit:
         if self.last_uploads:
             self.render_grid(state, self.last_uploads[:RENDERED_CLIENTS])
         summary = {
+            "secure-aggregation": secure_aggregation_report(self.config),
             "task": self.config.task,
             "strategy": self.config.strategy_name,
             "meta-learner": self.config.meta_learner,
@@ -354,18 +355,19 @@ def make_meta_strategy(
 ) -> FedAvg | FedMeNF | Scaffold:
     """The run-config's strategy sampling M of the N clients per round; no federated eval."""
     name = config.strategy_name
+    common = {"fraction_evaluate": 0.0, "secure_aggregation": config.secure_aggregation_config()}
     if name == "fedmenf":
         return FedMeNF(
             clients_per_round=config.clients_per_round,
             num_clients=settings.num_clients,
-            fraction_evaluate=0.0,
+            **common,
         )
     sampling = m_of_n_sampling(config.clients_per_round, settings.num_clients)
     if name == "fedprox":
-        return FedProx(proximal_mu=config.proximal_mu, fraction_evaluate=0.0, **sampling)
+        return FedProx(proximal_mu=config.proximal_mu, **common, **sampling)
     if name == "scaffold":
-        return Scaffold(global_lr=config.scaffold_global_lr, fraction_evaluate=0.0, **sampling)
-    return FedAvg(fraction_evaluate=0.0, **sampling)
+        return Scaffold(global_lr=config.scaffold_global_lr, **common, **sampling)
+    return FedAvg(**common, **sampling)
 
 
 def run_meta_job(grid: Grid, run_config: dict[str, Any]) -> Path:
@@ -377,7 +379,8 @@ def run_meta_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     random.seed(config.seed)  # Flower samples each round's nodes with `random`
     torch.manual_seed(config.seed)
     initial = federated_state(meta_model(config, settings))
-    recorder = UploadRecorder(grid) if config.privacy_audit else None
+    audited = config.privacy_audit and not config.secure_aggregation  # uploads are masked
+    recorder = UploadRecorder(grid) if audited else None
     audit = MetaAudit(config, settings, run_dir, recorder)
     result = make_meta_strategy(config, settings).start(
         recorder or grid,
@@ -387,6 +390,7 @@ def run_meta_job(grid: Grid, run_config: dict[str, Any]) -> Path:
         evaluate_fn=audit,
     )
     summary = audit.finish(result.arrays)
+    log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))
     log(INFO, "fedfields: final %s", json.dumps(summary["final"]))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
     return run_dir

@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
+from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.flower_io import GRADIENT_QUERY
 from simulations.server_app import run_job
 
@@ -33,8 +34,8 @@ def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
 
 
 def client_app(run_config: dict[str, Any]) -> ClientApp:
-    """The ClientApp's handlers (scene or meta-learning, by `task`), seeing `run_config`."""
-    app = ClientApp()
+    """The ClientApp's handlers and mods (scene or meta tasks, by `task`), seeing `run_config`."""
+    app = ClientApp(mods=[secure_aggregation_mod])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

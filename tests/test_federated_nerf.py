@@ -122,6 +122,22 @@ def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path:
     assert any(t.shape == embedding_shape for t in personal)
 
 
+def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_path: Path) -> None:
+    plain_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / "plain", "decentnerf"))
+    config = tiny(crowd_dir, tmp_path / "secure", "decentnerf", **{"secure-aggregation": True})
+    run_dir, grid = _run_in_process(config)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["secure-aggregation"]["enabled"] is True
+    assert summary["secure-aggregation"]["protocol"] == "Flower SecAgg+"
+    plain = json.loads((plain_dir / "summary.json").read_text())
+    assert plain["secure-aggregation"] == {"enabled": False}
+    assert summary["final"]["clean-psnr"] == pytest.approx(plain["final"]["clean-psnr"], abs=0.2)
+    replies = [reply for reply in grid.received if not reply.has_error()]
+    assert not any(len(r) for reply in replies for r in reply.content.array_records.values())
+    masked = [reply for reply in replies if "fitres.num_examples" in reply.content]
+    assert len(masked) == 3 * 2 * 3  # 3 secure sums (round 1: 1, round 2: 2) x 2 runs x 3 users
+
+
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "scaffold"])
 def test_baselines_run_in_process(crowd_dir: Path, tmp_path: Path, strategy: str) -> None:
     run_dir, grid = _run_in_process(tiny(crowd_dir, tmp_path / strategy, strategy))

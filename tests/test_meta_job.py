@@ -124,6 +124,27 @@ def test_privacy_audit_never_influences_training(
     assert not (blind / "renders.png").exists()
 
 
+@pytest.mark.parametrize("strategy", ["fedmenf", "scaffold"])
+def test_secure_aggregation_gives_the_plaintext_aggregate(strategy: str, tmp_path: Path) -> None:
+    one_round = {"num-server-rounds": 1, "strategy": strategy}
+    plain, _ = run_in_process(tiny(tmp_path / "plain", **one_round))
+    secure, grid = run_in_process(
+        tiny(tmp_path / "secure", **one_round, **{"secure-aggregation": True})
+    )
+    first, second = (
+        torch.load(run_dir / "checkpoint.pt", weights_only=True)["state_dict"]
+        for run_dir in (plain, secure)
+    )
+    difference = torch.cat([(first[k] - second[k]).flatten() for k in first]).norm()
+    assert float(difference / torch.cat([v.flatten() for v in first.values()]).norm()) < 1e-5
+    assert not all(torch.equal(first[k], second[k]) for k in first)  # quantised by SecAgg+
+    assert "psnr_p" not in metric_lines(secure)[0]  # no upload to audit: the server sees sums
+    summary = json.loads((secure / "summary.json").read_text())
+    assert summary["secure-aggregation"]["enabled"] is True
+    held = [reply for reply in grid.received if "held" in reply.content]
+    assert len(held) == 2 and all("client" not in reply.content for reply in held)
+
+
 @pytest.mark.parametrize("strategy", ["fedprox", "scaffold"])
 def test_meta_learners_under_fedprox_and_scaffold(strategy: str, tmp_path: Path) -> None:
     config = tiny(

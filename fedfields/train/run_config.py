@@ -30,6 +30,7 @@ from fedfields.fields import (
     Siren,
     SirenConfig,
 )
+from fedfields.privacy.secure_sum import SecureAggregationConfig
 from fedfields.render import RenderConfig
 from fedfields.train.meta import LEARNERS, OUTER_OPTIMIZERS, MetaConfig
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
@@ -81,6 +82,12 @@ class FederatedConfig:
     field_width: int = 0  # SIREN (faces, video) or NeRF MLP (objects) width
     field_depth: int = 0  # and depth
     privacy_audit: bool = True  # simulation only: the server scores uploads against the data
+    # Secure aggregation with Flower SecAgg+ (every strategy)
+    secure_aggregation: bool = False
+    secagg_num_shares: float = 1.0  # fraction of the sampled clients (<= 1) or a count (> 2)
+    secagg_reconstruction_threshold: float = 0.67  # fraction of the shares, or a count
+    secagg_timeout: float = 600.0  # seconds per SecAgg+ stage (0: wait forever)
+    secagg_clipping_range: float = 0.0  # 0: per-tensor bounds summed securely; > 0: fixed
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -152,6 +159,21 @@ class FederatedConfig:
                 raise ValueError(
                     f"run-config '{_dash(name)}' must be a finite number >= 0, got {value}"
                 )
+
+        self.secure_aggregation_config()  # validates the secagg-* keys
+
+    def secure_aggregation_config(self) -> SecureAggregationConfig | None:
+        """The SecAgg+ settings when `secure-aggregation` is on, else None."""
+        try:
+            config = SecureAggregationConfig(
+                num_shares=self.secagg_num_shares,
+                reconstruction_threshold=self.secagg_reconstruction_threshold,
+                timeout=self.secagg_timeout,
+                clipping_range=self.secagg_clipping_range,
+            )
+        except ValueError as error:
+            raise ValueError(f"run-config: {error}") from None
+        return config if self.secure_aggregation else None
 
     @property
     def strategy_name(self) -> str:
