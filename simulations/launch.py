@@ -102,6 +102,16 @@ def job_config(run_config: str) -> FederatedConfig:
     return FederatedConfig.from_run_config({**declared, **parse_config_args([run_config])})
 
 
+def user_overrides(run_config: str) -> str:
+    """The user's run-config without "run-dir" and "data-dir", which the launcher resolves."""
+    overrides = parse_config_args([run_config]) if run_config.strip() else {}
+    return " ".join(
+        f"{key}={json.dumps(value)}"
+        for key, value in overrides.items()
+        if key not in ("run-dir", "data-dir")
+    )
+
+
 def our_superlinks() -> list[int]:
     """PIDs of `flower-superlink` processes running with this project's FLWR_HOME."""
     marker = f"FLWR_HOME={ENVIRONMENT['FLWR_HOME']}".encode()
@@ -155,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedfields: {error}", file=sys.stderr)
         return 2
     name = config.strategy_name
+    given = Path(config.data_dir).resolve() if config.data_dir else None
     if settings is None:
-        data_dir = crowd_dataset(args, env)
+        data_dir = given or crowd_dataset(args, env)
         num_nodes = len(list(data_dir.glob("user_*")))
     else:
-        data_dir = object_collection(args, settings, env) if config.task == "objects" else None
+        data_dir = None
+        if config.task == "objects":
+            data_dir = given or object_collection(args, settings, env)
         num_nodes = settings.num_clients
         name = f"{config.task}-{name}-{config.meta_learner}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -171,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     flwr = str(Path(sys.executable).with_name("flwr"))
     already_running = set(our_superlinks())
     command = [flwr, "run", str(ROOT), "--stream", "--federation-config", federation]
-    command += ["--run-config", f"{run_config} {args.run_config}".strip()]
+    command += ["--run-config", f"{run_config} {user_overrides(args.run_config)}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
     try:
         output = _run_streaming(command, env)
