@@ -21,7 +21,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients import meta_client
+from clients import meta_client, split_client
 from clients.meta_client import client_index
 from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.aggregate import alpha_update, alpha_weighted_payload
@@ -64,6 +64,8 @@ app = ClientApp(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train locally from the received global field; reply with what the strategy aggregates."""
     config = FederatedConfig.from_run_config(context.run_config)
+    if config.mode == "split":
+        return split_client.train(msg, context)
     if config.task != "scene":
         return meta_client.train(msg, context)
     round_config = msg.content[CONFIG]

@@ -73,6 +73,17 @@ NUM_FAILURES = "num-failures"
 BYTES_UP = "bytes-up"
 BYTES_DOWN = "bytes-down"
 
+# ------------------------------------------------------------------ split learning
+SPLIT_STAGE = "split-stage"
+"""CONFIG entry of a split-learning "train" message: "start", "step" or "finish"."""
+SPLIT_STEP = "split-step"
+SAMPLES = "samples"
+"""Client -> server: the next batch's rays ("origins", "directions") and bin "edges"."""
+EMBEDDINGS = "embeddings"
+"""Server -> client: the cut-layer embeddings of the pending batch ("embeddings")."""
+SERVER_PART = "server-part"
+"""Server -> client at "finish": the server part's state, to assemble the joint field."""
+
 # ------------------------------------------------------------------ secure sums
 HELD = "held"
 """ConfigRecord of a secure-mode reply: "records" and "metrics" the client holds back."""

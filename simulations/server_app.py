@@ -2,7 +2,8 @@
 
 `flwr run .` starts it: task "scene" is the federated NeRF job
 (`simulations.federated_nerf.run_federated_nerf`), faces, video and objects the FedMeNF
-meta-learning job (`simulations.meta_job.run_meta_job`).
+meta-learning job (`simulations.meta_job.run_meta_job`); mode "split" is split learning
+(`simulations.split_job.run_split_job`).
 """
 
 from pathlib import Path
@@ -14,13 +15,17 @@ from flwr.serverapp import Grid, ServerApp
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
+from simulations.split_job import run_split_job
 
 app = ServerApp()
 
 
 def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory."""
-    if FederatedConfig.from_run_config(run_config).task == "scene":
+    config = FederatedConfig.from_run_config(run_config)
+    if config.mode == "split":
+        return run_split_job(grid, run_config)
+    if config.task == "scene":
         return run_federated_nerf(grid, run_config)
     return run_meta_job(grid, run_config)
 

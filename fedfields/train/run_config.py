@@ -36,6 +36,7 @@ from fedfields.train.meta import LEARNERS, OUTER_OPTIMIZERS, MetaConfig
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
 
 TASKS = ("scene", "faces", "video", "objects")
+MODES = ("federated", "split")
 META_TASKS = TASKS[1:]
 STRATEGY_NAMES = ("decentnerf", "fedavg", "fedprox", "scaffold", "fedmenf")
 
@@ -82,6 +83,15 @@ class FederatedConfig:
     field_width: int = 0  # SIREN (faces, video) or NeRF MLP (objects) width
     field_depth: int = 0  # and depth
     privacy_audit: bool = True  # simulation only: the server scores uploads against the data
+    # Split learning (SplitNeRF / S2NeRF, task scene): one client, server holds the hash grid
+    mode: str = "federated"  # federated | split
+    split_steps: int = 600  # server-client round trips, one batch each
+    split_batch_rays: int = 256
+    split_samples: int = 48  # stratified samples per ray (the client cannot march density)
+    split_noise_c: float = 0.0  # S2NeRF gradient noise scale c (0: no defence)
+    split_noise_r: float = 1e-4  # its decay over the run (1: constant)
+    split_label_noise: float = 0.0  # NoisyLabel std sigma_l on the pixel colours (0: none)
+    split_record_every: int = 4  # the server keeps every k-th exchange for the attack audit
     # Secure aggregation with Flower SecAgg+ (every strategy)
     secure_aggregation: bool = False
     secagg_num_shares: float = 1.0  # fraction of the sampled clients (<= 1) or a count (> 2)
@@ -160,6 +170,25 @@ class FederatedConfig:
                     f"run-config '{_dash(name)}' must be a finite number >= 0, got {value}"
                 )
 
+        if self.mode not in MODES:
+            raise ValueError(f"run-config 'mode' must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "split" and self.task != "scene":
+            raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
+        for name in ("split_steps", "split_batch_rays", "split_samples", "split_record_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"run-config '{_dash(name)}' must be >= 1, got {getattr(self, name)}"
+                )
+        if not 0 < self.split_noise_r <= 1:
+            raise ValueError(
+                f"run-config 'split-noise-r' must be in (0, 1], got {self.split_noise_r}"
+            )
+        for name in ("split_noise_c", "split_label_noise"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(
+                    f"run-config '{_dash(name)}' must be a finite number >= 0, "
+                    f"got {getattr(self, name)}"
+                )
         self.secure_aggregation_config()  # validates the secagg-* keys
 
     def secure_aggregation_config(self) -> SecureAggregationConfig | None:

@@ -1,0 +1,205 @@
+"""The split-learning client (run-config mode "split"): images, the loss and the field's head.
+
+One "train" message per step (`simulations.split_job` drives them): the server's reply-to
+carries the embeddings of the batch this client sent last; the client renders, returns the
+embedding gradient (after its S2NeRF or NoisyLabel defence) and, pipelined in the same reply,
+the rays of its next batch. Head, Adam state and the pending batch live in `context.state`.
+At "finish" the server sends its part so the client can assemble the joint field, score it on
+its held-out views and keep it (checkpoint.pt in the run directory, which the server's
+simulation-only attack audit reads as ground truth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from torch import Tensor
+
+from fedfields.data import Scene, load_scene
+from fedfields.data.scene import holdout_indices
+from fedfields.fields import HashGridField
+from fedfields.flower_io import (
+    CONFIG,
+    EMBEDDINGS,
+    GRADIENT,
+    METRICS,
+    SAMPLES,
+    SERVER_PART,
+    SPLIT_STAGE,
+    SPLIT_STEP,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
+from fedfields.privacy.split import client_step, sample_rays
+from fedfields.render import RenderConfig
+from fedfields.train.centralised import PixelSampler, make_optimizer
+from fedfields.train.checkpoint import save_checkpoint
+from fedfields.train.evaluation import evaluate, write_renders
+from fedfields.train.run_config import FederatedConfig, global_field, render_config
+
+HEAD = "split-head"
+HEAD_OPTIMIZER = "split-head-optimizer"
+PENDING = "split-pending"  # the batch the server is embedding: rays, colours, background
+HOLDOUT_EVERY = 8  # every 8th view is held out for the client's own evaluation
+LEARNING_RATE = 1e-2  # decays to 0.1x over the run, as `fedfields.privacy.train_split`
+WEIGHT_DECAY = 1e-6
+
+
+def split_render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
+    """Stratified sampling without an occupancy grid: the client cannot query density alone."""
+    return dataclasses.replace(
+        render_config(scene), num_samples=config.split_samples, num_importance=0
+    )
+
+
+def split_defence(config: FederatedConfig) -> ClientDefence | None:
+    """The run-config's client defence: S2NeRF gradient noise or NoisyLabel (not both)."""
+    if config.split_noise_c > 0 and config.split_label_noise > 0:
+        raise ValueError("run-config: set split-noise-c or split-label-noise, not both")
+    if config.split_noise_c > 0:
+        return S2NeRFNoise(
+            c=config.split_noise_c,
+            r=config.split_noise_r,
+            total_steps=config.split_steps,
+            seed=config.seed,
+        )
+    if config.split_label_noise > 0:
+        return NoisyLabel(config.split_label_noise, seed=config.seed)
+    return None
+
+
+@lru_cache(maxsize=2)
+def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
+    """(training views, held-out views) of the client's scene."""
+    if not data_dir:
+        raise ValueError("run-config 'data-dir' must name the client's scene for mode 'split'")
+    scene = load_scene(data_dir, downscale=downscale)
+    train, heldout = holdout_indices(len(scene), HOLDOUT_EVERY)
+    return scene.subset(train), scene.subset(heldout)
+
+
+def joint_field(config: FederatedConfig, scene: Scene) -> HashGridField:
+    """The joint field as both sides initialise it (same seed, same config)."""
+    torch.manual_seed(config.seed)
+    return global_field(config, scene)
+
+
+def train(msg: Message, context: Context) -> Message:
+    """One split-learning exchange: "start", "step" or "finish" (CONFIG "split-stage")."""
+    config = FederatedConfig.from_run_config(context.run_config)
+    round_config = msg.content[CONFIG]
+    stage = str(round_config[SPLIT_STAGE])
+    scene, heldout = client_views(config.data_dir, config.downscale)
+    field = joint_field(config, scene)
+    server, head = split_field(field)
+    optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)  # type: ignore[arg-type]
+    if HEAD in context.state:
+        head.load_state_dict(arrays_to_state(context.state[HEAD]))
+        _load_optimizer(optimizer, arrays_to_state(context.state[HEAD_OPTIMIZER]))
+    if stage == "finish":
+        return _finish(msg, context, config, field, heldout)
+    content = RecordDict()
+    step = int(round_config.get(SPLIT_STEP, -1))
+    if stage == "step":
+        content[GRADIENT], content[METRICS] = _learn(
+            msg, context, config, head, optimizer, step, server.embedding_dim
+        )
+    elif stage != "start":
+        raise ValueError(f"unknown {SPLIT_STAGE!r}: {stage!r}")
+    if step + 1 < config.split_steps:
+        content[SAMPLES] = _next_batch(context, config, scene, step + 1)
+    context.state[HEAD] = state_to_arrays(head.state_dict())
+    context.state[HEAD_OPTIMIZER] = state_to_arrays(_flat_optimizer_state(optimizer))
+    return Message(content, reply_to=msg)
+
+
+def _learn(
+    msg: Message,
+    context: Context,
+    config: FederatedConfig,
+    head: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    embedding_dim: int,
+) -> tuple[ArrayRecord, MetricRecord]:
+    """Render the pending batch from the server's embeddings; step the head; the gradient."""
+    pending = arrays_to_state(context.state[PENDING])
+    samples = RaySamples(pending["origins"], pending["directions"], pending["edges"])
+    embeddings = arrays_to_state(msg.content[EMBEDDINGS])["embeddings"]
+    expected = (len(samples) * config.split_samples, embedding_dim)
+    if tuple(embeddings.shape) != expected:
+        raise ValueError(f"embeddings of shape {tuple(embeddings.shape)}, expected {expected}")
+    for group in optimizer.param_groups:
+        group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split_steps)
+    optimizer.zero_grad(set_to_none=True)
+    result = client_step(
+        head,
+        embeddings,
+        samples,
+        pending["colors"],
+        pending["background"],
+        split_defence(config),
+        step,
+    )
+    optimizer.step()
+    gradient = state_to_arrays({"embeddings": result.embedding_gradient})
+    return gradient, MetricRecord({"loss": result.loss, "psnr": result.psnr})
+
+
+def _next_batch(context: Context, config: FederatedConfig, scene: Scene, step: int) -> ArrayRecord:
+    """Draw batch `step` (seeded), keep it pending and return its rays for the server."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(config.seed * 1_000_003 + step)
+    batch = PixelSampler(scene, random_background=True).sample(config.split_batch_rays)
+    samples = sample_rays(batch.rays, split_render_config(config, scene), perturb=True)
+    torch.random.set_rng_state(generator_state)
+    rays = {"origins": samples.origins, "directions": samples.directions, "edges": samples.edges}
+    context.state[PENDING] = state_to_arrays(
+        {**rays, "colors": batch.colors, "background": batch.background}
+    )
+    return state_to_arrays(rays)
+
+
+def _finish(
+    msg: Message, context: Context, config: FederatedConfig, field: HashGridField, heldout: Scene
+) -> Message:
+    """Assemble the joint field, score it on held-out views, keep checkpoint and renders."""
+    server_state = arrays_to_state(msg.content[SERVER_PART])
+    server, _ = split_field(field)
+    server.load_state_dict(server_state)
+    run_dir = Path(str(msg.content[CONFIG]["run-dir"]))
+    scene, _ = client_views(config.data_dir, config.downscale)
+    settings = split_render_config(config, scene)
+    result = evaluate(field, heldout, settings, progress=False)
+    write_renders(run_dir / "renders", heldout, result, settings)
+    metadata = {"mode": "split", "data-dir": config.data_dir, "heldout-every": HOLDOUT_EVERY}
+    save_checkpoint(run_dir / "checkpoint.pt", field, settings, None, metadata)
+    summary = {f"heldout-{key}": value for key, value in result.summary().items()}
+    (run_dir / "client.json").write_text(json.dumps(summary, indent=2))
+    metrics = {key: value for key, value in summary.items() if value is not None}
+    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Adam's per-parameter state as one flat tensor dict ("<index>.<name>")."""
+    return {
+        f"{index}.{name}": torch.as_tensor(value).reshape(-1) if name == "step" else value
+        for index, values in optimizer.state_dict()["state"].items()
+        for name, value in values.items()
+    }
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, flat: dict[str, Tensor]) -> None:
+    """Inverse of `_flat_optimizer_state` (the parameter groups are rebuilt, not stored)."""
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in flat.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value.reshape(()) if name == "step" else value
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
