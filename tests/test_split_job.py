@@ -28,7 +28,6 @@ def tiny(run_dir: Path, **overrides: object) -> dict:
         "split-batch-rays": 64,
         "split-samples": 24,
         "split-record-every": 5,
-        "split-attack": False,
         "hash-log2-size": 12,
         **overrides,
     }
