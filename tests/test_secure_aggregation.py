@@ -303,9 +303,7 @@ def test_dropouts_beyond_the_threshold_fail_the_round_and_keep_the_model(
     def record_global(server_round: int, arrays: ArrayRecord) -> None:
         held[server_round] = arrays_to_state(arrays)
 
-    result = strategy.start(
-        grid, state_to_arrays(start), num_rounds=1, evaluate_fn=record_global
-    )
+    result = strategy.start(grid, state_to_arrays(start), num_rounds=1, evaluate_fn=record_global)
     assert sorted(held) == [0, 1]
     assert all(torch.equal(held[1][key], start[key]) for key in start)
     assert result.train_metrics_clientapp[1][SECURE_FAILURES] == 1
