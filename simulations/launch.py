@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = config.strategy_name
     given = Path(config.data_dir).resolve() if config.data_dir else None
-    if settings is None:
+    if config.mode == "split":  # one client holding the scene's images
+        data_dir, num_nodes, name = given or args.scene.resolve(), 1, "split"
+    elif settings is None:
         data_dir = given or crowd_dataset(args, env)
         num_nodes = len(list(data_dir.glob("user_*")))
     else:
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     run_config = f"run-dir={json.dumps(str(run_dir))}"
     if data_dir is not None:
         run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
+    if config.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
+        run_config += f" downscale={float(args.downscale)}"  # the raw scene, like the crowd's
     federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
     flwr = str(Path(sys.executable).with_name("flwr"))
     already_running = set(our_superlinks())
