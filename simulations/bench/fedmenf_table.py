@@ -1,61 +1,175 @@
-"""Benchmark: a miniature of FedMeNF's Table 1 on LFW faces, one run per strategy x learner.
+"""Benchmark: a miniature of FedMeNF's Table 1, one run per strategy x meta-learner.
 
-Each run goes through Flower's simulation engine (Ray) with the faces preset and reports the
-final round's held-out PSNR after test-time optimisation, PSNR_p of the uploads, and their
-difference Delta. Prints a markdown table; run directories land in runs/bench_fedmenf/.
+Each run goes through Flower's simulation engine (Ray) with the task's preset
+(`fedfields.train.run_config.META_PRESETS`, one virtual SuperNode per client) and reports the
+final round's held-out PSNR after test-time optimisation (TTO), PSNR_p of the round's uploads,
+their difference Delta, and PSNR_p averaged over all rounds. A "Local (no federation)" row
+gives the TTO from a random initialisation (summary.json's "initial", at the last TTO step):
+each client fits its own support set from scratch and shares nothing, so it has no PSNR_p. Prints a
+markdown table; run directories land in runs/bench_fedmenf/. The objects collection is built
+on first use, as `simulations.launch` does.
 
-    python -m simulations.bench.fedmenf_faces [--strategies fedavg fedprox scaffold]
+    python -m simulations.bench.fedmenf_table --task faces --strategies fedavg fedprox scaffold
+    python -m simulations.bench.fedmenf_table --task objects --strategies fedavg fedprox scaffold
+
+`--report RUN_DIR ...` prints the table of existing run directories without training.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from simulations.launch import ROOT
+from fedfields.train.run_config import FederatedConfig, meta_settings
+from simulations.launch import ROOT, object_collection
+from simulations.launch import parse_args as launch_args
 from simulations.run import run_with_ray
 
-LEARNERS = {
+LEARNERS: dict[str, dict[str, Any]] = {
     "MAML": {"meta-learner": "maml"},
     "FOMAML": {"meta-learner": "fomaml"},
     "Reptile": {"meta-learner": "reptile"},
     "FedMeNF gamma 0.75": {"meta-learner": "fedmenf", "gamma": 0.75},
     "FedMeNF adaptive": {"meta-learner": "fedmenf", "privacy-budget": 1e-3},
 }
-NUM_CLIENTS = 20  # the faces preset
+STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedmenf")
+OUT = ROOT / "runs" / "bench_fedmenf"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run's final round, read back from its run directory."""
+
+    run_dir: Path
+    task: str
+    strategy: str
+    learner: str
+    psnr: float
+    psnr_p: float
+    psnr_p_mean: float  # over all rounds: each round's 5 uploads differ a lot on objects
+    seconds: float  # the job's own time (summary.json), without Ray's start-up
+    local_psnr: float  # TTO from a random initialisation, at the last TTO step
+    local_steps: int
+
+
+def learner_name(config: dict[str, Any]) -> str:
+    """The table's name for a run-config's meta-learner (inverse of LEARNERS)."""
+    learner = config["meta-learner"]
+    if learner != "fedmenf":
+        return {"maml": "MAML", "fomaml": "FOMAML", "reptile": "Reptile"}[learner]
+    if config.get("privacy-budget", 0.0) > 0:
+        return "FedMeNF adaptive"
+    return f"FedMeNF gamma {config['gamma']:g}"
+
+
+def read_row(run_dir: Path) -> Row:
+    """The final round and the random-init TTO of a finished run directory."""
+    config = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rounds[-1]
+    steps = max(int(step) for step in summary["initial"])
+    return Row(
+        run_dir=run_dir,
+        task=config["task"],
+        strategy=config["strategy"],
+        learner=learner_name(config),
+        psnr=last["psnr"],
+        psnr_p=last["psnr_p"],
+        psnr_p_mean=sum(r["psnr_p"] for r in rounds) / len(rounds),
+        seconds=summary["seconds"],
+        local_psnr=summary["initial"][str(steps)]["psnr"],
+        local_steps=steps,
+    )
+
+
+def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> Path:
+    """One federated run of `task` through Ray; returns its run directory."""
+    config = FederatedConfig(task=task)
+    settings = meta_settings(config)
+    run_dir = out / f"{time.strftime('%H%M%S')}-{task}-{strategy}-{learner.replace(' ', '_')}"
+    run_config: dict[str, Any] = {
+        "task": task,
+        "strategy": strategy,
+        "num-server-rounds": rounds,
+        "run-dir": str(run_dir),
+        **LEARNERS[learner],
+    }
+    if task == "objects":  # the same collection `simulations.launch` builds and uses
+        data_dir = object_collection(launch_args([]), settings, dict(os.environ))
+        run_config["data-dir"] = str(data_dir)
+    run_with_ray(run_config, num_supernodes=settings.num_clients)
+    return run_dir
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown table: one line per run, then the Local baseline of each task."""
+    order = {name: index for index, name in enumerate(LEARNERS)}
+    rows = sorted(
+        rows,
+        key=lambda row: (
+            row.task,
+            STRATEGIES.index(row.strategy) if row.strategy in STRATEGIES else len(STRATEGIES),
+            order.get(row.learner, len(order)),
+            row.run_dir.name,
+        ),
+    )
+    lines = [
+        "| task | strategy | meta-learner | PSNR after TTO | PSNR_p | Delta "
+        "| PSNR_p, mean of rounds | job s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.task} | {row.strategy} | {row.learner} | {row.psnr:.2f} | "
+            f"{row.psnr_p:.2f} | {row.psnr - row.psnr_p:.2f} | {row.psnr_p_mean:.2f} | "
+            f"{row.seconds:.0f} |"
+        )
+    for task in sorted({row.task for row in rows}):
+        local = [row.local_psnr for row in rows if row.task == task]
+        low, high = min(local), max(local)
+        value = f"{low:.2f}" if high - low < 0.005 else f"{low:.2f}-{high:.2f}"
+        steps = next(row.local_steps for row in rows if row.task == task)
+        lines.append(
+            f"| {task} | - | Local (no federation, {steps} TTO steps from random init) | "
+            f"{value} | - | - | - | - |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--task", choices=("faces", "objects"), default="faces")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedprox", "scaffold"])
+    parser.add_argument("--learners", nargs="+", choices=list(LEARNERS), default=list(LEARNERS))
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=OUT, help="parent of the run directories")
+    parser.add_argument(
+        "--report", nargs="+", type=Path, default=None, help="only tabulate these run dirs"
+    )
     args = parser.parse_args()
-    out = ROOT / "runs" / "bench_fedmenf"
+    if args.report is not None:
+        print(table([read_row(run_dir) for run_dir in args.report]))
+        return
     rows = []
     for strategy in args.strategies:
-        for name, overrides in LEARNERS.items():
-            run_dir = out / f"{time.strftime('%H%M%S')}-{strategy}-{name.replace(' ', '_')}"
-            config = {
-                "task": "faces",
-                "strategy": strategy,
-                "num-server-rounds": args.rounds,
-                "run-dir": str(run_dir),
-                **overrides,
-            }
+        for learner in args.learners:
             started = time.perf_counter()
-            run_with_ray(config, num_supernodes=NUM_CLIENTS)
-            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-            rows.append((strategy, name, last, time.perf_counter() - started))
-            print(strategy, name, json.dumps({k: last[k] for k in ("psnr", "psnr_p")}), flush=True)
-    print("\n| strategy | meta-learner | PSNR after TTO | PSNR_p | Delta | wall s |")
-    print("|---|---|---|---|---|---|")
-    for strategy, name, last, seconds in rows:
-        delta = last["psnr"] - last["psnr_p"]
-        print(
-            f"| {strategy} | {name} | {last['psnr']:.2f} | {last['psnr_p']:.2f} | "
-            f"{delta:.2f} | {seconds:.0f} |"
-        )
+            run_dir = run_one(args.task, strategy, learner, args.rounds, args.out)
+            row = read_row(run_dir)
+            rows.append(row)
+            print(
+                f"{args.task} {strategy} {learner}: PSNR {row.psnr:.2f}, PSNR_p {row.psnr_p:.2f}, "
+                f"{time.perf_counter() - started:.0f} s wall, {run_dir}",
+                flush=True,
+            )
+    print()
+    print(table(rows))
 
 
 if __name__ == "__main__":
