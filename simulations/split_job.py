@@ -4,7 +4,9 @@ The server holds the hash grid and the first density layer (`fedfields.privacy.s
 client everything else (`clients.split_client`). Each step is one "train" round trip: the
 server embeds the batch the client sent, the client answers with the embedding gradient and
 its next batch; the server back-propagates and steps. The server keeps every k-th exchange,
-which is all an honest-but-curious server has (the Surrogate Model Attack's input).
+which is all an honest-but-curious server has; with `split-attack` (simulation only) it runs
+the Surrogate Model Attack on that record and scores it against the client's joint field,
+which it reads from the client's checkpoint for the audit alone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from matplotlib.figure import Figure
 
 from clients.split_client import LEARNING_RATE, WEIGHT_DECAY, client_views, joint_field
+from fedfields.data import Scene
 from fedfields.flower_io import (
     CONFIG,
     EMBEDDINGS,
@@ -35,12 +39,22 @@ from fedfields.flower_io import (
 )
 from fedfields.privacy import (
     RaySamples,
+    ServerPart,
     SplitExchange,
     server_backward,
     server_forward,
     split_field,
 )
+from fedfields.privacy.attacks import (
+    SurrogateAttackConfig,
+    make_surrogate_head,
+    render_depth_and_grey,
+    score_attack,
+    surrogate_model_attack,
+)
+from fedfields.render import RenderConfig
 from fedfields.train.centralised import make_optimizer
+from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import make_run_dir
 
@@ -106,6 +120,8 @@ def run_split_job(grid: Grid, run_config: dict[str, Any]) -> Path:
         "history": history,
         "transcript-steps": len(transcript),
     }
+    if config.split_attack:
+        summary["attack"] = attack_audit(config, server, transcript, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
@@ -169,3 +185,66 @@ def _last(history: list[dict[str, float]]) -> tuple[float, float]:
 def _append_line(path: Path, line: dict[str, float]) -> None:
     with path.open("a") as file:
         file.write(json.dumps(line) + "\n")
+
+
+def attack_audit(
+    config: FederatedConfig, server: ServerPart, transcript: list[SplitExchange], run_dir: Path
+) -> dict[str, Any]:
+    """Surrogate Model Attack on the server's record, scored on the client's held-out views.
+
+    Simulation only: the truth is the client's joint field from its checkpoint, which the
+    attack itself never sees. Also scores an untrained surrogate (the attack's baseline) and
+    writes attack.png: true depth | attacked depth | true grey | attacked grey per view.
+    """
+    scene, heldout = client_views(config.data_dir, config.downscale)
+    truth, settings, _, _ = load_checkpoint(run_dir / "checkpoint.pt")
+    _, client = split_field(truth)  # type: ignore[arg-type]
+    server.eval()
+    attack_config = SurrogateAttackConfig(seed=config.seed)
+    background = torch.tensor(scene.background, dtype=torch.float32)
+    started = time.perf_counter()
+    result = surrogate_model_attack(server, transcript, background, attack_config)
+    seconds = time.perf_counter() - started
+    untrained = make_surrogate_head(server.embedding_dim, attack_config)
+    views = list(range(len(heldout)))
+    with torch.no_grad():
+        attacked = score_attack(server, result.head, client, heldout.cameras, views, settings)
+        baseline = score_attack(server, untrained, client, heldout.cameras, views, settings)
+        _plot_attack(run_dir / "attack.png", server, result.head, client, heldout, settings)
+    log(
+        INFO,
+        "fedfields: attack SSIM-depth %.3f (untrained surrogate %.3f), SSIM-grey %.3f",
+        attacked["ssim_depth"],
+        baseline["ssim_depth"],
+        attacked["ssim_grey"],
+    )
+    return {"attacked": attacked, "untrained": baseline, "seconds": seconds}
+
+
+def _plot_attack(
+    path: Path,
+    server: ServerPart,
+    attack_head: torch.nn.Module,
+    client: torch.nn.Module,
+    heldout: Scene,
+    settings: RenderConfig,
+    views: int = 3,
+) -> None:
+    """Rows of held-out views: true depth, attacked depth, true grey, attacked grey."""
+    shown = range(min(views, len(heldout)))
+    figure = Figure(figsize=(8, 2.2 * len(shown)))
+    axes = figure.subplots(len(shown), 4, squeeze=False)
+    titles = ("client depth", "attack depth", "client grey", "attack grey")
+    for row, view in zip(axes, shown, strict=True):
+        true_depth, true_grey = render_depth_and_grey(
+            server, client, heldout.cameras, view, settings
+        )
+        depth, grey = render_depth_and_grey(server, attack_head, heldout.cameras, view, settings)
+        for axis, image, title in zip(
+            row, (true_depth, depth, true_grey, grey), titles, strict=True
+        ):
+            axis.imshow(image.numpy(), cmap="gray", vmin=0.0, vmax=1.0)
+            axis.set_title(title, fontsize=8)
+            axis.axis("off")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

@@ -28,6 +28,7 @@ def tiny(run_dir: Path, **overrides: object) -> dict:
         "split-batch-rays": 64,
         "split-samples": 24,
         "split-record-every": 5,
+        "split-attack": False,
         "hash-log2-size": 12,
         **overrides,
     }
@@ -85,3 +86,19 @@ def test_split_mode_settings_are_checked(tmp_path: Path) -> None:
     grid = InProcessGrid([client_app(config)])
     with pytest.raises(RuntimeError, match="split-noise-c or split-label-noise, not both"):
         run_split_job(grid, config)
+
+
+def test_the_attack_audit_recovers_geometry_and_reports_it(tmp_path: Path) -> None:
+    config = tiny(
+        tmp_path / "attacked",
+        **{
+            "split-steps": 200,
+            "split-batch-rays": 128,
+            "split-record-every": 20,
+            "split-attack": True,
+        },
+    )
+    run_dir = run_split_job(InProcessGrid([client_app(config)], raise_errors=True), config)
+    attack = json.loads((run_dir / "summary.json").read_text())["attack"]
+    assert attack["attacked"]["ssim_depth"] > attack["untrained"]["ssim_depth"] + 0.3
+    assert (run_dir / "attack.png").stat().st_size > 10_000

@@ -92,6 +92,7 @@ class FederatedConfig:
     split_noise_r: float = 1e-4  # its decay over the run (1: constant)
     split_label_noise: float = 0.0  # NoisyLabel std sigma_l on the pixel colours (0: none)
     split_record_every: int = 4  # the server keeps every k-th exchange for the attack audit
+    split_attack: bool = True  # simulation only: Surrogate Model Attack on the server's record
     # Secure aggregation with Flower SecAgg+ (every strategy)
     secure_aggregation: bool = False
     secagg_num_shares: float = 1.0  # fraction of the sampled clients (<= 1) or a count (> 2)
