@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +193,16 @@ def test_watching_does_not_change_training() -> None:
         states.append(model.bottom.state_dict())
     assert accuracies[0] == accuracies[1]
     assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])
+
+
+def test_the_command_line_audit_prints_scores_and_writes_pngs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from fedfields.cli import main
+
+    assert main(["sdar-digits", "--steps", "30", "--out", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["attacks"]) == {"sdar", "naive"}
+    for name in ("sdar", "naive"):
+        assert Path(report["pngs"][name]).stat().st_size > 1000
+        assert report["attacks"][name]["mse"] > 0
