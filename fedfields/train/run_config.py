@@ -91,7 +91,7 @@ class FederatedConfig:
     split_noise_c: float = 0.0  # S2NeRF gradient noise scale c (0: no defence)
     split_noise_r: float = 1e-4  # its decay over the run (1: constant)
     split_label_noise: float = 0.0  # NoisyLabel std sigma_l on the pixel colours (0: none)
-    split_record_every: int = 4  # the server keeps every k-th exchange for the attack audit
+    split_record_every: int = 20  # the server keeps every k-th exchange for the attack audit
     split_attack: bool = True  # simulation only: Surrogate Model Attack on the server's record
     # Secure aggregation with Flower SecAgg+ (every strategy)
     secure_aggregation: bool = False
