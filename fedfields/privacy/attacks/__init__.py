@@ -27,6 +27,12 @@ from fedfields.privacy.attacks.sdar import (
     run_sdar_audit,
     save_reconstruction_png,
 )
+from fedfields.privacy.attacks.sdar_nerf import (
+    SDARNeRFConfig,
+    SDARNeRFResult,
+    procedural_scene,
+    sdar_nerf_attack,
+)
 from fedfields.privacy.attacks.surrogate import (
     SurrogateAttackConfig,
     SurrogateResult,
@@ -44,6 +50,10 @@ from fedfields.privacy.attacks.surrogate import (
 )
 
 __all__ = [
+    "SDARNeRFConfig",
+    "SDARNeRFResult",
+    "procedural_scene",
+    "sdar_nerf_attack",
     "AttackerModels",
     "LabelConditioned",
     "SDARAttack",
