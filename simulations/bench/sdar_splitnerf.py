@@ -39,14 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedfields.data import holdout_indices, load_scene
 from fedfields.privacy.attacks.sdar_nerf import SDARNeRFConfig, procedural_scene, sdar_nerf_attack
 from fedfields.privacy.attacks.surrogate import SurrogateAttackConfig, surrogate_model_attack
-from fedfields.privacy.split import ClientPart, SplitTrainConfig
-from fedfields.render import RenderConfig
+from fedfields.privacy.split import ClientPart
 from simulations.bench.split_defences import (
     Row,
     Views,
+    bench_setup,
     render_views,
     server_views,
     similarity,
@@ -73,26 +72,7 @@ def scores(attacked: Views, reference: Views, own: Views) -> dict[str, float]:
 
 def run_seed(args: argparse.Namespace, seed: int) -> list[dict]:
     """Every defence row of one seed: train, attack four ways, score."""
-    scene = load_scene(args.scene, downscale=args.downscale)
-    train_ids, test_ids = holdout_indices(len(scene), args.holdout)
-    train_scene, test_scene = scene.subset(train_ids), scene.subset(test_ids)
-    render_config = RenderConfig(
-        near=scene.near,
-        far=scene.far,
-        aabb=tuple(scene.aabb.reshape(-1).tolist()),
-        background=scene.background,
-        num_samples=args.samples,
-        num_importance=0,
-    )
-    split_config = SplitTrainConfig(
-        steps=args.steps,
-        batch_rays=args.batch_rays,
-        random_background=False,
-        record_every=args.record_every,
-        log_every=args.steps,
-        device="cpu",
-        seed=seed,
-    )
+    train_scene, test_scene, render_config, split_config = bench_setup(args, seed)
     surrogate_config = SurrogateAttackConfig(seed=seed)
     sdar_configs = {
         "sdar": SDARNeRFConfig(seed=seed),
@@ -114,11 +94,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> list[dict]:
             render_config,
             origins.norm(dim=-1).mean().item(),
             args.aux,
-            resolution=max(scene.cameras.width, scene.cameras.height),
+            resolution=max(test_scene.cameras.width, test_scene.cameras.height),
             seed=seed,
         )
         surrogate = surrogate_model_attack(
-            run.server, run.transcript, torch.tensor(scene.background), surrogate_config
+            run.server, run.transcript, torch.tensor(test_scene.background), surrogate_config
         )
         heads: dict[str, tuple[ClientPart, float]] = {
             "surrogate": (surrogate.head, surrogate.seconds)

@@ -229,16 +229,16 @@ def untrained_head(server: ServerPart, config: SurrogateAttackConfig) -> ClientP
     return make_surrogate_head(server.embedding_dim, config).to(device)
 
 
-def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.ndarray]]]:
-    """Train and attack every row; return its figures and its depth panels for the grid."""
+def bench_setup(
+    args: argparse.Namespace, seed: int
+) -> tuple[Scene, Scene, RenderConfig, SplitTrainConfig]:
+    """Training and held-out views, stratified render settings and the split-run config."""
     scene = load_scene(args.scene, downscale=args.downscale)
     train_ids, test_ids = holdout_indices(len(scene), args.holdout)
-    train_scene, test_scene = scene.subset(train_ids), scene.subset(test_ids)
-    aabb = tuple(scene.aabb.reshape(-1).tolist())
     render_config = RenderConfig(
         near=scene.near,
         far=scene.far,
-        aabb=aabb,
+        aabb=tuple(scene.aabb.reshape(-1).tolist()),
         background=scene.background,
         num_samples=args.samples,
         num_importance=0,
@@ -250,13 +250,20 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.nd
         record_every=args.record_every,
         log_every=max(1, args.steps),
         device="cpu",
-        seed=args.seed,
+        seed=seed,
     )
+    return scene.subset(train_ids), scene.subset(test_ids), render_config, split_config
+
+
+def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.ndarray]]]:
+    """Train and attack every row; return its figures and its depth panels for the grid."""
+    train_scene, test_scene, render_config, split_config = bench_setup(args, args.seed)
     attack_config = SurrogateAttackConfig(epochs=args.epochs, seed=args.seed)
-    background = torch.tensor(scene.background)
+    background = torch.tensor(test_scene.background)
     print(
-        f"lego {scene.cameras.width}x{scene.cameras.height}: {len(train_ids)} training / "
-        f"{len(test_ids)} held-out views; {args.steps} split steps of {args.batch_rays} rays x "
+        f"lego {test_scene.cameras.width}x{test_scene.cameras.height}: "
+        f"{len(train_scene)} training / "
+        f"{len(test_scene)} held-out views; {args.steps} split steps of {args.batch_rays} rays x "
         f"{args.samples} samples, 2^{args.log2_hashmap_size} table, every "
         f"{args.record_every}th exchange recorded; attack {args.epochs} epochs; seed {args.seed}; "
         f"torch threads {torch.get_num_threads()}",
