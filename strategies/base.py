@@ -299,7 +299,7 @@ class ProtocolStrategy(FlowerFedAvg):
             )
         except SecureAggregationError as error:
             train_round.secure_failures += 1
-            log(ERROR, "secure aggregation failed, the round's aggregate is skipped: %s", error)
+            log(ERROR, "secure aggregation failed, nothing of it is used: %s", error)
             return None
         train_round.secure_sums += 1
         train_round.bytes_up += result.bytes_up
