@@ -39,6 +39,8 @@ TASKS = ("scene", "faces", "video", "objects")
 MODES = ("federated", "split")
 META_TASKS = TASKS[1:]
 STRATEGY_NAMES = ("decentnerf", "fedavg", "fedprox", "scaffold", "fedmenf")
+HASH_BACKENDS = ("torch", "tcnn")
+SCENE_FIELD_WIDTH = 64  # hidden width of the scene field's heads when `field-width` is 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class FederatedConfig:
     local_steps: int = 32
     fraction_train: float = 0.5
     min_train_nodes: int = 2
-    data_dir: str = ""  # absolute path of a `fedfields data crowd|objects` dataset
+    data_dir: str = ""  # simulation only: root of the virtual nodes' data (crowd, objects)
     run_dir: str = ""  # "" -> runs/<time>-<strategy> under the working directory
     downscale: float = 1.0
     learning_rate: float = 1e-2
@@ -65,7 +67,15 @@ class FederatedConfig:
     alpha_lr: float = 0.1  # eta; alphas move ~0.01-0.1 per round on the default field
     scaffold_global_lr: float = 1.0
     hash_log2_size: int = 15
-    eval_views_per_round: int = 4
+    hash_levels: int = 16  # hash-grid levels (model shape: from run-config, never from images)
+    hash_max_resolution: int = 400  # finest hash-grid resolution
+    hash_backend: str = "torch"  # torch (everywhere) | tcnn (CUDA nodes with tinycudann)
+    scene_bound: float = 1.5  # the global field's box is [-bound, bound]^3
+    eval_views_per_round: int = 4  # simulation observer: user views scored per round
+    client_eval_views: int = 1  # each sampled client scores the global field on its views
+    eval_scene_dir: str = ""  # a public clean scene the server scores its field on
+    round_timeout: float = 600.0  # seconds a round waits for replies and for enough nodes
+    state_dir: str = ""  # simulation only: root of the virtual nodes' state directories
     seed: int = 0
     # FedMeNF meta-learning (tasks faces, video, objects)
     meta_learner: str = "fedmenf"  # maml | fomaml | reptile | fedmenf
@@ -106,6 +116,7 @@ class FederatedConfig:
             ("strategy", self.strategy, ("", *STRATEGY_NAMES)),
             ("meta_learner", self.meta_learner, LEARNERS),
             ("outer_optimizer", self.outer_optimizer, ("", *OUTER_OPTIMIZERS)),
+            ("hash_backend", self.hash_backend, HASH_BACKENDS),
         ):
             if value not in allowed:
                 raise ValueError(
@@ -124,6 +135,7 @@ class FederatedConfig:
             "min_train_nodes",
             "target_samples",
             "clients_per_round",
+            "hash_levels",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -136,6 +148,7 @@ class FederatedConfig:
             "tto_steps",
             "field_width",
             "field_depth",
+            "client_eval_views",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(
@@ -150,6 +163,17 @@ class FederatedConfig:
             raise ValueError(
                 f"run-config 'hash-log2-size' must be in [10, 22], got {self.hash_log2_size}"
             )
+        if not 16 <= self.hash_max_resolution <= 1 << 15:
+            raise ValueError(
+                "run-config 'hash-max-resolution' must be in [16, 32768], "
+                f"got {self.hash_max_resolution}"
+            )
+        for name in ("scene_bound", "round_timeout"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(
+                    f"run-config '{_dash(name)}' must be a finite number > 0, "
+                    f"got {getattr(self, name)}"
+                )
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"run-config 'gamma' must be in [0, 1], got {self.gamma}")
         for name in (
@@ -238,26 +262,49 @@ def _dash(name: str) -> str:
     return name.replace("_", "-")
 
 
-def global_field(config: FederatedConfig, scene: Scene) -> HashGridField:
-    """The federated global field: an Instant-NGP hash grid over the scene's box and size.
+def global_field(config: FederatedConfig) -> HashGridField:
+    """The federated global field: an Instant-NGP hash grid over the run-config's box.
 
-    Server and clients build it from the same config and data, so their tensors agree.
+    Every tensor shape comes from run-config (levels, table size, finest resolution, widths),
+    so the server and nodes with different cameras or hardware build identical tensors. A
+    node that cannot run `hash-backend` raises one clear error (`resolve_implementation`).
     """
-    resolution = max(scene.cameras.width, scene.cameras.height)
     encoding = HashGridConfig(
-        max_resolution=max(64, 4 * resolution), log2_hashmap_size=config.hash_log2_size
+        num_levels=config.hash_levels,
+        max_resolution=config.hash_max_resolution,
+        log2_hashmap_size=config.hash_log2_size,
+        implementation=config.hash_backend,  # type: ignore[arg-type]
     )
-    aabb = tuple(scene.aabb.reshape(-1).tolist())
-    return HashGridField(HashGridFieldConfig(encoding=encoding, aabb=aabb))
+    width = config.field_width or SCENE_FIELD_WIDTH
+    bound = config.scene_bound
+    return HashGridField(
+        HashGridFieldConfig(
+            encoding=encoding,
+            density_hidden=width,
+            color_hidden=width,
+            aabb=(-bound, -bound, -bound, bound, bound, bound),
+        )
+    )
 
 
-def render_config(scene: Scene) -> RenderConfig:
-    """Occupancy-marching settings for the scene, shared by clients and the server."""
-    extent = float((scene.aabb[1] - scene.aabb[0]).max())
+def check_scene_fits(config: FederatedConfig, scene: Scene, where: str) -> None:
+    """Raise ValueError when `scene`'s box leaves the field's run-config box (`scene-bound`)."""
+    extent = float(scene.aabb.abs().max())
+    if extent > config.scene_bound + 1e-6:
+        raise ValueError(
+            f"{where}: the scene's box reaches {extent:g}, outside run-config 'scene-bound' "
+            f"{config.scene_bound:g}; raise 'scene-bound' for every node and the server"
+        )
+
+
+def render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
+    """Occupancy-marching settings: the field's box, the scene's near/far and background."""
+    bound = config.scene_bound
+    extent = 2.0 * bound
     return RenderConfig(
         near=scene.near,
         far=scene.far,
-        aabb=tuple(scene.aabb.reshape(-1).tolist()),
+        aabb=(-bound, -bound, -bound, bound, bound, bound),
         background=scene.background,
         step_size=extent * math.sqrt(3) / 256,
     )
