@@ -1,0 +1,95 @@
+"""Simulation-only observers: the experimenter's audits that read ground truth.
+
+A deployed ServerApp holds no user data; everything that needs it (clean views, personal masks,
+a client's images, the split client's field) is an `Observer` that the simulation attaches.
+The simulation launchers name the experimenter's data root in run-config `data-dir`, which the
+virtual nodes also map their partitions to; deployments leave it empty, so a deployed server
+runs without observers and opens no user's file.
+
+An observer may wrap the job's Grid (`ReplyTap`) to see replies as they pass, is called after
+every round with the new global arrays (`observe_round`) and once at the end (`finish`); what
+it returns is merged into that round's line of metrics.jsonl and into summary.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+
+class Observer(Protocol):
+    """A simulation-only audit of a run (see the module docstring)."""
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """The grid the job should use (`grid` itself, or a `ReplyTap` around it)."""
+        ...
+
+    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+        """Metrics of round `server_round`'s global `arrays` (merged into metrics.jsonl)."""
+        ...
+
+    def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Final audit, files in the run directory; returns entries for summary.json."""
+        ...
+
+
+def simulation_observed(run_config: dict[str, Any]) -> bool:
+    """Whether the experimenter's ground truth is named (run-config `data-dir`): simulation."""
+    return bool(str(run_config.get("data-dir", "")))
+
+
+class ReplyTap(Grid):
+    """A Grid that forwards everything to `grid` and shows every reply to `on_replies`.
+
+    The strategy gets the replies unchanged; the observer sees what the server received.
+    """
+
+    def __init__(self, grid: Grid, on_replies: Callable[[list[Message]], None]) -> None:
+        self.grid = grid
+        self.on_replies = on_replies
+
+    def set_run(self, run: Run) -> None:
+        """Set the run of the wrapped grid."""
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """The wrapped grid's run."""
+        return self.grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """A message built by the wrapped grid."""
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The wrapped grid's node ids."""
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push through the wrapped grid."""
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Pull through the wrapped grid, showing the replies to the observer."""
+        replies = list(self.grid.pull_messages(message_ids))
+        self.on_replies(replies)
+        return replies
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send and receive through the wrapped grid, showing the replies to the observer."""
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.on_replies(replies)
+        return replies
