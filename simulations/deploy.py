@@ -346,13 +346,19 @@ class Deployment:
 
     def stop(self) -> None:
         """Stop every process started here (whole trees, newest first), then any stray one
-        still running with a FLWR_HOME under the deployment directory."""
-        for name in reversed(list(self.processes)):
-            process = self.processes[name]
-            if process.poll() is None:
-                stop_pids(process_tree(process.pid))
-            process.wait()
-        stop_pids(processes_with_home_under(self.directory))
+        still running with a FLWR_HOME under the deployment directory. SIGINT and SIGTERM
+        wait until this is done, so a Ctrl-C cannot cut the clean-up short."""
+        stopping = {signal.SIGINT, signal.SIGTERM}
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+        try:
+            for name in reversed(list(self.processes)):
+                process = self.processes[name]
+                if process.poll() is None:
+                    stop_pids(process_tree(process.pid))
+                process.wait()
+            stop_pids(processes_with_home_under(self.directory))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stream(pipe: IO[str], lines: queue.Queue[str | None]) -> None:
@@ -452,25 +458,23 @@ def _as_run_config(values: dict[str, object]) -> str:
     return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
-def _raise_on_sigterm(signum: int, _: FrameType | None) -> None:
-    """Turn SIGTERM into SystemExit so the deployment is stopped on the way out."""
-    raise SystemExit(128 + signum)
+class Interrupted(Exception):
+    """A signal (SIGINT, SIGTERM) asked the launcher to stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    deploy_dir = (args.deploy_dir or ROOT / "runs" / f"{stamp}-deploy").resolve()
-    env = {**os.environ, **ENVIRONMENT}
-    try:
-        job = plan(args, env)
-    except ValueError as error:
-        print(f"fedfields deploy: {error}", file=sys.stderr)
-        return 2
-    run_dir = (args.run_dir or ROOT / "runs" / f"{stamp}-{job.name}").resolve()
-    run_config = f"run-dir={json.dumps(str(run_dir))} {job.run_config}".strip()
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    started = time.perf_counter()
+def _interrupt(signum: int, _: FrameType | None) -> None:
+    """Stop on the first SIGINT/SIGTERM; ignore further ones so the clean-up finishes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def deploy(job: Plan, deploy_dir: Path, run_config: str, timeout: float) -> RunOutcome:
+    """Start the federation, run the job on it, stop everything; returns the run's outcome."""
     with Deployment(deploy_dir) as deployment:
         print(
             f"fedfields deploy: SuperLink on {deployment.address} (TLS), logs in {deployment.logs}",
@@ -481,14 +485,41 @@ def main(argv: list[str] | None = None) -> int:
             deployment.start_supernode(index, len(job.node_data), data_dir)
         deployment.wait_for_nodes(len(job.node_data))
         print(f"fedfields deploy: {len(job.node_data)} SuperNodes online", flush=True)
-        outcome = deployment.run(
-            ROOT, run_config, args.timeout, lambda line: print(line, end="", flush=True)
+        return deployment.run(
+            ROOT, run_config, timeout, lambda line: print(line, end="", flush=True)
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    deploy_dir = (args.deploy_dir or ROOT / "runs" / f"{stamp}-deploy").resolve()
+    try:
+        job = plan(args, {**os.environ, **ENVIRONMENT})
+    except ValueError as error:
+        print(f"fedfields deploy: {error}", file=sys.stderr)
+        return 2
+    run_dir = (args.run_dir or ROOT / "runs" / f"{stamp}-{job.name}").resolve()
+    run_config = f"run-dir={json.dumps(str(run_dir))} {job.run_config}".strip()
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.perf_counter()
+    try:
+        outcome = deploy(job, deploy_dir, run_config, args.timeout)
+    except Interrupted as stop:
+        print(
+            f"fedfields deploy: {stop}: stopped all it started; logs in {deploy_dir}/logs",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
+    except (RuntimeError, TimeoutError) as error:
+        print(f"fedfields deploy: {error}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - started
     if outcome.status != "finished:completed":
         print(
             f"fedfields deploy: run {outcome.run_id} ended as {outcome.status!r} after "
-            f"{seconds:.0f} s; logs in {deployment.logs}",
+            f"{seconds:.0f} s; logs in {deploy_dir}/logs",
             file=sys.stderr,
         )
         return 1

@@ -1,0 +1,72 @@
+"""A real deployment on 127.0.0.1: flower-superlink and flower-supernode processes over TLS,
+each SuperNode holding one user folder; one SuperNode is killed during round 2 and the run
+completes with the survivors, reporting the failure. Nothing started here outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from simulations.deploy import Deployment, processes_with_home_under
+from simulations.launch import ROOT
+
+USERS = 3
+RUN_CONFIG = (
+    "num-server-rounds=2 local-steps=2 min-train-nodes=2 fraction-train=1.0 "
+    "target-samples=512 hash-log2-size=12 eval-views-per-round=1"
+)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    """A deployment in tmp_path/deploy, stopped afterwards whatever happened."""
+    directory = tmp_path / "deploy"
+    with Deployment(directory) as started:
+        yield started
+    assert processes_with_home_under(directory) == [], "a deployed process outlived the test"
+
+
+@pytest.fixture
+def crowd(tmp_path: Path) -> Path:
+    """A tiny crowd: 3 users x 2 views of lego at 25x25 pixels."""
+    out = tmp_path / "crowd"
+    command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]
+    command += ["--scene", str(ROOT / "data" / "lego"), "--users", str(USERS)]
+    command += ["--views-per-user", "2", "--downscale", "8", "--out", str(out), "--no-progress"]
+    subprocess.run(command, check=True, capture_output=True)
+    return out
+
+
+def test_run_survives_a_supernode_killed_in_round_2(
+    deployment: Deployment, crowd: Path, tmp_path: Path
+) -> None:
+    deployment.start_superlink()
+    nodes = [
+        deployment.start_supernode(user, USERS, crowd / f"user_{user:02d}") for user in range(USERS)
+    ]
+    deployment.wait_for_nodes(USERS)
+    victim = nodes[-1]
+    killed: list[str] = []
+
+    def kill_in_round_2(line: str) -> None:
+        if "[ROUND 2/" in line and not killed:
+            deployment.kill_node(victim)
+            killed.append(victim)
+
+    run_dir = tmp_path / "run"
+    run_config = f"run-dir={json.dumps(str(run_dir))} {RUN_CONFIG}"
+    outcome = deployment.run(ROOT, run_config, timeout=300.0, on_line=kill_in_round_2)
+
+    assert killed == [victim], f"round 2 never started:\n{outcome.output[-3000:]}"
+    assert outcome.status == "finished:completed", outcome.output[-3000:]
+    assert (run_dir / "summary.json").is_file()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == [1, 2]
+    assert rows[1].get("num-failures", 0) >= 1 or re.search(r"node \d+ failed", outcome.output)
