@@ -387,7 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deploy-dir",
         type=Path,
         default=None,
-        help="certificates, Flower homes, node state and logs; default runs/<time>-deploy",
+        help="certificates, Flower homes, node state (kept when reused) and logs; "
+        "default runs/<time>-deploy",
     )
     parser.add_argument("--crowd", type=Path, default=None, help="crowd dataset (built if missing)")
     parser.add_argument("--scene", type=Path, default=ROOT / "data" / "lego")
@@ -405,10 +406,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @dataclass(frozen=True)
 class Plan:
     """What to deploy: each node's data folder (None: its data comes with the code), the
-    ServerApp's run-config and the job's name."""
+    ServerApp's run-config without its run directory, that directory if the user named it in
+    run-config, and the job's name."""
 
     node_data: list[Path | None]
     run_config: str
+    run_dir: Path | None
     name: str
 
 
@@ -425,7 +428,7 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
             )
     if args.users < 1:
         raise ValueError(f"--users {args.users}: a deployment needs at least one SuperNode")
-    overrides.pop("run-dir", None)
+    run_dir = str(overrides.pop("run-dir", ""))
     config = job_config(args.run_config)
     users = args.users
     if config.mode == "split":  # one client holding the scene
@@ -450,7 +453,7 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
             collection = object_collection(args, settings, env)
             node_data = [collection / f"object_{index:02d}" for index in range(users)]
         name = f"{config.task}-{config.strategy_name}-{config.meta_learner}"
-    return Plan(node_data, _as_run_config(overrides), name)
+    return Plan(node_data, _as_run_config(overrides), Path(run_dir) if run_dir else None, name)
 
 
 def _as_run_config(values: dict[str, object]) -> str:
@@ -499,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"fedfields deploy: {error}", file=sys.stderr)
         return 2
-    run_dir = (args.run_dir or ROOT / "runs" / f"{stamp}-{job.name}").resolve()
+    run_dir = (args.run_dir or job.run_dir or ROOT / "runs" / f"{stamp}-{job.name}").resolve()
     run_config = f"run-dir={json.dumps(str(run_dir))} {job.run_config}".strip()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
