@@ -13,8 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flwr.cli.flower_config import read_superlink_connection
+from flwr.common.config import parse_config_args
 
-from simulations.deploy import Deployment, processes_with_home_under
+from simulations.deploy import (
+    FEDERATION,
+    Deployment,
+    federation_toml,
+    node_config_text,
+    processes_with_home_under,
+)
 from simulations.launch import ROOT
 
 USERS = 3
@@ -22,6 +30,30 @@ RUN_CONFIG = (
     "num-server-rounds=2 local-steps=2 min-train-nodes=2 fraction-train=1.0 "
     "target-samples=512 hash-log2-size=12 eval-views-per-round=1"
 )
+
+
+def test_node_config_names_the_client_and_its_own_folders() -> None:
+    text = node_config_text(1, 4, Path("/data/my photos/user_01"), Path("/state/node 1"))
+    assert parse_config_args([text]) == {
+        "partition-id": 1,
+        "num-partitions": 4,
+        "data-dir": "/data/my photos/user_01",
+        "state-dir": "/state/node 1",
+    }
+    assert "data-dir" not in parse_config_args([node_config_text(0, 4, None, Path("/s"))])
+
+
+def test_cli_config_is_a_default_tls_connection_for_flower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = tmp_path / "tls" / "ca.crt"
+    (tmp_path / "config.toml").write_text(federation_toml("127.0.0.1:9092", ca))
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    connection = read_superlink_connection()  # the default one, as `flwr run` reads it
+    assert connection.name == FEDERATION
+    assert connection.address == "127.0.0.1:9092"
+    assert connection.root_certificates == str(ca)
+    assert not connection.insecure
 
 
 @pytest.fixture
