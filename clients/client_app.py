@@ -1,28 +1,31 @@
 """The ClientApp: the NeRF scene job, or FedMeNF's meta-learning when run-config `task` says so.
 
-For `task` faces, video or objects the train handler is `clients.meta_client.train`. The scene
-job: one user's views, a global field it shares and a personal field it keeps; handlers are
-thin glue over `fedfields.train.federated`. What stays on the node lives in
-`context.state` across rounds: DecentNeRF's personal field and appearance embeddings, the
-user's alpha and last local global field, the occupancy grid, Scaffold's client control.
-Replies carry only what the strategy needs: the global field (or alpha * g_k and alpha for
-DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and scalar metrics. With
-run-config `secure-aggregation` on, `secure_aggregation_mod` holds all of it back for
-Flower's SecAgg+ (`clients.secure_aggregation`).
+For `task` faces, video or objects the train handler is `clients.meta_client.train`; for mode
+split, `clients.split_client.train`. The scene job: one user's views (its own folder, from
+node-config `data-dir`, `clients.node`), a global field it shares and a personal field it
+keeps; handlers are thin glue over `fedfields.train.federated`. What stays on the node lives
+in its private state (`NodeState`: the node's state directory, or Flower's per-node context in
+a simulation without one): DecentNeRF's personal field and appearance embeddings, the user's
+alpha and its history, the last local global field, the occupancy grid, Scaffold's client
+control. Replies carry only what the strategy needs: the global field (or alpha * g_k and
+alpha for DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and scalar
+metrics, among them "client-eval-psnr": the received global field's PSNR on this user's
+held-out views (the last `client-eval-views`, never trained on). With run-config
+`secure-aggregation` on, `secure_aggregation_mod` holds all of it back for Flower's SecAgg+
+(`clients.secure_aggregation`).
 """
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import meta_client, split_client
-from clients.meta_client import client_index
+from clients.node import NodeState, client_index, node_data_dir
 from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.aggregate import alpha_update, alpha_weighted_payload
 from fedfields.data import Scene, load_scene
@@ -38,7 +41,8 @@ from fedfields.flower_io import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.render import OccupancyGrid
+from fedfields.metrics import psnr
+from fedfields.render import OccupancyGrid, render_image
 from fedfields.train.federated import (
     LocalTrainConfig,
     ScaffoldControls,
@@ -47,15 +51,30 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
-from fedfields.train.run_config import FederatedConfig, global_field, render_config
+from fedfields.train.run_config import (
+    FederatedConfig,
+    check_scene_fits,
+    global_field,
+    render_config,
+)
 
 PERSONAL = "personal-field"
 OCCUPANCY = "occupancy"
 PREVIOUS_GLOBAL = "previous-global"
 CLIENT_CONTROL = "client-control"
-USER = "user"  # ConfigRecord in context.state: alpha
+USER = "user"  # node-state values: alpha and its history [[round, alpha], ...]
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
+CLIENT_EVAL = "client-eval-psnr"
+
+
+@dataclass(frozen=True)
+class UserViews:
+    """A user's views split into those it trains on and those it keeps for evaluation."""
+
+    train: Scene
+    heldout: Scene | None
+
 
 app = ClientApp(mods=[secure_aggregation_mod])
 
@@ -69,20 +88,26 @@ def train(msg: Message, context: Context) -> Message:
     if config.task != "scene":
         return meta_client.train(msg, context)
     round_config = msg.content[CONFIG]
-    scene = _user_scene(context, config)
-    field = _global_field(config, scene, msg)
-    occupancy = _occupancy(context, scene)
+    state = NodeState(context)
+    views = _user_views(context, config)
+    scene = views.train
+    field = _global_field(config, msg)
+    metrics: dict[str, float] = {}
+    occupancy = _occupancy(state, field)
+    if views.heldout is not None:
+        metrics[CLIENT_EVAL] = _score(field, occupancy, views.heldout, config)
     strategy = _strategy(config, msg)
-    personal = _personal_field(context, scene) if strategy == "decentnerf" else None
-    reference = federated_state(field)
     user = client_index(context)
+    personal = _personal_field(state, config, scene, user) if strategy == "decentnerf" else None
+    reference = federated_state(field)
     scaffold = None
     if strategy == "scaffold":
         server_control = arrays_to_state(msg.content[SERVER_CONTROL])
-        client_control = _state_tensors(context, CLIENT_CONTROL) or {
+        client_control = state.tensors(CLIENT_CONTROL) or {
             key: torch.zeros_like(value) for key, value in server_control.items()
         }
         scaffold = ScaffoldControls(server=server_control, client=client_control)
+    server_round = int(round_config["server-round"])
     local = LocalTrainConfig(
         steps=int(round_config.get("local-steps", config.local_steps)),
         learning_rate=config.learning_rate,
@@ -91,33 +116,32 @@ def train(msg: Message, context: Context) -> Message:
         personal_density_weight=config.personal_density_weight,
         proximal_mu=float(round_config.get("proximal-mu", 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
-        seed=config.seed * 100_003 + int(round_config["server-round"]) * 1009 + user,
+        seed=config.seed * 100_003 + server_round * 1009 + user,
     )
     result = local_train(
         field,
         scene,
         local,
-        render_config(scene),
+        render_config(config, scene),
         occupancy,
         personal_field=personal,
         global_reference=reference,
         scaffold=scaffold,
     )
-    context.state[OCCUPANCY] = state_to_arrays(occupancy.state_dict())
-    metrics = {"train-loss": result.loss, "train-psnr": result.psnr}
+    state.put_tensors(OCCUPANCY, occupancy.state_dict())
+    metrics |= {"train-loss": result.loss, "train-psnr": result.psnr}
     local_state = federated_state(field)
     content = RecordDict()
-    if strategy == "decentnerf":
-        context.state[PERSONAL] = state_to_arrays(personal.state_dict())
-        alpha = _updated_alpha(context, config, msg)
-        context.state[PREVIOUS_GLOBAL] = state_to_arrays(local_state)
+    if personal is not None:
+        state.put_tensors(PERSONAL, personal.state_dict())
+        alpha = _updated_alpha(state, config, msg, server_round)
+        state.put_tensors(PREVIOUS_GLOBAL, local_state)
         content[ARRAYS] = state_to_arrays(alpha_weighted_payload(local_state, alpha))
-        _log_alpha(round_config, user, alpha)
     else:
         content[ARRAYS] = state_to_arrays(local_state)
         metrics["num-examples"] = result.num_examples
     if scaffold is not None:
-        context.state[CLIENT_CONTROL] = state_to_arrays(result.client_control)
+        state.put_tensors(CLIENT_CONTROL, result.client_control)
         content[CONTROL_DELTA] = state_to_arrays(result.control_delta)
     content[METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
@@ -127,14 +151,17 @@ def train(msg: Message, context: Context) -> Message:
 def gradient(msg: Message, context: Context) -> Message:
     """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
     config = FederatedConfig.from_run_config(context.run_config)
-    scene = _user_scene(context, config)
-    field = _global_field(config, scene, msg)
-    personal = _personal_field(context, scene) if _strategy(config, msg) == "decentnerf" else None
+    state = NodeState(context)
+    scene = _user_views(context, config).train
+    field = _global_field(config, msg)
+    user = client_index(context)
+    decentnerf = _strategy(config, msg) == "decentnerf"
+    personal = _personal_field(state, config, scene, user) if decentnerf else None
     grads = loss_gradient(
         field,
         scene,
-        render_config(scene),
-        _occupancy(context, scene),
+        render_config(config, scene),
+        _occupancy(state, field),
         personal_field=personal,
         num_rays=GRADIENT_RAYS,
         seed=config.seed + int(msg.content[CONFIG]["server-round"]),
@@ -147,70 +174,85 @@ def _strategy(config: FederatedConfig, msg: Message) -> str:
     return str(msg.content[CONFIG].get("strategy", config.strategy_name))
 
 
-def _user_dir(context: Context, config: FederatedConfig) -> Path:
-    """The user's dataset: node-config 'user-dir' on a deployed node, else data-dir/user_NN."""
-    if "user-dir" in context.node_config:
-        return Path(str(context.node_config["user-dir"]))
-    if not config.data_dir:
-        raise ValueError("run-config 'data-dir' is empty: pass the absolute path of a crowd")
-    return Path(config.data_dir) / f"user_{client_index(context):02d}"
-
-
-def _user_scene(context: Context, config: FederatedConfig) -> Scene:
-    return _load_user_scene(str(_user_dir(context, config)), config.downscale)
+def _user_views(context: Context, config: FederatedConfig) -> UserViews:
+    """This node's user: its own folder's views, the last `client-eval-views` held out."""
+    folder = node_data_dir(context, "user")
+    views = _load_user_views(str(folder), config.downscale, config.client_eval_views)
+    check_scene_fits(config, views.train, f"node {context.node_id} ({folder})")
+    return views
 
 
 @lru_cache(maxsize=64)
-def _load_user_scene(path: str, downscale: float) -> Scene:
-    """A user's views, read once per process (simulation actors serve many rounds)."""
-    return load_scene(path, downscale=downscale)
+def _load_user_views(path: str, downscale: float, heldout_views: int) -> UserViews:
+    """A user's views, read once per process (simulation actors serve many rounds).
+
+    Views are held out only while at least one is left to train on.
+    """
+    scene = load_scene(path, downscale=downscale)
+    if heldout_views == 0 or heldout_views >= len(scene):
+        return UserViews(scene, None)
+    split = len(scene) - heldout_views
+    return UserViews(scene.subset(list(range(split))), scene.subset(list(range(split, len(scene)))))
 
 
-def _global_field(config: FederatedConfig, scene: Scene, msg: Message) -> HashGridField:
-    field = global_field(config, scene)
+def _global_field(config: FederatedConfig, msg: Message) -> HashGridField:
+    """The received global field, built from run-config's shapes (and `hash-backend`)."""
+    field = global_field(config)
     load_federated_state(field, arrays_to_state(msg.content[ARRAYS]))
     return field
 
 
-def _personal_field(context: Context, scene: Scene) -> PersonalField:
-    """The personal field kept on this node (created on first use, never sent)."""
-    aabb = tuple(scene.aabb.reshape(-1).tolist())
-    personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=aabb))
-    state = _state_tensors(context, PERSONAL)
-    if state is not None:
-        personal.load_state_dict(state)
+def _score(
+    field: HashGridField, occupancy: OccupancyGrid, views: Scene, config: FederatedConfig
+) -> float:
+    """Mean PSNR of the global field's renders of `views` against the user's photos."""
+    settings = render_config(config, views)
+    field.eval()
+    with torch.no_grad():
+        values = [
+            psnr(render_image(field, views.cameras, i, settings, occupancy).rgb.clamp(0, 1), image)
+            for i, image in enumerate(views.images)
+        ]
+    field.train()
+    return float(sum(values) / len(values))
+
+
+def _personal_field(
+    state: NodeState, config: FederatedConfig, scene: Scene, user: int
+) -> PersonalField:
+    """The personal field kept on this node (created on first use from a per-user seed)."""
+    box = render_config(config, scene).aabb
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed * 100_003 + user)
+        personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=box))
+    saved = state.tensors(PERSONAL)
+    if saved is not None:
+        personal.load_state_dict(saved)
     return personal
 
 
-def _occupancy(context: Context, scene: Scene) -> OccupancyGrid:
-    grid = OccupancyGrid(scene.aabb)
-    state = _state_tensors(context, OCCUPANCY)
-    if state is not None:
-        grid.load_state_dict(state)
+def _occupancy(state: NodeState, field: HashGridField) -> OccupancyGrid:
+    """The node's occupancy grid over the field's box (all set before the first update)."""
+    grid = OccupancyGrid(field.aabb)
+    saved = state.tensors(OCCUPANCY)
+    if saved is not None:
+        grid.load_state_dict(saved)
     return grid
 
 
-def _state_tensors(context: Context, name: str) -> dict[str, torch.Tensor] | None:
-    return arrays_to_state(context.state[name]) if name in context.state else None
+def _updated_alpha(
+    state: NodeState, config: FederatedConfig, msg: Message, server_round: int
+) -> float:
+    """alpha_k after Algorithm 1 line 12, when G and this user's last local field exist.
 
-
-def _updated_alpha(context: Context, config: FederatedConfig, msg: Message) -> float:
-    """alpha_k after Algorithm 1 line 12, when G and this user's last local field exist."""
-    record = context.state.get(USER, ConfigRecord({"alpha": 1.0}))
-    alpha = float(record["alpha"])
-    previous = _state_tensors(context, PREVIOUS_GLOBAL)
+    The alpha and its history stay on the node (the server learns only sums).
+    """
+    kept = state.values(USER) or {"alpha": 1.0, "history": []}
+    alpha = float(kept["alpha"])
+    previous = state.tensors(PREVIOUS_GLOBAL)
     if GRADIENT in msg.content and previous is not None:
         gradient_sum = arrays_to_state(msg.content[GRADIENT])
         alpha_lr = float(msg.content[CONFIG].get("alpha-lr", config.alpha_lr))
         alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr)
-    context.state[USER] = ConfigRecord({"alpha": alpha})
+    state.put_values(USER, {"alpha": alpha, "history": [*kept["history"], [server_round, alpha]]})
     return alpha
-
-
-def _log_alpha(round_config: ConfigRecord, user: int, alpha: float) -> None:
-    """In simulation the run directory is shared: append this user's alpha for the report."""
-    run_dir = str(round_config.get("run-dir", ""))
-    if run_dir and Path(run_dir).is_dir():
-        line = {"round": int(round_config["server-round"]), "user": user, "alpha": alpha}
-        with (Path(run_dir) / "alphas.jsonl").open("a") as log:
-            log.write(json.dumps(line) + "\n")

@@ -3,7 +3,9 @@
 `flwr run .` starts it: task "scene" is the federated NeRF job
 (`simulations.federated_nerf.run_federated_nerf`), faces, video and objects the FedMeNF
 meta-learning job (`simulations.meta_job.run_meta_job`); mode "split" is split learning
-(`simulations.split_job.run_split_job`).
+(`simulations.split_job.run_split_job`). The server starts from run-config alone; only when
+the run-config names the experimenter's data root (`data-dir`, which the simulation launchers
+set and a deployment leaves empty) are the simulation-only observers attached.
 """
 
 from pathlib import Path
@@ -15,19 +17,25 @@ from flwr.serverapp import Grid, ServerApp
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
+from simulations.observers import simulation_observed
 from simulations.split_job import run_split_job
 
 app = ServerApp()
 
 
-def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
-    """Run the run-config's job over the grid's nodes; returns its run directory."""
+def run_job(grid: Grid, run_config: dict[str, Any], observe: bool | None = None) -> Path:
+    """Run the run-config's job over the grid's nodes; returns its run directory.
+
+    `observe` None attaches the simulation observers exactly when run-config names `data-dir`.
+    """
     config = FederatedConfig.from_run_config(run_config)
+    if observe is None:
+        observe = simulation_observed(run_config)
     if config.mode == "split":
-        return run_split_job(grid, run_config)
+        return run_split_job(grid, run_config, observe=observe)
     if config.task == "scene":
-        return run_federated_nerf(grid, run_config)
-    return run_meta_job(grid, run_config)
+        return run_federated_nerf(grid, run_config, observe=observe)
+    return run_meta_job(grid, run_config, observe=observe)
 
 
 @app.main()

@@ -6,17 +6,18 @@ strategies keep; records and keys follow `fedfields.flower_io`.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from typing import ClassVar, TypedDict
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
-from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from torch import Tensor
 
 from fedfields.flower_io import (
@@ -65,6 +66,14 @@ class StrategyOptions(TypedDict, total=False):
     min_available_nodes: int
     local_steps: int | None
     secure_aggregation: SecureAggregationConfig | None
+    node_timeout: float | None
+
+
+class InsufficientNodesError(RuntimeError):
+    """Too few nodes stayed connected to run a round."""
+
+
+NODE_POLL_SECONDS = 1.0
 
 
 DEFAULT_LOCAL_STEPS = 1
@@ -103,6 +112,11 @@ class ProtocolStrategy(FlowerFedAvg):
     `successful_replies` and `train_metrics`. Constructor arguments (`StrategyOptions`) are
     documented on `strategies.FedAvg`. With `secure_aggregation` set, replies are held back
     by the clients and aggregated through `secure_sums` (Flower SecAgg+) only.
+
+    Nodes come and go: a round samples among the nodes connected now (the first round waits
+    up to `node_timeout` for `min_available_nodes`, every round for `min_train_nodes`, and
+    raises `InsufficientNodesError` only when fewer stay connected); an error reply (a node
+    that died, a ClientApp that raised) is logged and counted, never raised.
     """
 
     strategy_name: ClassVar[str]
@@ -121,6 +135,7 @@ class ProtocolStrategy(FlowerFedAvg):
         min_available_nodes: int = 2,
         local_steps: int | None = None,
         secure_aggregation: SecureAggregationConfig | None = None,
+        node_timeout: float | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -136,7 +151,11 @@ class ProtocolStrategy(FlowerFedAvg):
             _check_local_steps(local_steps, "local_steps")
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
+        self.node_timeout = node_timeout
         self.current_round: TrainRound | None = None
+        self.rounds_started = 0
+        self.latest_train_metrics: dict[str, float] = {}
+        """The last round's aggregated train metrics (client means, failures, traffic)."""
 
     def summary(self) -> None:
         """Log the protocol settings, then Flower FedAvg's sampling summary."""
@@ -177,19 +196,79 @@ class ProtocolStrategy(FlowerFedAvg):
         return ConfigRecord(merged)
 
     def begin_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> TrainRound:
-        """Sample the round's nodes as Flower's FedAvg does and remember them with the shapes."""
+        """Sample the round's nodes among those connected and remember them with the shapes.
+
+        Samples max(int(connected * fraction_train), min_train_nodes) nodes, as Flower's
+        FedAvg does, but never more than are connected (see `connected_nodes`).
+        """
         node_ids: list[int] = []
-        num_nodes_total = len(list(grid.get_node_ids()))
+        connected = list(grid.get_node_ids())
         if self.fraction_train != 0.0:
-            sample_size = max(int(num_nodes_total * self.fraction_train), self.min_train_nodes)
-            node_ids, all_nodes = sample_nodes(grid, self.min_available_nodes, sample_size)
-            num_nodes_total = len(all_nodes)
-            log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), num_nodes_total)
+            connected = self.connected_nodes(grid)
+            sample_size = max(int(len(connected) * self.fraction_train), self.min_train_nodes)
+            node_ids = random.sample(connected, min(sample_size, len(connected)))
+            log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
+        self.rounds_started += 1
         dtypes = {key: str(array.dtype) for key, array in arrays.items()}
         self.current_round = TrainRound(
-            server_round, node_ids, num_nodes_total, shapes_of(arrays), dtypes, grid
+            server_round, node_ids, len(connected), shapes_of(arrays), dtypes, grid
         )
         return self.current_round
+
+    def connected_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, once enough are: waits up to `node_timeout` seconds.
+
+        The first round waits for `min_available_nodes` (the federation assembling), later
+        rounds for `min_train_nodes`; when the wait ends with at least `min_train_nodes`
+        connected the round goes on with them, with fewer it raises InsufficientNodesError.
+        """
+        wanted = self.min_train_nodes
+        if self.rounds_started == 0:
+            wanted = max(self.min_available_nodes, self.min_train_nodes)
+        deadline = None if self.node_timeout is None else time.monotonic() + self.node_timeout
+        while len(nodes := list(grid.get_node_ids())) < wanted:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            log(INFO, "waiting for nodes: %d connected, %d wanted", len(nodes), wanted)
+            time.sleep(NODE_POLL_SECONDS)
+        if len(nodes) < self.min_train_nodes:
+            raise InsufficientNodesError(
+                f"{len(nodes)} nodes connected after {self.node_timeout} s, fewer than "
+                f"min-train-nodes = {self.min_train_nodes}: the federation has too few nodes"
+            )
+        if len(nodes) < wanted:
+            log(
+                WARNING, "%d of %d nodes connected; the round goes on with them", len(nodes), wanted
+            )
+        return nodes
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower FedAvg's federated evaluation, sampling among the connected nodes only."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        connected = list(grid.get_node_ids())
+        sample_size = max(int(len(connected) * self.fraction_evaluate), self.min_evaluate_nodes)
+        node_ids = random.sample(connected, min(sample_size, len(connected)))
+        config[SERVER_ROUND] = server_round
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        return [
+            Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE)
+            for node_id in node_ids
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Flower FedAvg's weighted metric mean over the replies without errors."""
+        kept = []
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "evaluation reply failed and is left out: %s", reply.error.reason)
+            else:
+                kept.append(reply)
+        return super().aggregate_evaluate(server_round, kept) if kept else None
 
     @property
     def active_round(self) -> TrainRound:
@@ -221,26 +300,46 @@ class ProtocolStrategy(FlowerFedAvg):
         ]
 
     def successful_replies(self, replies: Iterable[Message]) -> list[Message]:
-        """Replies of sampled nodes without errors; failed ones are logged and dropped.
+        """Replies of sampled nodes without errors; every other reply is logged and dropped.
 
-        A reply from a node that was not sampled, or a second reply of one node, raises.
+        An error reply (a ClientApp that raised, or the SuperLink answering for a node that
+        went away, which names the SuperLink as its source) counts in "num-failures"; so
+        does a reply from a node that was not sampled or a second reply of one node.
         """
         train_round = self.active_round
         successful, seen = [], set()
         for reply in replies:
             node_id = reply.metadata.src_node_id
-            if node_id not in train_round.node_ids or node_id in seen:
-                raise ValueError(
-                    f"unexpected reply from node {node_id} in round {train_round.server_round} "
-                    "(not sampled, or a second reply)"
-                )
-            seen.add(node_id)
             if reply.has_error():
                 train_round.num_failures += 1
-                log(WARNING, "node %d failed and is left out: %s", node_id, reply.error.reason)
+                log(
+                    WARNING,
+                    "round %d: reply from node %d failed and is left out: %s",
+                    train_round.server_round,
+                    node_id,
+                    reply.error.reason,
+                )
                 continue
+            if node_id not in train_round.node_ids or node_id in seen:
+                train_round.num_failures += 1
+                log(
+                    WARNING,
+                    "round %d: unexpected reply from node %d (not sampled, or a second reply) "
+                    "is left out",
+                    train_round.server_round,
+                    node_id,
+                )
+                continue
+            seen.add(node_id)
             train_round.bytes_up += content_bytes(reply.content)
             successful.append(reply)
+        if missing := sorted(set(train_round.node_ids) - seen):
+            log(
+                INFO,
+                "round %d: no successful reply from nodes %s",
+                train_round.server_round,
+                missing,
+            )
         return successful
 
     def train_metrics(
@@ -267,16 +366,16 @@ class ProtocolStrategy(FlowerFedAvg):
                 SECURE_SUMS: train_round.secure_sums,
                 SECURE_FAILURES: train_round.secure_failures,
             }
-        return MetricRecord(
-            {
-                **{key: total / norms[key] for key, total in totals.items()},
-                NUM_REPLIES: len(replies),
-                NUM_FAILURES: train_round.num_failures,
-                BYTES_UP: train_round.bytes_up,
-                BYTES_DOWN: train_round.bytes_down,
-                **secure,
-            }
-        )
+        metrics = {
+            **{key: total / norms[key] for key, total in totals.items()},
+            NUM_REPLIES: len(replies),
+            NUM_FAILURES: train_round.num_failures,
+            BYTES_UP: train_round.bytes_up,
+            BYTES_DOWN: train_round.bytes_down,
+            **secure,
+        }
+        self.latest_train_metrics = dict(metrics)
+        return MetricRecord(metrics)
 
     def secure_sums(
         self, replies: Sequence[Message], records: Mapping[str, Shapes]

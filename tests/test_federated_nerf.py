@@ -41,9 +41,13 @@ def crowd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> dict:
-    """A run-config small enough for a test: 2 rounds of 3 local steps on a 2^12 table."""
+    """A run-config small enough for a test: 2 rounds of 3 local steps on a 2^12 table.
+
+    The nodes keep their state in directories next to the run directory.
+    """
     return {
         "data-dir": str(crowd_dir),
+        "state-dir": str(run_dir.with_name(run_dir.name + ".nodes")),
         "run-dir": str(run_dir),
         "strategy": strategy,
         "num-server-rounds": 2,
@@ -58,7 +62,7 @@ def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> 
 
 def _run_in_process(config: dict, users: int = 3) -> tuple[Path, InProcessGrid]:
     grid = InProcessGrid([client_app(config)] * users, raise_errors=True)
-    return run_federated_nerf(grid, config), grid
+    return run_federated_nerf(grid, config, observe=True), grid
 
 
 def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsys) -> None:
@@ -69,6 +73,7 @@ def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsy
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["server-flops"] > 0 and 0 < r["clean-psnr"] < 60 for r in rounds)
+    assert all(r["num-replies"] == 3 and 0 < r["client-eval-psnr"] < 60 for r in rounds)
     alphas = [json.loads(line) for line in (run_dir / "alphas.jsonl").read_text().splitlines()]
     assert sorted({(a["round"], a["user"]) for a in alphas}) == [
         (r, u) for r in (1, 2) for u in range(3)
@@ -95,6 +100,7 @@ def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsy
 
 def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path: Path) -> None:
     config = tiny(crowd_dir, tmp_path / "run", "decentnerf")
+    del config["state-dir"]  # the personal fields stay in Flower's per-node context
     _, grid = _run_in_process(config)
     personal = [
         tensor
@@ -118,7 +124,7 @@ def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path:
                 for kept in personal:
                     same = sent.shape == kept.shape and torch.allclose(sent, kept)
                     assert not same, f"reply record {name!r} contains a personal tensor"
-    embedding_shape = (3, 8)  # 3 images x 8 appearance dimensions per user
+    embedding_shape = (2, 8)  # 2 training images (1 held out) x 8 appearance dimensions
     assert any(t.shape == embedding_shape for t in personal)
 
 
@@ -140,10 +146,10 @@ def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_pa
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "scaffold"])
 def test_baselines_run_in_process(crowd_dir: Path, tmp_path: Path, strategy: str) -> None:
-    run_dir, grid = _run_in_process(tiny(crowd_dir, tmp_path / strategy, strategy))
+    run_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / strategy, strategy))
     assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "alphas.jsonl").exists()
-    for context in grid.contexts.values():
-        assert PERSONAL not in context.state  # FedNeRF and the others share everything
+    nodes = tmp_path / f"{strategy}.nodes"
+    assert not list(nodes.glob(f"node_*/{PERSONAL}.pt"))  # FedNeRF and others share everything
     final = json.loads((run_dir / "summary.json").read_text())["final"]
     assert 0 < final["clean-psnr"] < 60
 
@@ -170,7 +176,8 @@ def test_bad_run_config_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'local-steps' must be int"):
         FederatedConfig.from_run_config({"local-steps": 2.5})
     with pytest.raises(FileNotFoundError, match="no user_NN folders"):
-        run_federated_nerf(InProcessGrid([]), {"data-dir": str(tmp_path)})
+        run_federated_nerf(InProcessGrid([]), {"data-dir": str(tmp_path)}, observe=True)
+    assert not list(tmp_path.iterdir()), "a refused run wrote something"
 
 
 def test_rejects_a_used_run_directory(crowd_dir: Path, tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ class FederatedConfig:
     client_eval_views: int = 1  # each sampled client scores the global field on its views
     eval_scene_dir: str = ""  # a public clean scene the server scores its field on
     round_timeout: float = 600.0  # seconds a round waits for replies and for enough nodes
+    min_available_nodes: int = 0  # the first round waits for this many nodes (0: min-train)
     state_dir: str = ""  # simulation only: root of the virtual nodes' state directories
     seed: int = 0
     # FedMeNF meta-learning (tasks faces, video, objects)
@@ -297,16 +298,19 @@ def check_scene_fits(config: FederatedConfig, scene: Scene, where: str) -> None:
         )
 
 
-def render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
-    """Occupancy-marching settings: the field's box, the scene's near/far and background."""
+def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
+    """Occupancy-marching settings: the field's box, the scene's near/far and background
+    (a server without a scene takes the NeRF-synthetic defaults)."""
     bound = config.scene_bound
-    extent = 2.0 * bound
+    views = (
+        {}
+        if scene is None
+        else {"near": scene.near, "far": scene.far, "background": scene.background}
+    )
     return RenderConfig(
-        near=scene.near,
-        far=scene.far,
         aabb=(-bound, -bound, -bound, bound, bound, bound),
-        background=scene.background,
-        step_size=extent * math.sqrt(3) / 256,
+        step_size=2.0 * bound * math.sqrt(3) / 256,
+        **views,
     )
 
 
@@ -457,17 +461,20 @@ def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
 
 
 def client_meta_tasks(
-    config: FederatedConfig, settings: MetaSettings, client: int
+    config: FederatedConfig, settings: MetaSettings, client: int, object_dir: Path | None = None
 ) -> list[MetaTask]:
     """Client `client`'s private tasks (its D_train): faces, one video clip, or one object.
 
     faces: the LFW faces outside the held-out ones, dealt IID to the N clients by `seed`;
-    video: clip `client` of `video_clips`; objects: `data-dir`/object_<client>.
+    video: clip `client` of `video_clips` (both scikit-image's, picked by the client's index);
+    objects: the object in `object_dir`, the client's own folder (its node's data-dir).
     """
     if not 0 <= client < settings.num_clients:
         raise ValueError(f"client {client} is outside the task's {settings.num_clients} clients")
     if config.task == "objects":
-        return [_object_task(_object_dirs(config, settings)[client], config.downscale)]
+        if object_dir is None:
+            raise ValueError(f"task 'objects': client {client} needs its own object folder")
+        return [_object_task(Path(object_dir), config.downscale)]
     return list(
         _coordinate_tasks(config.task, settings.num_clients, settings.heldout_tasks, config.seed)[
             client
@@ -476,10 +483,14 @@ def client_meta_tasks(
 
 
 def heldout_meta_tasks(config: FederatedConfig, settings: MetaSettings) -> list[MetaTask]:
-    """The tasks no client holds, for the server's test-time optimisation: the last faces,
-    clips or objects."""
+    """The public tasks no client holds, for the server's test-time optimisation.
+
+    faces and video: the last LFW faces or clips (scikit-image's data); objects: the first
+    `heldout_tasks` object_* folders of run-config `eval-scene-dir`, none when it is empty
+    (never `data-dir`, the clients' root: the server holds no client's object).
+    """
     if config.task == "objects":
-        folders = _object_dirs(config, settings)[settings.num_clients :]
+        folders = _eval_objects(config, settings)
         return [_object_task(folder, config.downscale) for folder in folders]
     return list(
         _coordinate_tasks(config.task, settings.num_clients, settings.heldout_tasks, config.seed)[
@@ -519,18 +530,18 @@ def _coordinate_tasks(
     return (*(tuple(group) for group in groups), tuple(kept))
 
 
-def _object_dirs(config: FederatedConfig, settings: MetaSettings) -> list[Path]:
-    """The collection's object folders for the N clients and the held-out objects, in order."""
-    if not config.data_dir:
-        raise ValueError("run-config 'data-dir' is empty: pass a `fedfields data objects` folder")
-    folders = sorted(Path(config.data_dir).glob("object_*"))
-    needed = settings.num_clients + settings.heldout_tasks
-    if len(folders) < needed:
+def _eval_objects(config: FederatedConfig, settings: MetaSettings) -> list[Path]:
+    """The public held-out object folders in run-config `eval-scene-dir` ([] if it is empty)."""
+    if not config.eval_scene_dir:
+        return []
+    root = Path(config.eval_scene_dir)
+    folders = sorted(folder for folder in root.glob("object_*") if folder.is_dir())
+    if not folders:
         raise ValueError(
-            f"{config.data_dir}: {len(folders)} objects, but {settings.num_clients} clients and "
-            f"{settings.heldout_tasks} held-out objects need {needed} (`fedfields data objects`)"
+            f"run-config 'eval-scene-dir' {root}: no object_* folders; give a folder of public "
+            "held-out objects (`fedfields data objects`)"
         )
-    return folders[:needed]
+    return folders[: settings.heldout_tasks]
 
 
 @lru_cache(maxsize=64)

@@ -1,0 +1,218 @@
+"""The scene job's simulation-only observer: what the server's field shows of every user's views.
+
+It reads the crowd's ground truth as the experimenter (run-config `data-dir`): each round it
+scores the global field on clean views (the scene without anyone's personal content) and
+inside the personal-content masks (how much of the users' persons the field reproduces: lower
+is less leakage); at the end it scores every view, writes renders/, the learned alphas the
+virtual nodes keep in their state directories (alphas.jsonl, alphas.png) and leakage.png.
+A deployed server has none of this data and runs without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from flwr.serverapp import Grid
+from matplotlib.figure import Figure
+from PIL import Image
+
+from fedfields.data import Scene, load_scene
+from fedfields.data.crowd import CrowdUser, load_crowd_user
+from fedfields.flower_io import arrays_to_state
+from fedfields.metrics import psnr, ssim
+from fedfields.render import OccupancyGrid, render_image
+from fedfields.train.federated import load_federated_state
+from fedfields.train.run_config import FederatedConfig, global_field, render_config
+
+OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
+USER_STATE = "user"  # the node-state values holding alpha and its history (clients.client_app)
+
+
+@dataclass
+class CrowdData:
+    """Every user's views with their masks and clean images, and the held-out clean views."""
+
+    users: list[CrowdUser]
+    heldout: Scene | None
+
+    @classmethod
+    def load(cls, data_dir: str, downscale: float) -> CrowdData:
+        """Read a `fedfields data crowd` folder; a clear error if it is not one."""
+        root = Path(data_dir)
+        folders = sorted(root.glob("user_*"))
+        if not folders:
+            raise FileNotFoundError(
+                f"{root}: no user_NN folders; build one with `fedfields data crowd`"
+            )
+        users = [load_crowd_user(folder, downscale=downscale) for folder in folders]
+        heldout = None
+        if (root / "heldout" / "transforms.json").is_file():
+            heldout = load_scene(root / "heldout", downscale=downscale)
+        return cls(users, heldout)
+
+
+def score_crowd(
+    render: Callable[[Scene, int], torch.Tensor],
+    users: list[CrowdUser],
+    views: list[int] | None = None,
+) -> dict[str, float]:
+    """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views.
+
+    `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view.
+    """
+    clean, personal, predictions, targets = [], [], [], []
+    for user in users:
+        for view in views if views is not None else range(len(user.scene)):
+            image = render(user.scene, view)
+            clean.append(psnr(image, user.clean_images[view]))
+            personal.append(psnr(image, user.scene.images[view], user.personal_masks[view]))
+            predictions.append(image)
+            targets.append(user.clean_images[view])
+    return {
+        "clean-psnr": float(np.mean(clean)),
+        "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
+        "personal-psnr": float(np.mean(personal)),
+    }
+
+
+class FieldRenderer:
+    """The global field loaded from arrays, with a fresh occupancy grid, rendering any view."""
+
+    def __init__(self, config: FederatedConfig) -> None:
+        self.config = config
+        self.field = global_field(config)
+        self.occupancy = OccupancyGrid(self.field.aabb)
+
+    def load(self, arrays: ArrayRecord) -> None:
+        """Load the aggregated state and refresh the occupancy grid from its density."""
+        load_federated_state(self.field, arrays_to_state(arrays))
+        self.field.eval()
+        self.occupancy = OccupancyGrid(self.field.aabb)
+        step = render_config(self.config, None).step_size
+        for _ in range(OCCUPANCY_PASSES):
+            self.occupancy.update(self.field.density, step)
+
+    def __call__(self, scene: Scene, view: int) -> torch.Tensor:
+        """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""
+        settings = render_config(self.config, scene)
+        rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
+        return rendered.rgb.clamp(0.0, 1.0)
+
+    def score_scene(self, scene: Scene, views: range) -> tuple[float, float]:
+        """Mean PSNR and SSIM of the renders of `views` against `scene`'s images."""
+        renders = [self(scene, view) for view in views]
+        targets = scene.images[list(views)]
+        values = [psnr(r, t) for r, t in zip(renders, targets, strict=True)]
+        return float(np.mean(values)), ssim(torch.stack(renders), targets)
+
+
+class CrowdObserver:
+    """Simulation-only audit of the scene job against the crowd's ground truth."""
+
+    def __init__(self, config: FederatedConfig, data: CrowdData, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.data = data
+        self.renderer = FieldRenderer(config)
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """The crowd audit needs no replies: the grid as it is."""
+        return grid
+
+    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+        """Score a spread of users' first views (and held-out views) of this round's field."""
+        self.renderer.load(arrays)
+        count = self.config.eval_views_per_round
+        every = max(1, len(self.data.users) // max(1, count))
+        metrics: dict[str, Any] = score_crowd(
+            self.renderer, self.data.users[::every][:count], views=[0]
+        )
+        if self.data.heldout is not None:
+            views = range(min(len(self.data.heldout), count))
+            metrics["heldout-psnr"] = self.renderer.score_scene(self.data.heldout, views)[0]
+        return metrics
+
+    def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every view scored, renders, alphas and leakage plots; the final scores."""
+        self.renderer.load(arrays)
+        final = score_crowd(self.renderer, self.data.users, views=None)
+        if self.data.heldout is not None:
+            heldout = self.data.heldout
+            heldout_psnr, heldout_ssim = self.renderer.score_scene(heldout, range(len(heldout)))
+            final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
+        self._write_renders()
+        alphas = node_alphas(self.config.state_dir)
+        if alphas:
+            lines = "".join(json.dumps(line) + "\n" for line in alphas)
+            (self.run_dir / "alphas.jsonl").write_text(lines)
+            plot_alphas(self.run_dir / "alphas.png", alphas)
+        plot_leakage(self.run_dir / "leakage.png", history)
+        return {"final": final}
+
+    def _write_renders(self) -> None:
+        """Per user: clean ground truth | server render | the user's photo, masks outlined."""
+        out = self.run_dir / "renders"
+        out.mkdir(exist_ok=True)
+        for index, user in enumerate(self.data.users):
+            render = self.renderer(user.scene, 0)
+            photo = user.scene.images[0].clone()
+            photo[_outline(user.personal_masks[0])] = torch.tensor([1.0, 0.0, 1.0])
+            strip = torch.cat([user.clean_images[0], render, photo], dim=1).numpy()
+            Image.fromarray((strip * 255 + 0.5).astype(np.uint8)).save(
+                out / f"user_{index:02d}.png"
+            )
+
+
+def node_alphas(state_root: str) -> list[dict[str, Any]]:
+    """alpha_k per round as the virtual nodes keep it in `<state_root>/node_NN/user.json`."""
+    if not state_root:
+        return []
+    lines = []
+    for path in sorted(Path(state_root).glob(f"node_*/{USER_STATE}.json")):
+        user = int(path.parent.name.split("_")[1])
+        for server_round, alpha in json.loads(path.read_text()).get("history", []):
+            lines.append({"round": server_round, "user": user, "alpha": alpha})
+    return sorted(lines, key=lambda line: (line["round"], line["user"]))
+
+
+def _outline(mask: torch.Tensor) -> torch.Tensor:
+    """Mask pixels with a neighbour outside the mask."""
+    padded = torch.nn.functional.pad(mask[None, None].float(), (1, 1, 1, 1), mode="replicate")
+    eroded = -torch.nn.functional.max_pool2d(-padded, 3, stride=1)[0, 0]
+    return mask & (eroded < 0.5)
+
+
+def plot_alphas(path: Path, records: list[dict[str, Any]]) -> None:
+    """alpha_k over rounds (DecentNeRF's learned federation weights)."""
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    for user in sorted({r["user"] for r in records}):
+        points = sorted((r["round"], r["alpha"]) for r in records if r["user"] == user)
+        axes.plot(*zip(*points, strict=True), marker="o", label=f"user {user}")
+    axes.set(xlabel="round", ylabel="alpha", title="DecentNeRF learned federation weights")
+    axes.legend(fontsize=6, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_leakage(path: Path, history: list[dict[str, Any]]) -> None:
+    """Clean-view PSNR and personal-mask PSNR (leakage) of the server's field per round."""
+    rows = [h for h in history if "clean-psnr" in h]
+    if not rows:
+        return
+    rounds = [h["round"] for h in rows]
+    figure = Figure(figsize=(6, 4))
+    axes = figure.subplots()
+    axes.plot(rounds, [h["clean-psnr"] for h in rows], marker="o", label="clean views")
+    axes.plot(rounds, [h["personal-psnr"] for h in rows], marker="s", label="personal masks")
+    axes.set(xlabel="round", ylabel="PSNR (dB)", title="server global field")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
