@@ -1,10 +1,11 @@
 """Simulation-only observers: the experimenter's audits that read ground truth.
 
 A deployed ServerApp holds no user data; everything that needs it (clean views, personal masks,
-a client's images, the split client's field) is an `Observer` that the simulation attaches.
-The simulation launchers name the experimenter's data root in run-config `data-dir`, which the
-virtual nodes also map their partitions to; deployments leave it empty, so a deployed server
-runs without observers and opens no user's file.
+a client's images, the split client's field) is an `Observer` that the simulation attaches:
+the simulation launchers set run-config `simulation-audit`, and the observers read the
+experimenter's data from run-config `data-dir` (the root the virtual nodes map their
+partitions to). A deployment leaves both unset, so its server runs without observers and
+opens no user's file.
 
 An observer may wrap the job's Grid (`ReplyTap`) to see replies as they pass, is called after
 every round with the new global arrays (`observe_round`) and once at the end (`finish`); what
@@ -38,8 +39,8 @@ class Observer(Protocol):
 
 
 def simulation_observed(run_config: dict[str, Any]) -> bool:
-    """Whether the experimenter's ground truth is named (run-config `data-dir`): simulation."""
-    return bool(str(run_config.get("data-dir", "")))
+    """Whether a simulation launcher asked for its observers (run-config `simulation-audit`)."""
+    return run_config.get("simulation-audit", False) is True
 
 
 class ReplyTap(Grid):

@@ -4,8 +4,8 @@
 (`simulations.federated_nerf.run_federated_nerf`), faces, video and objects the FedMeNF
 meta-learning job (`simulations.meta_job.run_meta_job`); mode "split" is split learning
 (`simulations.split_job.run_split_job`). The server starts from run-config alone; only when
-the run-config names the experimenter's data root (`data-dir`, which the simulation launchers
-set and a deployment leaves empty) are the simulation-only observers attached.
+a simulation launcher sets run-config `simulation-audit` are the simulation-only observers
+(`simulations.observers`) attached, which read the experimenter's data under `data-dir`.
 """
 
 from pathlib import Path
@@ -26,7 +26,7 @@ app = ServerApp()
 def run_job(grid: Grid, run_config: dict[str, Any], observe: bool | None = None) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory.
 
-    `observe` None attaches the simulation observers exactly when run-config names `data-dir`.
+    `observe` None attaches the simulation observers when run-config `simulation-audit` is on.
     """
     config = FederatedConfig.from_run_config(run_config)
     if observe is None:

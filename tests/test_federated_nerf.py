@@ -47,6 +47,7 @@ def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> 
     """
     return {
         "data-dir": str(crowd_dir),
+        "simulation-audit": True,
         "state-dir": str(run_dir.with_name(run_dir.name + ".nodes")),
         "run-dir": str(run_dir),
         "strategy": strategy,

@@ -77,6 +77,7 @@ class FederatedConfig:
     round_timeout: float = 600.0  # seconds a round waits for replies and for enough nodes
     min_available_nodes: int = 0  # the first round waits for this many nodes (0: min-train)
     state_dir: str = ""  # simulation only: root of the virtual nodes' state directories
+    simulation_audit: bool = False  # simulation only: attach the observers that read data-dir
     seed: int = 0
     # FedMeNF meta-learning (tasks faces, video, objects)
     meta_learner: str = "fedmenf"  # maml | fomaml | reptile | fedmenf
@@ -150,6 +151,7 @@ class FederatedConfig:
             "field_width",
             "field_depth",
             "client_eval_views",
+            "min_available_nodes",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(
