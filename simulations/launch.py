@@ -7,6 +7,9 @@ object collection for FedMeNF's objects; faces and video come with scikit-image)
 absolute paths (app bundles carry no images), starts one virtual SuperNode per user or
 client, streams the logs, then asks the SuperLink whether the run completed, since
 `flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
+As the experimenter it attaches the simulation-only observers (`simulation-audit`), which
+read the data root's ground truth, and gives virtual node i its private state directory
+`<run-dir>.nodes/node_NN` (`state-dir`), outside the server's run directory.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_setti
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
+LAUNCHER_KEYS = ("run-dir", "data-dir", "state-dir", "simulation-audit", "min-available-nodes")
 ENVIRONMENT = {
     "FLWR_HOME": str(ROOT / ".flwr-home"),
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -103,12 +107,12 @@ def job_config(run_config: str) -> FederatedConfig:
 
 
 def user_overrides(run_config: str) -> str:
-    """The user's run-config without "run-dir" and "data-dir", which the launcher resolves."""
+    """The user's run-config without the keys the launcher resolves (`LAUNCHER_KEYS`)."""
     overrides = parse_config_args([run_config]) if run_config.strip() else {}
     return " ".join(
         f"{key}={json.dumps(value)}"
         for key, value in overrides.items()
-        if key not in ("run-dir", "data-dir")
+        if key not in LAUNCHER_KEYS
     )
 
 
@@ -179,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{config.task}-{name}-{config.meta_learner}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or Path(config.run_dir or ROOT / "runs" / f"{stamp}-{name}")).resolve()
-    run_config = f"run-dir={json.dumps(str(run_dir))}"
+    state_dir = run_dir.with_name(run_dir.name + ".nodes")
+    run_config = f"run-dir={json.dumps(str(run_dir))} state-dir={json.dumps(str(state_dir))}"
+    run_config += f" simulation-audit=true min-available-nodes={num_nodes}"
     if data_dir is not None:
         run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
     if config.mode == "split" and "downscale" not in parse_config_args([args.run_config]):

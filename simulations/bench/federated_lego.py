@@ -24,9 +24,9 @@ from fedfields.data import Cameras, Scene
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
-from simulations.federated_nerf import CrowdData, score_crowd
 from simulations.launch import ROOT
 from simulations.run import run_with_ray
+from simulations.scene_observer import CrowdData, score_crowd
 
 VARIANTS = {
     "DecentNeRF": {"strategy": "decentnerf"},
@@ -47,9 +47,9 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
         near=data.users[0].scene.near,
         far=data.users[0].scene.far,
     )
-    field = global_field(config, photos)
-    settings = render_config(photos)
-    occupancy = OccupancyGrid(photos.aabb)
+    field = global_field(config)
+    settings = render_config(config, photos)
+    occupancy = OccupancyGrid(field.aabb)
     train_config = TrainConfig(
         steps=steps,
         learning_rate=config.learning_rate,
@@ -92,17 +92,19 @@ def main() -> None:
     data = CrowdData.load(str(args.crowd), 1.0)
     base = FederatedConfig(
         data_dir=str(args.crowd.resolve()),
+        simulation_audit=True,
         num_server_rounds=args.rounds,
         local_steps=args.local_steps,
     )
     sampled = max(int(len(data.users) * base.fraction_train), base.min_train_nodes)
     total_steps = args.rounds * sampled * args.local_steps
-    parameters = sum(p.numel() for p in global_field(base, data.users[0].scene).parameters())
+    parameters = sum(p.numel() for p in global_field(base).parameters())
     rows = {}
     for name, overrides in VARIANTS.items():
         stamp = time.strftime("%H%M%S")
         run_dir = args.out / f"{stamp}-{overrides['strategy']}-{overrides.get('alpha-lr', 'a')}"
-        config = {**base.to_run_config(), **overrides, "run-dir": str(run_dir)}
+        state = {"state-dir": str(run_dir.with_name(run_dir.name + ".nodes"))}
+        config = {**base.to_run_config(), **overrides, "run-dir": str(run_dir), **state}
         started = time.perf_counter()
         run_with_ray(config, num_supernodes=len(data.users))
         summary = json.loads((run_dir / "summary.json").read_text())
