@@ -426,6 +426,11 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
                 f"files; each SuperNode gets its {key} by --node-config (use --crowd or "
                 "--objects for the data)"
             )
+    if overrides.get("simulation-audit", False):
+        raise ValueError(
+            "--run-config simulation-audit=true: the audit reads every user's ground truth, "
+            "which a deployed server does not have (simulation only)"
+        )
     if args.users < 1:
         raise ValueError(f"--users {args.users}: a deployment needs at least one SuperNode")
     run_dir = str(overrides.pop("run-dir", ""))
@@ -453,6 +458,7 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
             collection = object_collection(args, settings, env)
             node_data = [collection / f"object_{index:02d}" for index in range(users)]
         name = f"{config.task}-{config.strategy_name}-{config.meta_learner}"
+    overrides.setdefault("min-available-nodes", len(node_data))  # round 1 waits for all nodes
     return Plan(node_data, _as_run_config(overrides), Path(run_dir) if run_dir else None, name)
 
 
