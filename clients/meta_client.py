@@ -2,18 +2,22 @@
 
 Thin glue over `fedfields.train.meta.local_meta_update` (FedMeNF Algorithm 1, LocalUpdate):
 the train message's ARRAYS are the global meta-learner theta, the reply's ARRAYS the local
-meta-learner w_E with "num-examples" = |D| (the server's weight, Eq. 2). FedProx's mu comes as
-"proximal-mu"; for Scaffold the client keeps c_i in `context.state`, adds c - c_i to every outer
-gradient and takes the round's mean outer gradient as c_i+ (Scaffold's option I, evaluated
-along the local steps, so it holds for AdamW too), uploading delta c_i. The reply also carries
-the client's index (record CLIENT) so that a simulation's audit can pair an upload with the
-client's data; no strategy reads it.
+meta-learner w_E with "num-examples" = |D| (the server's weight, Eq. 2). A node reads only its
+own data (`clients.node`): faces and video are scikit-image's, dealt by the node's client
+index (node-config partition-id); an object is the node's own folder (node-config data-dir, or
+in simulation run-config data-dir/object_NN). FedProx's mu comes as "proximal-mu"; for
+Scaffold the client keeps c_i in its private node state (`NodeState`), adds c - c_i to every
+outer gradient and takes the round's mean outer gradient as c_i+ (Scaffold's option I,
+evaluated along the local steps, so it holds for AdamW too), uploading delta c_i. The reply
+also carries the client's index (record CLIENT) so that a simulation's audit can pair an upload
+with the client's data; no strategy reads it.
 """
 
 from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from clients.node import NodeState, client_index, node_data_dir
 from fedfields.flower_io import (
     ARRAYS,
     CONFIG,
@@ -44,17 +48,7 @@ CLIENT = "client"
 CLIENT_INDEX = "index"
 GAMMA = "gamma"
 """Reply metric: FedMeNF's mean gamma over the round's outer steps (adaptive or fixed)."""
-CLIENT_CONTROL = "meta-client-control"  # Scaffold's c_i in context.state
-
-
-def client_index(context: Context) -> int:
-    """This node's client index: `partition-id` in simulation, or `user` in node-config."""
-    node_config = context.node_config
-    if "user" in node_config:
-        return int(node_config["user"])
-    if "partition-id" not in node_config:
-        raise ValueError("node-config needs 'partition-id' (simulation) or 'user' (deployment)")
-    return int(node_config["partition-id"])
+CLIENT_CONTROL = "meta-client-control"  # Scaffold's c_i in the node's private state
 
 
 def train(msg: Message, context: Context) -> Message:
@@ -74,18 +68,19 @@ def train(msg: Message, context: Context) -> Message:
         proximal_mu=float(round_config.get(PROXIMAL_MU, 0.0)) if strategy == "fedprox" else 0.0,
         seed=config.seed * 100_003 + int(round_config[SERVER_ROUND]) * 1009 + client,
     )
+    object_dir = node_data_dir(context, "object") if config.task == "objects" else None
+    tasks = client_meta_tasks(config, settings, client, object_dir)
+    state = NodeState(context)
     correction = client_control = None
     if strategy == "scaffold":
         server_control = arrays_to_state(msg.content[SERVER_CONTROL])
-        client_control = (
-            arrays_to_state(context.state[CLIENT_CONTROL])
-            if CLIENT_CONTROL in context.state
-            else {key: value.clone().zero_() for key, value in server_control.items()}
-        )
+        client_control = state.tensors(CLIENT_CONTROL) or {
+            key: value.clone().zero_() for key, value in server_control.items()
+        }
         correction = {key: c - client_control[key] for key, c in server_control.items()}
     result = local_meta_update(
         model,
-        client_meta_tasks(config, settings, client),
+        tasks,
         meta,
         global_reference=theta if meta.proximal_mu > 0 else None,
         scaffold_correction=correction,
@@ -105,7 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     if client_control is not None:
         new_control = result.mean_outer_gradient
-        context.state[CLIENT_CONTROL] = state_to_arrays(new_control)
+        state.put_tensors(CLIENT_CONTROL, new_control)
         content[CONTROL_DELTA] = state_to_arrays(
             {key: value - client_control[key] for key, value in new_control.items()}
         )

@@ -1,13 +1,18 @@
 """The FedMeNF job a ServerApp runs for task faces, video or objects: strategy, rounds, report.
 
-Each round the server scores the global meta-learner theta by test-time optimisation (TTO) on
-held-out tasks no client holds: PSNR/SSIM (LPIPS where available) of the query set after 0,
-1, 2, 4, ... `tto-steps` steps on the support set. With `privacy-audit` (simulation only,
-where the server can read the clients' data) it also computes PSNR_p (FedMeNF Eq. 6): each
-participating client's uploaded local meta-learner w rendered at that client's own query
-coordinates against its private query images. The audit reads the uploads through
-`UploadRecorder`, a Grid wrapper that keeps copies of the train replies (each names its
-client in the CLIENT record), and loads the clients' data itself; the strategy sees neither.
+The server starts from run-config alone and holds no client's data. Each round it writes the
+clients' aggregated train metrics (loss, gamma, replies, failures, traffic) and scores the
+global meta-learner theta by test-time optimisation (TTO) on public held-out tasks no client
+holds: PSNR/SSIM (LPIPS where available) of the query set after 0, 1, 2, 4, ... `tto-steps`
+steps on the support set. Faces and video take their held-out tasks from scikit-image's
+data; objects from run-config `eval-scene-dir` (without it the server skips TTO).
+
+PSNR_p (FedMeNF Eq. 6) needs the clients' private query images, so it is a simulation-only
+observer (`PrivacyAudit`, attached by `meta_observers` when a simulation launcher sets
+run-config `simulation-audit`): it sees the train replies through a `ReplyTap` (each
+names its client in the CLIENT record), renders each upload w at that client's own query
+coordinates and compares with its images, which it reads as the experimenter; the strategy
+sees neither.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from logging import INFO
 from pathlib import Path
@@ -23,15 +28,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from clients.meta_client import CLIENT, CLIENT_INDEX
-from fedfields.flower_io import ARRAYS, LOCAL_STEPS, arrays_to_state, state_to_arrays
+from clients.meta_client import CLIENT, CLIENT_INDEX, GAMMA
+from fedfields.flower_io import (
+    ARRAYS,
+    LOCAL_STEPS,
+    NUM_FAILURES,
+    NUM_REPLIES,
+    TRAIN_LOSS,
+    arrays_to_state,
+    state_to_arrays,
+)
 from fedfields.train.federated import federated_state
 from fedfields.train.meta import privacy_metrics, test_time_optimise
 from fedfields.train.meta_tasks import MetaTask
@@ -44,10 +56,12 @@ from fedfields.train.run_config import (
     meta_settings,
 )
 from simulations.federated_nerf import make_run_dir, secure_aggregation_report
+from simulations.observers import Observer, ReplyTap, simulation_observed
 from strategies import FedAvg, FedMeNF, FedProx, Scaffold, m_of_n_sampling
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 Quality = dict[str, float | None]
+MetaStrategy = FedAvg | FedMeNF | Scaffold
 
 
 @dataclass
@@ -58,70 +72,6 @@ class Upload:
     state: dict[str, Tensor]
 
 
-class UploadRecorder(Grid):
-    """A Grid that forwards everything to `grid` and keeps the successful train replies' uploads.
-
-    Simulation-only plumbing for the privacy audit: the strategy gets the replies unchanged.
-    """
-
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-        self.uploads: list[Upload] = []
-
-    def take(self) -> list[Upload]:
-        """The uploads recorded since the last call, in client order."""
-        uploads, self.uploads = sorted(self.uploads, key=lambda u: u.client), []
-        return uploads
-
-    def set_run(self, run: Run) -> None:
-        """Set the run of the wrapped grid."""
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """The wrapped grid's run."""
-        return self.grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """A message built by the wrapped grid."""
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """The wrapped grid's node ids."""
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push through the wrapped grid."""
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull through the wrapped grid, recording train uploads."""
-        return self._record(self.grid.pull_messages(message_ids))
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        """Send and receive through the wrapped grid, recording train uploads."""
-        return self._record(self.grid.send_and_receive(messages, timeout=timeout))
-
-    def _record(self, replies: Iterable[Message]) -> list[Message]:
-        replies = list(replies)
-        for reply in replies:
-            if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
-                continue
-            if CLIENT in reply.content and ARRAYS in reply.content:
-                client = int(reply.content[CLIENT][CLIENT_INDEX])
-                self.uploads.append(Upload(client, arrays_to_state(reply.content[ARRAYS])))
-        return replies
-
-
 def tto_schedule(max_steps: int) -> tuple[int, ...]:
     """TTO step counts scored: 0, 1, 2, 4, ... below `max_steps`, then `max_steps`."""
     steps, power = [0], 1
@@ -129,6 +79,25 @@ def tto_schedule(max_steps: int) -> tuple[int, ...]:
         steps.append(power)
         power *= 2
     return (*steps, max_steps) if max_steps > 0 else (0,)
+
+
+def tto_qualities(
+    model: nn.Module,
+    state: dict[str, Tensor],
+    task: MetaTask,
+    config: FederatedConfig,
+    settings: MetaSettings,
+) -> dict[int, Quality]:
+    """`fedfields.train.meta.test_time_optimise` from `state` with the task's preset schedule."""
+    return test_time_optimise(
+        model,
+        state,
+        task,
+        tto_schedule(settings.tto_steps),
+        learning_rate=settings.tto_lr,
+        batch_size=settings.support_batch,
+        seed=config.seed,
+    )
 
 
 class CapturedRender:
@@ -147,83 +116,75 @@ class CapturedRender:
         return self.last
 
 
-class MetaAudit:
-    """Flower's evaluate_fn for the meta job: TTO on held-out tasks, PSNR_p of the uploads."""
+class MetaReport:
+    """Flower's evaluate_fn for the meta job: one line of metrics.jsonl per round, and the
+    final report (checkpoint, tto.png, summary.json).
+
+    A line holds the clients' aggregated train metrics, theta's TTO quality on the public
+    held-out tasks (if any) and what the observers measured.
+    """
 
     def __init__(
         self,
         config: FederatedConfig,
         settings: MetaSettings,
         run_dir: Path,
-        recorder: UploadRecorder | None,
+        strategy: MetaStrategy,
+        observers: Sequence[Observer],
     ) -> None:
         self.config = config
         self.settings = settings
         self.run_dir = run_dir
-        self.recorder = recorder
+        self.strategy = strategy
+        self.observers = observers
         self.model = meta_model(config, settings)
         self.heldout = heldout_meta_tasks(config, settings)
+        if not self.heldout:
+            log(
+                INFO,
+                "fedfields: no public held-out objects (run-config 'eval-scene-dir' is empty): "
+                "the server skips test-time optimisation",
+            )
         self.steps = tto_schedule(settings.tto_steps)
         self.started = time.perf_counter()
         self.initial: dict[int, Quality] = {}
         self.history: list[dict[str, Any]] = []
-        self.last_uploads: list[Upload] = []
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         """Score theta of `server_round`; from round 1 append a line to metrics.jsonl."""
-        curve = self.tto_curve(arrays_to_state(arrays))
-        final = curve[self.steps[-1]]
+        curve = self.tto_curve(arrays_to_state(arrays)) if self.heldout else {}
+        final = curve.get(self.steps[-1], {})
         if server_round == 0:
             self.initial = curve
-            return _metric_record(final)
-        metrics: dict[str, Any] = {"round": server_round, **_present(final)}
-        uploads = self.recorder.take() if self.recorder is not None else []
-        if uploads:
-            self.last_uploads = uploads
-            privacy = _mean([self.privacy(upload) for upload in uploads])
-            metrics |= _present(privacy)
-            metrics["delta"] = final["psnr"] - privacy["psnr_p"]
-            metrics["clients"] = [upload.client for upload in uploads]
+            return _metric_record(_present(final))
+        metrics: dict[str, Any] = {
+            "round": server_round,
+            **self.strategy.latest_train_metrics,
+            **_present(final),
+        }
+        if curve:
+            metrics["tto"] = {str(step): quality["psnr"] for step, quality in curve.items()}
+        for observer in self.observers:
+            metrics |= observer.observe_round(server_round, arrays)
+        if "psnr" in metrics and "psnr_p" in metrics:
+            metrics["delta"] = metrics["psnr"] - metrics["psnr_p"]
         metrics["seconds"] = time.perf_counter() - self.started
-        metrics["tto"] = {str(step): quality["psnr"] for step, quality in curve.items()}
         self.history.append(metrics)
         with (self.run_dir / "metrics.jsonl").open("a") as out:
             out.write(json.dumps(metrics) + "\n")
-        log(
-            INFO,
-            "fedfields round %d: PSNR after %d TTO steps %.2f dB, PSNR_p %s (%.0f s)",
-            server_round,
-            self.steps[-1],
-            final["psnr"],
-            f"{metrics['psnr_p']:.2f} dB" if "psnr_p" in metrics else "not audited",
-            metrics["seconds"],
-        )
+        log(INFO, "fedfields round %d: %s", server_round, _headline(metrics, self.steps[-1]))
         return _metric_record(metrics)
 
     def tto_curve(self, state: dict[str, Tensor]) -> dict[int, Quality]:
         """Mean held-out quality after each scheduled number of TTO steps from `state`."""
-        curves = [self.test_time_optimise(state, task) for task in self.heldout]
+        curves = [
+            tto_qualities(self.model, state, task, self.config, self.settings)
+            for task in self.heldout
+        ]
         return {step: _mean([curve[step] for curve in curves]) for step in self.steps}
 
-    def test_time_optimise(self, state: dict[str, Tensor], task: MetaTask) -> dict[int, Quality]:
-        """`fedfields.train.meta.test_time_optimise` with the task's preset schedule."""
-        return test_time_optimise(
-            self.model,
-            state,
-            task,
-            self.steps,
-            learning_rate=self.settings.tto_lr,
-            batch_size=self.settings.support_batch,
-            seed=self.config.seed,
-        )
-
-    def privacy(self, upload: Upload) -> Quality:
-        """PSNR_p, SSIM_p, LPIPS_p of one upload, averaged over its client's tasks."""
-        tasks = client_meta_tasks(self.config, self.settings, upload.client)
-        return _mean([privacy_metrics(self.model, upload.state, task) for task in tasks])
-
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """Checkpoint of theta, TTO and privacy plots, the render grid and summary.json."""
+        """Checkpoint of theta, the TTO plot, the observers' final audits and summary.json."""
         state = arrays_to_state(arrays)
         payload = {
             "format": "fedfields-meta-checkpoint-1",
@@ -235,33 +196,96 @@ class MetaAudit:
         partial = self.run_dir / "checkpoint.pt.partial"
         torch.save(payload, partial)
         partial.replace(self.run_dir / "checkpoint.pt")
-        _plot_tto(self.run_dir / "tto.png", self.steps, self.initial, self.history)
-        _plot_privacy(self.run_dir / "privacy.png", self.history)
-        if self.last_uploads:
-            self.render_grid(state, self.last_uploads[:RENDERED_CLIENTS])
-        summary = {
+        if self.initial:
+            _plot_tto(self.run_dir / "tto.png", self.steps, self.initial, self.history)
+        summary: dict[str, Any] = {
             "secure-aggregation": secure_aggregation_report(self.config),
             "task": self.config.task,
             "strategy": self.config.strategy_name,
             "meta-learner": self.config.meta_learner,
             "settings": asdict(self.settings),
             "initial": {str(step): quality for step, quality in self.initial.items()},
-            "final": self.history[-1] if self.history else {},
+            "final": dict(self.history[-1]) if self.history else {},
             "rounds": self.history,
-            "seconds": time.perf_counter() - self.started,
         }
+        for observer in self.observers:
+            observed = observer.finish(arrays, self.history)
+            summary["final"] |= observed.pop("final", {})
+            summary |= observed
+        summary["seconds"] = time.perf_counter() - self.started
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+class PrivacyAudit:
+    """Simulation-only observer: PSNR_p, SSIM_p, LPIPS_p of every upload (FedMeNF Eq. 6),
+    privacy.png and renders.png.
+
+    It reads the participating clients' private tasks as the experimenter: faces and video
+    from scikit-image by the client's index, an object from run-config `data-dir`/object_NN
+    (the folder virtual node NN reads, `clients.node`).
+    """
+
+    def __init__(self, config: FederatedConfig, settings: MetaSettings, run_dir: Path) -> None:
+        self.config = config
+        self.settings = settings
+        self.run_dir = run_dir
+        self.model = meta_model(config, settings)
+        self.steps = tto_schedule(settings.tto_steps)
+        self.uploads: list[Upload] = []
+        self.last_uploads: list[Upload] = []
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """A `ReplyTap` keeping a copy of each successful train reply's upload."""
+        return ReplyTap(grid, self.record)
+
+    def record(self, replies: list[Message]) -> None:
+        """Keep the uploads (and their clients) of the successful train replies."""
+        for reply in replies:
+            if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
+                continue
+            if CLIENT in reply.content and ARRAYS in reply.content:
+                client = int(reply.content[CLIENT][CLIENT_INDEX])
+                self.uploads.append(Upload(client, arrays_to_state(reply.content[ARRAYS])))
+
+    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+        """Mean privacy metrics of the round's uploads and the clients they came from."""
+        uploads, self.uploads = sorted(self.uploads, key=lambda u: u.client), []
+        if not uploads:
+            return {}
+        self.last_uploads = uploads
+        privacy = _mean([self.privacy(upload) for upload in uploads])
+        return {**_present(privacy), "clients": [upload.client for upload in uploads]}
+
+    def client_tasks(self, client: int) -> list[MetaTask]:
+        """Client `client`'s private tasks, read from the experimenter's data."""
+        object_dir = None
+        if self.config.task == "objects":
+            object_dir = Path(self.config.data_dir) / f"object_{client:02d}"
+        return client_meta_tasks(self.config, self.settings, client, object_dir)
+
+    def privacy(self, upload: Upload) -> Quality:
+        """PSNR_p, SSIM_p, LPIPS_p of one upload, averaged over its client's tasks."""
+        tasks = self.client_tasks(upload.client)
+        return _mean([privacy_metrics(self.model, upload.state, task) for task in tasks])
+
+    def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """privacy.png over the rounds and renders.png of the last round's uploads."""
+        _plot_privacy(self.run_dir / "privacy.png", history)
+        if self.last_uploads:
+            self.render_grid(arrays_to_state(arrays), self.last_uploads[:RENDERED_CLIENTS])
+        return {}
 
     def render_grid(self, state: dict[str, Tensor], uploads: Sequence[Upload]) -> None:
         """Per client: private query image | render of its upload | TTO result from theta."""
         figure = Figure(figsize=(7.5, 2.5 * len(uploads)))
         axes = figure.subplots(len(uploads), 3, squeeze=False)
         for row, upload in zip(axes, uploads, strict=True):
-            private = client_meta_tasks(self.config, self.settings, upload.client)[0]
+            private = self.client_tasks(upload.client)[0]
             leaked = privacy_metrics(self.model, upload.state, private, with_lpips=False)
             task = CapturedRender(private)
-            tto_psnr = self.test_time_optimise(state, task)[self.steps[-1]]["psnr"]
+            qualities = tto_qualities(self.model, state, task, self.config, self.settings)
+            tto_psnr = qualities[self.steps[-1]]["psnr"]
             leak = private.render_query(self.model, upload.state)
             images = (private.query_targets, leak, task.last)
             titles = (
@@ -275,6 +299,32 @@ class MetaAudit:
                 axis.set_axis_off()
         figure.tight_layout()
         figure.savefig(self.run_dir / "renders.png", dpi=120)
+
+
+def meta_observers(run_config: Mapping[str, Any], run_dir: Path | None = None) -> list[Observer]:
+    """The simulation-only audits of a meta run: `PrivacyAudit` when a simulation launcher
+    asks for observers (`simulation_observed`), run-config asks for it (`privacy-audit`) and
+    uploads are in the clear (no `secure-aggregation`: the server sees only sums); else none.
+
+    Its figures go to `run_dir`, by default run-config `run-dir`.
+    """
+    config = FederatedConfig.from_run_config(run_config)
+    observed = simulation_observed(dict(run_config))
+    if not (observed and config.privacy_audit and not config.secure_aggregation):
+        return []
+    if config.task == "objects" and not config.data_dir:
+        raise ValueError(
+            "run-config 'data-dir' is empty: the objects privacy audit reads the clients' "
+            "objects from it (object_NN, as the virtual nodes do)"
+        )
+    if run_dir is None:
+        if not config.run_dir:
+            raise ValueError(
+                "run-config 'run-dir' is empty: the privacy audit writes privacy.png and "
+                "renders.png into the run directory, so name it (the launchers do)"
+            )
+        run_dir = Path(config.run_dir)
+    return [PrivacyAudit(config, meta_settings(config), run_dir)]
 
 
 def _first_image(task: MetaTask, values: Tensor) -> np.ndarray:
@@ -335,27 +385,45 @@ def _plot_tto(
 
 
 def _plot_privacy(path: Path, history: Sequence[dict[str, Any]]) -> None:
-    """PSNR after TTO on held-out tasks and PSNR_p of the uploads, per round."""
+    """PSNR after TTO on held-out tasks (when the server had some) and PSNR_p, per round."""
     if not history:
         return
     rounds = [line["round"] for line in history]
     figure = Figure(figsize=(6, 4))
     axes = figure.subplots()
-    axes.plot(rounds, [line["psnr"] for line in history], marker="o", label="PSNR after TTO")
-    if all("psnr_p" in line for line in history):
-        axes.plot(rounds, [line["psnr_p"] for line in history], marker="s", label="PSNR_p")
+    for key, marker, label in (("psnr", "o", "PSNR after TTO"), ("psnr_p", "s", "PSNR_p")):
+        if all(key in line for line in history):
+            axes.plot(rounds, [line[key] for line in history], marker=marker, label=label)
     axes.set(xlabel="round", ylabel="PSNR (dB)", title="reconstruction and privacy leakage")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
-def make_meta_strategy(
-    config: FederatedConfig, settings: MetaSettings
-) -> FedAvg | FedMeNF | Scaffold:
-    """The run-config's strategy sampling M of the N clients per round; no federated eval."""
+def _headline(metrics: dict[str, Any], tto_steps: int) -> str:
+    """The round's main figures for the log."""
+    shown = [f"{key} {metrics[key]:.4g}" for key in (TRAIN_LOSS, GAMMA) if key in metrics]
+    if "psnr" in metrics:
+        shown.append(f"PSNR after {tto_steps} TTO steps {metrics['psnr']:.2f} dB")
+    if "psnr_p" in metrics:
+        shown.append(f"PSNR_p {metrics['psnr_p']:.2f} dB")
+    replies, failures = int(metrics.get(NUM_REPLIES, 0)), int(metrics.get(NUM_FAILURES, 0))
+    shown.append(f"{replies} replies, {failures} failures ({metrics['seconds']:.0f} s)")
+    return ", ".join(shown)
+
+
+def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> MetaStrategy:
+    """The run-config's strategy sampling M of the N clients per round; no federated eval.
+
+    The first round waits up to `round-timeout` for the N nodes, then goes on with those
+    connected (at least M).
+    """
     name = config.strategy_name
-    common = {"fraction_evaluate": 0.0, "secure_aggregation": config.secure_aggregation_config()}
+    common = {
+        "fraction_evaluate": 0.0,
+        "secure_aggregation": config.secure_aggregation_config(),
+        "node_timeout": config.round_timeout,
+    }
     if name == "fedmenf":
         return FedMeNF(
             clients_per_round=config.clients_per_round,
@@ -370,26 +438,36 @@ def make_meta_strategy(
     return FedAvg(**common, **sampling)
 
 
-def run_meta_job(grid: Grid, run_config: dict[str, Any]) -> Path:
-    """Run the FedMeNF job on `grid`; returns the run directory holding the report."""
+def run_meta_job(
+    grid: Grid, run_config: dict[str, Any], observers: list[Observer] | None = None
+) -> Path:
+    """Run the FedMeNF job on `grid`; returns the run directory holding the report.
+
+    `observers` None attaches `meta_observers(run_config)`: none unless a simulation launcher
+    set run-config `simulation-audit`; [] runs without any.
+    """
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+    if observers is None:
+        observers = meta_observers(run_config, run_dir)
+    for observer in observers:
+        grid = observer.wrap_grid(grid)
     random.seed(config.seed)  # Flower samples each round's nodes with `random`
     torch.manual_seed(config.seed)
     initial = federated_state(meta_model(config, settings))
-    audited = config.privacy_audit and not config.secure_aggregation  # uploads are masked
-    recorder = UploadRecorder(grid) if audited else None
-    audit = MetaAudit(config, settings, run_dir, recorder)
-    result = make_meta_strategy(config, settings).start(
-        recorder or grid,
+    strategy = make_meta_strategy(config, settings)
+    report = MetaReport(config, settings, run_dir, strategy, observers)
+    result = strategy.start(
+        grid,
         state_to_arrays(initial),
         num_rounds=config.num_server_rounds,
+        timeout=config.round_timeout,
         train_config=ConfigRecord({LOCAL_STEPS: settings.outer_steps}),
-        evaluate_fn=audit,
+        evaluate_fn=report,
     )
-    summary = audit.finish(result.arrays)
+    summary = report.finish(result.arrays)
     log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))
     log(INFO, "fedfields: final %s", json.dumps(summary["final"]))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())

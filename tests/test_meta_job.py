@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from flower_harness import InProcessGrid
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 
 from clients.meta_client import CLIENT, CLIENT_CONTROL, CLIENT_INDEX, GAMMA
 from fedfields.data.objects import CollectionConfig, write_collection
@@ -18,23 +25,33 @@ from fedfields.flower_io import (
     CONTROL_DELTA,
     METRICS,
     NUM_EXAMPLES,
+    NUM_FAILURES,
+    NUM_REPLIES,
     STRATEGY,
+    TRAIN_LOSS,
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.train.run_config import FederatedConfig, meta_settings
-from simulations.meta_job import run_meta_job, tto_schedule
+from fedfields.train.run_config import FederatedConfig, _object_task, meta_settings
+from simulations.meta_job import meta_observers, run_meta_job, tto_schedule
+from simulations.observers import Observer
 from simulations.run import client_app
 from strategies import FedMeNF, m_of_n_sampling
 
 State = dict[str, torch.Tensor]
+TINY_OBJECTS = CollectionConfig(count=2, views=4, resolution=8, mean_support=1, mean_query=1)
 
 
 def tiny(run_dir: Path, task: str = "faces", **overrides: object) -> dict:
-    """4 clients, 2 per round, 2 rounds of E=2, K=1 on a 2x16 SIREN, TTO up to 4 steps."""
+    """4 clients, 2 per round, 2 rounds of E=2, K=1 on a 2x16 SIREN, TTO up to 4 steps.
+
+    A simulation: run-config `simulation-audit` is on (as the launchers set it), so the
+    privacy audit is attached.
+    """
     return {
         "task": task,
         "run-dir": str(run_dir),
+        "simulation-audit": True,
         "num-server-rounds": 2,
         "num-clients": 4,
         "clients-per-round": 2,
@@ -47,10 +64,75 @@ def tiny(run_dir: Path, task: str = "faces", **overrides: object) -> dict:
     }
 
 
-def run_in_process(config: dict) -> tuple[Path, InProcessGrid]:
+def run_in_process(
+    config: dict, observers: list[Observer] | None = None
+) -> tuple[Path, InProcessGrid]:
     num_clients = meta_settings(FederatedConfig.from_run_config(config)).num_clients
     grid = InProcessGrid([client_app(config)] * num_clients, raise_errors=True)
-    return run_meta_job(grid, config), grid
+    return run_meta_job(grid, config, observers), grid
+
+
+def simulation_root(collection: Path, num_clients: int, root: Path) -> Path:
+    """A simulation's data root as `clients.node` maps virtual nodes: root/object_NN links to
+    the collection's object folders (which `write_collection` names object_NNN)."""
+    root.mkdir()
+    for client in range(num_clients):
+        (root / f"object_{client:02d}").symlink_to(collection / f"object_{client:03d}")
+    return root
+
+
+class OpenRecorder:
+    """Files opened by this process, tagged with who was running: "server" or "node".
+
+    An audit hook cannot be removed, so one recorder is installed once and records only
+    while `side` is set.
+    """
+
+    def __init__(self) -> None:
+        self.side: str | None = None
+        self.opened: list[tuple[str, Path]] = []
+
+    def __call__(self, event: str, args: tuple[Any, ...]) -> None:
+        if self.side is not None and event == "open" and isinstance(args[0], str | bytes):
+            self.opened.append((self.side, Path(os.fsdecode(args[0]))))
+
+    @contextmanager
+    def server(self) -> Iterator[None]:
+        """Record this block's opens as the server's."""
+        self.side, self.opened = "server", []
+        try:
+            yield
+        finally:
+            self.side = None
+
+    def node(self, app: ClientApp):
+        """`app` as a node handler whose opens are recorded as the node's.
+
+        The objects a node read stay in the node: the process-wide object cache is cleared,
+        so the server cannot reach them without opening their files.
+        """
+
+        def handle(message: Message, context: Context) -> Message:
+            self.side = "node"
+            try:
+                return app(message, context)
+            finally:
+                _object_task.cache_clear()
+                self.side = "server"
+
+        return handle
+
+    def paths(self, side: str, under: Path) -> list[Path]:
+        """The files `side` opened below `under`."""
+        return [
+            path
+            for who, path in self.opened
+            if who == side and path.resolve().is_relative_to(under.resolve())
+        ]
+
+
+OPENS = OpenRecorder()
+sys.addaudithook(OPENS)
 
 
 def metric_lines(run_dir: Path) -> list[dict]:
@@ -151,15 +233,18 @@ def test_meta_learners_under_fedprox_and_scaffold(strategy: str, tmp_path: Path)
         tmp_path / strategy,
         strategy=strategy,
         **{"meta-learner": "fomaml", "num-server-rounds": 1, "proximal-mu": 0.1},
+        **{"state-dir": str(tmp_path / "state")},
     )
     run_dir, grid = run_in_process(config)
     replies = train_replies(grid, "1")
     assert len(replies) == 2 and "psnr_p" in metric_lines(run_dir)[0]
     assert all(GAMMA not in reply.content[METRICS] for reply in replies)  # not FedMeNF
-    if strategy == "scaffold":
+    if strategy == "scaffold":  # c_i stays in each node's own state directory
         assert all(CONTROL_DELTA in reply.content for reply in replies)
         clients = [reply.content[CLIENT][CLIENT_INDEX] for reply in replies]
-        assert all(CLIENT_CONTROL in grid.contexts[101 + c].state for c in clients)
+        for client in clients:
+            assert (tmp_path / "state" / f"node_{client:02d}" / f"{CLIENT_CONTROL}.pt").is_file()
+            assert CLIENT_CONTROL not in grid.contexts[101 + client].state
 
 
 def test_video_and_objects_run_in_process(tmp_path: Path) -> None:
@@ -167,15 +252,63 @@ def test_video_and_objects_run_in_process(tmp_path: Path) -> None:
     video, _ = run_in_process(tiny(tmp_path / "video", "video", **one_round))
     assert "psnr_p" in metric_lines(video)[0] and (video / "renders.png").is_file()
     collection = tmp_path / "objects"
-    write_collection(
-        CollectionConfig(count=6, views=4, resolution=8, mean_support=1, mean_query=1),
-        collection,
-        progress=False,
-    )
+    write_collection(TINY_OBJECTS, collection, progress=False)
+    data_dir = simulation_root(collection, 2, tmp_path / "simulation")
     objects, _ = run_in_process(
-        tiny(tmp_path / "run", "objects", **one_round, **{"data-dir": str(collection)})
+        tiny(tmp_path / "run", "objects", **one_round, **{"data-dir": str(data_dir)})
     )
-    assert "psnr_p" in metric_lines(objects)[0] and (objects / "renders.png").is_file()
+    line = metric_lines(objects)[0]  # no eval-scene-dir: no server TTO, the audit still runs
+    assert "psnr_p" in line and "psnr" not in line and line[NUM_REPLIES] == 2
+    assert (objects / "renders.png").is_file() and not (objects / "tto.png").exists()
+
+
+def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None:
+    config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "clients-per-round": 4})
+
+    def broken(message: Message, context: Context) -> Message:
+        raise RuntimeError("node lost its data")
+
+    grid = InProcessGrid([broken] + [client_app(config)] * 3)
+    run_dir = run_meta_job(grid, config)
+    (line,) = metric_lines(run_dir)
+    assert line[NUM_FAILURES] == 1 and line[NUM_REPLIES] == 3
+    assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
+
+
+def test_deployed_faces_server_runs_from_run_config_alone(tmp_path: Path) -> None:
+    config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "simulation-audit": False})
+    assert meta_observers(config) == []  # a deployment: no simulation audit
+    run_dir, _ = run_in_process(config)
+    (line,) = metric_lines(run_dir)
+    assert line[NUM_REPLIES] == 2 and line[NUM_FAILURES] == 0  # figures from the clients
+    assert line[TRAIN_LOSS] > 0 and 0.0 <= line[GAMMA] <= 1.0
+    assert 0 < line["psnr"] < 60 and "psnr_p" not in line  # public held-out faces only
+    names = {path.name for path in run_dir.iterdir()}
+    assert {"metrics.jsonl", "checkpoint.pt", "summary.json", "tto.png"} <= names
+    assert not {"privacy.png", "renders.png"} & names
+    assert json.loads((run_dir / "summary.json").read_text())["final"] == line
+
+
+def test_deployed_objects_server_opens_no_client_data(tmp_path: Path) -> None:
+    clients, public = tmp_path / "clients", tmp_path / "public"
+    write_collection(TINY_OBJECTS, clients, progress=False)
+    write_collection(replace(TINY_OBJECTS, count=1, seed=7), public, progress=False)
+    config = tiny(
+        tmp_path / "run",
+        "objects",
+        **{"num-server-rounds": 1, "num-clients": 2, "outer-steps": 1, "tto-steps": 2},
+        **{"simulation-audit": False, "eval-scene-dir": str(public)},
+    )
+    grid = InProcessGrid([OPENS.node(client_app(config))] * 2, raise_errors=True)
+    for node_id, context in grid.contexts.items():  # each node holds only its own object
+        context.node_config["data-dir"] = str(clients / f"object_{node_id - 101:03d}")
+    with OPENS.server():
+        run_dir = run_meta_job(grid, config)
+    assert OPENS.paths("node", clients)  # the hook sees the nodes read their objects
+    assert OPENS.paths("server", public)  # and the server its public held-out object
+    assert OPENS.paths("server", clients) == []
+    line = metric_lines(run_dir)[0]
+    assert 0 < line["psnr"] < 60 and "psnr_p" not in line and line[NUM_REPLIES] == 2
 
 
 def test_bad_run_config_is_refused(tmp_path: Path) -> None:
@@ -192,8 +325,13 @@ def test_bad_run_config_is_refused(tmp_path: Path) -> None:
     too_many = FederatedConfig.from_run_config({"task": "faces", "clients-per-round": 30})
     with pytest.raises(ValueError, match="'clients-per-round' \\(30\\) exceeds the 20 clients"):
         meta_settings(too_many)
-    with pytest.raises(ValueError, match="'data-dir' is empty"):
-        run_in_process(tiny(tmp_path / "objects", "objects"))
+    with pytest.raises(ValueError, match="no data: give the SuperNode --node-config"):
+        run_in_process(tiny(tmp_path / "objects", "objects", **{"simulation-audit": False}))
+    with pytest.raises(ValueError, match="'data-dir' is empty: the objects privacy audit"):
+        run_in_process(tiny(tmp_path / "audit", "objects"))
+    with pytest.raises(ValueError, match="'eval-scene-dir' .*: no object_\\* folders"):
+        no_public_objects = {"eval-scene-dir": str(tmp_path), "simulation-audit": False}
+        run_in_process(tiny(tmp_path / "eval", "objects", **no_public_objects))
 
 
 def test_presets_fill_only_the_keys_left_at_zero() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfields.train.run_config import FederatedConfig, meta_settings
+from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
 from simulations.launch import ROOT, object_collection
 from simulations.launch import parse_args as launch_args
 from simulations.run import run_with_ray
@@ -89,7 +89,11 @@ def read_row(run_dir: Path) -> Row:
 
 
 def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> Path:
-    """One federated run of `task` through Ray; returns its run directory."""
+    """One federated run of `task` through Ray; returns its run directory.
+
+    A simulation: run-config `simulation-audit` attaches the privacy audit; for objects
+    `data-dir` is the clients' data root (`simulation_objects`).
+    """
     config = FederatedConfig(task=task)
     settings = meta_settings(config)
     run_dir = out / f"{time.strftime('%H%M%S')}-{task}-{strategy}-{learner.replace(' ', '_')}"
@@ -98,13 +102,33 @@ def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> P
         "strategy": strategy,
         "num-server-rounds": rounds,
         "run-dir": str(run_dir),
+        "simulation-audit": True,
         **LEARNERS[learner],
     }
-    if task == "objects":  # the same collection `simulations.launch` builds and uses
-        data_dir = object_collection(launch_args([]), settings, dict(os.environ))
+    if task == "objects":  # the same collection `simulations.launch` builds
+        collection = object_collection(launch_args([]), settings, dict(os.environ))
+        data_dir = run_dir.with_suffix(".data")
         run_config["data-dir"] = str(data_dir)
+        run_config["eval-scene-dir"] = str(simulation_objects(collection, settings, data_dir))
     run_with_ray(run_config, num_supernodes=settings.num_clients)
     return run_dir
+
+
+def simulation_objects(collection: Path, settings: MetaSettings, root: Path) -> Path:
+    """Lay out a collection for a simulation; returns the public held-out folder.
+
+    Virtual node i reads root/object_NN (`clients.node`), linked to the collection's i-th
+    object; the objects after the N clients' are linked into root/heldout, the server's
+    `eval-scene-dir`.
+    """
+    objects = sorted(collection.glob("object_*"))
+    heldout = root / "heldout"
+    heldout.mkdir(parents=True)
+    clients = settings.num_clients
+    for index, folder in enumerate(objects[: clients + settings.heldout_tasks]):
+        link = root / f"object_{index:02d}" if index < clients else heldout / folder.name
+        link.symlink_to(folder)
+    return heldout
 
 
 def table(rows: list[Row]) -> str:
