@@ -17,7 +17,9 @@ from flwr.common.constant import ErrorCode
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+from fedfields.fields.encodings import tcnn_available
 from fedfields.flower_io import NUM_FAILURES, NUM_REPLIES, arrays_to_state, state_to_arrays
+from fedfields.train.run_config import FederatedConfig, global_field
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app
 from strategies import FedAvg
@@ -123,10 +125,14 @@ def test_nodes_with_different_cameras_federate(crowds: tuple[Path, Path], tmp_pa
     users = [crowd25 / "user_00", crowd20 / "user_01"]
     sizes = {load_scene(user).cameras.width for user in users}
     assert sizes == {25, 20}
-    config = deployed_config(tmp_path / "run", strategy="fedavg")
+    public = {"eval-scene-dir": str(crowd20 / "heldout"), "eval-views-per-round": 1}
+    config = deployed_config(tmp_path / "run", strategy="fedavg", **public)
     run_dir = run_federated_nerf(deployed_grid(config, users, tmp_path / "nodes"), config)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line[NUM_REPLIES], line[NUM_FAILURES]) for line in lines] == [(2, 0), (2, 0)]
+    assert all(0 < line["eval-scene-psnr"] < 60 for line in lines)  # the public scene
+    final = json.loads((run_dir / "summary.json").read_text())["final"]
+    assert 0 < final["eval-scene-psnr"] < 60
 
 
 def test_a_node_without_its_folder_is_a_counted_failure(
@@ -172,3 +178,11 @@ def test_too_few_connected_nodes_end_the_run_with_one_clear_error() -> None:
     arrays = state_to_arrays({"w": torch.zeros(3)})
     with pytest.raises(InsufficientNodesError, match="1 nodes connected .* min-train-nodes = 2"):
         list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+
+
+def test_a_node_without_the_run_configs_backend_refuses_clearly() -> None:
+    if tcnn_available():
+        pytest.skip("this machine has tinycudann and CUDA")
+    config = FederatedConfig.from_run_config({"hash-backend": "tcnn"})
+    with pytest.raises(RuntimeError, match="tinycudann"):
+        global_field(config)
