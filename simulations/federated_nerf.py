@@ -30,7 +30,7 @@ from fedfields.flower_io import NUM_REPLIES, state_to_arrays
 from fedfields.train import save_checkpoint
 from fedfields.train.federated import federated_state
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
-from simulations.observers import Observer
+from simulations.observers import Observer, simulation_observed
 from simulations.scene_observer import CrowdData, CrowdObserver, FieldRenderer
 from strategies import DecentNeRF, FedAvg, FedProx, Scaffold
 
@@ -169,12 +169,17 @@ def make_run_dir(config: FederatedConfig) -> Path:
     return path
 
 
-def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool = False) -> Path:
+def run_federated_nerf(
+    grid: Grid, run_config: dict[str, Any], observe: bool | None = None
+) -> Path:
     """Run the whole job on `grid`; returns the run directory holding the report.
 
-    `observe` attaches the simulation-only crowd audit (it reads run-config `data-dir`).
+    `observe` attaches the simulation-only crowd audit (it reads run-config `data-dir`); None
+    attaches it when a simulation launcher set run-config `simulation-audit`.
     """
     config = FederatedConfig.from_run_config(run_config)
+    if observe is None:
+        observe = simulation_observed(run_config)
     crowd = CrowdData.load(config.data_dir, config.downscale) if observe else None
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))

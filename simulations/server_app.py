@@ -17,25 +17,19 @@ from flwr.serverapp import Grid, ServerApp
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
-from simulations.observers import simulation_observed
 from simulations.split_job import run_split_job
 
 app = ServerApp()
 
 
-def run_job(grid: Grid, run_config: dict[str, Any], observe: bool | None = None) -> Path:
-    """Run the run-config's job over the grid's nodes; returns its run directory.
-
-    `observe` None attaches the simulation observers when run-config `simulation-audit` is on.
-    """
+def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
+    """Run the run-config's job over the grid's nodes; returns its run directory."""
     config = FederatedConfig.from_run_config(run_config)
-    if observe is None:
-        observe = simulation_observed(run_config)
     if config.mode == "split":
-        return run_split_job(grid, run_config, observe=observe)
+        return run_split_job(grid, run_config)
     if config.task == "scene":
-        return run_federated_nerf(grid, run_config, observe=observe)
-    return run_meta_job(grid, run_config, observe=observe)
+        return run_federated_nerf(grid, run_config)
+    return run_meta_job(grid, run_config)
 
 
 @app.main()
