@@ -7,7 +7,7 @@ Node-config (a deployed SuperNode's `--node-config`) names everything a node nee
   state-dir                     a node-local directory for the client's private state
 In simulation Flower passes only partition-id and num-partitions; the launcher then names a
 root in run-config `data-dir` (`state-dir`), and virtual node i takes `<root>/<prefix>_<i:02d>`
-(`<root>/node_<i:02d>`). The run-config roots are never read by the ServerApp.
+or `_<i:03d>` (`<root>/node_<i:02d>`). The run-config roots are never read by the ServerApp.
 """
 
 from __future__ import annotations
@@ -54,7 +54,11 @@ def node_data_dir(context: Context, prefix: str) -> Path:
                 f"\"{DATA_DIR}='/abs/its/own/folder'\" (or, in simulation, run-config "
                 f"'{DATA_DIR}' naming the root of the {prefix}_NN folders)"
             )
-        path = Path(root) / f"{prefix}_{client_index(context):02d}"
+        index = client_index(context)
+        names = (f"{prefix}_{index:02d}", f"{prefix}_{index:03d}")  # crowds NN, collections NNN
+        path = next(
+            (Path(root) / n for n in names if (Path(root) / n).is_dir()), Path(root) / names[0]
+        )
     if not path.is_dir():
         raise FileNotFoundError(f"node {context.node_id}: data folder {path} does not exist")
     return path

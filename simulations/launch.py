@@ -99,6 +99,19 @@ def object_collection(
     return objects.resolve()
 
 
+def heldout_objects(collection: Path, settings: MetaSettings) -> Path:
+    """A folder linking only the objects after the N clients': the server's public
+    `eval-scene-dir` (it must never be given the clients' collection)."""
+    heldout = collection.with_name(collection.name + ".heldout")
+    heldout.mkdir(exist_ok=True)
+    objects = sorted(collection.glob("object_*"))
+    for folder in objects[settings.num_clients : settings.num_clients + settings.heldout_tasks]:
+        link = heldout / folder.name
+        if not link.exists():
+            link.symlink_to(folder)
+    return heldout
+
+
 def job_config(run_config: str) -> FederatedConfig:
     """The job's settings: pyproject's run-config with the user's overrides."""
     with (ROOT / "pyproject.toml").open("rb") as file:
@@ -110,9 +123,7 @@ def user_overrides(run_config: str) -> str:
     """The user's run-config without the keys the launcher resolves (`LAUNCHER_KEYS`)."""
     overrides = parse_config_args([run_config]) if run_config.strip() else {}
     return " ".join(
-        f"{key}={json.dumps(value)}"
-        for key, value in overrides.items()
-        if key not in LAUNCHER_KEYS
+        f"{key}={json.dumps(value)}" for key, value in overrides.items() if key not in LAUNCHER_KEYS
     )
 
 
@@ -188,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     run_config += f" simulation-audit=true min-available-nodes={num_nodes}"
     if data_dir is not None:
         run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
+    if config.task == "objects" and settings is not None and not config.eval_scene_dir:
+        heldout = heldout_objects(data_dir, settings)
+        run_config += f" eval-scene-dir={json.dumps(str(heldout))}"
     if config.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
         run_config += f" downscale={float(args.downscale)}"  # the raw scene, like the crowd's
     federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
