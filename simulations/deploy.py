@@ -43,6 +43,7 @@ from simulations.launch import (
     ROOT,
     _run_status,
     crowd_dataset,
+    heldout_objects,
     job_config,
     object_collection,
 )
@@ -456,7 +457,9 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
         node_data = [None] * users
         if config.task == "objects":
             collection = object_collection(args, settings, env)
-            node_data = [collection / f"object_{index:02d}" for index in range(users)]
+            node_data = list(sorted(collection.glob("object_*"))[:users])
+            # the server's public test objects: the held-out ones, never the clients'
+            overrides.setdefault("eval-scene-dir", str(heldout_objects(collection, settings)))
         name = f"{config.task}-{config.strategy_name}-{config.meta_learner}"
     overrides.setdefault("min-available-nodes", len(node_data))  # round 1 waits for all nodes
     return Plan(node_data, _as_run_config(overrides), Path(run_dir) if run_dir else None, name)
