@@ -3,10 +3,11 @@
 One "train" message per step (`simulations.split_job` drives them): the server's reply-to
 carries the embeddings of the batch this client sent last; the client renders, returns the
 embedding gradient (after its S2NeRF or NoisyLabel defence) and, pipelined in the same reply,
-the rays of its next batch. Head, Adam state and the pending batch live in `context.state`.
-At "finish" the server sends its part so the client can assemble the joint field, score it on
-its held-out views and keep it (checkpoint.pt in the run directory, which the server's
-simulation-only attack audit reads as ground truth).
+the rays of its next batch. The scene is the node's own (`scene_dir`); head, Adam state and the
+pending batch are private state (`NodeState`: the node's state directory, or Flower's per-node
+context). At "finish" the server sends its part so the client can assemble the joint field,
+score it on its held-out views and keep checkpoint.pt, renders/ and client.json in its state
+directory (which a simulation's attack observer reads as ground truth; the server never does).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from functools import lru_cache
+from logging import WARNING
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 from torch import Tensor
 
+from clients.node import DATA_DIR, NodeState, node_data_dir
 from fedfields.data import Scene, load_scene
 from fedfields.data.scene import holdout_indices
 from fedfields.fields import HashGridField
@@ -41,7 +45,12 @@ from fedfields.render import RenderConfig
 from fedfields.train.centralised import PixelSampler, make_optimizer
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
-from fedfields.train.run_config import FederatedConfig, global_field, render_config
+from fedfields.train.run_config import (
+    FederatedConfig,
+    check_scene_fits,
+    global_field,
+    render_config,
+)
 
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"
@@ -49,12 +58,16 @@ PENDING = "split-pending"  # the batch the server is embedding: rays, colours, b
 HOLDOUT_EVERY = 8  # every 8th view is held out for the client's own evaluation
 LEARNING_RATE = 1e-2  # decays to 0.1x over the run, as `fedfields.privacy.train_split`
 WEIGHT_DECAY = 1e-6
+SCENE_PREFIX = "scene"  # a simulation data root holds scene_NN, one per virtual node
+CHECKPOINT = "checkpoint.pt"  # the joint field, in the client's state directory
+CLIENT_REPORT = "client.json"
+RENDERS = "renders"
 
 
 def split_render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
     """Stratified sampling without an occupancy grid: the client cannot query density alone."""
     return dataclasses.replace(
-        render_config(scene), num_samples=config.split_samples, num_importance=0
+        render_config(config, scene), num_samples=config.split_samples, num_importance=0
     )
 
 
@@ -74,62 +87,96 @@ def split_defence(config: FederatedConfig) -> ClientDefence | None:
     return None
 
 
+def is_scene(folder: Path) -> bool:
+    """Whether `folder` holds a scene (transforms.json or transforms_<split>.json)."""
+    return any(folder.glob("transforms*.json"))
+
+
+def scene_dir(context: Context) -> Path:
+    """This node's scene folder: node-config `data-dir` (a deployed SuperNode's own scene).
+
+    In simulation (no node-config `data-dir`) run-config `data-dir` is either the scene itself,
+    as the launcher gives its one virtual node, or a root of scene_NN folders (`clients.node`).
+    """
+    root = Path(str(context.run_config.get(DATA_DIR, "")))
+    if DATA_DIR not in context.node_config and root.parts and is_scene(root):
+        return root
+    return node_data_dir(context, SCENE_PREFIX)
+
+
 @lru_cache(maxsize=2)
 def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
-    """(training views, held-out views) of the client's scene."""
-    if not data_dir:
-        raise ValueError("run-config 'data-dir' must name the client's scene for mode 'split'")
+    """(training views, held-out views) of the scene in `data_dir`, read once per process."""
     scene = load_scene(data_dir, downscale=downscale)
     train, heldout = holdout_indices(len(scene), HOLDOUT_EVERY)
     return scene.subset(train), scene.subset(heldout)
 
 
-def joint_field(config: FederatedConfig, scene: Scene) -> HashGridField:
-    """The joint field as both sides initialise it (same seed, same config)."""
+def joint_field(config: FederatedConfig) -> HashGridField:
+    """The joint field as both sides initialise it: run-config's shapes, seeded by `seed`."""
     torch.manual_seed(config.seed)
-    return global_field(config, scene)
+    return global_field(config)
 
 
 def train(msg: Message, context: Context) -> Message:
-    """One split-learning exchange: "start", "step" or "finish" (CONFIG "split-stage")."""
+    """One split-learning exchange: "start", "step" or "finish" (CONFIG "split-stage").
+
+    "start" begins afresh (a state directory may hold a previous run's head); the other
+    stages continue from the head and Adam state kept in the node's state.
+    """
     config = FederatedConfig.from_run_config(context.run_config)
     round_config = msg.content[CONFIG]
     stage = str(round_config[SPLIT_STAGE])
-    scene, heldout = client_views(config.data_dir, config.downscale)
-    field = joint_field(config, scene)
+    if stage not in ("start", "step", "finish"):
+        raise ValueError(f"node {context.node_id}: unknown {SPLIT_STAGE!r}: {stage!r}")
+    folder = scene_dir(context)
+    scene, heldout = client_views(str(folder), config.downscale)
+    check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
+    field = joint_field(config)
     server, head = split_field(field)
     optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)  # type: ignore[arg-type]
-    if HEAD in context.state:
-        head.load_state_dict(arrays_to_state(context.state[HEAD]))
-        _load_optimizer(optimizer, arrays_to_state(context.state[HEAD_OPTIMIZER]))
+    state = NodeState(context)
+    if stage != "start":
+        head_state, optimizer_state = state.tensors(HEAD), state.tensors(HEAD_OPTIMIZER)
+        if head_state is None or optimizer_state is None:
+            raise RuntimeError(
+                f"node {context.node_id}: split stage {stage!r} without a started run "
+                f"(no {HEAD!r} in its state {state.directory or 'context'})"
+            )
+        head.load_state_dict(head_state)
+        _load_optimizer(optimizer, optimizer_state)
     if stage == "finish":
-        return _finish(msg, context, config, field, heldout)
+        return _finish(msg, state, config, field, server, scene, heldout)
     content = RecordDict()
     step = int(round_config.get(SPLIT_STEP, -1))
     if stage == "step":
         content[GRADIENT], content[METRICS] = _learn(
-            msg, context, config, head, optimizer, step, server.embedding_dim
+            msg, state, config, head, optimizer, step, server.embedding_dim
         )
-    elif stage != "start":
-        raise ValueError(f"unknown {SPLIT_STAGE!r}: {stage!r}")
     if step + 1 < config.split_steps:
-        content[SAMPLES] = _next_batch(context, config, scene, step + 1)
-    context.state[HEAD] = state_to_arrays(head.state_dict())
-    context.state[HEAD_OPTIMIZER] = state_to_arrays(_flat_optimizer_state(optimizer))
+        content[SAMPLES] = _next_batch(state, config, scene, step + 1)
+    state.put_tensors(HEAD, head.state_dict())
+    state.put_tensors(HEAD_OPTIMIZER, _flat_optimizer_state(optimizer))
     return Message(content, reply_to=msg)
 
 
 def _learn(
     msg: Message,
-    context: Context,
+    state: NodeState,
     config: FederatedConfig,
     head: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     step: int,
     embedding_dim: int,
 ) -> tuple[ArrayRecord, MetricRecord]:
-    """Render the pending batch from the server's embeddings; step the head; the gradient."""
-    pending = arrays_to_state(context.state[PENDING])
+    """Render the pending batch from the server's embeddings; step the head; the gradient.
+
+    The defence is built anew each step; its noise depends on (seed, step), so it differs
+    from step to step (`fedfields.privacy.defences.step_noise`).
+    """
+    pending = state.tensors(PENDING)
+    if pending is None:
+        raise RuntimeError(f"split step {step}: no pending batch in the node's state")
     samples = RaySamples(pending["origins"], pending["directions"], pending["edges"])
     embeddings = arrays_to_state(msg.content[EMBEDDINGS])["embeddings"]
     expected = (len(samples) * config.split_samples, embedding_dim)
@@ -152,7 +199,7 @@ def _learn(
     return gradient, MetricRecord({"loss": result.loss, "psnr": result.psnr})
 
 
-def _next_batch(context: Context, config: FederatedConfig, scene: Scene, step: int) -> ArrayRecord:
+def _next_batch(state: NodeState, config: FederatedConfig, scene: Scene, step: int) -> ArrayRecord:
     """Draw batch `step` (seeded), keep it pending and return its rays for the server."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(config.seed * 1_000_003 + step)
@@ -160,28 +207,32 @@ def _next_batch(context: Context, config: FederatedConfig, scene: Scene, step: i
     samples = sample_rays(batch.rays, split_render_config(config, scene), perturb=True)
     torch.random.set_rng_state(generator_state)
     rays = {"origins": samples.origins, "directions": samples.directions, "edges": samples.edges}
-    context.state[PENDING] = state_to_arrays(
-        {**rays, "colors": batch.colors, "background": batch.background}
-    )
+    state.put_tensors(PENDING, {**rays, "colors": batch.colors, "background": batch.background})
     return state_to_arrays(rays)
 
 
 def _finish(
-    msg: Message, context: Context, config: FederatedConfig, field: HashGridField, heldout: Scene
+    msg: Message,
+    state: NodeState,
+    config: FederatedConfig,
+    field: HashGridField,
+    server: torch.nn.Module,
+    scene: Scene,
+    heldout: Scene,
 ) -> Message:
-    """Assemble the joint field, score it on held-out views, keep checkpoint and renders."""
-    server_state = arrays_to_state(msg.content[SERVER_PART])
-    server, _ = split_field(field)
-    server.load_state_dict(server_state)
-    run_dir = Path(str(msg.content[CONFIG]["run-dir"]))
-    scene, _ = client_views(config.data_dir, config.downscale)
+    """Assemble the joint field, score it on held-out views; keep checkpoint and renders in
+    the node's state directory (a node without one only reports its scores)."""
+    server.load_state_dict(arrays_to_state(msg.content[SERVER_PART]))
     settings = split_render_config(config, scene)
     result = evaluate(field, heldout, settings, progress=False)
-    write_renders(run_dir / "renders", heldout, result, settings)
-    metadata = {"mode": "split", "data-dir": config.data_dir, "heldout-every": HOLDOUT_EVERY}
-    save_checkpoint(run_dir / "checkpoint.pt", field, settings, None, metadata)
     summary = {f"heldout-{key}": value for key, value in result.summary().items()}
-    (run_dir / "client.json").write_text(json.dumps(summary, indent=2))
+    if state.directory is None:
+        log(WARNING, "split client: no state directory, the joint field is not kept")
+    else:
+        write_renders(state.directory / RENDERS, heldout, result, settings)
+        metadata = {"mode": "split", "heldout-every": HOLDOUT_EVERY}
+        save_checkpoint(state.directory / CHECKPOINT, field, settings, None, metadata)
+        (state.directory / CLIENT_REPORT).write_text(json.dumps(summary, indent=2))
     metrics = {key: value for key, value in summary.items() if value is not None}
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 

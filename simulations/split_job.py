@@ -1,29 +1,45 @@
 """The split-learning job (run-config mode "split"): SplitNeRF with one client over Flower.
 
 The server holds the hash grid and the first density layer (`fedfields.privacy.split`), the
-client everything else (`clients.split_client`). Each step is one "train" round trip: the
-server embeds the batch the client sent, the client answers with the embedding gradient and
-its next batch; the server back-propagates and steps. The server keeps every k-th exchange,
-which is all an honest-but-curious server has; with `split-attack` (simulation only) it runs
-the Surrogate Model Attack on that record and scores it against the client's joint field,
-which it reads from the client's checkpoint for the audit alone.
+client everything else (`clients.split_client`). Both build the joint field from run-config
+alone (`joint_field`: the same shapes and seed), so the server reads no file of the client.
+Each step is one "train" round trip: the server embeds the batch the client sent, the client
+answers with the embedding gradient and its next batch; the server back-propagates and steps.
+The run directory gets config.json, metrics.jsonl and summary.json.
+
+In simulation (`simulation_observed`) `SplitAudit` observes the wire as the honest-but-curious
+server would, keeping every k-th exchange; with `split-attack` it runs the Surrogate Model
+Attack on that record and scores it against the client's joint field, which it reads as the
+experimenter from the client's state directory, with the scene from run-config `data-dir`.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections.abc import Callable, Iterable
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 
-from clients.split_client import LEARNING_RATE, WEIGHT_DECAY, client_views, joint_field
+from clients.split_client import (
+    CHECKPOINT,
+    CLIENT_REPORT,
+    LEARNING_RATE,
+    RENDERS,
+    SCENE_PREFIX,
+    WEIGHT_DECAY,
+    client_views,
+    is_scene,
+    joint_field,
+)
 from fedfields.data import Scene
 from fedfields.flower_io import (
     CONFIG,
@@ -57,27 +73,34 @@ from fedfields.train.centralised import make_optimizer
 from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import make_run_dir
+from simulations.observers import Observer, ReplyTap, simulation_observed
 
 LOG_EVERY = 25
 NODE_WAIT_SECONDS = 120.0
 
 
-def run_split_job(grid: Grid, run_config: dict[str, Any]) -> Path:
-    """Train by split learning with the grid's one node; returns the run directory."""
+def run_split_job(
+    grid: Grid, run_config: dict[str, Any], observers: list[Observer] | None = None
+) -> Path:
+    """Train by split learning with the grid's one node; returns the run directory.
+
+    `observers` None attaches `split_observers(run_config)`: none unless a simulation launcher
+    set run-config `simulation-audit`; [] runs without any.
+    """
     config = FederatedConfig.from_run_config(run_config)
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
-    scene, _ = client_views(config.data_dir, config.downscale)  # cameras and box are public
-    field = joint_field(config, scene)
-    server, _ = split_field(field)
+    if observers is None:
+        observers = split_observers(run_config, run_dir)
+    for observer in observers:
+        grid = observer.wrap_grid(grid)
+    server, _ = split_field(joint_field(config))
     optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)  # type: ignore[arg-type]
     exchange = _Exchange(grid, _the_node(grid))
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
-    transcript: list[SplitExchange] = []
     started, history, window = time.perf_counter(), [], []
     for step in range(config.split_steps):
-        samples = _samples(reply)
-        points = samples.points()
+        points = _samples(reply).points()
         embeddings = server_forward(server, points)
         content = RecordDict(
             {
@@ -97,17 +120,20 @@ def run_split_job(grid: Grid, run_config: dict[str, Any]) -> Path:
         optimizer.zero_grad(set_to_none=True)
         server_backward(server, points, gradient)
         optimizer.step()
-        if step % config.split_record_every == 0:
-            transcript.append(SplitExchange(step, samples, embeddings, gradient))
         window.append(dict(reply.content[METRICS]))
         if (step + 1) % LOG_EVERY == 0 or step + 1 == config.split_steps:
-            history.append(_block(step + 1, window, time.perf_counter() - started))
+            line = _block(step + 1, window, time.perf_counter() - started)
             window = []
-            _append_line(run_dir / "metrics.jsonl", history[-1])
+            if observers:
+                arrays = state_to_arrays(server.state_dict())
+                for observer in observers:
+                    line |= observer.observe_round(step + 1, arrays)
+            history.append(line)
+            _append_line(run_dir / "metrics.jsonl", line)
             log(INFO, "split step %d: loss %.4f, psnr %.2f dB", step + 1, *_last(history))
     finish = RecordDict(
         {
-            CONFIG: ConfigRecord({SPLIT_STAGE: "finish", "run-dir": str(run_dir.resolve())}),
+            CONFIG: _config("finish"),
             SERVER_PART: state_to_arrays(server.state_dict()),
         }
     )
@@ -118,10 +144,11 @@ def run_split_job(grid: Grid, run_config: dict[str, Any]) -> Path:
         "seconds": time.perf_counter() - started,
         "client": client_metrics,
         "history": history,
-        "transcript-steps": len(transcript),
     }
-    if config.split_attack:
-        summary["attack"] = attack_audit(config, server, transcript, run_dir)
+    if observers:
+        arrays = state_to_arrays(server.state_dict())
+        for observer in observers:
+            summary |= observer.finish(arrays, history)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
@@ -168,7 +195,7 @@ def _samples(reply: Message) -> RaySamples:
     return RaySamples(rays["origins"], rays["directions"], rays["edges"])
 
 
-def _block(step: int, window: list[dict], seconds: float) -> dict[str, float]:
+def _block(step: int, window: list[dict], seconds: float) -> dict[str, Any]:
     """Mean client loss and PSNR over the last steps."""
     return {
         "step": step,
@@ -178,47 +205,167 @@ def _block(step: int, window: list[dict], seconds: float) -> dict[str, float]:
     }
 
 
-def _last(history: list[dict[str, float]]) -> tuple[float, float]:
+def _last(history: list[dict[str, Any]]) -> tuple[float, float]:
     return history[-1]["loss"], history[-1]["psnr"]
 
 
-def _append_line(path: Path, line: dict[str, float]) -> None:
+def _append_line(path: Path, line: dict[str, Any]) -> None:
     with path.open("a") as file:
         file.write(json.dumps(line) + "\n")
 
 
-def attack_audit(
-    config: FederatedConfig, server: ServerPart, transcript: list[SplitExchange], run_dir: Path
-) -> dict[str, Any]:
-    """Surrogate Model Attack on the server's record, scored on the client's held-out views.
+def split_observers(run_config: dict[str, Any], run_dir: Path | None = None) -> list[Observer]:
+    """The simulation-only audits of a split run: `SplitAudit` when a simulation launcher asks
+    for observers (`simulation_observed`), else none (a deployed server reads no user file).
 
-    Simulation only: the truth is the client's joint field from its checkpoint, which the
-    attack itself never sees. Also scores an untrained surrogate (the attack's baseline) and
-    writes attack.png: true depth | attacked depth | true grey | attacked grey per view.
+    It reads the scene from run-config `data-dir` and the client's joint field from
+    `<state-dir>/node_00`, and writes into `run_dir` (default run-config `run-dir`).
     """
-    scene, heldout = client_views(config.data_dir, config.downscale)
-    truth, settings, _, _ = load_checkpoint(run_dir / "checkpoint.pt")
-    _, client = split_field(truth)  # type: ignore[arg-type]
-    server.eval()
-    attack_config = SurrogateAttackConfig(seed=config.seed)
-    background = torch.tensor(scene.background, dtype=torch.float32)
-    started = time.perf_counter()
-    result = surrogate_model_attack(server, transcript, background, attack_config)
-    seconds = time.perf_counter() - started
-    untrained = make_surrogate_head(server.embedding_dim, attack_config)
-    views = list(range(len(heldout)))
-    with torch.no_grad():
-        attacked = score_attack(server, result.head, client, heldout.cameras, views, settings)
-        baseline = score_attack(server, untrained, client, heldout.cameras, views, settings)
-        _plot_attack(run_dir / "attack.png", server, result.head, client, heldout, settings)
-    log(
-        INFO,
-        "fedfields: attack SSIM-depth %.3f (untrained surrogate %.3f), SSIM-grey %.3f",
-        attacked["ssim_depth"],
-        baseline["ssim_depth"],
-        attacked["ssim_grey"],
-    )
-    return {"attacked": attacked, "untrained": baseline, "seconds": seconds}
+    if not simulation_observed(run_config):
+        return []
+    config = FederatedConfig.from_run_config(run_config)
+    for key, value, why in (
+        ("data-dir", config.data_dir, "the client's scene (the attack's held-out views)"),
+        ("state-dir", config.state_dir, "the client's node_00 directory (its joint field)"),
+        ("run-dir", str(run_dir or config.run_dir), "the report's directory"),
+    ):
+        if not value:
+            raise ValueError(f"run-config {key!r} is empty: the split audit needs {why}")
+    return [SplitAudit(config, Path(run_dir or config.run_dir))]
+
+
+class SplitAudit:
+    """Simulation-only observer of a split run: the client's renders, checkpoint and
+    client.json copied into the run directory and, with `split-attack`, the Surrogate Model
+    Attack on every `split-record-every`-th exchange seen on the wire (`attack.png`).
+
+    As the experimenter it reads the client's scene (run-config `data-dir`: the scene, or its
+    scene_00) and the client's state directory (`<state-dir>/node_00`, `clients.node`).
+    """
+
+    def __init__(self, config: FederatedConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        root = Path(config.data_dir)
+        self.scene_dir = root if is_scene(root) else root / f"{SCENE_PREFIX}_00"
+        self.client_dir = Path(config.state_dir) / "node_00"
+        self.transcript: list[SplitExchange] = []
+        self.samples: RaySamples | None = None  # the batch the client sent last
+        self.recorded: tuple[int, torch.Tensor] | None = None  # (step, embeddings) in flight
+
+    def wrap_grid(self, grid: Grid) -> Grid:
+        """A tap showing the audit each step's embeddings and the client's replies."""
+        if not self.config.split_attack:
+            return grid
+        return _WireTap(grid, self.sent, self.received)
+
+    def sent(self, messages: list[Message]) -> None:
+        """Keep the embeddings of a recorded step until its gradient comes back."""
+        for message in messages:
+            step = message.content[CONFIG].get(SPLIT_STEP)
+            if step is not None and int(step) % self.config.split_record_every == 0:
+                embeddings = arrays_to_state(message.content[EMBEDDINGS])["embeddings"]
+                self.recorded = (int(step), embeddings)
+
+    def received(self, replies: list[Message]) -> None:
+        """Record (samples, embeddings, gradient) of a recorded step; keep the next batch."""
+        for reply in replies:
+            if reply.has_error():
+                continue
+            if GRADIENT in reply.content and self.recorded is not None:
+                step, embeddings = self.recorded
+                gradient = arrays_to_state(reply.content[GRADIENT])["embeddings"]
+                if self.samples is None:
+                    raise RuntimeError(f"split audit: step {step} before any batch of rays")
+                self.transcript.append(SplitExchange(step, self.samples, embeddings, gradient))
+                self.recorded = None
+            if SAMPLES in reply.content:
+                self.samples = _samples(reply)
+
+    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+        """Nothing per block: the attack runs once, on the whole record."""
+        return {}
+
+    def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Copy the client's report into the run directory; run and score the attack."""
+        if not (self.client_dir / CHECKPOINT).is_file():
+            raise FileNotFoundError(
+                f"split audit: no {CHECKPOINT} in the client's state directory "
+                f"{self.client_dir} (run-config 'state-dir' {self.config.state_dir!r})"
+            )
+        for name in (CHECKPOINT, CLIENT_REPORT):
+            shutil.copy2(self.client_dir / name, self.run_dir / name)
+        shutil.copytree(self.client_dir / RENDERS, self.run_dir / RENDERS, dirs_exist_ok=True)
+        if not self.config.split_attack:
+            return {}
+        server, _ = split_field(joint_field(self.config))
+        server.load_state_dict(arrays_to_state(arrays))
+        return {"attack": self.attack(server)}
+
+    def attack(self, server: ServerPart) -> dict[str, Any]:
+        """Surrogate Model Attack on the recorded exchanges, scored on the held-out views.
+
+        The truth is the client's joint field from its checkpoint, which the attack itself
+        never sees. Also scores an untrained surrogate (the attack's baseline) and writes
+        attack.png: true depth | attacked depth | true grey | attacked grey per view.
+        """
+        scene, heldout = client_views(str(self.scene_dir), self.config.downscale)
+        truth, settings, _, _ = load_checkpoint(self.client_dir / CHECKPOINT)
+        _, client = split_field(truth)  # type: ignore[arg-type]
+        server.eval()
+        attack_config = SurrogateAttackConfig(seed=self.config.seed)
+        background = torch.tensor(scene.background, dtype=torch.float32)
+        started = time.perf_counter()
+        result = surrogate_model_attack(server, self.transcript, background, attack_config)
+        seconds = time.perf_counter() - started
+        untrained = make_surrogate_head(server.embedding_dim, attack_config)
+        views = list(range(len(heldout)))
+        with torch.no_grad():
+            attacked = score_attack(server, result.head, client, heldout.cameras, views, settings)
+            baseline = score_attack(server, untrained, client, heldout.cameras, views, settings)
+            _plot_attack(
+                self.run_dir / "attack.png", server, result.head, client, heldout, settings
+            )
+        log(
+            INFO,
+            "fedfields: attack SSIM-depth %.3f (untrained surrogate %.3f), SSIM-grey %.3f",
+            attacked["ssim_depth"],
+            baseline["ssim_depth"],
+            attacked["ssim_grey"],
+        )
+        return {
+            "attacked": attacked,
+            "untrained": baseline,
+            "seconds": seconds,
+            "transcript-steps": len(self.transcript),
+        }
+
+
+class _WireTap(ReplyTap):
+    """A `ReplyTap` that also shows the messages the server sends to `on_sent`."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        on_sent: Callable[[list[Message]], None],
+        on_replies: Callable[[list[Message]], None],
+    ) -> None:
+        super().__init__(grid, on_replies)
+        self.on_sent = on_sent
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Show the messages, then push them through the wrapped grid."""
+        messages = list(messages)
+        self.on_sent(messages)
+        return super().push_messages(messages)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Show the messages, then send and receive through the wrapped grid."""
+        messages = list(messages)
+        self.on_sent(messages)
+        return super().send_and_receive(messages, timeout=timeout)
 
 
 def _plot_attack(

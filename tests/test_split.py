@@ -152,6 +152,30 @@ def test_s2nerf_noise_repeats_with_its_seed() -> None:
     assert not torch.equal(first, other)
 
 
+def test_s2nerf_noise_is_fresh_every_step_even_from_a_rebuilt_defence() -> None:
+    """A Flower client builds its defence anew for every step: the noise must still differ
+    from step to step, so averaging many steps' gradients cannot recover one fixed pattern."""
+    gradient = _gradient()[:256]  # holds the row of norm 5: sigma = c * 5
+
+    def noise(step: int) -> torch.Tensor:
+        defence = S2NeRFNoise(c=1.0, r=1.0, total_steps=100, seed=3)
+        return defence.perturb_gradient(gradient, step) - gradient
+
+    assert not torch.allclose(noise(1), noise(2))
+    assert torch.equal(noise(7), noise(7))  # (seed, step) reproduces
+    steps = torch.stack([noise(step) for step in range(100)]).double()
+    assert steps[0].std().item() == pytest.approx(5.0, rel=0.05)
+    # the mean of 100 independent draws has std 5 / sqrt(100) = 0.5; one pattern would keep 5
+    assert steps.mean(dim=0).std().item() < 0.2 * 5.0
+
+
+def test_noisy_label_noise_differs_across_steps_and_repeats_per_step() -> None:
+    targets = torch.full((256, 3), 0.5)
+    first, second = (NoisyLabel(0.1, seed=2).perturb_targets(targets, step) for step in (0, 1))
+    assert not torch.allclose(first, second)
+    assert torch.equal(first, NoisyLabel(0.1, seed=2).perturb_targets(targets, 0))
+
+
 def test_client_step_returns_the_s2nerf_noised_gradient_of_the_clean_loss() -> None:
     server, client = split_field(_field())
     rays = _rays(16)
@@ -218,9 +242,11 @@ def test_bad_values_raise_naming_the_parameter(make, name: str) -> None:
         make()
 
 
-def test_negative_step_raises() -> None:
+def test_negative_step_or_seed_raises() -> None:
     with pytest.raises(ValueError, match="step"):
         S2NeRFNoise(total_steps=10).sigma(torch.ones(2, 3), -1)
+    with pytest.raises(ValueError, match="seed -1"):
+        NoisyLabel(0.1, seed=-1).perturb_targets(torch.ones(2, 3), 0)
 
 
 # ------------------------------------------------------------------ in-process training

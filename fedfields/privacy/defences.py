@@ -7,13 +7,17 @@ so the noise follows the gradients' scale and decays from c * max||g_i|| at step
 c * max||g_i|| * r at step T (r = 1: no decay). Paper default c = 1.2, r = 1e-4.
 
 NoisyLabelNeRF (Sec. 6, the baseline): <C(r)> = C(r) + xi, xi ~ N(0, sigma_l^2), on the
-target pixel colours before the loss; fresh noise each time a pixel is drawn.
+target pixel colours before the loss; fresh noise at every step.
+
+Both draw their noise from `step_noise(seed, step)`: independent across steps, repeatable
+from the seed, whether one defence object serves the whole run or one is built per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,22 +34,19 @@ class ClientDefence:
         return gradient
 
 
-class _SeededGaussian:
-    """Standard normal draws from one seeded generator per device, so runs repeat exactly."""
+def step_noise(seed: int, step: int, like: Tensor) -> Tensor:
+    """N(0, 1) samples shaped, typed and placed like `like`: a function of (seed, step) alone.
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def like(self, tensor: Tensor) -> Tensor:
-        """N(0, 1) samples shaped, typed and placed like `tensor`."""
-        generator = self._generators.get(tensor.device)
-        if generator is None:
-            generator = torch.Generator(device=tensor.device).manual_seed(self.seed)
-            self._generators[tensor.device] = generator
-        return torch.randn(
-            tensor.shape, generator=generator, dtype=tensor.dtype, device=tensor.device
-        )
+    Each step draws from its own generator, seeded by mixing (seed, step) with NumPy's
+    SeedSequence, so the noise is independent across steps even when the defence is rebuilt
+    for every step (a Flower client between messages; one shared pattern would let the server
+    average it away), and a rerun with the same seed repeats it exactly.
+    """
+    if seed < 0 or step < 0:
+        raise ValueError(f"noise seed and step must be >= 0, got seed {seed}, step {step}")
+    (mixed,) = np.random.SeedSequence([seed, step]).generate_state(1, dtype=np.uint64)
+    generator = torch.Generator(device=like.device).manual_seed(int(mixed))
+    return torch.randn(like.shape, generator=generator, dtype=like.dtype, device=like.device)
 
 
 @dataclass(kw_only=True)
@@ -56,7 +57,6 @@ class S2NeRFNoise(ClientDefence):
     r: float = 1e-4  # decay ratio over the run, in (0, 1]; 1 keeps the noise constant
     total_steps: int  # T: the training steps the decay spans (the run's length)
     seed: int = 0
-    _gaussian: _SeededGaussian = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.c >= 0:
@@ -65,7 +65,6 @@ class S2NeRFNoise(ClientDefence):
             raise ValueError(f"S2NeRF decay ratio r must be in (0, 1], got {self.r}")
         if self.total_steps < 1:
             raise ValueError(f"S2NeRF total_steps must be >= 1, got {self.total_steps}")
-        self._gaussian = _SeededGaussian(self.seed)
 
     def sigma(self, gradient: Tensor, step: int) -> Tensor:
         """sigma_t = c * max_i ||g_i|| * r^(t/T) over the rows g_i of `gradient` [..., d]."""
@@ -76,7 +75,7 @@ class S2NeRFNoise(ClientDefence):
 
     def perturb_gradient(self, gradient: Tensor, step: int) -> Tensor:
         """<g_i> = g_i + eta_i with eta_i ~ N(0, sigma_t^2 I_d), one sigma_t for the batch."""
-        return gradient + self.sigma(gradient, step) * self._gaussian.like(gradient)
+        return gradient + self.sigma(gradient, step) * step_noise(self.seed, step, gradient)
 
 
 @dataclass
@@ -85,13 +84,11 @@ class NoisyLabel(ClientDefence):
 
     sigma: float
     seed: int = 0
-    _gaussian: _SeededGaussian = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.sigma >= 0:
             raise ValueError(f"NoisyLabel sigma must be >= 0, got {self.sigma}")
-        self._gaussian = _SeededGaussian(self.seed)
 
     def perturb_targets(self, targets: Tensor, step: int) -> Tensor:
         """<C(r)> = C(r) + xi, xi ~ N(0, sigma^2) per colour channel (not clipped)."""
-        return targets + self.sigma * self._gaussian.like(targets)
+        return targets + self.sigma * step_noise(self.seed, step, targets)
