@@ -66,6 +66,7 @@ USER = "user"  # node-state values: alpha and its history [[round, alpha], ...]
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 CLIENT_EVAL = "client-eval-psnr"
+EVAL_OCCUPANCY_PASSES = 2  # grid refreshes from the received field before scoring it
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ def train(msg: Message, context: Context) -> Message:
     scene = views.train
     field = _global_field(config, msg)
     metrics: dict[str, float] = {}
-    occupancy = _occupancy(state, field)
     if views.heldout is not None:
-        metrics[CLIENT_EVAL] = _score(field, occupancy, views.heldout, config)
+        metrics[CLIENT_EVAL] = _score(field, views.heldout, config)
+    occupancy = _occupancy(state, field)
     strategy = _strategy(config, msg)
     user = client_index(context)
     personal = _personal_field(state, config, scene, user) if strategy == "decentnerf" else None
@@ -202,13 +203,17 @@ def _global_field(config: FederatedConfig, msg: Message) -> HashGridField:
     return field
 
 
-def _score(
-    field: HashGridField, occupancy: OccupancyGrid, views: Scene, config: FederatedConfig
-) -> float:
-    """Mean PSNR of the global field's renders of `views` against the user's photos."""
+def _score(field: HashGridField, views: Scene, config: FederatedConfig) -> float:
+    """Mean PSNR of the global field's renders of `views` against the user's photos.
+
+    Rendered through a fresh occupancy grid of the global field alone, as the server would.
+    """
     settings = render_config(config, views)
     field.eval()
+    occupancy = OccupancyGrid(field.aabb)
     with torch.no_grad():
+        for _ in range(EVAL_OCCUPANCY_PASSES):
+            occupancy.update(field.density, settings.step_size)
         values = [
             psnr(render_image(field, views.cameras, i, settings, occupancy).rgb.clamp(0, 1), image)
             for i, image in enumerate(views.images)

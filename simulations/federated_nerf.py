@@ -169,9 +169,7 @@ def make_run_dir(config: FederatedConfig) -> Path:
     return path
 
 
-def run_federated_nerf(
-    grid: Grid, run_config: dict[str, Any], observe: bool | None = None
-) -> Path:
+def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | None = None) -> Path:
     """Run the whole job on `grid`; returns the run directory holding the report.
 
     `observe` attaches the simulation-only crowd audit (it reads run-config `data-dir`); None
