@@ -2,7 +2,7 @@
 
 For `task` faces, video or objects the train handler is `clients.meta_client.train`; for mode
 split, `clients.split_client.train`. The scene job: one user's views (its own folder, from
-node-config `data-dir`, `clients.node`), a global field it shares and a personal field it
+node-config `data-dir`, `fedfields.flower.node`), a global field it shares and a personal field it
 keeps; handlers are thin glue over `fedfields.train.federated`. What stays on the node lives
 in its private state (`NodeState`: the node's state directory, or Flower's per-node context in
 a simulation without one): DecentNeRF's personal field and appearance embeddings, the user's
@@ -12,7 +12,7 @@ alpha for DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and 
 metrics, among them "client-eval-psnr": the received global field's PSNR on this user's
 held-out views (the last `client-eval-views`, never trained on). With run-config
 `secure-aggregation` on, `secure_aggregation_mod` holds all of it back for Flower's SecAgg+
-(`clients.secure_aggregation`).
+(`fedfields.flower.secure_aggregation`).
 """
 
 from __future__ import annotations
@@ -25,19 +25,27 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import meta_client, split_client
-from clients.node import NodeState, client_index, node_data_dir
-from clients.secure_aggregation import secure_aggregation_mod
-from fedfields.aggregate import alpha_update, alpha_weighted_payload
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
-from fedfields.flower_io import (
+from fedfields.flower import (
+    DecentNeRFClient,
+    NodeState,
+    ScaffoldClient,
+    client_index,
+    secure_aggregation_mod,
+)
+from fedfields.flower.node import node_data_dir
+from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
-    CONTROL_DELTA,
-    GRADIENT,
+    LOCAL_STEPS,
     METRICS,
-    SERVER_CONTROL,
+    NUM_EXAMPLES,
+    PROXIMAL_MU,
+    SERVER_ROUND,
+    TRAIN_LOSS,
+    TRAIN_PSNR,
     arrays_to_state,
     state_to_arrays,
 )
@@ -49,8 +57,8 @@ from fedfields.train.federated import (
     federated_state,
     load_federated_state,
     local_train,
-    loss_gradient,
 )
+from fedfields.train.federated import loss_gradient as loss_gradient_of
 from fedfields.train.run_config import (
     FederatedConfig,
     check_scene_fits,
@@ -60,9 +68,6 @@ from fedfields.train.run_config import (
 
 PERSONAL = "personal-field"
 OCCUPANCY = "occupancy"
-PREVIOUS_GLOBAL = "previous-global"
-CLIENT_CONTROL = "client-control"
-USER = "user"  # node-state values: alpha and its history [[round, alpha], ...]
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 CLIENT_EVAL = "client-eval-psnr"
@@ -97,25 +102,18 @@ def train(msg: Message, context: Context) -> Message:
     if views.heldout is not None:
         metrics[CLIENT_EVAL] = _score(field, views.heldout, config)
     occupancy = _occupancy(state, field)
-    strategy = _strategy(config, msg)
+    decentnerf = DecentNeRFClient(state, config.alpha_lr) if DecentNeRFClient.wanted(msg) else None
     user = client_index(context)
-    personal = _personal_field(state, config, scene, user) if strategy == "decentnerf" else None
-    reference = federated_state(field)
-    scaffold = None
-    if strategy == "scaffold":
-        server_control = arrays_to_state(msg.content[SERVER_CONTROL])
-        client_control = state.tensors(CLIENT_CONTROL) or {
-            key: torch.zeros_like(value) for key, value in server_control.items()
-        }
-        scaffold = ScaffoldControls(server=server_control, client=client_control)
-    server_round = int(round_config["server-round"])
+    personal = _personal_field(state, config, scene, user) if decentnerf else None
+    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
+    server_round = int(round_config[SERVER_ROUND])
     local = LocalTrainConfig(
-        steps=int(round_config.get("local-steps", config.local_steps)),
+        steps=int(round_config.get(LOCAL_STEPS, config.local_steps)),
         learning_rate=config.learning_rate,
         personal_learning_rate=config.personal_learning_rate,
         target_samples=config.target_samples,
         personal_density_weight=config.personal_density_weight,
-        proximal_mu=float(round_config.get("proximal-mu", 0.0)),
+        proximal_mu=float(round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.seed * 100_003 + server_round * 1009 + user,
     )
@@ -126,24 +124,21 @@ def train(msg: Message, context: Context) -> Message:
         render_config(config, scene),
         occupancy,
         personal_field=personal,
-        global_reference=reference,
-        scaffold=scaffold,
+        global_reference=federated_state(field),
+        scaffold=None
+        if scaffold is None
+        else ScaffoldControls(server=scaffold.server_control, client=scaffold.client_control),
     )
     state.put_tensors(OCCUPANCY, occupancy.state_dict())
-    metrics |= {"train-loss": result.loss, "train-psnr": result.psnr}
+    metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr}
     local_state = federated_state(field)
-    content = RecordDict()
-    if personal is not None:
+    if decentnerf is not None and personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())
-        alpha = _updated_alpha(state, config, msg, server_round)
-        state.put_tensors(PREVIOUS_GLOBAL, local_state)
-        content[ARRAYS] = state_to_arrays(alpha_weighted_payload(local_state, alpha))
-    else:
-        content[ARRAYS] = state_to_arrays(local_state)
-        metrics["num-examples"] = result.num_examples
+        return decentnerf.train_reply(msg, local_state, metrics)
+    metrics[NUM_EXAMPLES] = result.num_examples
+    content = RecordDict({ARRAYS: state_to_arrays(local_state)})
     if scaffold is not None:
-        state.put_tensors(CLIENT_CONTROL, result.client_control)
-        content[CONTROL_DELTA] = state_to_arrays(result.control_delta)
+        scaffold.reply(content, result.client_control)
     content[METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 
@@ -154,25 +149,23 @@ def gradient(msg: Message, context: Context) -> Message:
     config = FederatedConfig.from_run_config(context.run_config)
     state = NodeState(context)
     scene = _user_views(context, config).train
-    field = _global_field(config, msg)
-    user = client_index(context)
-    decentnerf = _strategy(config, msg) == "decentnerf"
-    personal = _personal_field(state, config, scene, user) if decentnerf else None
-    grads = loss_gradient(
-        field,
-        scene,
-        render_config(config, scene),
-        _occupancy(state, field),
-        personal_field=personal,
-        num_rays=GRADIENT_RAYS,
-        seed=config.seed + int(msg.content[CONFIG]["server-round"]),
-    )
-    return Message(RecordDict({GRADIENT: state_to_arrays(grads)}), reply_to=msg)
+    personal = _personal_field(state, config, scene, client_index(context))
+    seed = config.seed + int(msg.content[CONFIG][SERVER_ROUND])
 
+    def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        field = global_field(config)
+        load_federated_state(field, received)
+        return loss_gradient_of(
+            field,
+            scene,
+            render_config(config, scene),
+            _occupancy(state, field),
+            personal_field=personal,
+            num_rays=GRADIENT_RAYS,
+            seed=seed,
+        )
 
-def _strategy(config: FederatedConfig, msg: Message) -> str:
-    """The strategy named in the server's message (a plug-in server's wins), else run-config's."""
-    return str(msg.content[CONFIG].get("strategy", config.strategy_name))
+    return DecentNeRFClient.answer_gradient_query(msg, loss_gradient)
 
 
 def _user_views(context: Context, config: FederatedConfig) -> UserViews:
@@ -243,21 +236,3 @@ def _occupancy(state: NodeState, field: HashGridField) -> OccupancyGrid:
     if saved is not None:
         grid.load_state_dict(saved)
     return grid
-
-
-def _updated_alpha(
-    state: NodeState, config: FederatedConfig, msg: Message, server_round: int
-) -> float:
-    """alpha_k after Algorithm 1 line 12, when G and this user's last local field exist.
-
-    The alpha and its history stay on the node (the server learns only sums).
-    """
-    kept = state.values(USER) or {"alpha": 1.0, "history": []}
-    alpha = float(kept["alpha"])
-    previous = state.tensors(PREVIOUS_GLOBAL)
-    if GRADIENT in msg.content and previous is not None:
-        gradient_sum = arrays_to_state(msg.content[GRADIENT])
-        alpha_lr = float(msg.content[CONFIG].get("alpha-lr", config.alpha_lr))
-        alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr)
-    state.put_values(USER, {"alpha": alpha, "history": [*kept["history"], [server_round, alpha]]})
-    return alpha

@@ -23,11 +23,11 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor
 
-from clients.node import DATA_DIR, NodeState, node_data_dir
 from fedfields.data import Scene, load_scene
 from fedfields.data.scene import holdout_indices
 from fedfields.fields import HashGridField
-from fedfields.flower_io import (
+from fedfields.flower.node import DATA_DIR, NodeState, node_data_dir
+from fedfields.flower.protocol import (
     CONFIG,
     EMBEDDINGS,
     GRADIENT,
@@ -95,8 +95,9 @@ def is_scene(folder: Path) -> bool:
 def scene_dir(context: Context) -> Path:
     """This node's scene folder: node-config `data-dir` (a deployed SuperNode's own scene).
 
-    In simulation (no node-config `data-dir`) run-config `data-dir` is either the scene itself,
-    as the launcher gives its one virtual node, or a root of scene_NN folders (`clients.node`).
+    In simulation (no node-config `data-dir`) run-config `data-dir` is either the scene
+    itself, as the launcher gives its one virtual node, or a root of scene_NN folders
+    (`fedfields.flower.node`).
     """
     root = Path(str(context.run_config.get(DATA_DIR, "")))
     if DATA_DIR not in context.node_config and root.parts and is_scene(root):

@@ -37,10 +37,10 @@ from typing import IO
 from flwr.common.config import parse_config_args
 
 from fedfields.train.run_config import meta_settings
+from simulations import APP_DIR
 from simulations.certificates import TlsFiles, write_tls_files
 from simulations.launch import (
     ENVIRONMENT,
-    ROOT,
     _run_status,
     crowd_dataset,
     heldout_objects,
@@ -392,7 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "default runs/<time>-deploy",
     )
     parser.add_argument("--crowd", type=Path, default=None, help="crowd dataset (built if missing)")
-    parser.add_argument("--scene", type=Path, default=ROOT / "data" / "lego")
+    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
     parser.add_argument("--views-per-user", type=int, default=5)
     parser.add_argument("--downscale", type=float, default=2.0, help="of the scene's images")
     parser.add_argument(
@@ -498,20 +498,20 @@ def deploy(job: Plan, deploy_dir: Path, run_config: str, timeout: float) -> RunO
         deployment.wait_for_nodes(len(job.node_data))
         print(f"fedfields deploy: {len(job.node_data)} SuperNodes online", flush=True)
         return deployment.run(
-            ROOT, run_config, timeout, lambda line: print(line, end="", flush=True)
+            APP_DIR, run_config, timeout, lambda line: print(line, end="", flush=True)
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    deploy_dir = (args.deploy_dir or ROOT / "runs" / f"{stamp}-deploy").resolve()
+    deploy_dir = (args.deploy_dir or APP_DIR / "runs" / f"{stamp}-deploy").resolve()
     try:
         job = plan(args, {**os.environ, **ENVIRONMENT})
     except ValueError as error:
         print(f"fedfields deploy: {error}", file=sys.stderr)
         return 2
-    run_dir = (args.run_dir or job.run_dir or ROOT / "runs" / f"{stamp}-{job.name}").resolve()
+    run_dir = (args.run_dir or job.run_dir or APP_DIR / "runs" / f"{stamp}-{job.name}").resolve()
     run_config = f"run-dir={json.dumps(str(run_dir))} {job.run_config}".strip()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)

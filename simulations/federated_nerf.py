@@ -24,15 +24,15 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from fedfields.aggregate import round_cost
 from fedfields.data import Scene, load_scene
-from fedfields.flower_io import NUM_REPLIES, state_to_arrays
+from fedfields.flower import ProtocolStrategy
+from fedfields.flower.protocol import NUM_REPLIES, state_to_arrays
 from fedfields.train import save_checkpoint
 from fedfields.train.federated import federated_state
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
 from simulations.observers import Observer, simulation_observed
 from simulations.scene_observer import CrowdData, CrowdObserver, FieldRenderer
-from strategies import DecentNeRF, FedAvg, FedProx, Scaffold
+from strategies import make_strategy as make_named_strategy
 
 
 class RoundReport:
@@ -46,7 +46,7 @@ class RoundReport:
         self,
         config: FederatedConfig,
         run_dir: Path,
-        strategy: FedAvg | Scaffold | DecentNeRF,
+        strategy: ProtocolStrategy,
         observers: list[Observer],
         num_parameters: int,
     ) -> None:
@@ -68,7 +68,7 @@ class RoundReport:
             return MetricRecord({"round": 0.0})
         train = dict(self.strategy.latest_train_metrics)
         clients = int(train.get(NUM_REPLIES, 0))
-        cost = round_cost(self.config.strategy_name, self.num_parameters, clients)
+        cost = self.strategy.cost_model.round_cost(self.num_parameters, clients)
         metrics: dict[str, Any] = {
             "round": server_round,
             **train,
@@ -137,23 +137,18 @@ def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
     return {"enabled": True, "protocol": "Flower SecAgg+", **asdict(secure)}
 
 
-def make_strategy(config: FederatedConfig) -> FedAvg | Scaffold | DecentNeRF:
+def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
     """The strategy named by run-config, sampling `fraction-train` of the connected nodes."""
-    sampling = {
-        "fraction_train": config.fraction_train,
-        "min_train_nodes": config.min_train_nodes,
-        "min_available_nodes": max(config.min_available_nodes, config.min_train_nodes),
-        "fraction_evaluate": 0.0,  # clients score the global field inside their train reply
-        "secure_aggregation": config.secure_aggregation_config(),
-        "node_timeout": config.round_timeout,
-    }
-    if config.strategy_name == "fedavg":
-        return FedAvg(**sampling)
-    if config.strategy_name == "fedprox":
-        return FedProx(proximal_mu=config.proximal_mu, **sampling)
-    if config.strategy_name == "scaffold":
-        return Scaffold(global_lr=config.scaffold_global_lr, **sampling)
-    return DecentNeRF(alpha_lr=config.alpha_lr, query_timeout=config.round_timeout, **sampling)
+    return make_named_strategy(
+        config.strategy_name,
+        config.to_run_config(),
+        fraction_train=config.fraction_train,
+        min_train_nodes=config.min_train_nodes,
+        min_available_nodes=max(config.min_available_nodes, config.min_train_nodes),
+        fraction_evaluate=0.0,  # clients score the global field inside their train reply
+        secure_aggregation=config.secure_aggregation_config(),
+        node_timeout=config.round_timeout,
+    )
 
 
 def make_run_dir(config: FederatedConfig) -> Path:

@@ -30,12 +30,12 @@ from pathlib import Path
 from flwr.common.config import parse_config_args
 
 from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
+from simulations import APP_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
 SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
 LAUNCHER_KEYS = ("run-dir", "data-dir", "state-dir", "simulation-audit", "min-available-nodes")
 ENVIRONMENT = {
-    "FLWR_HOME": str(ROOT / ".flwr-home"),
+    "FLWR_HOME": str(APP_DIR / ".flwr-home"),
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m simulations.launch",
         description="Run a fedfields job with `flwr run .` on virtual SuperNodes (Ray).",
     )
-    parser.add_argument("--scene", type=Path, default=ROOT / "data" / "lego")
+    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--views-per-user", type=int, default=5)
     parser.add_argument("--downscale", type=float, default=2.0, help="of the scene's images")
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
     """The crowd folder, built by `fedfields data crowd` on first use."""
-    crowd = args.crowd or ROOT / "runs" / (
+    crowd = args.crowd or APP_DIR / "runs" / (
         f"crowd_{args.scene.name}_{args.users}x{args.views_per_user}_ds{args.downscale:g}"
     )
     if not (crowd / "crowd.json").is_file():
@@ -88,7 +88,7 @@ def object_collection(
 ) -> Path:
     """The N clients' and the held-out objects, built by `fedfields data objects` on first use."""
     count = settings.num_clients + settings.heldout_tasks
-    objects = args.objects or ROOT / "runs" / (
+    objects = args.objects or APP_DIR / "runs" / (
         f"objects_{count}x{args.object_views}_r{args.object_resolution}"
     )
     if not (objects / "collection.json").is_file():
@@ -114,7 +114,7 @@ def heldout_objects(collection: Path, settings: MetaSettings) -> Path:
 
 def job_config(run_config: str) -> FederatedConfig:
     """The job's settings: pyproject's run-config with the user's overrides."""
-    with (ROOT / "pyproject.toml").open("rb") as file:
+    with (APP_DIR / "pyproject.toml").open("rb") as file:
         declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
     return FederatedConfig.from_run_config({**declared, **parse_config_args([run_config])})
 
@@ -127,9 +127,9 @@ def user_overrides(run_config: str) -> str:
     )
 
 
-def our_superlinks() -> list[int]:
-    """PIDs of `flower-superlink` processes running with this project's FLWR_HOME."""
-    marker = f"FLWR_HOME={ENVIRONMENT['FLWR_HOME']}".encode()
+def our_superlinks(flwr_home: str = ENVIRONMENT["FLWR_HOME"]) -> list[int]:
+    """PIDs of `flower-superlink` processes running with `flwr_home` (this project's)."""
+    marker = f"FLWR_HOME={flwr_home}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         num_nodes = settings.num_clients
         name = f"{config.task}-{name}-{config.meta_learner}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    run_dir = (args.run_dir or Path(config.run_dir or ROOT / "runs" / f"{stamp}-{name}")).resolve()
+    run_dir = (
+        args.run_dir or Path(config.run_dir or APP_DIR / "runs" / f"{stamp}-{name}")
+    ).resolve()
     state_dir = run_dir.with_name(run_dir.name + ".nodes")
     run_config = f"run-dir={json.dumps(str(run_dir))} state-dir={json.dumps(str(state_dir))}"
     run_config += f" simulation-audit=true min-available-nodes={num_nodes}"
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
     flwr = str(Path(sys.executable).with_name("flwr"))
     already_running = set(our_superlinks())
-    command = [flwr, "run", str(ROOT), "--stream", "--federation-config", federation]
+    command = [flwr, "run", str(APP_DIR), "--stream", "--federation-config", federation]
     command += ["--run-config", f"{run_config} {user_overrides(args.run_config)}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
     try:
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_streaming(command: list[str], env: dict[str, str]) -> str:
     """Run `command`, echoing its output live; returns the output."""
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=APP_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines = []
     assert process.stdout is not None
@@ -246,7 +248,7 @@ def _run_status(flwr: str, run_id: str, env: dict[str, str]) -> str:
     for _ in range(30):
         listing = subprocess.run(
             [flwr, "ls", "--run-id", run_id, "--format", "json"],
-            cwd=ROOT,
+            cwd=APP_DIR,
             env=env,
             capture_output=True,
             text=True,

@@ -34,8 +34,10 @@ from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from clients.meta_client import CLIENT, CLIENT_INDEX, GAMMA
-from fedfields.flower_io import (
+from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_sampling
+from fedfields.flower.fedmenf import GAMMA
+from fedfields.flower.protocol import (
     ARRAYS,
     LOCAL_STEPS,
     NUM_FAILURES,
@@ -57,11 +59,10 @@ from fedfields.train.run_config import (
 )
 from simulations.federated_nerf import make_run_dir, secure_aggregation_report
 from simulations.observers import Observer, ReplyTap, simulation_observed
-from strategies import FedAvg, FedMeNF, FedProx, Scaffold, m_of_n_sampling
+from strategies import strategy_class
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 Quality = dict[str, float | None]
-MetaStrategy = FedAvg | FedMeNF | Scaffold
 
 
 @dataclass
@@ -129,7 +130,7 @@ class MetaReport:
         config: FederatedConfig,
         settings: MetaSettings,
         run_dir: Path,
-        strategy: MetaStrategy,
+        strategy: ProtocolStrategy,
         observers: Sequence[Observer],
     ) -> None:
         self.config = config
@@ -223,7 +224,7 @@ class PrivacyAudit:
 
     It reads the participating clients' private tasks as the experimenter: faces and video
     from scikit-image by the client's index, an object from run-config `data-dir`/object_NN
-    (the folder virtual node NN reads, `clients.node`).
+    (the folder virtual node NN reads, `fedfields.flower.node`).
     """
 
     def __init__(self, config: FederatedConfig, settings: MetaSettings, run_dir: Path) -> None:
@@ -412,30 +413,24 @@ def _headline(metrics: dict[str, Any], tto_steps: int) -> str:
     return ", ".join(shown)
 
 
-def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> MetaStrategy:
+def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> ProtocolStrategy:
     """The run-config's strategy sampling M of the N clients per round; no federated eval.
 
     The first round waits up to `round-timeout` for the N nodes, then goes on with those
-    connected (at least M).
+    connected (at least M). FedMeNF takes M and N itself; the others take their sampling.
     """
-    name = config.strategy_name
-    common = {
+    common: StrategyOptions = {
         "fraction_evaluate": 0.0,
         "secure_aggregation": config.secure_aggregation_config(),
         "node_timeout": config.round_timeout,
     }
-    if name == "fedmenf":
-        return FedMeNF(
-            clients_per_round=config.clients_per_round,
-            num_clients=settings.num_clients,
-            **common,
+    cls = strategy_class(config.strategy_name)
+    if issubclass(cls, FedMeNF):
+        return cls(
+            clients_per_round=config.clients_per_round, num_clients=settings.num_clients, **common
         )
     sampling = m_of_n_sampling(config.clients_per_round, settings.num_clients)
-    if name == "fedprox":
-        return FedProx(proximal_mu=config.proximal_mu, **common, **sampling)
-    if name == "scaffold":
-        return Scaffold(global_lr=config.scaffold_global_lr, **common, **sampling)
-    return FedAvg(**common, **sampling)
+    return cls.from_config(config.to_run_config(), **common, **sampling)
 
 
 def run_meta_job(

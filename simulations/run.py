@@ -17,8 +17,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
-from clients.secure_aggregation import secure_aggregation_mod
-from fedfields.flower_io import GRADIENT_QUERY
+from fedfields.flower.protocol import GRADIENT_QUERY
+from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from simulations.server_app import run_job
 
 

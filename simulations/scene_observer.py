@@ -25,14 +25,14 @@ from PIL import Image
 
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdUser, load_crowd_user
-from fedfields.flower_io import arrays_to_state
+from fedfields.flower.decentnerf import ALPHA_STATE
+from fedfields.flower.protocol import arrays_to_state
 from fedfields.metrics import psnr, ssim
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train.federated import load_federated_state
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
 
 OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
-USER_STATE = "user"  # the node-state values holding alpha and its history (clients.client_app)
 
 
 @dataclass
@@ -171,11 +171,11 @@ class CrowdObserver:
 
 
 def node_alphas(state_root: str) -> list[dict[str, Any]]:
-    """alpha_k per round as the virtual nodes keep it in `<state_root>/node_NN/user.json`."""
+    """alpha_k per round as the virtual nodes keep it (`<state_root>/node_NN/`, `ALPHA_STATE`)."""
     if not state_root:
         return []
     lines = []
-    for path in sorted(Path(state_root).glob(f"node_*/{USER_STATE}.json")):
+    for path in sorted(Path(state_root).glob(f"node_*/{ALPHA_STATE}.json")):
         user = int(path.parent.name.split("_")[1])
         for server_round, alpha in json.loads(path.read_text()).get("history", []):
             lines.append({"round": server_round, "user": user, "alpha": alpha})

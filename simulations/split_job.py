@@ -41,7 +41,7 @@ from clients.split_client import (
     joint_field,
 )
 from fedfields.data import Scene
-from fedfields.flower_io import (
+from fedfields.flower.protocol import (
     CONFIG,
     EMBEDDINGS,
     GRADIENT,
@@ -240,7 +240,7 @@ class SplitAudit:
     Attack on every `split-record-every`-th exchange seen on the wire (`attack.png`).
 
     As the experimenter it reads the client's scene (run-config `data-dir`: the scene, or its
-    scene_00) and the client's state directory (`<state-dir>/node_00`, `clients.node`).
+    scene_00) and the client's state directory (`<state-dir>/node_00`, `fedfields.flower.node`).
     """
 
     def __init__(self, config: FederatedConfig, run_dir: Path) -> None:

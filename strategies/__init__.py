@@ -1,25 +1,40 @@
-"""Flower strategies (message API) built on ``fedfields.aggregate``.
+"""This app's one registry of strategy names: run-config `strategy` -> a fedfields.flower class.
 
-Each speaks the protocol of ``fedfields.flower_io`` and runs standalone under any Flower
-1.41 ServerApp: ``strategy.start(grid, initial_arrays, num_rounds, train_config=...)``.
+Adding a strategy: one module in `fedfields/flower/` (a `ProtocolStrategy` subclass with its
+`strategy_name` and `config_keys`) and one line here.
 """
 
 from __future__ import annotations
 
-from strategies.base import ProtocolStrategy, StrategyOptions
-from strategies.decentnerf import DecentNeRF
-from strategies.fedavg import FedAvg
-from strategies.fedmenf import FedMeNF, m_of_n_sampling
-from strategies.fedprox import FedProx
-from strategies.scaffold import Scaffold
+from collections.abc import Mapping
+from typing import Any, Unpack
 
-__all__ = [
-    "DecentNeRF",
-    "FedAvg",
-    "FedMeNF",
-    "FedProx",
-    "ProtocolStrategy",
-    "Scaffold",
-    "StrategyOptions",
-    "m_of_n_sampling",
-]
+from fedfields.flower import (
+    DecentNeRF,
+    FedAvg,
+    FedMeNF,
+    FedProx,
+    ProtocolStrategy,
+    Scaffold,
+    StrategyOptions,
+)
+
+STRATEGIES: dict[str, type[ProtocolStrategy]] = {
+    cls.strategy_name: cls for cls in (FedAvg, FedProx, Scaffold, DecentNeRF, FedMeNF)
+}
+
+
+def strategy_class(name: str) -> type[ProtocolStrategy]:
+    """The class registered under `name`; ValueError naming the registered ones otherwise."""
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"run-config 'strategy' {name!r} is unknown; known: {', '.join(STRATEGIES)}"
+        )
+    return STRATEGIES[name]
+
+
+def make_strategy(
+    name: str, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]
+) -> ProtocolStrategy:
+    """The strategy `name` with its own run-config settings and the shared `options`."""
+    return strategy_class(name).from_config(run_config, **options)

@@ -10,14 +10,16 @@ import torch
 
 from fedfields.aggregate import (
     ALPHA_KEY,
-    STRATEGIES,
+    DECENTNERF_COST,
+    DECENTNERF_PAPER_COST,
+    FEDAVG_COST,
+    SCAFFOLD_COST,
     RoundCost,
     alpha_update,
     alpha_weighted_payload,
     centralised_cost,
     decentnerf_aggregate,
     proximal_term,
-    round_cost,
     scaffold_client_control_update,
     scaffold_corrected_gradient,
     scaffold_server_update,
@@ -383,23 +385,21 @@ def test_learned_alpha_follows_the_summed_loss_not_data_quality() -> None:
 
 def test_round_cost_formulas() -> None:
     d, n = 1000, 7
-    assert round_cost("fedavg", d, n) == RoundCost(d * n, n * (d + 1) * 4, n * d * 4)
-    assert round_cost("fedprox", d, n) == round_cost("fedavg", d, n)
-    assert round_cost("scaffold", d, n, bytes_per_value=2) == RoundCost(
+    assert FEDAVG_COST.round_cost(d, n) == RoundCost(d * n, n * (d + 1) * 4, n * d * 4)
+    assert SCAFFOLD_COST.round_cost(d, n, bytes_per_value=2) == RoundCost(
         2 * d * n, n * 2 * d * 2, n * 2 * d * 2
     )
-    ours = round_cost("decentnerf", d, n)
+    ours = DECENTNERF_COST.round_cost(d, n)
     assert ours == RoundCost((2 * d + 1) * n, n * (2 * d + 1) * 4, n * 2 * d * 4)
-    assert ours.server_flops > round_cost("fedavg", d, n).server_flops
-    assert round_cost("decentnerf_paper", d, n).server_flops == 4 * d * n
-    assert set(STRATEGIES) == {"fedavg", "fedprox", "scaffold", "decentnerf", "decentnerf_paper"}
+    assert ours.server_flops > FEDAVG_COST.round_cost(d, n).server_flops
+    assert DECENTNERF_PAPER_COST.round_cost(d, n).server_flops == 4 * d * n
 
 
 def test_accounting_reproduces_decentnerf_appendix_b2() -> None:
     d, n, rounds = 10**6, 20, 30  # ~1M-parameter global MLP, 20 users, 30 rounds
-    assert rounds * round_cost("fedavg", d, n).server_flops == 0.6e9  # FedNeRF
+    assert rounds * FEDAVG_COST.round_cost(d, n).server_flops == 0.6e9  # FedNeRF
     # DecentNeRF: weights 0.6e9 + gradients 0.6e9 + dot products 1.2e9
-    assert rounds * round_cost("decentnerf_paper", d, n).server_flops == 2.4e9
+    assert rounds * DECENTNERF_PAPER_COST.round_cost(d, n).server_flops == 2.4e9
     assert rounds * secagg_reconstruction_flops(d, n) == 3e9  # SecAgg+ reconstruction
     # NeRF-W: 12,500 batches of 4096 rays (80 images of 800x800) x 350 MFLOPs x 30 epochs
     centralised = centralised_cost(80 * 800 * 800, epochs=30)
@@ -408,7 +408,8 @@ def test_accounting_reproduces_decentnerf_appendix_b2() -> None:
 
 
 def test_round_cost_errors() -> None:
-    with pytest.raises(ValueError, match="unknown strategy 'fedsgd'; known: fedavg, fedprox"):
-        round_cost("fedsgd", 10, 2)
-    with pytest.raises(ValueError, match="num_clients must be a positive integer"):
-        round_cost("fedavg", 10, 0)
+    assert FEDAVG_COST.round_cost(10, 0) == RoundCost(0, 0, 0)
+    with pytest.raises(ValueError, match="num_clients must be an integer >= 0"):
+        FEDAVG_COST.round_cost(10, -1)
+    with pytest.raises(ValueError, match="bytes_per_value must be an integer >= 1"):
+        FEDAVG_COST.round_cost(10, 2, bytes_per_value=0)

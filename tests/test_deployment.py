@@ -16,6 +16,7 @@ import pytest
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.common.config import parse_config_args
 
+from simulations import APP_DIR
 from simulations.deploy import (
     FEDERATION,
     Deployment,
@@ -23,7 +24,6 @@ from simulations.deploy import (
     node_config_text,
     processes_with_home_under,
 )
-from simulations.launch import ROOT
 
 USERS = 3
 RUN_CONFIG = (
@@ -70,7 +70,7 @@ def crowd(tmp_path: Path) -> Path:
     """A tiny crowd: 3 users x 2 views of lego at 25x25 pixels."""
     out = tmp_path / "crowd"
     command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]
-    command += ["--scene", str(ROOT / "data" / "lego"), "--users", str(USERS)]
+    command += ["--scene", str(APP_DIR / "data" / "lego"), "--users", str(USERS)]
     command += ["--views-per-user", "2", "--downscale", "8", "--out", str(out), "--no-progress"]
     subprocess.run(command, check=True, capture_output=True)
     return out
@@ -95,7 +95,7 @@ def test_run_survives_a_supernode_killed_in_round_2(
 
     run_dir = tmp_path / "run"
     run_config = f"run-dir={json.dumps(str(run_dir))} {RUN_CONFIG}"
-    outcome = deployment.run(ROOT, run_config, timeout=300.0, on_line=kill_in_round_2)
+    outcome = deployment.run(APP_DIR, run_config, timeout=300.0, on_line=kill_in_round_2)
 
     assert killed == [victim], f"round 2 never started:\n{outcome.output[-3000:]}"
     assert outcome.status == "finished:completed", outcome.output[-3000:]

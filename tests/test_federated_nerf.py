@@ -17,7 +17,7 @@ from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
-from fedfields.flower_io import arrays_to_state
+from fedfields.flower.protocol import arrays_to_state
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray

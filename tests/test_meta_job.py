@@ -17,9 +17,11 @@ from flower_harness import InProcessGrid
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.meta_client import CLIENT, CLIENT_CONTROL, CLIENT_INDEX, GAMMA
+from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields.data.objects import CollectionConfig, write_collection
-from fedfields.flower_io import (
+from fedfields.flower import FedMeNF, m_of_n_sampling
+from fedfields.flower.fedmenf import GAMMA
+from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     CONTROL_DELTA,
@@ -32,11 +34,11 @@ from fedfields.flower_io import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.scaffold import CLIENT_CONTROL
 from fedfields.train.run_config import FederatedConfig, _object_task, meta_settings
 from simulations.meta_job import meta_observers, run_meta_job, tto_schedule
 from simulations.observers import Observer
 from simulations.run import client_app
-from strategies import FedMeNF, m_of_n_sampling
 
 State = dict[str, torch.Tensor]
 TINY_OBJECTS = CollectionConfig(count=2, views=4, resolution=8, mean_support=1, mean_query=1)
@@ -73,8 +75,8 @@ def run_in_process(
 
 
 def simulation_root(collection: Path, num_clients: int, root: Path) -> Path:
-    """A simulation's data root as `clients.node` maps virtual nodes: root/object_NN links to
-    the collection's object folders (which `write_collection` names object_NNN)."""
+    """A simulation's data root as `fedfields.flower.node` maps virtual nodes: root/object_NN
+    links to the collection's object folders (which `write_collection` names object_NNN)."""
     root.mkdir()
     for client in range(num_clients):
         (root / f"object_{client:02d}").symlink_to(collection / f"object_{client:03d}")

@@ -18,12 +18,13 @@ from flwr.common.constant import ErrorCode
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.fields.encodings import tcnn_available
-from fedfields.flower_io import NUM_FAILURES, NUM_REPLIES, arrays_to_state, state_to_arrays
+from fedfields.flower import FedAvg
+from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
+from fedfields.flower.protocol import NUM_FAILURES, NUM_REPLIES, arrays_to_state, state_to_arrays
+from fedfields.flower.strategy import InsufficientNodesError
 from fedfields.train.run_config import FederatedConfig, global_field
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app
-from strategies import FedAvg
-from strategies.base import InsufficientNodesError
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGO = ROOT / "data" / "lego"
@@ -113,8 +114,10 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
     # Private state lives in each node's state directory, nothing of it in the run directory.
     for index in range(2):
         kept = {p.name for p in (tmp_path / "nodes" / f"node_{index}").iterdir()}
-        assert {"personal-field.pt", "previous-global.pt", "user.json"} <= kept
-        history = json.loads((tmp_path / "nodes" / f"node_{index}" / "user.json").read_text())
+        assert {"personal-field.pt", f"{PREVIOUS_GLOBAL}.pt", f"{ALPHA_STATE}.json"} <= kept
+        history = json.loads(
+            (tmp_path / "nodes" / f"node_{index}" / f"{ALPHA_STATE}.json").read_text()
+        )
         assert [entry[0] for entry in history["history"]] == [1, 2]
     in_run_dir = {p.name for p in run_dir.iterdir()}
     assert in_run_dir == {"config.json", "metrics.jsonl", "checkpoint.pt", "summary.json"}

@@ -24,9 +24,11 @@ from test_strategies import (
 )
 from torch import Tensor
 
-from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.aggregate import ALPHA_KEY
-from fedfields.flower_io import ARRAYS, GRADIENT_QUERY, arrays_to_state, state_to_arrays
+from fedfields.flower import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
+from fedfields.flower.protocol import ARRAYS, GRADIENT_QUERY, arrays_to_state, state_to_arrays
+from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.flower.strategy import SECURE_FAILURES, SECURE_SUMS
 from fedfields.privacy.secure_sum import (
     EXPONENT_MIN,
     NUM_BUCKETS,
@@ -39,8 +41,6 @@ from fedfields.privacy.secure_sum import (
     scaled_vectors,
     scales_from_histograms,
 )
-from strategies import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
-from strategies.base import SECURE_FAILURES, SECURE_SUMS
 
 SECURE = SecureAggregationConfig()
 ALPHAS = (0.3172, 0.8413, 1.2718, 0.5561, 0.9034)

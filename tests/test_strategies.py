@@ -26,7 +26,8 @@ from fedfields.aggregate import (
     scaffold_corrected_gradient,
     state_sum,
 )
-from fedfields.flower_io import (
+from fedfields.flower import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
+from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
     BYTES_DOWN,
@@ -48,7 +49,6 @@ from fedfields.flower_io import (
     arrays_to_state,
     state_to_arrays,
 )
-from strategies import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
 
 State = dict[str, Tensor]
 F64 = torch.float64

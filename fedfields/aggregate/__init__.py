@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from fedfields.aggregate.accounting import (
-    STRATEGIES,
+    DECENTNERF_COST,
+    DECENTNERF_PAPER_COST,
+    FEDAVG_COST,
+    SCAFFOLD_COST,
+    CostModel,
     RoundCost,
     centralised_cost,
-    round_cost,
     secagg_reconstruction_flops,
 )
 from fedfields.aggregate.decentnerf import (
@@ -27,14 +30,17 @@ from fedfields.aggregate.states import state_sum
 
 __all__ = [
     "ALPHA_KEY",
-    "STRATEGIES",
+    "DECENTNERF_COST",
+    "DECENTNERF_PAPER_COST",
+    "FEDAVG_COST",
+    "SCAFFOLD_COST",
+    "CostModel",
     "RoundCost",
     "alpha_update",
     "alpha_weighted_payload",
     "centralised_cost",
     "decentnerf_aggregate",
     "proximal_term",
-    "round_cost",
     "scaffold_client_control_update",
     "scaffold_corrected_gradient",
     "scaffold_server_update",

@@ -30,43 +30,47 @@ class RoundCost:
     downlink_bytes: int
 
 
-# strategy -> (server FLOPs, values up per client, values down per client) as functions of d, N
-_COSTS = {
-    "fedavg": (lambda d, n: d * n, lambda d: d + 1, lambda d: d),
-    "fedprox": (lambda d, n: d * n, lambda d: d + 1, lambda d: d),
-    "scaffold": (lambda d, n: 2 * d * n, lambda d: 2 * d, lambda d: 2 * d),
-    "decentnerf": (lambda d, n: (2 * d + 1) * n, lambda d: 2 * d + 1, lambda d: 2 * d),
-    "decentnerf_paper": (lambda d, n: 4 * d * n, lambda d: 2 * d, lambda d: 2 * d),
-}
-STRATEGIES = tuple(_COSTS)
-"""Strategy names `round_cost` knows."""
+@dataclass(frozen=True)
+class CostModel:
+    """One aggregation rule's per-round costs as linear functions of d and N (table above).
 
-
-def round_cost(
-    strategy: str, num_parameters: int, num_clients: int, bytes_per_value: int = 4
-) -> RoundCost:
-    """Server FLOPs and traffic of one round of `strategy` (table in this module's docstring).
-
-    Up per client: fedavg/fedprox d + 1 (state, example count); scaffold 2d (delta y, delta c);
-    decentnerf 2d + 1 (G_k, alpha_k g_k, alpha_k), paper 2d. Down per client: fedavg/fedprox d;
-    scaffold 2d (x, c); decentnerf 2d (g^(m-1), G).
+    Server FLOPs (flops_per_value * d + flops_per_client) * N; values each client sends up
+    up_per_value * d + up_extra, and receives down_per_value * d.
     """
-    if strategy not in _COSTS:
-        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
-    for name, value in (
-        ("num_parameters", num_parameters),
-        ("num_clients", num_clients),
-        ("bytes_per_value", bytes_per_value),
-    ):
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
-    flops, up, down = _COSTS[strategy]
-    d, n = int(num_parameters), int(num_clients)
-    return RoundCost(
-        server_flops=flops(d, n),
-        uplink_bytes=n * up(d) * bytes_per_value,
-        downlink_bytes=n * down(d) * bytes_per_value,
-    )
+
+    flops_per_value: int
+    flops_per_client: int
+    up_per_value: int
+    up_extra: int
+    down_per_value: int
+
+    def round_cost(
+        self, num_parameters: int, num_clients: int, bytes_per_value: int = 4
+    ) -> RoundCost:
+        """Server FLOPs and traffic of one round with d parameters and N clients."""
+        for name, value, least in (
+            ("num_parameters", num_parameters, 1),
+            ("num_clients", num_clients, 0),  # a round whose replies all failed costs nothing
+            ("bytes_per_value", bytes_per_value, 1),
+        ):
+            if int(value) != value or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value}")
+        d, n = int(num_parameters), int(num_clients)
+        return RoundCost(
+            server_flops=(self.flops_per_value * d + self.flops_per_client) * n,
+            uplink_bytes=n * (self.up_per_value * d + self.up_extra) * bytes_per_value,
+            downlink_bytes=n * self.down_per_value * d * bytes_per_value,
+        )
+
+
+FEDAVG_COST = CostModel(1, 0, 1, 1, 1)
+"""FedAvg and FedProx: up the state and the example count, down the state."""
+SCAFFOLD_COST = CostModel(2, 0, 2, 0, 2)
+"""Scaffold: up delta y and delta c, down x and c."""
+DECENTNERF_COST = CostModel(2, 1, 2, 1, 2)
+"""DecentNeRF as fedfields runs it: up G_k, alpha_k g_k and alpha_k; down g^(m-1) and G."""
+DECENTNERF_PAPER_COST = CostModel(4, 0, 2, 0, 2)
+"""DecentNeRF as appendix B.2 counts it (the server also computes the dot products)."""
 
 
 def secagg_reconstruction_flops(num_values: int, num_clients: int) -> int:

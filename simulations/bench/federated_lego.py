@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from fedfields.aggregate import round_cost
 from fedfields.data import Cameras, Scene
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.run_config import FederatedConfig, global_field, render_config
-from simulations.launch import ROOT
+from simulations import APP_DIR
 from simulations.run import run_with_ray
 from simulations.scene_observer import CrowdData, score_crowd
+from strategies import strategy_class
 
 VARIANTS = {
     "DecentNeRF": {"strategy": "decentnerf"},
@@ -83,10 +83,10 @@ def _cat_cameras(scenes: list[Scene]) -> Cameras:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--crowd", type=Path, default=ROOT / "runs" / "crowd_lego_16x5_ds2")
+    parser.add_argument("--crowd", type=Path, default=APP_DIR / "runs" / "crowd_lego_16x5_ds2")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--local-steps", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_federated")
+    parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_federated")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = CrowdData.load(str(args.crowd), 1.0)
@@ -108,7 +108,7 @@ def main() -> None:
         started = time.perf_counter()
         run_with_ray(config, num_supernodes=len(data.users))
         summary = json.loads((run_dir / "summary.json").read_text())
-        cost = round_cost(overrides["strategy"], parameters, sampled)
+        cost = strategy_class(overrides["strategy"]).cost_model.round_cost(parameters, sampled)
         rows[name] = {
             **summary["final"],
             "seconds": time.perf_counter() - started,

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
-from simulations.launch import ROOT, object_collection
+from simulations import APP_DIR
+from simulations.launch import object_collection
 from simulations.launch import parse_args as launch_args
 from simulations.run import run_with_ray
+from strategies import STRATEGIES
 
 LEARNERS: dict[str, dict[str, Any]] = {
     "MAML": {"meta-learner": "maml"},
@@ -37,8 +39,7 @@ LEARNERS: dict[str, dict[str, Any]] = {
     "FedMeNF gamma 0.75": {"meta-learner": "fedmenf", "gamma": 0.75},
     "FedMeNF adaptive": {"meta-learner": "fedmenf", "privacy-budget": 1e-3},
 }
-STRATEGIES = ("fedavg", "fedprox", "scaffold", "fedmenf")
-OUT = ROOT / "runs" / "bench_fedmenf"
+OUT = APP_DIR / "runs" / "bench_fedmenf"
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> P
 def simulation_objects(collection: Path, settings: MetaSettings, root: Path) -> Path:
     """Lay out a collection for a simulation; returns the public held-out folder.
 
-    Virtual node i reads root/object_NN (`clients.node`), linked to the collection's i-th
+    Virtual node i reads root/object_NN (`fedfields.flower.node`), linked to the collection's i-th
     object; the objects after the N clients' are linked into root/heldout, the server's
     `eval-scene-dir`.
     """
@@ -138,7 +139,7 @@ def table(rows: list[Row]) -> str:
         rows,
         key=lambda row: (
             row.task,
-            STRATEGIES.index(row.strategy) if row.strategy in STRATEGIES else len(STRATEGIES),
+            list(STRATEGIES).index(row.strategy) if row.strategy in STRATEGIES else len(STRATEGIES),
             order.get(row.learner, len(order)),
             row.run_dir.name,
         ),

@@ -17,8 +17,7 @@ import torch
 from fedfields.data import holdout_indices, load_scene
 from fedfields.metrics import linear_flops_per_sample, matmul_peak_flops
 from fedfields.train import default_setup, evaluate, train
-
-REPO = Path(__file__).resolve().parents[2]
+from simulations import APP_DIR
 
 
 def run_model(model: str, minutes: float, train_scene, test_scene, peak: float) -> dict:
@@ -48,7 +47,7 @@ def run_model(model: str, minutes: float, train_scene, test_scene, peak: float) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scene", type=Path, default=REPO / "data" / "lego")
+    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--downscale", type=float, default=2.0)
     parser.add_argument("--holdout", type=int, default=8)

@@ -42,6 +42,7 @@ import torch
 from fedfields.privacy.attacks.sdar_nerf import SDARNeRFConfig, procedural_scene, sdar_nerf_attack
 from fedfields.privacy.attacks.surrogate import SurrogateAttackConfig, surrogate_model_attack
 from fedfields.privacy.split import ClientPart
+from simulations import APP_DIR
 from simulations.bench.split_defences import (
     Row,
     Views,
@@ -53,7 +54,6 @@ from simulations.bench.split_defences import (
     untrained_head,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS = (Row("none"), Row("s2nerf", c=1.2, r=1e-4), Row("s2nerf", c=2.4, r=1.0))
 ATTACKS = ("surrogate", "sdar", "flip only", "naive", "untrained")
 METRICS = ("depth_vs_ref", "grey_vs_ref", "depth_vs_own", "grey_vs_own")
@@ -164,8 +164,8 @@ def markdown_table(records: Sequence[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scene", type=Path, default=REPO / "data" / "lego")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_sdar_splitnerf")
+    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
+    parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_sdar_splitnerf")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--aux", default="car", help="procedural object kind of the aux scene")
     parser.add_argument("--downscale", type=float, default=8.0)

@@ -24,14 +24,20 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from torch import Tensor
 
-from clients.secure_aggregation import secure_aggregation_mod
 from fedfields.fields import HashGridField, HashGridFieldConfig
 from fedfields.fields.hashgrid import HashGridConfig
-from fedfields.flower_io import ARRAYS, METRICS, NUM_EXAMPLES, arrays_to_state, state_to_arrays
+from fedfields.flower import FedAvg
+from fedfields.flower.protocol import (
+    ARRAYS,
+    METRICS,
+    NUM_EXAMPLES,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from fedfields.train.federated import federated_state
 from fedfields.train.run_config import FederatedConfig, meta_model, meta_settings
-from strategies import FedAvg
 
 ROUNDS = 3
 NEIGHBOURS = 10

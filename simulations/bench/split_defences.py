@@ -69,8 +69,8 @@ from fedfields.privacy.split import (
 from fedfields.render import RenderConfig
 from fedfields.render.rays import image_rays
 from fedfields.train.evaluation import evaluate
+from simulations import APP_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 S2NERF_C = (0.6, 1.2, 2.4)
 S2NERF_R = (1e-4, 1.0)
 NOISY_LABEL_SIGMA = (0.5, 2.0, 8.0)
@@ -395,8 +395,8 @@ def write_grid(path: Path, names: Sequence[str], panels: Sequence[Sequence[np.nd
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scene", type=Path, default=REPO / "data" / "lego")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_split_defences")
+    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
+    parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_split_defences")
     parser.add_argument("--downscale", type=float, default=8.0)
     parser.add_argument("--holdout", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)

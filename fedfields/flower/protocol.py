@@ -1,7 +1,7 @@
 """The fedfields message protocol on Flower 1.41 records, and state-dict <-> record conversion.
 
-The only fedfields module that imports Flower. Strategies (`strategies/`) and ClientApps
-(`clients/`) name records, config keys and metric keys through these constants only.
+Strategies and client helpers (`fedfields.flower`) and this repository's ClientApp name records,
+config keys and metric keys through these constants only.
 
 Train message (server -> client), records by name:
   ARRAYS          global federated state g (x for Scaffold)
@@ -20,8 +20,8 @@ GRADIENT G_k = dL_k/dg at g^(m-1) back.
 Secure aggregation (CONFIG "secure-aggregation" true): a train or gradient reply carries no
 arrays and no per-client metrics, only HELD (the names of the records and metrics the client
 holds back). The server then sums what the clients hold with Flower's SecAgg+ over "train"
-messages whose legacy fit config carries the SECURE_SUM_* entries (`strategies.secure_sum`,
-`clients.secure_aggregation`): metrics travel masked in the METRICS pseudo-record together
+messages whose legacy fit config carries the SECURE_SUM_* entries (`fedfields.flower.secure_sum`,
+`fedfields.flower.secure_aggregation`): metrics travel masked in the METRICS pseudo-record together
 with the client's weight under WEIGHT_KEY (its "secure-weight" metric, or 1).
 """
 
@@ -58,9 +58,6 @@ SECURE_WEIGHT = "secure-weight"
 """Metric the client multiplies its held payload by (e.g. "num-examples"); absent: 1."""
 SECURE_DELTA = "secure-delta"
 """Records (list) the client holds as reply minus the message's record of the same name."""
-
-STRATEGY_NAMES = ("fedavg", "fedprox", "scaffold", "decentnerf")
-"""Values of the "strategy" config entry."""
 
 # ------------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"

@@ -22,7 +22,7 @@ import torch
 from flwr.app import ConfigRecord, Context
 from torch import Tensor
 
-from fedfields.flower_io import arrays_to_state, state_to_arrays
+from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 
 PARTITION_ID = "partition-id"
 DATA_DIR = "data-dir"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Unpack
 
-from fedfields.flower_io import PROXIMAL_MU
-from strategies.base import StrategyOptions
-from strategies.fedavg import FedAvg
+from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.protocol import PROXIMAL_MU
+from fedfields.flower.strategy import StrategyOptions
 
 
 class FedProx(FedAvg):
@@ -18,10 +18,11 @@ class FedProx(FedAvg):
 
     Args:
         proximal_mu: weight mu >= 0 of the proximal term.
-        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+        **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
     """
 
     strategy_name = "fedprox"
+    config_keys = {"proximal-mu": "proximal_mu"}
 
     def __init__(self, *, proximal_mu: float, **options: Unpack[StrategyOptions]) -> None:
         super().__init__(**options)

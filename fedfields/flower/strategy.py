@@ -1,7 +1,7 @@
 """Mechanics shared by the fedfields strategies: sampling, protocol messages, reply checks.
 
 Built on Flower 1.41's message-API FedAvg, whose node sampling and federated evaluation the
-strategies keep; records and keys follow `fedfields.flower_io`.
+strategies keep; records and keys follow `fedfields.flower.protocol`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
-from typing import ClassVar, TypedDict
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -20,7 +20,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import Tensor
 
-from fedfields.flower_io import (
+from fedfields.aggregate import FEDAVG_COST, CostModel
+from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
     BYTES_UP,
@@ -43,12 +44,12 @@ from fedfields.flower_io import (
     content_bytes,
     shapes_of,
 )
+from fedfields.flower.secure_sum import SecureSum, SecureSumResult
 from fedfields.privacy.secure_sum import (
     SecureAggregationConfig,
     SecureAggregationError,
     payload_layout,
 )
-from strategies.secure_sum import SecureSum, SecureSumResult
 
 SECURE_SUMS = "secure-sums"
 """Train metric: secure sums completed this round (present when secure aggregation is on)."""
@@ -110,7 +111,7 @@ class ProtocolStrategy(FlowerFedAvg):
     Subclasses set `strategy_name`, extend `protocol_config` and implement
     `configure_train`/`aggregate_train` with `begin_round`, `messages`,
     `successful_replies` and `train_metrics`. Constructor arguments (`StrategyOptions`) are
-    documented on `strategies.FedAvg`. With `secure_aggregation` set, replies are held back
+    documented on `fedfields.flower.FedAvg`. With `secure_aggregation` set, replies are held back
     by the clients and aggregated through `secure_sums` (Flower SecAgg+) only.
 
     Nodes come and go: a round samples among the nodes connected now (the first round waits
@@ -124,6 +125,10 @@ class ProtocolStrategy(FlowerFedAvg):
     """Metric the clients weight their held payload by under secure aggregation ("": 1)."""
     secure_delta: ClassVar[tuple[str, ...]] = ()
     """Records the clients hold as differences from what they received."""
+    cost_model: ClassVar[CostModel] = FEDAVG_COST
+    """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
+    config_keys: ClassVar[dict[str, str]] = {}
+    """Flower run-config keys `from_config` reads, mapped to constructor arguments."""
 
     def __init__(
         self,
@@ -156,6 +161,13 @@ class ProtocolStrategy(FlowerFedAvg):
         self.rounds_started = 0
         self.latest_train_metrics: dict[str, float] = {}
         """The last round's aggregated train metrics (client means, failures, traffic)."""
+
+    @classmethod
+    def from_config(cls, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]) -> Self:
+        """The strategy with its own settings from a Flower run-config (`config_keys`, e.g.
+        "proximal-mu" for FedProx; absent keys keep the defaults) and the shared `options`."""
+        own = {arg: run_config[key] for key, arg in cls.config_keys.items() if key in run_config}
+        return cls(**own, **options)
 
     def summary(self) -> None:
         """Log the protocol settings, then Flower FedAvg's sampling summary."""

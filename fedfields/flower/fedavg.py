@@ -8,7 +8,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from fedfields.aggregate import weighted_mean
-from fedfields.flower_io import (
+from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     NUM_EXAMPLES,
@@ -16,7 +16,7 @@ from fedfields.flower_io import (
     reply_state,
     state_to_arrays,
 )
-from strategies.base import ProtocolStrategy
+from fedfields.flower.strategy import ProtocolStrategy
 
 
 class FedAvg(ProtocolStrategy):

@@ -26,7 +26,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.flower_io import (
+from fedfields.flower.protocol import (
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
     SECURE_SUM_SCALES,

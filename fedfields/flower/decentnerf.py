@@ -1,29 +1,42 @@
-"""DecentNeRF learned federation (Algorithm 1 of the DecentNeRF paper) on the fedfields protocol."""
+"""DecentNeRF learned federation (Algorithm 1 of the DecentNeRF paper) on the fedfields protocol:
+the server strategy (`DecentNeRF`) and the client's half (`DecentNeRFClient`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import WARNING
-from typing import Unpack
+from typing import Any, Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate import ALPHA_KEY, decentnerf_aggregate, state_sum
+from fedfields.aggregate import (
+    ALPHA_KEY,
+    DECENTNERF_COST,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+    state_sum,
+)
 from fedfields.aggregate.states import check_scalar
-from fedfields.flower_io import (
+from fedfields.flower.node import NodeState
+from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
     CONFIG,
     GRADIENT,
     GRADIENT_QUERY,
+    METRICS,
+    SERVER_ROUND,
+    STRATEGY,
     Shapes,
+    arrays_to_state,
     reply_state,
     state_to_arrays,
 )
-from strategies.base import ProtocolStrategy, StrategyOptions
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
 
 
 class DecentNeRF(ProtocolStrategy):
@@ -43,24 +56,27 @@ class DecentNeRF(ProtocolStrategy):
         alpha_lr: eta in alpha_k <- alpha_k - eta <G, g_k^(m-1)>, sent as "alpha-lr". The
             paper gives no value; 0.1 moves alphas by ~0.01-0.1 per round for fedfields'
             default 2^15 hash grid. <G, g> scales with the model, so rescale eta with it.
-        query_timeout: seconds to wait for gradient replies (None waits for all).
-        **options: sampling and "local-steps" (`StrategyOptions`), as for `strategies.FedAvg`.
+        query_timeout: seconds to wait for gradient replies; None takes `node_timeout`
+            (None there too waits for all).
+        **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
     """
 
     strategy_name = "decentnerf"
+    config_keys = {"alpha-lr": "alpha_lr"}
+    cost_model = DECENTNERF_COST
 
     def __init__(
         self,
         *,
         alpha_lr: float = 0.1,
-        query_timeout: float | None = 3600.0,
+        query_timeout: float | None = None,
         **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**options)
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
         if self.alpha_lr < 0:
             raise ValueError(f"alpha_lr must be >= 0 (0 freezes alpha), got {alpha_lr}")
-        self.query_timeout = query_timeout
+        self.query_timeout = self.node_timeout if query_timeout is None else query_timeout
 
     def protocol_config(self) -> dict[str, int | float | str]:
         """The shared entries plus "alpha-lr"."""
@@ -124,3 +140,87 @@ class DecentNeRF(ProtocolStrategy):
             result = self.secure_sums(replies, {record_name: expected_shapes})
             return None if result is None else self.like_global(result.sums[record_name])
         return state_sum([reply_state(reply, record_name, expected_shapes) for reply in replies])
+
+
+ALPHA_STATE = "decentnerf-alpha"
+"""Node-state values of the user's alpha_k and its history [[round, alpha], ...]."""
+PREVIOUS_GLOBAL = "decentnerf-previous-global"
+"""Node-state tensors: the user's last local global field g_k^(m-1), for Eq. 2."""
+
+
+class DecentNeRFClient:
+    """The client half of DecentNeRF: answers the gradient query with G_k, keeps alpha_k and
+    g_k^(m-1) in the node's private state, updates alpha_k (Algorithm 1, line 12) and replies
+    alpha_k g_k with alpha_k (line 15). The model and its loss stay the caller's.
+    """
+
+    def __init__(self, state: NodeState, alpha_lr: float = 0.1) -> None:
+        self.state = state
+        self.alpha_lr = alpha_lr
+        """eta when the message carries no "alpha-lr" (a DecentNeRF server always sends it)."""
+
+    @staticmethod
+    def wanted(msg: Message) -> bool:
+        """Whether `msg` comes from a DecentNeRF server (its CONFIG names the strategy)."""
+        return msg.content[CONFIG].get(STRATEGY) == DecentNeRF.strategy_name
+
+    @staticmethod
+    def answer_gradient_query(
+        msg: Message, loss_gradient: Callable[[dict[str, Tensor]], Mapping[str, Tensor]]
+    ) -> Message:
+        """Reply G_k = `loss_gradient(g)`, the user's loss gradient at the received g^(m-1)."""
+        received = arrays_to_state(msg.content[ARRAYS])
+        gradient = dict(loss_gradient(received))
+        if gradient.keys() != received.keys():
+            raise ValueError(
+                f"loss_gradient returned keys {sorted(gradient)}, "
+                f"not the global's {sorted(received)}"
+            )
+        return Message(RecordDict({GRADIENT: state_to_arrays(gradient)}), reply_to=msg)
+
+    @property
+    def alpha(self) -> float:
+        """This user's current alpha_k (1 before its first round)."""
+        return float(self._kept()["alpha"])
+
+    @property
+    def history(self) -> list[list[float]]:
+        """[[round, alpha_k], ...] of the rounds this user trained in."""
+        return list(self._kept()["history"])
+
+    def train_reply(
+        self, msg: Message, local_state: Mapping[str, Tensor], metrics: Mapping[str, float]
+    ) -> Message:
+        """The train reply: alpha_k g_k plus alpha_k (ARRAYS) and `metrics` (METRICS).
+
+        alpha_k is first updated from the message's G and the stored g_k^(m-1) when both
+        exist (round m >= 2 for a user who trained before); `local_state` is then stored as
+        the next round's g_k^(m-1).
+        """
+        alpha = self._updated_alpha(msg)
+        self.state.put_tensors(PREVIOUS_GLOBAL, local_state)
+        content = RecordDict(
+            {
+                ARRAYS: state_to_arrays(alpha_weighted_payload(local_state, alpha)),
+                METRICS: MetricRecord(dict(metrics)),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    def _kept(self) -> dict[str, Any]:
+        """The stored alpha and history, or the initial alpha_k = 1."""
+        return self.state.values(ALPHA_STATE) or {"alpha": 1.0, "history": []}
+
+    def _updated_alpha(self, msg: Message) -> float:
+        """alpha_k <- alpha_k - eta <G, g_k^(m-1)>, stored with the round in the history."""
+        kept = self._kept()
+        alpha = float(kept["alpha"])
+        previous = self.state.tensors(PREVIOUS_GLOBAL)
+        config = msg.content[CONFIG]
+        if GRADIENT in msg.content and previous is not None:
+            gradient_sum = arrays_to_state(msg.content[GRADIENT])
+            alpha_lr = float(config.get(ALPHA_LR, self.alpha_lr))
+            alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr)
+        history = [*kept["history"], [int(config[SERVER_ROUND]), alpha]]
+        self.state.put_values(ALPHA_STATE, {"alpha": alpha, "history": history})
+        return alpha

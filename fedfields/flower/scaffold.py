@@ -1,8 +1,10 @@
-"""Scaffold (Karimireddy et al. 2020, Algorithm 1) on the fedfields protocol."""
+"""Scaffold (Karimireddy et al. 2020, Algorithm 1) on the fedfields protocol: the server
+strategy and the client's control variate (`ScaffoldClient`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from logging import INFO
 from typing import Unpack
 
@@ -12,18 +14,24 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate import scaffold_server_update, scaffold_server_update_from_sums
+from fedfields.aggregate import (
+    SCAFFOLD_COST,
+    scaffold_server_update,
+    scaffold_server_update_from_sums,
+)
 from fedfields.aggregate.states import check_scalar
-from fedfields.flower_io import (
+from fedfields.flower.node import NodeState
+from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     CONTROL_DELTA,
     SERVER_CONTROL,
+    STRATEGY,
     arrays_to_state,
     reply_state,
     state_to_arrays,
 )
-from strategies.base import ProtocolStrategy, StrategyOptions
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
 
 
 class Scaffold(ProtocolStrategy):
@@ -32,7 +40,7 @@ class Scaffold(ProtocolStrategy):
     Train messages carry ARRAYS (x), SERVER_CONTROL (c, zeros at first, same keys as x) and
     CONFIG; replies carry ARRAYS (y_i), CONTROL_DELTA (delta c_i) and optional METRICS.
     N is the number of connected nodes when the round is sampled. Clients keep their own
-    c_i (e.g. in `context.state`) and use the fedfields.aggregate Scaffold helpers.
+    c_i in their node state (`ScaffoldClient`).
 
     Args:
         global_lr: server step size lr_g.
@@ -47,6 +55,8 @@ class Scaffold(ProtocolStrategy):
 
     strategy_name = "scaffold"
     secure_delta = (ARRAYS,)
+    cost_model = SCAFFOLD_COST
+    config_keys = {"scaffold-global-lr": "global_lr"}
 
     def __init__(self, *, global_lr: float = 1.0, **options: Unpack[StrategyOptions]) -> None:
         super().__init__(**options)
@@ -119,3 +129,49 @@ class Scaffold(ProtocolStrategy):
             global_lr=self.global_lr,
         )
         return state_to_arrays(new_global), self.train_metrics(successful)
+
+
+CLIENT_CONTROL = "scaffold-client-control"
+"""Node-state name of the client's control variate c_i."""
+
+
+@dataclass
+class ScaffoldClient:
+    """The client half of Scaffold: c from the train message, c_i from the node's private
+    state (zeros at first); `correction` is c - c_i, `reply` keeps c_i+ and uploads delta c_i.
+    """
+
+    server_control: dict[str, Tensor]
+    client_control: dict[str, Tensor]
+    state: NodeState
+
+    @classmethod
+    def wanted(cls, msg: Message) -> bool:
+        """Whether `msg` is a Scaffold train message (it names the strategy)."""
+        return msg.content[CONFIG].get(STRATEGY) == Scaffold.strategy_name
+
+    @classmethod
+    def receive(cls, msg: Message, state: NodeState) -> ScaffoldClient:
+        """c from `msg`'s SERVER_CONTROL record and this node's c_i."""
+        if SERVER_CONTROL not in msg.content:
+            raise ValueError(f"a Scaffold train message carries {SERVER_CONTROL!r}; this one not")
+        server_control = arrays_to_state(msg.content[SERVER_CONTROL])
+        client_control = state.tensors(CLIENT_CONTROL) or {
+            key: torch.zeros_like(value) for key, value in server_control.items()
+        }
+        if client_control.keys() != server_control.keys():
+            raise ValueError(
+                "the node's Scaffold control c_i has other keys than the server's c: "
+                "was its state directory used by another model?"
+            )
+        return cls(server_control, client_control, state)
+
+    def correction(self) -> dict[str, Tensor]:
+        """c - c_i, added to every local gradient (Algorithm 1, line 10)."""
+        return {key: c - self.client_control[key] for key, c in self.server_control.items()}
+
+    def reply(self, content: RecordDict, new_client_control: Mapping[str, Tensor]) -> None:
+        """Keep c_i+ on the node and put delta c_i = c_i+ - c_i into the reply `content`."""
+        delta = {key: value - self.client_control[key] for key, value in new_client_control.items()}
+        self.state.put_tensors(CLIENT_CONTROL, new_client_control)
+        content[CONTROL_DELTA] = state_to_arrays(delta)

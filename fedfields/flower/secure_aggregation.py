@@ -26,7 +26,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from torch import Tensor
 
-from fedfields.flower_io import (
+from fedfields.flower.protocol import (
     CONFIG,
     HELD,
     HELD_METRICS,

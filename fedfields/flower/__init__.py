@@ -1,0 +1,39 @@
+"""fedfields' reusable Flower layer: strategies, their client halves, the message protocol.
+
+Import these into any Flower 1.41 app; none needs this repository's ServerApp or ClientApp.
+Server side: `FedAvg`, `FedProx`, `Scaffold`, `DecentNeRF`, `FedMeNF` (message-API strategies
+built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
+`DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
+node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
+state), and `secure_aggregation_mod` (Flower SecAgg+ for every strategy). Record and key names
+are in `fedfields.flower.protocol`.
+"""
+
+from __future__ import annotations
+
+from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
+from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_reply
+from fedfields.flower.fedprox import FedProx
+from fedfields.flower.node import NodeState, client_index
+from fedfields.flower.scaffold import Scaffold, ScaffoldClient
+from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.flower.strategy import InsufficientNodesError, ProtocolStrategy, StrategyOptions
+
+__all__ = [
+    "DecentNeRF",
+    "DecentNeRFClient",
+    "FedAvg",
+    "FedMeNF",
+    "FedProx",
+    "InsufficientNodesError",
+    "NodeState",
+    "ProtocolStrategy",
+    "Scaffold",
+    "ScaffoldClient",
+    "StrategyOptions",
+    "client_index",
+    "m_of_n_sampling",
+    "meta_train_reply",
+    "secure_aggregation_mod",
+]

@@ -1,0 +1,123 @@
+"""FedMeNF (FedMeNF paper, Algorithm 1): the server's M of N size-weighted mean and the
+client's LocalUpdate as a Flower train reply (`meta_train_reply`).
+
+The server of federated meta-learning is FedAvg's: theta <- sum_m |D_m| / sum_i |D_i| w_m over
+the M sampled clients' local meta-learners w_m (Eq. 2). What makes it FedMeNF is the clients'
+privacy-preserving local loss (`fedfields.train.meta`), not the aggregation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Unpack
+
+from flwr.app import Message, MetricRecord, RecordDict
+from torch import nn
+
+from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.node import NodeState
+from fedfields.flower.protocol import (
+    ARRAYS,
+    CONFIG,
+    LOCAL_STEPS,
+    METRICS,
+    NUM_EXAMPLES,
+    PROXIMAL_MU,
+    TRAIN_LOSS,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.flower.scaffold import ScaffoldClient
+from fedfields.flower.strategy import StrategyOptions
+from fedfields.train.federated import load_federated_state
+from fedfields.train.meta import MetaConfig, local_meta_update
+from fedfields.train.meta_tasks import MetaTask
+
+GAMMA = "gamma"
+"""Reply metric: FedMeNF's mean gamma over the round's outer steps (adaptive or fixed)."""
+
+
+def m_of_n_sampling(clients_per_round: int, num_clients: int) -> StrategyOptions:
+    """Flower sampling arguments that pick exactly M of N connected nodes each round.
+
+    Flower's FedAvg samples max(int(N * fraction_train), min_train_nodes) nodes once
+    `min_available_nodes` are connected; fraction M/N with a floor of M gives M.
+    """
+    for name, value in (("clients_per_round", clients_per_round), ("num_clients", num_clients)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if clients_per_round > num_clients:
+        raise ValueError(
+            f"clients_per_round ({clients_per_round}) exceeds num_clients ({num_clients})"
+        )
+    return {
+        "fraction_train": clients_per_round / num_clients,
+        "min_train_nodes": clients_per_round,
+        "min_available_nodes": num_clients,
+    }
+
+
+class FedMeNF(FedAvg):
+    """FedMeNF aggregation: M of N nodes per round, theta = sum_m |D_m| w_m / sum_m |D_m|.
+
+    |D_m| is the reply's "num-examples" (the client's dataset size); messages and replies are
+    FedAvg's (`fedfields.flower.FedAvg`), with "strategy" = "fedmenf" in the train config.
+
+    Args:
+        clients_per_round: M, the clients sampled each round.
+        num_clients: N, the nodes sampling waits for.
+        fraction_evaluate, min_evaluate_nodes, local_steps: as for `fedfields.flower.FedAvg`.
+    """
+
+    strategy_name = "fedmenf"
+
+    def __init__(
+        self,
+        *,
+        clients_per_round: int,
+        num_clients: int,
+        **options: Unpack[StrategyOptions],
+    ) -> None:
+        sampling = m_of_n_sampling(clients_per_round, num_clients)
+        if clashes := sorted(set(sampling) & set(options)):
+            raise ValueError(f"FedMeNF sets {clashes} from clients_per_round and num_clients")
+        super().__init__(**sampling, **options)
+
+
+def meta_train_reply(
+    msg: Message, model: nn.Module, tasks: Sequence[MetaTask], meta: MetaConfig, state: NodeState
+) -> Message:
+    """One client's LocalUpdate from the received theta, as the train reply: w_E (ARRAYS) and
+    |D|, the mean outer loss and gamma (METRICS).
+
+    The message may override E ("local-steps") and set FedProx's mu ("proximal-mu"); from a
+    Scaffold server the client adds c - c_i to every outer gradient and uploads delta c_i
+    with c_i+ = the round's mean outer gradient (`ScaffoldClient`, option I).
+    """
+    round_config = msg.content[CONFIG]
+    theta = arrays_to_state(msg.content[ARRAYS])
+    load_federated_state(model, theta)
+    meta = dataclasses.replace(
+        meta,
+        outer_steps=int(round_config.get(LOCAL_STEPS, meta.outer_steps)),
+        proximal_mu=float(round_config.get(PROXIMAL_MU, meta.proximal_mu)),
+    )
+    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
+    result = local_meta_update(
+        model,
+        tasks,
+        meta,
+        global_reference=theta if meta.proximal_mu > 0 else None,
+        scaffold_correction=scaffold.correction() if scaffold is not None else None,
+    )
+    metrics = {
+        NUM_EXAMPLES: result.num_examples,
+        TRAIN_LOSS: sum(result.outer_losses) / len(result.outer_losses),
+    }
+    if result.gammas:
+        metrics[GAMMA] = sum(result.gammas) / len(result.gammas)
+    content = RecordDict({ARRAYS: state_to_arrays(result.state), METRICS: MetricRecord(metrics)})
+    if scaffold is not None:
+        scaffold.reply(content, result.mean_outer_gradient)
+    return Message(content, reply_to=msg)
