@@ -24,6 +24,7 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from fedfields.data import Scene, load_scene
+from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import holdout_indices
 from fedfields.fields import HashGridField
 from fedfields.flower.node import DATA_DIR, NodeState, node_data_dir
@@ -39,10 +40,10 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
 from fedfields.privacy.split import client_step, sample_rays
 from fedfields.render import RenderConfig
-from fedfields.train.centralised import PixelSampler, make_optimizer
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
 from fedfields.train.run_config import (
@@ -135,7 +136,7 @@ def train(msg: Message, context: Context) -> Message:
     check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
     field = joint_field(config)
     server, head = split_field(field)
-    optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)  # type: ignore[arg-type]
+    optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)
     state = NodeState(context)
     if stage != "start":
         head_state, optimizer_state = state.tensors(HEAD), state.tensors(HEAD_OPTIMIZER)

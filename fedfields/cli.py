@@ -14,11 +14,11 @@ from pathlib import Path
 from fedfields.data import Scene, SceneError, holdout_indices, load_scene
 from fedfields.data.crowd import PARTITIONS, CrowdConfig, crowd_from_scene_dir, write_crowd
 from fedfields.data.objects import CollectionConfig, write_collection
+from fedfields.optim import resolve_device
 from fedfields.train import (
     default_setup,
     evaluate,
     load_checkpoint,
-    resolve_device,
     save_checkpoint,
     train,
     write_renders,

@@ -53,6 +53,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.optim import make_optimizer
 from fedfields.privacy import (
     RaySamples,
     ServerPart,
@@ -69,7 +70,6 @@ from fedfields.privacy.attacks import (
     surrogate_model_attack,
 )
 from fedfields.render import RenderConfig
-from fedfields.train.centralised import make_optimizer
 from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import make_run_dir
@@ -95,7 +95,7 @@ def run_split_job(
     for observer in observers:
         grid = observer.wrap_grid(grid)
     server, _ = split_field(joint_field(config))
-    optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)  # type: ignore[arg-type]
+    optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)
     exchange = _Exchange(grid, _the_node(grid))
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
     started, history, window = time.perf_counter(), [], []

@@ -13,6 +13,7 @@ import torch
 from fedfields.data import load_scene
 from fedfields.data.scene import Scene
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
+from fedfields.geometry import Rays
 from fedfields.privacy.attacks.scene_aided import (
     SceneAidedConfig,
     pose_error,
@@ -41,7 +42,7 @@ from fedfields.privacy.split import (
     split_field,
     train_split,
 )
-from fedfields.render import Rays, RenderConfig
+from fedfields.render import RenderConfig
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 GRID = HashGridConfig(

@@ -25,14 +25,8 @@ from fedfields.fields import (
     build_field,
 )
 from fedfields.fields.personal import INITIAL_DENSITY_SHIFT
-from fedfields.render import (
-    OccupancyGrid,
-    Rays,
-    RenderConfig,
-    image_rays,
-    render_image,
-    render_rays,
-)
+from fedfields.geometry import Rays, image_rays
+from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.render.renderer import RayOutputs
 from fedfields.train import (
     LocalTrainConfig,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fedfields.data.objects import orbit_cameras
 from fedfields.data.scene import Scene
 from fedfields.data.tasks import ImageTask, VideoTask, lfw_faces
 from fedfields.fields import NeRFField, NeRFFieldConfig, Siren, SirenConfig
+from fedfields.geometry.cameras import orbit_cameras
 from fedfields.train import meta
 from fedfields.train.meta import MetaConfig, adaptive_gamma, local_meta_update, privacy_metrics
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks

@@ -11,7 +11,8 @@ import torch
 
 from fedfields.cli import main
 from fedfields.data import load_scene
-from fedfields.data.objects import CollectionConfig, look_at, write_collection
+from fedfields.data.objects import CollectionConfig, write_collection
+from fedfields.geometry.cameras import look_at
 
 
 def test_look_at_points_the_camera_axis_at_the_target() -> None:

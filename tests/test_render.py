@@ -10,17 +10,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from fedfields.data.scene import Cameras
 from fedfields.fields.base import Field, FieldOutputs
-from fedfields.render import (
-    OccupancyGrid,
-    Rays,
-    RenderConfig,
-    image_rays,
-    intersect_aabb,
-    pixel_rays,
-    render_rays,
-)
+from fedfields.geometry import Cameras, Rays, image_rays, intersect_aabb, pixel_rays
+from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import composite_dense, composite_packed, dense_weights, packed_weights
 

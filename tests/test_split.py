@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fedfields.data import load_scene
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
+from fedfields.geometry import Rays
 from fedfields.metrics.image import psnr
 from fedfields.privacy.defences import NoisyLabel, S2NeRFNoise
 from fedfields.privacy.split import (
@@ -22,7 +23,7 @@ from fedfields.privacy.split import (
     split_field,
     train_split,
 )
-from fedfields.render import Rays, RenderConfig, render_image, render_rays
+from fedfields.render import RenderConfig, render_image, render_rays
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 RENDER = RenderConfig(num_samples=16)

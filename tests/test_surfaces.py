@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from fedfields.data.figures import OBJECT_KINDS, TORSO_SPAN, person, place, random_object
-from fedfields.data.scene import Cameras
 from fedfields.data.surfaces import (
     Box,
     Capsule,
@@ -24,7 +23,8 @@ from fedfields.data.surfaces import (
     render_surfaces,
     shade,
 )
-from fedfields.render.rays import image_rays
+from fedfields.geometry.cameras import Cameras
+from fedfields.geometry.rays import image_rays
 
 SIZE, FOCAL, DISTANCE = 64, 80.0, 4.0
 TURN_30 = (

@@ -12,11 +12,11 @@ from PIL import Image
 
 from fedfields.cli import main
 from fedfields.data import holdout_indices, load_scene
+from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field, FieldOutputs
 from fedfields.metrics import psnr
 from fedfields.render import render_image
 from fedfields.train import (
-    PixelSampler,
     TrainConfig,
     default_setup,
     evaluate,

@@ -31,9 +31,10 @@ from fedfields.data.partition import (
     viewing_directions,
     yaw_sectors,
 )
-from fedfields.data.scene import Cameras, Scene, SceneError, load_scene
+from fedfields.data.scene import Scene, SceneError, load_scene
 from fedfields.data.surfaces import SurfaceObject, render_surfaces
-from fedfields.render.rays import image_rays
+from fedfields.geometry.cameras import Cameras, project
+from fedfields.geometry.rays import image_rays
 
 PARTITIONS = ("directions", "yaw", "random")
 CROWD_FORMAT = "fedfields-crowd-1"
@@ -176,21 +177,6 @@ def visual_hull(scene: Scene, resolution: int = 64) -> tuple[Tensor, Tensor, flo
         keep[inside] = dilated[row[inside], column[inside]]
         occupied &= keep
     return occupied, centres.float(), half_diagonal
-
-
-def project(cameras: Cameras, view: int, points: Tensor) -> tuple[Tensor, Tensor]:
-    """(pixels [P, 2] as (x, y) in pixel-edge coordinates, depth [P] along the view axis).
-
-    Inverse of `fedfields.render.rays.pixel_rays`: pixel centres sit at integer + 0.5.
-    """
-    camera_to_world = cameras.camera_to_world[view].double()
-    rotation, origin = camera_to_world[:3, :3], camera_to_world[:3, 3]
-    local = (points.double() - origin) @ rotation  # world -> camera: R^T (p - o)
-    depth = -local[:, 2]
-    safe = torch.where(depth.abs() < 1e-9, torch.full_like(depth, 1e-9), depth)
-    x = float(cameras.cx[view]) + float(cameras.fx[view]) * local[:, 0] / safe
-    y = float(cameras.cy[view]) - float(cameras.fy[view]) * local[:, 1] / safe
-    return torch.stack([x, y], dim=-1), depth
 
 
 def partition_views(scene: Scene, sphere: BoundingSphere, config: CrowdConfig) -> Partition:

@@ -9,23 +9,19 @@ Dirichlet distribution (FedMeNF: 4 + 4 on average); leftover views are tagged "t
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from fedfields.data.figures import random_object
 from fedfields.data.partition import dirichlet_counts
-from fedfields.data.scene import Cameras
 from fedfields.data.surfaces import render_surfaces
+from fedfields.geometry.cameras import CAMERA_ANGLE_X, orbit_cameras
 
 COLLECTION_FORMAT = "fedfields-objects-1"
-CAMERA_ANGLE_X = 0.6911112070083618  # the NeRF-synthetic field of view
 
 
 @dataclass(frozen=True)
@@ -56,39 +52,6 @@ class CollectionConfig:
             )
         if not self.alpha > 0:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
-
-
-def look_at(position: Tensor, target: Tensor, up: Tensor | None = None) -> Tensor:
-    """[4, 4] camera-to-world of an OpenGL camera at `position` looking at `target`, z up."""
-    up = torch.tensor([0.0, 0.0, 1.0], dtype=position.dtype) if up is None else up
-    backward = torch.nn.functional.normalize(position - target, dim=0)
-    right = torch.nn.functional.normalize(torch.linalg.cross(up, backward), dim=0)
-    true_up = torch.linalg.cross(backward, right)
-    matrix = torch.eye(4, dtype=position.dtype)
-    matrix[:3, 0], matrix[:3, 1], matrix[:3, 2], matrix[:3, 3] = right, true_up, backward, position
-    return matrix
-
-
-def orbit_cameras(
-    rng: np.random.Generator,
-    views: int,
-    resolution: int,
-    distance: float,
-    elevation_range: tuple[float, float],
-) -> Cameras:
-    """`views` cameras at random yaw and elevation on a sphere, all looking at the origin."""
-    yaw = rng.uniform(0.0, 2.0 * math.pi, size=views)
-    low, high = (math.sin(math.radians(e)) for e in elevation_range)
-    elevation = np.arcsin(rng.uniform(low, high, size=views))  # uniform in area on the sphere
-    positions = distance * np.stack(
-        [np.cos(elevation) * np.cos(yaw), np.cos(elevation) * np.sin(yaw), np.sin(elevation)], -1
-    )
-    origin = torch.zeros(3)
-    poses = torch.stack([look_at(torch.tensor(p, dtype=torch.float32), origin) for p in positions])
-    focal = 0.5 * resolution / math.tan(0.5 * CAMERA_ANGLE_X)
-    full = torch.full((views,), focal)
-    centre = torch.full((views,), resolution / 2)
-    return Cameras(poses, full, full.clone(), centre, centre.clone(), resolution, resolution)
 
 
 def split_counts(config: CollectionConfig) -> tuple[np.ndarray, np.ndarray]:

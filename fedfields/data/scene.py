@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fedfields.geometry.cameras import Cameras, as_index
+
 SPLITS = ("train", "val", "test")
 IMAGE_SUFFIXES = ("", ".png", ".jpg", ".jpeg")
 INTRINSIC_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h", "camera_angle_x", "camera_angle_y")
@@ -26,49 +28,6 @@ DEFAULT_NEAR, DEFAULT_FAR = 2.0, 6.0  # NeRF-synthetic ray bounds
 
 class SceneError(ValueError):
     """Malformed or inconsistent scene; message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class Cameras:
-    """Pinhole cameras sharing one image size; poses are camera-to-world, OpenGL convention.
-
-    The camera looks down -z with y up; (cx, cy) are in pixel-edge coordinates (centre = W/2).
-    """
-
-    camera_to_world: torch.Tensor  # [N, 4, 4] float32
-    fx: torch.Tensor  # [N] float32, focal lengths in pixels
-    fy: torch.Tensor  # [N]
-    cx: torch.Tensor  # [N] principal point in pixels
-    cy: torch.Tensor  # [N]
-    width: int
-    height: int
-
-    def __len__(self) -> int:
-        return self.camera_to_world.shape[0]
-
-    def subset(self, indices: Sequence[int] | torch.Tensor) -> Cameras:
-        """Cameras at `indices` (ints or a boolean mask), in that order."""
-        index = _as_index(indices)
-        return Cameras(
-            camera_to_world=self.camera_to_world[index],
-            fx=self.fx[index],
-            fy=self.fy[index],
-            cx=self.cx[index],
-            cy=self.cy[index],
-            width=self.width,
-            height=self.height,
-        )
-
-    def to(self, device: torch.device | str) -> Cameras:
-        """The same cameras with their tensors on `device`."""
-        return replace(
-            self,
-            camera_to_world=self.camera_to_world.to(device),
-            fx=self.fx.to(device),
-            fy=self.fy.to(device),
-            cx=self.cx.to(device),
-            cy=self.cy.to(device),
-        )
 
 
 @dataclass(frozen=True)
@@ -89,7 +48,7 @@ class Scene:
 
     def subset(self, indices: Sequence[int] | torch.Tensor) -> Scene:
         """The views at `indices` (ints or a boolean mask), sharing background and bounds."""
-        index = _as_index(indices)
+        index = as_index(indices)
         return Scene(
             images=self.images[index],
             masks=self.masks[index],
@@ -196,14 +155,6 @@ def holdout_indices(num_views: int, every: int) -> tuple[list[int], list[int]]:
         raise ValueError(f"holdout every={every} must be in [1, num_views={num_views}]")
     heldout = list(range(0, num_views, every))
     return [i for i in range(num_views) if i % every != 0], heldout
-
-
-def _as_index(indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """A 1-D long index tensor from ints or a boolean mask."""
-    index = torch.as_tensor(indices)
-    if index.dtype == torch.bool:
-        return index.nonzero().flatten()
-    return index.to(torch.long).flatten()
 
 
 def _scene_files(scene_dir: Path, split: str | None) -> list[Path]:

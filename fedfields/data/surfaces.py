@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedfields.data.scene import Cameras
-from fedfields.render.rays import pixel_rays
+from fedfields.geometry.cameras import Cameras
+from fedfields.geometry.rays import pixel_rays
 
 T_MIN = 1e-6  # hits at or nearer than this along a ray are ignored
 LIGHT_DIRECTION = (0.3, 0.5, 0.8)  # toward the light, normalised when shading

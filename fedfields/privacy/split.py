@@ -37,15 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.fields.base import FieldOutputs, normalise_to_box, trunc_exp
 from fedfields.fields.hashgrid import HashGridField
+from fedfields.geometry.rays import Rays, intersect_aabb
+from fedfields.optim import make_optimizer, resolve_device
 from fedfields.privacy.defences import ClientDefence
-from fedfields.render.rays import Rays, intersect_aabb
 from fedfields.render.renderer import RenderConfig
 from fedfields.render.samplers import stratified_bins
 from fedfields.render.volume import RenderOutputs, composite_dense, dense_weights
-from fedfields.train.centralised import PixelSampler, make_optimizer, resolve_device
 
 
 class ServerPart(nn.Module):
@@ -286,8 +287,7 @@ def train_split(
     scene = scene.to(device)
     server, client = split_field(field, config.cut_layer)
     optimizers = [
-        make_optimizer(part, config.learning_rate, config.weight_decay)  # type: ignore[arg-type]
-        for part in (server, client)
+        make_optimizer(part, config.learning_rate, config.weight_decay) for part in (server, client)
     ]
     sampler = PixelSampler(scene, config.random_background)
     result = SplitResult(steps=0, seconds=0.0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedfields.render.rays import Rays
+from fedfields.geometry.rays import Rays
 
 
 @dataclass

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedfields.data.scene import Cameras
 from fedfields.fields.base import Field, FieldOutputs
+from fedfields.geometry.cameras import Cameras
+from fedfields.geometry.rays import Rays, image_rays, intersect_aabb
 from fedfields.render.occupancy import OccupancyGrid
-from fedfields.render.rays import Rays, image_rays, intersect_aabb
 from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import (
     RenderOutputs,

@@ -2,13 +2,11 @@
 (MAML, FOMAML, Reptile, FedMeNF), evaluation."""
 
 from fedfields.train.centralised import (
-    PixelSampler,
     Setup,
     TrainConfig,
     TrainResult,
     default_setup,
     learning_rate_factor,
-    resolve_device,
     train,
 )
 from fedfields.train.checkpoint import load_checkpoint, save_checkpoint
@@ -40,7 +38,6 @@ __all__ = [
     "MetaConfig",
     "MetaTask",
     "MetaUpdateResult",
-    "PixelSampler",
     "RayTask",
     "ScaffoldControls",
     "Setup",
@@ -58,7 +55,6 @@ __all__ = [
     "local_train",
     "loss_gradient",
     "privacy_metrics",
-    "resolve_device",
     "save_checkpoint",
     "test_time_optimise",
     "train",

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
-from torch import Tensor
 from tqdm import tqdm
 
+from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.fields import (
     Field,
@@ -20,7 +20,8 @@ from fedfields.fields import (
     NeRFField,
     NeRFFieldConfig,
 )
-from fedfields.render import OccupancyGrid, Rays, RenderConfig, pixel_rays, render_rays
+from fedfields.optim import make_optimizer, resolve_device
+from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 
 ModelName = Literal["hashgrid", "nerf"]
 
@@ -124,69 +125,6 @@ def learning_rate_factor(progress: float) -> float:
     """Short linear warm-up, then x0.33 at 50%, 75% and 90% of the budget (nerfacc's recipe)."""
     warmup = min(1.0, 0.01 + progress / 0.02)
     return warmup * 0.33 ** sum(progress >= mark for mark in (0.5, 0.75, 0.9))
-
-
-def make_optimizer(field: Field, learning_rate: float, weight_decay: float) -> torch.optim.Adam:
-    """Adam with eps 1e-15; weight decay on 2-D MLP weights only (not hash tables or biases)."""
-    decayed, plain = [], []
-    for name, parameter in field.named_parameters():
-        is_mlp_weight = parameter.ndim == 2 and not name.endswith("table")
-        (decayed if is_mlp_weight else plain).append(parameter)
-    groups = [
-        {"params": decayed, "weight_decay": weight_decay},
-        {"params": plain, "weight_decay": 0.0},
-    ]
-    return torch.optim.Adam(groups, lr=learning_rate, betas=(0.9, 0.99), eps=1e-15)
-
-
-@dataclass
-class PixelBatch:
-    """Training pixels: their rays, target colours and the background they assume."""
-
-    rays: Rays
-    colors: Tensor  # [R, 3]
-    background: Tensor  # [3] or [R, 3]
-    image_index: Tensor  # [R] int64: each pixel's view (for per-image appearance embeddings)
-
-
-class PixelSampler:
-    """Uniformly random training pixels of a scene, with their rays and colours.
-
-    With `random_background`, each pixel's transparent part is re-composited on a random
-    colour that the renderer also uses, so the field cannot explain the background with
-    matter (as nerfacc trains the Blender scenes).
-    """
-
-    def __init__(self, scene: Scene, random_background: bool) -> None:
-        self.cameras = scene.cameras
-        self.colors = scene.images.reshape(-1, 3)
-        self.transparency = 1.0 - scene.masks.reshape(-1)
-        self.background = self.colors.new_tensor(scene.background)
-        self.random_background = random_background and bool((self.transparency > 0).any())
-
-    def sample(self, count: int) -> PixelBatch:
-        """`count` uniformly random pixels of all views."""
-        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
-        return self.pixels(flat)
-
-    def pixels(self, flat: Tensor) -> PixelBatch:
-        """Pixels at flat indices (view-major, then row, then column)."""
-        pixels_per_view = self.cameras.height * self.cameras.width
-        view, within = flat // pixels_per_view, flat % pixels_per_view
-        row, column = within // self.cameras.width, within % self.cameras.width
-        rays = pixel_rays(self.cameras, view, row, column)
-        if not self.random_background:
-            return PixelBatch(rays, self.colors[flat], self.background, view)
-        background = torch.rand(len(flat), 3, device=self.colors.device)
-        shift = self.transparency[flat, None] * (background - self.background)
-        return PixelBatch(rays, self.colors[flat] + shift, background, view)
-
-
-def resolve_device(device: str) -> torch.device:
-    """'auto' means CUDA when a device is present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def adapt_batch_rays(batch_rays: int, num_samples: int, target: int, maximum: int) -> int:

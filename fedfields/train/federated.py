@@ -18,15 +18,12 @@ import torch
 from torch import Tensor
 
 from fedfields.aggregate import proximal_term
+from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.fields import Field, GlobalPersonalField, PersonalField
+from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
-from fedfields.train.centralised import (
-    PixelSampler,
-    adapt_batch_rays,
-    make_optimizer,
-    resolve_device,
-)
+from fedfields.train.centralised import adapt_batch_rays
 
 LOSS_WINDOW = 10
 """`LocalTrainResult.loss` averages the photometric loss of this many last steps."""

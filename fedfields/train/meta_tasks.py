@@ -25,7 +25,8 @@ from torch.func import functional_call
 from fedfields.data.scene import Scene, load_scene
 from fedfields.data.tasks import ImageTask, VideoTask
 from fedfields.fields.base import Field, FieldOutputs
-from fedfields.render import Rays, RenderConfig, pixel_rays, render_image, render_rays
+from fedfields.geometry import Rays, pixel_rays
+from fedfields.render import RenderConfig, render_image, render_rays
 
 Parameters = Mapping[str, Tensor]
 

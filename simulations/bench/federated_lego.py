@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fedfields.data import Cameras, Scene
+from fedfields.data import Scene
+from fedfields.geometry import Cameras
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.run_config import FederatedConfig, global_field, render_config

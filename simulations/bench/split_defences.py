@@ -45,6 +45,7 @@ from torch import Tensor
 from fedfields.data import holdout_indices, load_scene
 from fedfields.data.scene import Scene
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
+from fedfields.geometry.rays import image_rays
 from fedfields.metrics.image import lpips, ssim
 from fedfields.privacy.attacks.surrogate import (
     SurrogateAttackConfig,
@@ -67,7 +68,6 @@ from fedfields.privacy.split import (
     train_split,
 )
 from fedfields.render import RenderConfig
-from fedfields.render.rays import image_rays
 from fedfields.train.evaluation import evaluate
 from simulations import APP_DIR
 

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedfields.data.scene import Cameras
+from fedfields.geometry.cameras import Cameras, look_at
+from fedfields.geometry.rays import image_rays
 from fedfields.metrics.image import ssim
 from fedfields.privacy.attacks.surrogate import grey_view, render_split_view
 from fedfields.privacy.split import (
@@ -34,18 +35,7 @@ from fedfields.privacy.split import (
     sample_rays,
     server_forward,
 )
-from fedfields.render.rays import image_rays
 from fedfields.render.renderer import RenderConfig
-
-
-def look_at(position: Tensor, target: Tensor, up: Tensor) -> Tensor:
-    """Camera-to-world [4, 4] (OpenGL: looks down -z, y up) at `position` facing `target`."""
-    back = F.normalize(position - target, dim=0)
-    right = F.normalize(torch.linalg.cross(up, back), dim=0)
-    pose = torch.eye(4, dtype=position.dtype)
-    pose[:3, 0], pose[:3, 1], pose[:3, 2] = right, torch.linalg.cross(back, right), back
-    pose[:3, 3] = position
-    return pose
 
 
 def sphere_poses(
@@ -56,7 +46,6 @@ def sphere_poses(
 ) -> Tensor:
     """Candidate poses [A*E, 4, 4] on a sphere facing its centre; angles in degrees, up +z."""
     centre = torch.tensor(center, dtype=torch.float32)
-    up = torch.tensor([0.0, 0.0, 1.0])
     poses = []
     for elevation in elevations:
         for azimuth in azimuths:
@@ -64,7 +53,7 @@ def sphere_poses(
             offset = torch.tensor(
                 [math.cos(e) * math.cos(a), math.cos(e) * math.sin(a), math.sin(e)]
             )
-            poses.append(look_at(centre + radius * offset, centre, up))
+            poses.append(look_at(centre + radius * offset, centre))
     return torch.stack(poses)
 
 

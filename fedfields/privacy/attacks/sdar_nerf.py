@@ -78,9 +78,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedfields.data.figures import OBJECT_KINDS, OBJECT_RADIUS, random_object
-from fedfields.data.objects import CAMERA_ANGLE_X, look_at
-from fedfields.data.scene import Cameras, Scene
+from fedfields.data.pixels import PixelBatch, PixelSampler
+from fedfields.data.scene import Scene
 from fedfields.data.surfaces import IDENTITY, render_surfaces
+from fedfields.geometry.cameras import CAMERA_ANGLE_X, Cameras, look_at
 from fedfields.privacy.attacks.surrogate import SurrogateAttackConfig, make_surrogate_head
 from fedfields.privacy.split import (
     ClientPart,
@@ -91,7 +92,6 @@ from fedfields.privacy.split import (
     sample_rays,
 )
 from fedfields.render.renderer import RenderConfig
-from fedfields.train.centralised import PixelBatch, PixelSampler
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedfields.data.scene import Cameras
 from fedfields.fields.base import mlp
 from fedfields.fields.encodings import SphericalHarmonicsEncoding
+from fedfields.geometry.cameras import Cameras
+from fedfields.geometry.rays import image_rays
 from fedfields.metrics.image import lpips, psnr, ssim
 from fedfields.privacy.split import (
     ClientPart,
@@ -60,7 +61,6 @@ from fedfields.privacy.split import (
     sample_rays,
     server_forward,
 )
-from fedfields.render.rays import image_rays
 from fedfields.render.renderer import RenderConfig
 from fedfields.render.volume import RenderOutputs
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedfields.data.scene import Cameras
+from fedfields.geometry.cameras import Cameras
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""Training pixels of a scene: uniformly random or chosen pixels with their rays and colours."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedfields.data.scene import Scene
+from fedfields.geometry.rays import Rays, pixel_rays
+
+
+@dataclass
+class PixelBatch:
+    """Training pixels: their rays, target colours and the background they assume."""
+
+    rays: Rays
+    colors: Tensor  # [R, 3]
+    background: Tensor  # [3] or [R, 3]
+    image_index: Tensor  # [R] int64: each pixel's view (for per-image appearance embeddings)
+
+
+class PixelSampler:
+    """Uniformly random training pixels of a scene, with their rays and colours.
+
+    With `random_background`, each pixel's transparent part is re-composited on a random
+    colour that the renderer also uses, so the field cannot explain the background with
+    matter (as nerfacc trains the Blender scenes).
+    """
+
+    def __init__(self, scene: Scene, random_background: bool) -> None:
+        self.cameras = scene.cameras
+        self.colors = scene.images.reshape(-1, 3)
+        self.transparency = 1.0 - scene.masks.reshape(-1)
+        self.background = self.colors.new_tensor(scene.background)
+        self.random_background = random_background and bool((self.transparency > 0).any())
+
+    def sample(self, count: int) -> PixelBatch:
+        """`count` uniformly random pixels of all views."""
+        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
+        return self.pixels(flat)
+
+    def pixels(self, flat: Tensor) -> PixelBatch:
+        """Pixels at flat indices (view-major, then row, then column)."""
+        pixels_per_view = self.cameras.height * self.cameras.width
+        view, within = flat // pixels_per_view, flat % pixels_per_view
+        row, column = within // self.cameras.width, within % self.cameras.width
+        rays = pixel_rays(self.cameras, view, row, column)
+        if not self.random_background:
+            return PixelBatch(rays, self.colors[flat], self.background, view)
+        background = torch.rand(len(flat), 3, device=self.colors.device)
+        shift = self.transparency[flat, None] * (background - self.background)
+        return PixelBatch(rays, self.colors[flat] + shift, background, view)

@@ -1,0 +1,151 @@
+"""fedfields' subpackages import one way (no cycle) and never the Flower App around them.
+
+Modules are parsed, not imported, so every import counts: relative ones, those inside
+functions and those under `if TYPE_CHECKING`. Nodes come from the filesystem: each
+subpackage of fedfields is one node, each top-level module its own.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import pairwise
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fedfields"
+APP_PACKAGES = ("strategies", "clients", "simulations")  # the repo's Flower App, not in the wheel
+
+Graph = dict[str, dict[str, list[str]]]  # node -> imported node -> ["path:line", ...]
+
+
+def module_name(path: Path) -> str:
+    """Dotted name of a module file under the repository root; `__init__` names its package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(source: str, package: str) -> Iterator[tuple[str, int]]:
+    """(absolute module name, line) of every import in `source`, a module of `package`.
+
+    `from m import n` yields both m and m.n, since n may be a submodule.
+    """
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            yield module, node.lineno
+            for alias in node.names:
+                if alias.name != "*":
+                    yield f"{module}.{alias.name}", node.lineno
+
+
+def package_node(module: str) -> str:
+    """The node of a fedfields module: fedfields.<sub> for a subpackage or top-level module."""
+    parts = module.split(".")
+    if len(parts) > 1 and ((PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file()):
+        return f"fedfields.{parts[1]}"
+    return "fedfields"
+
+
+def module_imports() -> Iterator[tuple[Path, str, int]]:
+    """(file, imported module, line) for every import of every module under fedfields/."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for module, line in imports(path.read_text(), package):
+            yield path, module, line
+
+
+def package_graph() -> Graph:
+    """Arrows between fedfields' nodes, each with the file and line of every import behind it."""
+    graph: Graph = {}
+    for path, module, line in module_imports():
+        source, target = package_node(module_name(path)), package_node(module)
+        if module.split(".")[0] != "fedfields" or source == target:
+            continue
+        places = graph.setdefault(source, {}).setdefault(target, [])
+        where = f"{path.relative_to(ROOT)}:{line}"
+        if where not in places:
+            places.append(where)
+    return graph
+
+
+def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """One cycle of `graph` as [a, b, ..., a], or [] when there is none (depth-first, sorted)."""
+    on_path: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str) -> list[str]:
+        on_path.append(node)
+        for successor in sorted(graph.get(node, ())):
+            if successor in on_path:
+                return [*on_path[on_path.index(successor) :], successor]
+            if successor not in done:
+                cycle = visit(successor)
+                if cycle:
+                    return cycle
+        on_path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        if node not in done:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def describe_cycle(cycle: list[str], graph: Graph) -> str:
+    """The cycle on one line, then each arrow with the imports that make it."""
+    arrows = [f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in pairwise(cycle)]
+    return "\n".join([" -> ".join(cycle), *arrows])
+
+
+def test_subpackages_import_one_way() -> None:
+    graph = package_graph()
+    assert len(graph) > 1, f"found almost no imports between fedfields' subpackages: {graph}"
+    cycle = find_cycle(graph)
+    assert not cycle, "package cycle in fedfields:\n" + describe_cycle(cycle, graph)
+
+
+def test_library_never_imports_the_flower_app() -> None:
+    offending = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path, module, line in module_imports()
+        if module.split(".")[0] in APP_PACKAGES
+    ]
+    assert not offending, "fedfields imports the Flower App:\n" + "\n".join(offending)
+
+
+def test_find_cycle_spells_out_a_cycle_with_its_imports() -> None:
+    graph: Graph = {
+        "fedfields.render": {"fedfields.data": ["fedfields/render/rays.py:10"]},
+        "fedfields.data": {
+            "fedfields.geometry": ["fedfields/data/scene.py:20"],
+            "fedfields.render": ["fedfields/data/crowd.py:36"],
+        },
+        "fedfields.train": {"fedfields.render": ["fedfields/train/centralised.py:23"]},
+    }
+    cycle = find_cycle(graph)
+    assert cycle == ["fedfields.data", "fedfields.render", "fedfields.data"]
+    message = describe_cycle(cycle, graph)
+    assert message.splitlines()[0] == "fedfields.data -> fedfields.render -> fedfields.data"
+    assert "fedfields/data/crowd.py:36" in message and "fedfields/render/rays.py:10" in message
+    del graph["fedfields.render"]
+    assert find_cycle(graph) == []
+
+
+def test_imports_resolves_relative_and_function_level_imports() -> None:
+    source = "def load():\n    from ..render import rays\n    from . import scene\n"
+    found = set(imports(source, "fedfields.data"))
+    assert ("fedfields.render.rays", 2) in found
+    assert ("fedfields.data.scene", 3) in found
