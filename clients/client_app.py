@@ -25,6 +25,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import meta_client, split_client
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
@@ -51,6 +52,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.metrics import psnr
 from fedfields.render import OccupancyGrid, render_image
+from fedfields.train.builders import check_scene_fits, global_field, render_config
 from fedfields.train.federated import (
     LocalTrainConfig,
     ScaffoldControls,
@@ -59,12 +61,6 @@ from fedfields.train.federated import (
     local_train,
 )
 from fedfields.train.federated import loss_gradient as loss_gradient_of
-from fedfields.train.run_config import (
-    FederatedConfig,
-    check_scene_fits,
-    global_field,
-    render_config,
-)
 
 PERSONAL = "personal-field"
 OCCUPANCY = "occupancy"
@@ -89,9 +85,9 @@ app = ClientApp(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
     """Train locally from the received global field; reply with what the strategy aggregates."""
     config = FederatedConfig.from_run_config(context.run_config)
-    if config.mode == "split":
+    if config.common.mode == "split":
         return split_client.train(msg, context)
-    if config.task != "scene":
+    if config.common.task != "scene":
         return meta_client.train(msg, context)
     round_config = msg.content[CONFIG]
     state = NodeState(context)
@@ -102,20 +98,22 @@ def train(msg: Message, context: Context) -> Message:
     if views.heldout is not None:
         metrics[CLIENT_EVAL] = _score(field, views.heldout, config)
     occupancy = _occupancy(state, field)
-    decentnerf = DecentNeRFClient(state, config.alpha_lr) if DecentNeRFClient.wanted(msg) else None
+    decentnerf = (
+        DecentNeRFClient(state, config.scene.alpha_lr) if DecentNeRFClient.wanted(msg) else None
+    )
     user = client_index(context)
     personal = _personal_field(state, config, scene, user) if decentnerf else None
     scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
     server_round = int(round_config[SERVER_ROUND])
     local = LocalTrainConfig(
-        steps=int(round_config.get(LOCAL_STEPS, config.local_steps)),
-        learning_rate=config.learning_rate,
-        personal_learning_rate=config.personal_learning_rate,
-        target_samples=config.target_samples,
-        personal_density_weight=config.personal_density_weight,
+        steps=int(round_config.get(LOCAL_STEPS, config.scene.local_steps)),
+        learning_rate=config.scene.learning_rate,
+        personal_learning_rate=config.scene.personal_learning_rate,
+        target_samples=config.scene.target_samples,
+        personal_density_weight=config.scene.personal_density_weight,
         proximal_mu=float(round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
-        seed=config.seed * 100_003 + server_round * 1009 + user,
+        seed=config.common.seed * 100_003 + server_round * 1009 + user,
     )
     result = local_train(
         field,
@@ -150,7 +148,7 @@ def gradient(msg: Message, context: Context) -> Message:
     state = NodeState(context)
     scene = _user_views(context, config).train
     personal = _personal_field(state, config, scene, client_index(context))
-    seed = config.seed + int(msg.content[CONFIG][SERVER_ROUND])
+    seed = config.common.seed + int(msg.content[CONFIG][SERVER_ROUND])
 
     def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         field = global_field(config)
@@ -171,7 +169,7 @@ def gradient(msg: Message, context: Context) -> Message:
 def _user_views(context: Context, config: FederatedConfig) -> UserViews:
     """This node's user: its own folder's views, the last `client-eval-views` held out."""
     folder = node_data_dir(context, "user")
-    views = _load_user_views(str(folder), config.downscale, config.client_eval_views)
+    views = _load_user_views(str(folder), config.common.downscale, config.scene.client_eval_views)
     check_scene_fits(config, views.train, f"node {context.node_id} ({folder})")
     return views
 
@@ -221,7 +219,7 @@ def _personal_field(
     """The personal field kept on this node (created on first use from a per-user seed)."""
     box = render_config(config, scene).aabb
     with torch.random.fork_rng():
-        torch.manual_seed(config.seed * 100_003 + user)
+        torch.manual_seed(config.common.seed * 100_003 + user)
         personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=box))
     saved = state.tensors(PERSONAL)
     if saved is not None:

@@ -18,16 +18,11 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, Message
 
+from fedfields.config import FederatedConfig, meta_settings
 from fedfields.flower import NodeState, client_index, meta_train_reply
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import CONFIG, SERVER_ROUND
-from fedfields.train.run_config import (
-    FederatedConfig,
-    client_meta_tasks,
-    meta_config,
-    meta_model,
-    meta_settings,
-)
+from fedfields.train.builders import client_meta_tasks, meta_config, meta_model
 
 CLIENT = "client"
 """Reply ConfigRecord naming the client: CLIENT_INDEX, its index among the N clients."""
@@ -44,9 +39,9 @@ def train(msg: Message, context: Context) -> Message:
         settings,
         outer_steps=settings.outer_steps,
         proximal_mu=0.0,
-        seed=config.seed * 100_003 + int(msg.content[CONFIG][SERVER_ROUND]) * 1009 + client,
+        seed=config.common.seed * 100_003 + int(msg.content[CONFIG][SERVER_ROUND]) * 1009 + client,
     )
-    object_dir = node_data_dir(context, "object") if config.task == "objects" else None
+    object_dir = node_data_dir(context, "object") if config.common.task == "objects" else None
     tasks = client_meta_tasks(config, settings, client, object_dir)
     reply = meta_train_reply(msg, meta_model(config, settings), tasks, meta, NodeState(context))
     reply.content[CLIENT] = ConfigRecord({CLIENT_INDEX: client})

@@ -23,6 +23,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor
 
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import holdout_indices
@@ -44,14 +45,9 @@ from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
 from fedfields.privacy.split import client_step, sample_rays
 from fedfields.render import RenderConfig
+from fedfields.train.builders import check_scene_fits, global_field, render_config
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
-from fedfields.train.run_config import (
-    FederatedConfig,
-    check_scene_fits,
-    global_field,
-    render_config,
-)
 
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"
@@ -68,23 +64,23 @@ RENDERS = "renders"
 def split_render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
     """Stratified sampling without an occupancy grid: the client cannot query density alone."""
     return dataclasses.replace(
-        render_config(config, scene), num_samples=config.split_samples, num_importance=0
+        render_config(config, scene), num_samples=config.split.split_samples, num_importance=0
     )
 
 
 def split_defence(config: FederatedConfig) -> ClientDefence | None:
     """The run-config's client defence: S2NeRF gradient noise or NoisyLabel (not both)."""
-    if config.split_noise_c > 0 and config.split_label_noise > 0:
+    if config.split.split_noise_c > 0 and config.split.split_label_noise > 0:
         raise ValueError("run-config: set split-noise-c or split-label-noise, not both")
-    if config.split_noise_c > 0:
+    if config.split.split_noise_c > 0:
         return S2NeRFNoise(
-            c=config.split_noise_c,
-            r=config.split_noise_r,
-            total_steps=config.split_steps,
-            seed=config.seed,
+            c=config.split.split_noise_c,
+            r=config.split.split_noise_r,
+            total_steps=config.split.split_steps,
+            seed=config.common.seed,
         )
-    if config.split_label_noise > 0:
-        return NoisyLabel(config.split_label_noise, seed=config.seed)
+    if config.split.split_label_noise > 0:
+        return NoisyLabel(config.split.split_label_noise, seed=config.common.seed)
     return None
 
 
@@ -116,7 +112,7 @@ def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
 
 def joint_field(config: FederatedConfig) -> HashGridField:
     """The joint field as both sides initialise it: run-config's shapes, seeded by `seed`."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.common.seed)
     return global_field(config)
 
 
@@ -132,7 +128,7 @@ def train(msg: Message, context: Context) -> Message:
     if stage not in ("start", "step", "finish"):
         raise ValueError(f"node {context.node_id}: unknown {SPLIT_STAGE!r}: {stage!r}")
     folder = scene_dir(context)
-    scene, heldout = client_views(str(folder), config.downscale)
+    scene, heldout = client_views(str(folder), config.common.downscale)
     check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
     field = joint_field(config)
     server, head = split_field(field)
@@ -155,7 +151,7 @@ def train(msg: Message, context: Context) -> Message:
         content[GRADIENT], content[METRICS] = _learn(
             msg, state, config, head, optimizer, step, server.embedding_dim
         )
-    if step + 1 < config.split_steps:
+    if step + 1 < config.split.split_steps:
         content[SAMPLES] = _next_batch(state, config, scene, step + 1)
     state.put_tensors(HEAD, head.state_dict())
     state.put_tensors(HEAD_OPTIMIZER, _flat_optimizer_state(optimizer))
@@ -181,11 +177,11 @@ def _learn(
         raise RuntimeError(f"split step {step}: no pending batch in the node's state")
     samples = RaySamples(pending["origins"], pending["directions"], pending["edges"])
     embeddings = arrays_to_state(msg.content[EMBEDDINGS])["embeddings"]
-    expected = (len(samples) * config.split_samples, embedding_dim)
+    expected = (len(samples) * config.split.split_samples, embedding_dim)
     if tuple(embeddings.shape) != expected:
         raise ValueError(f"embeddings of shape {tuple(embeddings.shape)}, expected {expected}")
     for group in optimizer.param_groups:
-        group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split_steps)
+        group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
     optimizer.zero_grad(set_to_none=True)
     result = client_step(
         head,
@@ -204,8 +200,8 @@ def _learn(
 def _next_batch(state: NodeState, config: FederatedConfig, scene: Scene, step: int) -> ArrayRecord:
     """Draw batch `step` (seeded), keep it pending and return its rays for the server."""
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(config.seed * 1_000_003 + step)
-    batch = PixelSampler(scene, random_background=True).sample(config.split_batch_rays)
+    torch.manual_seed(config.common.seed * 1_000_003 + step)
+    batch = PixelSampler(scene, random_background=True).sample(config.split.split_batch_rays)
     samples = sample_rays(batch.rays, split_render_config(config, scene), perturb=True)
     torch.random.set_rng_state(generator_state)
     rays = {"origins": samples.origins, "directions": samples.directions, "edges": samples.edges}

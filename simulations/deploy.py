@@ -36,7 +36,7 @@ from typing import IO
 
 from flwr.common.config import parse_config_args
 
-from fedfields.train.run_config import meta_settings
+from fedfields.config import meta_settings
 from simulations import APP_DIR
 from simulations.certificates import TlsFiles, write_tls_files
 from simulations.launch import (

@@ -24,12 +24,13 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.flower import ProtocolStrategy
 from fedfields.flower.protocol import NUM_REPLIES, state_to_arrays
 from fedfields.train import save_checkpoint
+from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import federated_state
-from fedfields.train.run_config import FederatedConfig, global_field, render_config
 from simulations.observers import Observer, simulation_observed
 from simulations.scene_observer import CrowdData, CrowdObserver, FieldRenderer
 from strategies import make_strategy as make_named_strategy
@@ -57,8 +58,10 @@ class RoundReport:
         self.num_parameters = num_parameters
         self.renderer = FieldRenderer(config)
         self.eval_scene: Scene | None = None
-        if config.eval_scene_dir:
-            self.eval_scene = load_scene(config.eval_scene_dir, downscale=config.downscale)
+        if config.common.eval_scene_dir:
+            self.eval_scene = load_scene(
+                config.common.eval_scene_dir, downscale=config.common.downscale
+            )
         self.started = time.perf_counter()
         self.history: list[dict[str, Any]] = []
 
@@ -78,7 +81,7 @@ class RoundReport:
         }
         if self.eval_scene is not None:
             self.renderer.load(arrays)
-            views = range(min(len(self.eval_scene), self.config.eval_views_per_round))
+            views = range(min(len(self.eval_scene), self.config.scene.eval_views_per_round))
             metrics["eval-scene-psnr"] = self.renderer.score_scene(self.eval_scene, views)[0]
         for observer in self.observers:
             metrics |= observer.observe_round(server_round, arrays)
@@ -131,7 +134,7 @@ def _headline(metrics: dict[str, Any]) -> str:
 
 def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
     """What the report says about secure aggregation: on or off, and its SecAgg+ settings."""
-    secure = config.secure_aggregation_config()
+    secure = config.secure.secure_aggregation_config()
     if secure is None:
         return {"enabled": False}
     return {"enabled": True, "protocol": "Flower SecAgg+", **asdict(secure)}
@@ -142,19 +145,21 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
     return make_named_strategy(
         config.strategy_name,
         config.to_run_config(),
-        fraction_train=config.fraction_train,
-        min_train_nodes=config.min_train_nodes,
-        min_available_nodes=max(config.min_available_nodes, config.min_train_nodes),
+        fraction_train=config.scene.fraction_train,
+        min_train_nodes=config.deployment.min_train_nodes,
+        min_available_nodes=max(
+            config.deployment.min_available_nodes, config.deployment.min_train_nodes
+        ),
         fraction_evaluate=0.0,  # clients score the global field inside their train reply
-        secure_aggregation=config.secure_aggregation_config(),
-        node_timeout=config.round_timeout,
+        secure_aggregation=config.secure.secure_aggregation_config(),
+        node_timeout=config.deployment.round_timeout,
     )
 
 
 def make_run_dir(config: FederatedConfig) -> Path:
     """The run directory: run-config's `run-dir`, else runs/<UTC time>-<strategy>."""
-    if config.run_dir:
-        path = Path(config.run_dir)
+    if config.common.run_dir:
+        path = Path(config.common.run_dir)
     else:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         path = Path.cwd() / "runs" / f"{stamp}-{config.strategy_name}"
@@ -173,11 +178,11 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
     config = FederatedConfig.from_run_config(run_config)
     if observe is None:
         observe = simulation_observed(run_config)
-    crowd = CrowdData.load(config.data_dir, config.downscale) if observe else None
+    crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
-    random.seed(config.seed)  # the strategies sample each round's nodes with `random`
-    torch.manual_seed(config.seed)
+    random.seed(config.common.seed)  # the strategies sample each round's nodes with `random`
+    torch.manual_seed(config.common.seed)
     initial = federated_state(global_field(config))
     observers: list[Observer] = [] if crowd is None else [CrowdObserver(config, crowd, run_dir)]
     for observer in observers:
@@ -188,9 +193,9 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
     result = strategy.start(
         grid,
         state_to_arrays(initial),
-        num_rounds=config.num_server_rounds,
-        timeout=config.round_timeout,
-        train_config=ConfigRecord({"local-steps": config.local_steps}),
+        num_rounds=config.common.num_server_rounds,
+        timeout=config.deployment.round_timeout,
+        train_config=ConfigRecord({"local-steps": config.scene.local_steps}),
         evaluate_fn=report,
     )
     summary = report.finish(result.arrays)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
-from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
+from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
 
 SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
@@ -175,36 +175,40 @@ def main(argv: list[str] | None = None) -> int:
     Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
     try:
         config = job_config(args.run_config)
-        settings = meta_settings(config) if config.task != "scene" else None
+        settings = meta_settings(config) if config.common.task != "scene" else None
     except ValueError as error:
         print(f"fedfields: {error}", file=sys.stderr)
         return 2
     name = config.strategy_name
-    given = Path(config.data_dir).resolve() if config.data_dir else None
-    if config.mode == "split":  # one client holding the scene's images
+    given = Path(config.deployment.data_dir).resolve() if config.deployment.data_dir else None
+    if config.common.mode == "split":  # one client holding the scene's images
         data_dir, num_nodes, name = given or args.scene.resolve(), 1, "split"
     elif settings is None:
         data_dir = given or crowd_dataset(args, env)
         num_nodes = len(list(data_dir.glob("user_*")))
     else:
         data_dir = None
-        if config.task == "objects":
+        if config.common.task == "objects":
             data_dir = given or object_collection(args, settings, env)
         num_nodes = settings.num_clients
-        name = f"{config.task}-{name}-{config.meta_learner}"
+        name = f"{config.common.task}-{name}-{config.meta.meta_learner}"
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (
-        args.run_dir or Path(config.run_dir or APP_DIR / "runs" / f"{stamp}-{name}")
+        args.run_dir or Path(config.common.run_dir or APP_DIR / "runs" / f"{stamp}-{name}")
     ).resolve()
     state_dir = run_dir.with_name(run_dir.name + ".nodes")
     run_config = f"run-dir={json.dumps(str(run_dir))} state-dir={json.dumps(str(state_dir))}"
     run_config += f" simulation-audit=true min-available-nodes={num_nodes}"
     if data_dir is not None:
         run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
-    if config.task == "objects" and settings is not None and not config.eval_scene_dir:
+    if (
+        config.common.task == "objects"
+        and settings is not None
+        and not config.common.eval_scene_dir
+    ):
         heldout = heldout_objects(data_dir, settings)
         run_config += f" eval-scene-dir={json.dumps(str(heldout))}"
-    if config.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
+    if config.common.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
         run_config += f" downscale={float(args.downscale)}"  # the raw scene, like the crowd's
     federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
     flwr = str(Path(sys.executable).with_name("flwr"))

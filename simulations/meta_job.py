@@ -35,6 +35,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
@@ -46,17 +47,10 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.train.builders import client_meta_tasks, heldout_meta_tasks, meta_model
 from fedfields.train.federated import federated_state
 from fedfields.train.meta import privacy_metrics, test_time_optimise
 from fedfields.train.meta_tasks import MetaTask
-from fedfields.train.run_config import (
-    FederatedConfig,
-    MetaSettings,
-    client_meta_tasks,
-    heldout_meta_tasks,
-    meta_model,
-    meta_settings,
-)
 from simulations.federated_nerf import make_run_dir, secure_aggregation_report
 from simulations.observers import Observer, ReplyTap, simulation_observed
 from strategies import strategy_class
@@ -97,7 +91,7 @@ def tto_qualities(
         tto_schedule(settings.tto_steps),
         learning_rate=settings.tto_lr,
         batch_size=settings.support_batch,
-        seed=config.seed,
+        seed=config.common.seed,
     )
 
 
@@ -201,9 +195,9 @@ class MetaReport:
             _plot_tto(self.run_dir / "tto.png", self.steps, self.initial, self.history)
         summary: dict[str, Any] = {
             "secure-aggregation": secure_aggregation_report(self.config),
-            "task": self.config.task,
+            "task": self.config.common.task,
             "strategy": self.config.strategy_name,
-            "meta-learner": self.config.meta_learner,
+            "meta-learner": self.config.meta.meta_learner,
             "settings": asdict(self.settings),
             "initial": {str(step): quality for step, quality in self.initial.items()},
             "final": dict(self.history[-1]) if self.history else {},
@@ -261,8 +255,8 @@ class PrivacyAudit:
     def client_tasks(self, client: int) -> list[MetaTask]:
         """Client `client`'s private tasks, read from the experimenter's data."""
         object_dir = None
-        if self.config.task == "objects":
-            object_dir = Path(self.config.data_dir) / f"object_{client:02d}"
+        if self.config.common.task == "objects":
+            object_dir = Path(self.config.deployment.data_dir) / f"object_{client:02d}"
         return client_meta_tasks(self.config, self.settings, client, object_dir)
 
     def privacy(self, upload: Upload) -> Quality:
@@ -311,20 +305,20 @@ def meta_observers(run_config: Mapping[str, Any], run_dir: Path | None = None) -
     """
     config = FederatedConfig.from_run_config(run_config)
     observed = simulation_observed(dict(run_config))
-    if not (observed and config.privacy_audit and not config.secure_aggregation):
+    if not (observed and config.meta.privacy_audit and not config.secure.secure_aggregation):
         return []
-    if config.task == "objects" and not config.data_dir:
+    if config.common.task == "objects" and not config.deployment.data_dir:
         raise ValueError(
             "run-config 'data-dir' is empty: the objects privacy audit reads the clients' "
             "objects from it (object_NN, as the virtual nodes do)"
         )
     if run_dir is None:
-        if not config.run_dir:
+        if not config.common.run_dir:
             raise ValueError(
                 "run-config 'run-dir' is empty: the privacy audit writes privacy.png and "
                 "renders.png into the run directory, so name it (the launchers do)"
             )
-        run_dir = Path(config.run_dir)
+        run_dir = Path(config.common.run_dir)
     return [PrivacyAudit(config, meta_settings(config), run_dir)]
 
 
@@ -421,15 +415,17 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
     """
     common: StrategyOptions = {
         "fraction_evaluate": 0.0,
-        "secure_aggregation": config.secure_aggregation_config(),
-        "node_timeout": config.round_timeout,
+        "secure_aggregation": config.secure.secure_aggregation_config(),
+        "node_timeout": config.deployment.round_timeout,
     }
     cls = strategy_class(config.strategy_name)
     if issubclass(cls, FedMeNF):
         return cls(
-            clients_per_round=config.clients_per_round, num_clients=settings.num_clients, **common
+            clients_per_round=config.meta.clients_per_round,
+            num_clients=settings.num_clients,
+            **common,
         )
-    sampling = m_of_n_sampling(config.clients_per_round, settings.num_clients)
+    sampling = m_of_n_sampling(config.meta.clients_per_round, settings.num_clients)
     return cls.from_config(config.to_run_config(), **common, **sampling)
 
 
@@ -449,16 +445,16 @@ def run_meta_job(
         observers = meta_observers(run_config, run_dir)
     for observer in observers:
         grid = observer.wrap_grid(grid)
-    random.seed(config.seed)  # Flower samples each round's nodes with `random`
-    torch.manual_seed(config.seed)
+    random.seed(config.common.seed)  # Flower samples each round's nodes with `random`
+    torch.manual_seed(config.common.seed)
     initial = federated_state(meta_model(config, settings))
     strategy = make_meta_strategy(config, settings)
     report = MetaReport(config, settings, run_dir, strategy, observers)
     result = strategy.start(
         grid,
         state_to_arrays(initial),
-        num_rounds=config.num_server_rounds,
-        timeout=config.round_timeout,
+        num_rounds=config.common.num_server_rounds,
+        timeout=config.deployment.round_timeout,
         train_config=ConfigRecord({LOCAL_STEPS: settings.outer_steps}),
         evaluate_fn=report,
     )

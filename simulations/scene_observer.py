@@ -23,14 +23,15 @@ from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from PIL import Image
 
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdUser, load_crowd_user
 from fedfields.flower.decentnerf import ALPHA_STATE
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.metrics import psnr, ssim
 from fedfields.render import OccupancyGrid, render_image
+from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import load_federated_state
-from fedfields.train.run_config import FederatedConfig, global_field, render_config
 
 OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
 
@@ -129,7 +130,7 @@ class CrowdObserver:
     def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
         """Score a spread of users' first views (and held-out views) of this round's field."""
         self.renderer.load(arrays)
-        count = self.config.eval_views_per_round
+        count = self.config.scene.eval_views_per_round
         every = max(1, len(self.data.users) // max(1, count))
         metrics: dict[str, Any] = score_crowd(
             self.renderer, self.data.users[::every][:count], views=[0]
@@ -148,7 +149,7 @@ class CrowdObserver:
             heldout_psnr, heldout_ssim = self.renderer.score_scene(heldout, range(len(heldout)))
             final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
         self._write_renders()
-        alphas = node_alphas(self.config.state_dir)
+        alphas = node_alphas(self.config.deployment.state_dir)
         if alphas:
             lines = "".join(json.dumps(line) + "\n" for line in alphas)
             (self.run_dir / "alphas.jsonl").write_text(lines)

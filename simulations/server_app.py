@@ -14,7 +14,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedfields.train.run_config import FederatedConfig
+from fedfields.config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.split_job import run_split_job
@@ -25,9 +25,9 @@ app = ServerApp()
 def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory."""
     config = FederatedConfig.from_run_config(run_config)
-    if config.mode == "split":
+    if config.common.mode == "split":
         return run_split_job(grid, run_config)
-    if config.task == "scene":
+    if config.common.task == "scene":
         return run_federated_nerf(grid, run_config)
     return run_meta_job(grid, run_config)
 

@@ -40,6 +40,7 @@ from clients.split_client import (
     is_scene,
     joint_field,
 )
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.flower.protocol import (
     CONFIG,
@@ -71,7 +72,6 @@ from fedfields.privacy.attacks import (
 )
 from fedfields.render import RenderConfig
 from fedfields.train.checkpoint import load_checkpoint
-from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import make_run_dir
 from simulations.observers import Observer, ReplyTap, simulation_observed
 
@@ -99,7 +99,7 @@ def run_split_job(
     exchange = _Exchange(grid, _the_node(grid))
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
     started, history, window = time.perf_counter(), [], []
-    for step in range(config.split_steps):
+    for step in range(config.split.split_steps):
         points = _samples(reply).points()
         embeddings = server_forward(server, points)
         content = RecordDict(
@@ -116,12 +116,12 @@ def run_split_job(
                 f"non-finite values; expected finite values of shape {tuple(embeddings.shape)}"
             )
         for group in optimizer.param_groups:
-            group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split_steps)
+            group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
         optimizer.zero_grad(set_to_none=True)
         server_backward(server, points, gradient)
         optimizer.step()
         window.append(dict(reply.content[METRICS]))
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == config.split_steps:
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == config.split.split_steps:
             line = _block(step + 1, window, time.perf_counter() - started)
             window = []
             if observers:
@@ -140,7 +140,7 @@ def run_split_job(
     client_metrics = dict(exchange(finish, "finish").content[METRICS])
     summary: dict[str, Any] = {
         "mode": "split",
-        "steps": config.split_steps,
+        "steps": config.split.split_steps,
         "seconds": time.perf_counter() - started,
         "client": client_metrics,
         "history": history,
@@ -225,13 +225,21 @@ def split_observers(run_config: dict[str, Any], run_dir: Path | None = None) -> 
         return []
     config = FederatedConfig.from_run_config(run_config)
     for key, value, why in (
-        ("data-dir", config.data_dir, "the client's scene (the attack's held-out views)"),
-        ("state-dir", config.state_dir, "the client's node_00 directory (its joint field)"),
-        ("run-dir", str(run_dir or config.run_dir), "the report's directory"),
+        (
+            "data-dir",
+            config.deployment.data_dir,
+            "the client's scene (the attack's held-out views)",
+        ),
+        (
+            "state-dir",
+            config.deployment.state_dir,
+            "the client's node_00 directory (its joint field)",
+        ),
+        ("run-dir", str(run_dir or config.common.run_dir), "the report's directory"),
     ):
         if not value:
             raise ValueError(f"run-config {key!r} is empty: the split audit needs {why}")
-    return [SplitAudit(config, Path(run_dir or config.run_dir))]
+    return [SplitAudit(config, Path(run_dir or config.common.run_dir))]
 
 
 class SplitAudit:
@@ -246,16 +254,16 @@ class SplitAudit:
     def __init__(self, config: FederatedConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
-        root = Path(config.data_dir)
+        root = Path(config.deployment.data_dir)
         self.scene_dir = root if is_scene(root) else root / f"{SCENE_PREFIX}_00"
-        self.client_dir = Path(config.state_dir) / "node_00"
+        self.client_dir = Path(config.deployment.state_dir) / "node_00"
         self.transcript: list[SplitExchange] = []
         self.samples: RaySamples | None = None  # the batch the client sent last
         self.recorded: tuple[int, torch.Tensor] | None = None  # (step, embeddings) in flight
 
     def wrap_grid(self, grid: Grid) -> Grid:
         """A tap showing the audit each step's embeddings and the client's replies."""
-        if not self.config.split_attack:
+        if not self.config.split.split_attack:
             return grid
         return _WireTap(grid, self.sent, self.received)
 
@@ -263,7 +271,7 @@ class SplitAudit:
         """Keep the embeddings of a recorded step until its gradient comes back."""
         for message in messages:
             step = message.content[CONFIG].get(SPLIT_STEP)
-            if step is not None and int(step) % self.config.split_record_every == 0:
+            if step is not None and int(step) % self.config.split.split_record_every == 0:
                 embeddings = arrays_to_state(message.content[EMBEDDINGS])["embeddings"]
                 self.recorded = (int(step), embeddings)
 
@@ -291,12 +299,12 @@ class SplitAudit:
         if not (self.client_dir / CHECKPOINT).is_file():
             raise FileNotFoundError(
                 f"split audit: no {CHECKPOINT} in the client's state directory "
-                f"{self.client_dir} (run-config 'state-dir' {self.config.state_dir!r})"
+                f"{self.client_dir} (run-config 'state-dir' {self.config.deployment.state_dir!r})"
             )
         for name in (CHECKPOINT, CLIENT_REPORT):
             shutil.copy2(self.client_dir / name, self.run_dir / name)
         shutil.copytree(self.client_dir / RENDERS, self.run_dir / RENDERS, dirs_exist_ok=True)
-        if not self.config.split_attack:
+        if not self.config.split.split_attack:
             return {}
         server, _ = split_field(joint_field(self.config))
         server.load_state_dict(arrays_to_state(arrays))
@@ -309,11 +317,11 @@ class SplitAudit:
         never sees. Also scores an untrained surrogate (the attack's baseline) and writes
         attack.png: true depth | attacked depth | true grey | attacked grey per view.
         """
-        scene, heldout = client_views(str(self.scene_dir), self.config.downscale)
+        scene, heldout = client_views(str(self.scene_dir), self.config.common.downscale)
         truth, settings, _, _ = load_checkpoint(self.client_dir / CHECKPOINT)
         _, client = split_field(truth)  # type: ignore[arg-type]
         server.eval()
-        attack_config = SurrogateAttackConfig(seed=self.config.seed)
+        attack_config = SurrogateAttackConfig(seed=self.config.common.seed)
         background = torch.tensor(scene.background, dtype=torch.float32)
         started = time.perf_counter()
         result = surrogate_model_attack(server, self.transcript, background, attack_config)

@@ -15,10 +15,10 @@ from flwr.app import ArrayRecord
 from clients.client_app import PERSONAL
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
+from fedfields.config import FederatedConfig
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.flower.protocol import arrays_to_state
-from fedfields.train.run_config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
 
@@ -81,7 +81,7 @@ def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsy
     ]
     assert len(list((run_dir / "renders").glob("user_*.png"))) == 3
     saved = json.loads((run_dir / "config.json").read_text())
-    assert FederatedConfig.from_run_config(saved).strategy == "decentnerf"
+    assert FederatedConfig.from_run_config(saved).common.strategy == "decentnerf"
     # The server's checkpoint is what `fedfields eval` reads.
     code = fedfields_main(
         [

@@ -18,6 +18,7 @@ from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.flower import FedMeNF, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
@@ -35,7 +36,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.scaffold import CLIENT_CONTROL
-from fedfields.train.run_config import FederatedConfig, _object_task, meta_settings
+from fedfields.train.builders import _object_task
 from simulations.meta_job import meta_observers, run_meta_job, tto_schedule
 from simulations.observers import Observer
 from simulations.run import client_app
@@ -172,7 +173,7 @@ def test_faces_run_writes_the_report(faces_run: tuple[Path, InProcessGrid]) -> N
     for reply in train_replies(grid, "1") + train_replies(grid, "2"):
         assert 0.0 <= reply.content[METRICS][GAMMA] <= 1.0
     saved = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
-    assert saved.task == "faces" and saved.strategy_name == "fedmenf"
+    assert saved.common.task == "faces" and saved.strategy_name == "fedmenf"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"] == lines[-1] and set(summary["initial"]) == {"0", "1", "2", "4"}
     assert summary["settings"]["outer_steps"] == 2 and summary["settings"]["inner_lr"] == 0.005
@@ -337,10 +338,10 @@ def test_bad_run_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_presets_fill_only_the_keys_left_at_zero() -> None:
-    faces = meta_settings(FederatedConfig(task="faces", outer_lr=0.02))
+    faces = meta_settings(FederatedConfig.from_run_config({"task": "faces", "outer-lr": 0.02}))
     assert (faces.outer_steps, faces.inner_steps, faces.outer_optimizer) == (32, 1, "sgd")
     assert faces.outer_lr == 0.02
-    objects = meta_settings(FederatedConfig(task="objects"))
+    objects = meta_settings(FederatedConfig.from_run_config({"task": "objects"}))
     assert (objects.outer_steps, objects.inner_steps, objects.outer_optimizer) == (8, 8, "adamw")
     assert FederatedConfig().strategy_name == "decentnerf"
     assert FederatedConfig(task="video").strategy_name == "fedmenf"

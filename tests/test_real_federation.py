@@ -15,6 +15,7 @@ from flower_harness import InProcessGrid, set_task_identity
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
+from fedfields.config import FederatedConfig
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.fields.encodings import tcnn_available
@@ -22,7 +23,7 @@ from fedfields.flower import FedAvg
 from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.flower.protocol import NUM_FAILURES, NUM_REPLIES, arrays_to_state, state_to_arrays
 from fedfields.flower.strategy import InsufficientNodesError
-from fedfields.train.run_config import FederatedConfig, global_field
+from fedfields.train.builders import global_field
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app
 

@@ -16,9 +16,9 @@ from flwr.clientapp import ClientApp
 
 from clients.split_client import client_views, scene_dir, split_defence
 from fedfields.cli import main as fedfields_main
+from fedfields.config import FederatedConfig
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
-from fedfields.train.run_config import FederatedConfig
 from simulations.run import client_app, with_run_config
 from simulations.split_job import run_split_job, split_observers
 

@@ -37,12 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from fedfields.aggregate import proximal_term
+from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.train.federated import _on_device
 from fedfields.train.meta_tasks import MetaTask
 
-LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
-OUTER_OPTIMIZERS = ("sgd", "adamw")
 SECOND_ORDER = ("maml", "fedmenf")
 
 

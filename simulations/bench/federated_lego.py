@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
+from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.geometry import Cameras
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
-from fedfields.train.run_config import FederatedConfig, global_field, render_config
+from fedfields.train.builders import global_field, render_config
 from simulations import APP_DIR
 from simulations.run import run_with_ray
 from simulations.scene_observer import CrowdData, score_crowd
@@ -53,8 +54,8 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
     occupancy = OccupancyGrid(field.aabb)
     train_config = TrainConfig(
         steps=steps,
-        learning_rate=config.learning_rate,
-        target_samples=config.target_samples,
+        learning_rate=config.scene.learning_rate,
+        target_samples=config.scene.target_samples,
         batch_rays=512,
         progress=False,
     )
@@ -91,13 +92,15 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = CrowdData.load(str(args.crowd), 1.0)
-    base = FederatedConfig(
-        data_dir=str(args.crowd.resolve()),
-        simulation_audit=True,
-        num_server_rounds=args.rounds,
-        local_steps=args.local_steps,
+    base = FederatedConfig.from_run_config(
+        {
+            "data-dir": str(args.crowd.resolve()),
+            "simulation-audit": True,
+            "num-server-rounds": args.rounds,
+            "local-steps": args.local_steps,
+        }
     )
-    sampled = max(int(len(data.users) * base.fraction_train), base.min_train_nodes)
+    sampled = max(int(len(data.users) * base.scene.fraction_train), base.deployment.min_train_nodes)
     total_steps = args.rounds * sampled * args.local_steps
     parameters = sum(p.numel() for p in global_field(base).parameters())
     rows = {}

@@ -1,7 +1,7 @@
 """Benchmark: a miniature of FedMeNF's Table 1, one run per strategy x meta-learner.
 
 Each run goes through Flower's simulation engine (Ray) with the task's preset
-(`fedfields.train.run_config.META_PRESETS`, one virtual SuperNode per client) and reports the
+(`fedfields.train.builders.META_PRESETS`, one virtual SuperNode per client) and reports the
 final round's held-out PSNR after test-time optimisation (TTO), PSNR_p of the round's uploads,
 their difference Delta, and PSNR_p averaged over all rounds. A "Local (no federation)" row
 gives the TTO from a random initialisation (summary.json's "initial", at the last TTO step):
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfields.train.run_config import FederatedConfig, MetaSettings, meta_settings
+from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
 from simulations.launch import object_collection
 from simulations.launch import parse_args as launch_args
@@ -95,7 +95,7 @@ def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> P
     A simulation: run-config `simulation-audit` attaches the privacy audit; for objects
     `data-dir` is the clients' data root (`simulation_objects`).
     """
-    config = FederatedConfig(task=task)
+    config = FederatedConfig.from_run_config({"task": task})
     settings = meta_settings(config)
     run_dir = out / f"{time.strftime('%H%M%S')}-{task}-{strategy}-{learner.replace(' ', '_')}"
     run_config: dict[str, Any] = {

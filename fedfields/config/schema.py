@@ -1,0 +1,344 @@
+"""The run-config schema: one validated dataclass per section, read from Flower's dash-case keys.
+
+Flower passes every key of pyproject's `[tool.flwr.app.config]` (defaults merged with
+`--run-config` overrides) to both apps, so `FederatedConfig.from_run_config` sees all sections
+at once. It refuses unknown keys (with the closest known one), values of the wrong type or
+range (naming the key and value), and a key of a section this run does not use changed from
+its default (naming the task or mode that uses it). Field names are the keys in snake_case;
+each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from fedfields.privacy.secure_sum import SecureAggregationConfig
+
+TASKS = ("scene", "faces", "video", "objects")
+META_TASKS = TASKS[1:]
+MODES = ("federated", "split")
+HASH_BACKENDS = ("torch", "tcnn")
+LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
+OUTER_OPTIMIZERS = ("sgd", "adamw")
+
+
+def key(default: Any, doc: str) -> Any:
+    """A section field: its default and its one-line documentation."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def dash(name: str) -> str:
+    """The run-config key of a field name."""
+    return name.replace("_", "-")
+
+
+def _check(section: Any, names: Iterable[str], ok: Callable[[Any], bool], rule: str) -> None:
+    """Raise ValueError naming the first key among `names` whose value breaks `rule`."""
+    for name in names:
+        value = getattr(section, name)
+        if not ok(value):
+            raise ValueError(f"run-config '{dash(name)}' must be {rule}, got {value!r}")
+
+
+def _choice(section: Any, name: str, allowed: tuple[str, ...]) -> None:
+    """Raise ValueError unless the key `name` is one of `allowed`."""
+    if getattr(section, name) not in allowed:
+        raise ValueError(
+            f"run-config '{dash(name)}' must be one of {allowed}, got {getattr(section, name)!r}"
+        )
+
+
+def _finite(least: float) -> Callable[[Any], bool]:
+    return lambda value: math.isfinite(value) and value >= least
+
+
+@dataclass(frozen=True)
+class CommonSection:
+    """Keys every task and mode reads. The strategy's own settings (proximal-mu,
+    scaffold-global-lr) are common since the scene and the meta tasks run the same strategies;
+    field-width and field-depth size the scene's heads and the meta tasks' MLPs alike."""
+
+    title: ClassVar[str] = "common"
+    used_by: ClassVar[str] = "every task and mode"
+
+    task: str = key("scene", "scene (federated NeRF) | faces | video | objects (FedMeNF)")
+    mode: str = key("federated", "federated | split (SplitNeRF, task scene, one client)")
+    strategy: str = key(
+        "", '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold'
+    )
+    num_server_rounds: int = key(8, "federated rounds")
+    seed: int = key(0, "seeds the initial model, the nodes' sampling and local randomness")
+    run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
+    downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
+    proximal_mu: float = key(0.01, "FedProx mu (scene and meta tasks)")
+    scaffold_global_lr: float = key(1.0, "Scaffold's server step size")
+    field_width: int = key(0, "scene field heads (0: 64) or meta MLP width (0: the preset)")
+    field_depth: int = key(0, "meta MLP depth (0: the task's preset)")
+    eval_scene_dir: str = key(
+        "", "a public clean scene (objects: held-out object folders) the server scores on"
+    )
+
+    def __post_init__(self) -> None:
+        _choice(self, "task", TASKS)
+        _choice(self, "mode", MODES)
+        _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
+        _check(self, ["field_width", "field_depth"], lambda v: v >= 0, ">= 0")
+        _check(self, ["downscale"], lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+        _check(self, ["proximal_mu", "scaffold_global_lr"], _finite(0.0), "finite and >= 0")
+        if self.mode == "split" and self.task != "scene":
+            raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
+
+
+@dataclass(frozen=True)
+class SceneSection:
+    """The federated NeRF of a crowd (DecentNeRF and baselines); split mode builds its field
+    from the hash-grid keys too. Every tensor shape comes from here, never from images."""
+
+    title: ClassVar[str] = "scene"
+    used_by: ClassVar[str] = "task='scene'"
+
+    local_steps: int = key(32, "local optimiser steps per round")
+    fraction_train: float = key(0.5, "share of the connected users sampled per round")
+    learning_rate: float = key(0.01, "Adam learning rate of the global field")
+    personal_learning_rate: float = key(0.01, "DecentNeRF personal field and embeddings")
+    target_samples: int = key(16384, "field samples per local step (sets the ray batch)")
+    personal_density_weight: float = key(0.01, "NeRF-W L1 on personal density")
+    alpha_lr: float = key(0.1, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
+    hash_log2_size: int = key(15, "global hash table size per level, log2")
+    hash_levels: int = key(16, "hash-grid levels")
+    hash_max_resolution: int = key(400, "finest hash-grid resolution")
+    hash_backend: str = key("torch", "torch | tcnn (a node without tinycudann+CUDA refuses)")
+    scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
+    eval_views_per_round: int = key(4, "simulation observer: user views it scores per round")
+    client_eval_views: int = key(1, "views each user holds out and scores the global field on")
+
+    def __post_init__(self) -> None:
+        _choice(self, "hash_backend", HASH_BACKENDS)
+        _check(self, ["local_steps", "target_samples", "hash_levels"], lambda v: v >= 1, ">= 1")
+        _check(self, ["eval_views_per_round", "client_eval_views"], lambda v: v >= 0, ">= 0")
+        _check(self, ["fraction_train"], lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        _check(self, ["hash_log2_size"], lambda v: 10 <= v <= 22, "in [10, 22]")
+        _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")
+        _check(self, ["scene_bound"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+        rates = ["learning_rate", "personal_learning_rate", "personal_density_weight", "alpha_lr"]
+        _check(self, rates, _finite(0.0), "finite and >= 0")
+
+
+@dataclass(frozen=True)
+class MetaSection:
+    """FedMeNF's federated meta-learning; 0 or "" takes the task's preset
+    (`fedfields.config.presets.META_PRESETS`, FedMeNF Table 7 where a CPU affords it)."""
+
+    title: ClassVar[str] = "meta"
+    used_by: ClassVar[str] = "task='faces' | 'video' | 'objects'"
+
+    meta_learner: str = key("fedmenf", "maml | fomaml | reptile | fedmenf")
+    gamma: float = key(0.75, "FedMeNF's fixed gamma (Eq. 10)")
+    privacy_budget: float = key(0.0, "zeta > 0: adaptive gamma (Eq. 13-14) instead of gamma")
+    clients_per_round: int = key(5, "M, clients sampled per round")
+    num_clients: int = key(0, "N (faces 20, video 6, objects 20)")
+    outer_steps: int = key(0, "E (faces 32, video 64, objects 8)")
+    inner_steps: int = key(0, "K (1, 1, 8)")
+    inner_lr: float = key(0.0, "lambda_i (0.005, 0.01, 0.001)")
+    outer_lr: float = key(0.0, "lambda_o (0.001, 0.001, 0.001)")
+    outer_optimizer: str = key("", "sgd | adamw (sgd, sgd, adamw)")
+    tto_steps: int = key(0, "test-time optimisation steps, scored at 0, 1, 2, 4, ... (32, 64, 64)")
+    tto_lr: float = key(0.0, "its Adam learning rate (0.0001, 0.0001, 0.001)")
+    privacy_audit: bool = key(True, "simulation only: PSNR_p of each upload against its data")
+
+    def __post_init__(self) -> None:
+        _choice(self, "meta_learner", LEARNERS)
+        _choice(self, "outer_optimizer", ("", *OUTER_OPTIMIZERS))
+        _check(self, ["clients_per_round"], lambda v: v >= 1, ">= 1")
+        counts = ["num_clients", "outer_steps", "inner_steps", "tto_steps"]
+        _check(self, counts, lambda v: v >= 0, ">= 0 (0: the task's preset)")
+        _check(self, ["gamma"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        rates = ["privacy_budget", "inner_lr", "outer_lr", "tto_lr"]
+        _check(self, rates, _finite(0.0), "finite and >= 0")
+
+
+@dataclass(frozen=True)
+class SplitSection:
+    """Split learning (SplitNeRF / S2NeRF): one client; the server holds the hash grid."""
+
+    title: ClassVar[str] = "split"
+    used_by: ClassVar[str] = "mode='split'"
+
+    split_steps: int = key(600, "server-client round trips, one batch each")
+    split_batch_rays: int = key(256, "rays per batch")
+    split_samples: int = key(48, "stratified samples per ray")
+    split_noise_c: float = key(0.0, "S2NeRF gradient noise scale c (0: no defence; paper 1.2)")
+    split_noise_r: float = key(0.0001, "its decay r over the run (1: constant)")
+    split_label_noise: float = key(0.0, "NoisyLabel std on pixel colours (0: none)")
+    split_record_every: int = key(20, "the audit keeps every k-th exchange")
+    split_attack: bool = key(True, "simulation only: Surrogate Model Attack on that record")
+
+    def __post_init__(self) -> None:
+        counts = ["split_steps", "split_batch_rays", "split_samples", "split_record_every"]
+        _check(self, counts, lambda v: v >= 1, ">= 1")
+        _check(self, ["split_noise_r"], lambda v: 0 < v <= 1, "in (0, 1]")
+        _check(self, ["split_noise_c", "split_label_noise"], _finite(0.0), "finite and >= 0")
+
+
+@dataclass(frozen=True)
+class SecureSection:
+    """Secure aggregation with Flower SecAgg+ (every strategy): the server learns only sums."""
+
+    title: ClassVar[str] = "secure aggregation"
+    used_by: ClassVar[str] = "every task in mode='federated'"
+
+    secure_aggregation: bool = key(False, "aggregate through Flower SecAgg+")
+    secagg_num_shares: float = key(1.0, "fraction of the sampled clients (<= 1) or a count (> 2)")
+    secagg_reconstruction_threshold: float = key(0.67, "fraction of the shares, or a count")
+    secagg_timeout: float = key(600.0, "seconds per SecAgg+ stage (0: wait forever)")
+    secagg_clipping_range: float = key(
+        0.0, "0: per-tensor bounds summed securely; > 0: fixed bound"
+    )
+
+    def __post_init__(self) -> None:
+        self.secure_aggregation_config()  # validates the secagg-* keys
+
+    def secure_aggregation_config(self) -> SecureAggregationConfig | None:
+        """The SecAgg+ settings when `secure-aggregation` is on, else None."""
+        try:
+            config = SecureAggregationConfig(
+                num_shares=self.secagg_num_shares,
+                reconstruction_threshold=self.secagg_reconstruction_threshold,
+                timeout=self.secagg_timeout,
+                clipping_range=self.secagg_clipping_range,
+            )
+        except ValueError as error:
+            raise ValueError(f"run-config: {error}") from None
+        return config if self.secure_aggregation else None
+
+
+@dataclass(frozen=True)
+class DeploymentSection:
+    """Nodes coming and going, and what only a simulation launcher sets (data, state, audit)."""
+
+    title: ClassVar[str] = "deployment"
+    used_by: ClassVar[str] = "every task and mode"
+
+    min_train_nodes: int = key(2, "a round samples at least this many nodes")
+    min_available_nodes: int = key(0, "the first round waits (round-timeout) for this many")
+    round_timeout: float = key(600.0, "seconds a round waits for replies and min-train-nodes")
+    data_dir: str = key(
+        "", "simulation only: root of the nodes' data (user_NN, object_NN); deployed: node-config"
+    )
+    state_dir: str = key(
+        "", "simulation only: root of the nodes' state (node_NN); \"\" = Flower's context"
+    )
+    simulation_audit: bool = key(
+        False, "simulation only: observers read data-dir's ground truth (launchers set it)"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self, ["min_train_nodes"], lambda v: v >= 1, ">= 1")
+        _check(self, ["min_available_nodes"], lambda v: v >= 0, ">= 0")
+        _check(self, ["round_timeout"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+
+
+SECTIONS: dict[str, type] = {
+    "common": CommonSection,
+    "scene": SceneSection,
+    "meta": MetaSection,
+    "split": SplitSection,
+    "secure": SecureSection,
+    "deployment": DeploymentSection,
+}
+"""FederatedConfig's attribute name -> its section's dataclass, in reference order."""
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    """Settings of one run, by section: `config.scene.local_steps`, `config.meta.gamma`, ..."""
+
+    common: CommonSection = field(default_factory=CommonSection)
+    scene: SceneSection = field(default_factory=SceneSection)
+    meta: MetaSection = field(default_factory=MetaSection)
+    split: SplitSection = field(default_factory=SplitSection)
+    secure: SecureSection = field(default_factory=SecureSection)
+    deployment: DeploymentSection = field(default_factory=DeploymentSection)
+
+    def __post_init__(self) -> None:
+        task, strategy = self.common.task, self.common.strategy
+        if task != "scene" and strategy == "decentnerf":
+            raise ValueError(
+                f"run-config 'strategy' 'decentnerf' is for task 'scene' only; task "
+                f"{task!r} takes fedmenf, fedavg, fedprox or scaffold"
+            )
+        if task == "scene" and strategy == "fedmenf":
+            raise ValueError("run-config 'strategy' 'fedmenf' is for the meta tasks, not 'scene'")
+        for name, used in self.unused_sections().items():
+            section = getattr(self, name)
+            for changed in _changed_keys(section):
+                raise ValueError(
+                    f"run-config '{changed}' belongs to the {section.title} section, used by "
+                    f"{used}; this run is task={task!r} mode={self.common.mode!r}"
+                )
+
+    def unused_sections(self) -> dict[str, str]:
+        """Sections this run's task and mode do not read, with who reads them."""
+        unused = {}
+        if self.common.task != "scene":
+            unused["scene"] = SceneSection.used_by
+        if self.common.task == "scene":
+            unused["meta"] = MetaSection.used_by
+        if self.common.mode != "split":
+            unused["split"] = SplitSection.used_by
+        return unused
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy to run: `strategy`, or the task's default when it is empty."""
+        if self.common.strategy:
+            return self.common.strategy
+        return "decentnerf" if self.common.task == "scene" else "fedmenf"
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The dash-case run-config dict that `from_run_config` reads back."""
+        return {
+            dash(name): value
+            for section in SECTIONS
+            for name, value in asdict(getattr(self, section)).items()
+        }
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
+        """Parse Flower's run-config; one ValueError for an unknown key, a wrong type or value,
+        or a changed key of a section the run does not use."""
+        owners = section_of_keys()
+        unknown = sorted(set(run_config) - set(owners))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], owners, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown run-config key {unknown[0]!r}{hint} (docs/RUN_CONFIG.md)")
+        values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for run_key, value in run_config.items():
+            section, spec = owners[run_key]
+            values[section][spec.name] = _typed(run_key, value, spec)
+        return cls(**{name: SECTIONS[name](**kwargs) for name, kwargs in values.items()})
+
+
+def section_of_keys() -> dict[str, tuple[str, Field[Any]]]:
+    """Every run-config key -> (its section's attribute name, its dataclass field)."""
+    return {dash(f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}
+
+
+def _typed(run_key: str, value: Any, spec: Field[Any]) -> Any:
+    """`value` as the field's type (an int is a valid float); ValueError naming the key."""
+    expected = type(spec.default) if spec.default is not MISSING else object
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
+        raise ValueError(f"run-config '{run_key}' must be {expected.__name__}, got {value!r}")
+    return value
+
+
+def _changed_keys(section: Any) -> list[str]:
+    """Run-config keys of `section` whose value differs from the default."""
+    return [dash(f.name) for f in fields(section) if getattr(section, f.name) != f.default]

@@ -1,0 +1,229 @@
+"""What both apps build from the run-config (`fedfields.config`): the scene's global field
+and render settings, and the meta tasks' model, client tasks and held-out tasks.
+
+The ServerApp and the ClientApp call the same builders, so the federated tensors agree
+whatever a node's images or hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from torch import nn
+
+from fedfields.config import FederatedConfig, MetaSettings
+from fedfields.data.scene import Scene
+from fedfields.data.tasks import LFW_FACES, VideoTask, client_tasks, gif_video, lfw_faces
+from fedfields.fields import (
+    HashGridConfig,
+    HashGridField,
+    HashGridFieldConfig,
+    NeRFField,
+    NeRFFieldConfig,
+    Siren,
+    SirenConfig,
+)
+from fedfields.render import RenderConfig
+from fedfields.train.meta import MetaConfig
+from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
+
+SCENE_FIELD_WIDTH = 64  # hidden width of the scene field's heads when `field-width` is 0
+
+
+def global_field(config: FederatedConfig) -> HashGridField:
+    """The federated global field: an Instant-NGP hash grid over the run-config's box.
+
+    Every tensor shape comes from run-config (levels, table size, finest resolution, widths),
+    so the server and nodes with different cameras or hardware build identical tensors. A
+    node that cannot run `hash-backend` raises one clear error (`resolve_implementation`).
+    """
+    encoding = HashGridConfig(
+        num_levels=config.scene.hash_levels,
+        max_resolution=config.scene.hash_max_resolution,
+        log2_hashmap_size=config.scene.hash_log2_size,
+        implementation=config.scene.hash_backend,  # type: ignore[arg-type]
+    )
+    width = config.common.field_width or SCENE_FIELD_WIDTH
+    bound = config.scene.scene_bound
+    return HashGridField(
+        HashGridFieldConfig(
+            encoding=encoding,
+            density_hidden=width,
+            color_hidden=width,
+            aabb=(-bound, -bound, -bound, bound, bound, bound),
+        )
+    )
+
+
+def check_scene_fits(config: FederatedConfig, scene: Scene, where: str) -> None:
+    """Raise ValueError when `scene`'s box leaves the field's run-config box (`scene-bound`)."""
+    extent = float(scene.aabb.abs().max())
+    if extent > config.scene.scene_bound + 1e-6:
+        raise ValueError(
+            f"{where}: the scene's box reaches {extent:g}, outside run-config 'scene-bound' "
+            f"{config.scene.scene_bound:g}; raise 'scene-bound' for every node and the server"
+        )
+
+
+def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
+    """Occupancy-marching settings: the field's box, the scene's near/far and background
+    (a server without a scene takes the NeRF-synthetic defaults)."""
+    bound = config.scene.scene_bound
+    views = (
+        {}
+        if scene is None
+        else {"near": scene.near, "far": scene.far, "background": scene.background}
+    )
+    return RenderConfig(
+        aabb=(-bound, -bound, -bound, bound, bound, bound),
+        step_size=2.0 * bound * math.sqrt(3) / 256,
+        **views,
+    )
+
+
+# ------------------------------------------------------------------ FedMeNF meta-learning
+
+
+def meta_config(
+    config: FederatedConfig,
+    settings: MetaSettings,
+    *,
+    outer_steps: int,
+    proximal_mu: float,
+    seed: int,
+) -> MetaConfig:
+    """One client's `MetaConfig`; gamma and the privacy budget reach FedMeNF only."""
+    fedmenf = config.meta.meta_learner == "fedmenf"
+    return MetaConfig(
+        learner=config.meta.meta_learner,
+        outer_steps=outer_steps,
+        inner_steps=settings.inner_steps,
+        inner_lr=settings.inner_lr,
+        outer_lr=settings.outer_lr,
+        outer_optimizer=settings.outer_optimizer,
+        gamma=config.meta.gamma if fedmenf else 0.0,
+        privacy_budget=config.meta.privacy_budget
+        if fedmenf and config.meta.privacy_budget > 0
+        else None,
+        num_clients=settings.num_clients,
+        rounds=config.common.num_server_rounds,
+        clients_per_round=config.meta.clients_per_round,
+        support_batch=settings.support_batch,
+        query_batch=settings.query_batch,
+        proximal_mu=proximal_mu,
+        seed=seed,
+    )
+
+
+def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
+    """The meta-learned field: SIREN (x, y) -> grey or (t, x, y) -> RGB, or a NeRF MLP."""
+    if config.common.task == "objects":
+        nerf = NeRFFieldConfig(
+            depth=settings.field_depth,
+            width=settings.field_width,
+            skips=(),
+            position_frequencies=8,
+            view_dependent=False,
+        )
+        return NeRFField(nerf)
+    in_features, out_features = (2, 1) if config.common.task == "faces" else (3, 3)
+    return Siren(
+        SirenConfig(
+            in_features=in_features,
+            out_features=out_features,
+            width=settings.field_width,
+            depth=settings.field_depth,
+        )
+    )
+
+
+def client_meta_tasks(
+    config: FederatedConfig, settings: MetaSettings, client: int, object_dir: Path | None = None
+) -> list[MetaTask]:
+    """Client `client`'s private tasks (its D_train): faces, one video clip, or one object.
+
+    faces: the LFW faces outside the held-out ones, dealt IID to the N clients by `seed`;
+    video: clip `client` of `video_clips` (both scikit-image's, picked by the client's index);
+    objects: the object in `object_dir`, the client's own folder (its node's data-dir).
+    """
+    if not 0 <= client < settings.num_clients:
+        raise ValueError(f"client {client} is outside the task's {settings.num_clients} clients")
+    if config.common.task == "objects":
+        if object_dir is None:
+            raise ValueError(f"task 'objects': client {client} needs its own object folder")
+        return [_object_task(Path(object_dir), config.common.downscale)]
+    return list(
+        _coordinate_tasks(
+            config.common.task, settings.num_clients, settings.heldout_tasks, config.common.seed
+        )[client]
+    )
+
+
+def heldout_meta_tasks(config: FederatedConfig, settings: MetaSettings) -> list[MetaTask]:
+    """The public tasks no client holds, for the server's test-time optimisation.
+
+    faces and video: the last LFW faces or clips (scikit-image's data); objects: the first
+    `heldout_tasks` object_* folders of run-config `eval-scene-dir`, none when it is empty
+    (never `data-dir`, the clients' root: the server holds no client's object).
+    """
+    if config.common.task == "objects":
+        folders = _eval_objects(config, settings)
+        return [_object_task(folder, config.common.downscale) for folder in folders]
+    return list(
+        _coordinate_tasks(
+            config.common.task, settings.num_clients, settings.heldout_tasks, config.common.seed
+        )[-1]
+    )
+
+
+def video_clips(num_clips: int) -> list[VideoTask]:
+    """scikit-image's 24-frame GIF cut into `num_clips` consecutive clips of equal length."""
+    video = gif_video()
+    length = video.shape[0] // num_clips
+    if length < 1:
+        raise ValueError(f"the {video.shape[0]}-frame GIF cannot give {num_clips} clips")
+    frames = video.frames().numpy()
+    return [
+        VideoTask.from_frames(f"{video.name}_clip_{i:02d}", frames[i * length : (i + 1) * length])
+        for i in range(num_clips)
+    ]
+
+
+@lru_cache(maxsize=8)
+def _coordinate_tasks(
+    task: str, num_clients: int, heldout: int, seed: int
+) -> tuple[tuple[CoordinateTask, ...], ...]:
+    """Each client's faces or clip, then the held-out ones last (built once per process)."""
+    if task == "video":
+        clips = coordinate_tasks(video_clips(num_clients + heldout))
+        return (*((clip,) for clip in clips[:num_clients]), tuple(clips[num_clients:]))
+    if num_clients + heldout > LFW_FACES:
+        raise ValueError(
+            f"{num_clients} clients and {heldout} held-out faces exceed the {LFW_FACES} LFW faces"
+        )
+    faces = coordinate_tasks(lfw_faces())
+    pool, kept = faces[: LFW_FACES - heldout], faces[LFW_FACES - heldout :]
+    groups = client_tasks(pool, num_clients, seed)
+    return (*(tuple(group) for group in groups), tuple(kept))
+
+
+def _eval_objects(config: FederatedConfig, settings: MetaSettings) -> list[Path]:
+    """The public held-out object folders in run-config `eval-scene-dir` ([] if it is empty)."""
+    if not config.common.eval_scene_dir:
+        return []
+    root = Path(config.common.eval_scene_dir)
+    folders = sorted(folder for folder in root.glob("object_*") if folder.is_dir())
+    if not folders:
+        raise ValueError(
+            f"run-config 'eval-scene-dir' {root}: no object_* folders; give a folder of public "
+            "held-out objects (`fedfields data objects`)"
+        )
+    return folders[: settings.heldout_tasks]
+
+
+@lru_cache(maxsize=64)
+def _object_task(folder: Path, downscale: float) -> RayTask:
+    """One object's support and query views, read once per process."""
+    return RayTask.from_object(folder, downscale=downscale)
