@@ -179,15 +179,15 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
     if observe is None:
         observe = simulation_observed(run_config)
     crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
+    random.seed(config.common.seed)  # the strategies sample each round's nodes with `random`
+    strategy = make_strategy(config)  # an unknown strategy fails before anything is written
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
-    random.seed(config.common.seed)  # the strategies sample each round's nodes with `random`
     torch.manual_seed(config.common.seed)
     initial = federated_state(global_field(config))
     observers: list[Observer] = [] if crowd is None else [CrowdObserver(config, crowd, run_dir)]
     for observer in observers:
         grid = observer.wrap_grid(grid)
-    strategy = make_strategy(config)
     num_parameters = sum(t.numel() for t in initial.values())
     report = RoundReport(config, run_dir, strategy, observers, num_parameters)
     result = strategy.start(

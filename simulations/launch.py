@@ -31,6 +31,7 @@ from flwr.common.config import parse_config_args
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
+from strategies import strategy_class
 
 SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
 LAUNCHER_KEYS = ("run-dir", "data-dir", "state-dir", "simulation-audit", "min-available-nodes")
@@ -116,7 +117,9 @@ def job_config(run_config: str) -> FederatedConfig:
     """The job's settings: pyproject's run-config with the user's overrides."""
     with (APP_DIR / "pyproject.toml").open("rb") as file:
         declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
-    return FederatedConfig.from_run_config({**declared, **parse_config_args([run_config])})
+    config = FederatedConfig.from_run_config({**declared, **parse_config_args([run_config])})
+    strategy_class(config.strategy_name)  # an unknown strategy stops here, naming the known
+    return config
 
 
 def user_overrides(run_config: str) -> str:

@@ -439,16 +439,16 @@ def run_meta_job(
     """
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
+    random.seed(config.common.seed)  # Flower samples each round's nodes with `random`
+    strategy = make_meta_strategy(config, settings)  # an unknown one fails before any write
     run_dir = make_run_dir(config)
     (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
     if observers is None:
         observers = meta_observers(run_config, run_dir)
     for observer in observers:
         grid = observer.wrap_grid(grid)
-    random.seed(config.common.seed)  # Flower samples each round's nodes with `random`
     torch.manual_seed(config.common.seed)
     initial = federated_state(meta_model(config, settings))
-    strategy = make_meta_strategy(config, settings)
     report = MetaReport(config, settings, run_dir, strategy, observers)
     result = strategy.start(
         grid,
