@@ -125,7 +125,14 @@ class RoundReport:
 
 def _headline(metrics: dict[str, Any]) -> str:
     """The round's main figures for the log."""
-    keys = ("train-psnr", "client-eval-psnr", "eval-scene-psnr", "clean-psnr", "personal-psnr")
+    keys = (
+        "train-psnr",
+        "client-eval-psnr",
+        "eval-scene-psnr",
+        "clean-psnr",
+        "personal-psnr",
+        "personal-psnr-floor",
+    )
     shown = [f"{key} {metrics[key]:.2f} dB" for key in keys if key in metrics]
     failures = int(metrics.get("num-failures", 0))
     replies = int(metrics.get(NUM_REPLIES, 0))

@@ -33,6 +33,8 @@ from fedfields.render import OccupancyGrid, render_image
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import load_federated_state
 
+PERSONAL_FLOOR = "personal-psnr-floor"
+"""Metric: PSNR inside the masks of the clean views against the photos (no person rendered)."""
 OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
 
 
@@ -64,22 +66,27 @@ def score_crowd(
     users: list[CrowdUser],
     views: list[int] | None = None,
 ) -> dict[str, float]:
-    """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views.
+    """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views,
+    with the leakage floor: the clean view against the photo inside the masks, i.e. what a
+    field that renders no person scores, so leakage is told apart from none.
 
     `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view.
     """
-    clean, personal, predictions, targets = [], [], [], []
+    clean, personal, floor, predictions, targets = [], [], [], [], []
     for user in users:
         for view in views if views is not None else range(len(user.scene)):
             image = render(user.scene, view)
+            photo, mask = user.scene.images[view], user.personal_masks[view]
             clean.append(psnr(image, user.clean_images[view]))
-            personal.append(psnr(image, user.scene.images[view], user.personal_masks[view]))
+            personal.append(psnr(image, photo, mask))
+            floor.append(psnr(user.clean_images[view], photo, mask))
             predictions.append(image)
             targets.append(user.clean_images[view])
     return {
         "clean-psnr": float(np.mean(clean)),
         "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
         "personal-psnr": float(np.mean(personal)),
+        PERSONAL_FLOOR: float(np.mean(floor)),
     }
 
 
@@ -213,6 +220,9 @@ def plot_leakage(path: Path, history: list[dict[str, Any]]) -> None:
     axes = figure.subplots()
     axes.plot(rounds, [h["clean-psnr"] for h in rows], marker="o", label="clean views")
     axes.plot(rounds, [h["personal-psnr"] for h in rows], marker="s", label="personal masks")
+    if all(PERSONAL_FLOOR in h for h in rows):
+        floor = [h[PERSONAL_FLOOR] for h in rows]
+        axes.plot(rounds, floor, linestyle="--", color="grey", label="floor: no person rendered")
     axes.set(xlabel="round", ylabel="PSNR (dB)", title="server global field")
     axes.legend()
     figure.tight_layout()

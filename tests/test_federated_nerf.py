@@ -21,6 +21,7 @@ from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.flower.protocol import arrays_to_state
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
+from simulations.scene_observer import PERSONAL_FLOOR, CrowdData, score_crowd
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGO = ROOT / "data" / "lego"
@@ -187,3 +188,21 @@ def test_rejects_a_used_run_directory(crowd_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="not empty"):
         run_federated_nerf(InProcessGrid([]), tiny(crowd_dir, tmp_path / "used", "fedavg"))
     shutil.rmtree(tmp_path / "used")
+
+
+def test_leakage_metric_on_renders_with_known_content(crowd_dir: Path) -> None:
+    users = CrowdData.load(str(crowd_dir), 1.0).users
+
+    def blend(weight: float):  # weight 1: renders the photo (the person), 0: the clean view
+        return lambda scene, view: next(
+            weight * u.scene.images[view] + (1 - weight) * u.clean_images[view]
+            for u in users
+            if u.scene is scene
+        )
+
+    none, most = score_crowd(blend(0.0), users), score_crowd(blend(0.9), users)
+    assert none["personal-psnr"] == pytest.approx(none[PERSONAL_FLOOR])  # no person: the floor
+    # 90% of the person: the error inside the masks is 0.1x the floor's, i.e. +20 dB per view
+    assert most["personal-psnr"] == pytest.approx(most[PERSONAL_FLOOR] + 20.0, abs=1e-3)
+    assert most[PERSONAL_FLOOR] == none[PERSONAL_FLOOR]  # the floor ignores the render
+    assert none[PERSONAL_FLOOR] < 40.0  # persons change the masked pixels
