@@ -102,8 +102,7 @@ class LocalTrainResult:
     loss: float  # photometric MSE averaged over the last LOSS_WINDOW steps
     psnr: float  # of that loss
     num_examples: int  # pixels in the client's scene (FedAvg's weight)
-    client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+
-    control_delta: dict[str, Tensor] | None = None  # c_i+ - c_i
+    client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+ (the upload: c_i+ - c_i)
 
     @property
     def rays_per_second(self) -> float:
@@ -218,10 +217,6 @@ def local_train(
         result.client_control = {
             name: (total / config.steps).to("cpu", scaffold.client[name].dtype)
             for name, total in gradient_sum.items()
-        }
-        result.control_delta = {
-            name: control - scaffold.client[name].to(control.dtype)
-            for name, control in result.client_control.items()
         }
     return result
 
