@@ -36,6 +36,7 @@ from fedfields.train import (
     local_train,
     loss_gradient,
 )
+from fedfields.train.nerfw import BETA_MIN
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 VIEWS = 4
@@ -178,15 +179,27 @@ def test_personal_colour_follows_the_embedding_and_none_means_the_mean_embedding
     points, directions, _ = sample_inputs()
     colours = [personal(points, directions, torch.full((50,), i)).rgb for i in range(VIEWS)]
     assert (colours[0] - colours[1]).abs().max() > 0.02
-    torch.testing.assert_close(
-        personal(points, directions, torch.full((50,), 2)).density, personal.density(points)
-    )
     without_index = personal(points, directions).rgb
-    with torch.no_grad():  # every image gets the mean embedding, which is far from zero
+    with torch.no_grad():  # every image gets the mean embeddings, which are far from zero
         personal.appearance.weight[:] = personal.appearance.weight.mean(0)
+        personal.transient.weight[:] = personal.transient.weight.mean(0)
     assert personal.appearance.weight[0].abs().max() > 0.5
     by_mean = personal(points, directions, torch.zeros(50, dtype=torch.long)).rgb
     torch.testing.assert_close(without_index, by_mean)
+
+
+def test_personal_density_follows_the_transient_embedding_and_its_bound_is_the_maximum() -> None:
+    personal = make_personal()
+    with torch.no_grad():
+        personal.transient.weight.normal_(std=3.0)
+    points, directions, _ = sample_inputs()
+    per_image = torch.stack(
+        [personal(points, directions, torch.full((50,), i)).density for i in range(VIEWS)]
+    )
+    assert float((per_image[0] - per_image[1]).abs().max()) > 1e-3 * float(per_image.max())
+    torch.testing.assert_close(personal.density(points), per_image.amax(0))
+    uncertainty = personal(points, directions, torch.zeros(50, dtype=torch.long)).uncertainty
+    assert uncertainty is not None and bool((uncertainty >= 0).all())
 
 
 @pytest.mark.parametrize("kind", ["personal", "global_personal"])
@@ -228,9 +241,10 @@ def test_render_rays_colours_each_ray_with_its_own_image(scene: Scene, marching:
     rendered, num_samples = render_rays(composite, rays, config, occupancy, image_index=mixed)
     torch.testing.assert_close(rendered.rgb, expected)
     assert rendered.personal_density.shape == (num_samples,) and num_samples > 0
-    # No index: the mean embedding, as a field call without one.
+    # No index: the mean embeddings, as a field call without one.
     with torch.no_grad():
         personal.appearance.weight[:] = personal.appearance.weight.mean(0)
+        personal.transient.weight[:] = personal.transient.weight.mean(0)
     torch.testing.assert_close(render(None).rgb, render(mixed).rgb)
 
 
@@ -283,7 +297,9 @@ def test_local_train_with_a_personal_field_trains_it_but_federates_the_global_fi
     before_mse = composite_mse(shared, scene, personal)
     shared_before, personal_before = parameters_of(shared), parameters_of(personal)
     local_train(shared, scene, small_config(steps=50), RENDER, None, personal_field=personal)
-    assert composite_mse(shared, scene, personal) < 0.6 * before_mse
+    # NeRF-W's loss first raises beta where errors are large, so the MSE falls slower than
+    # under a plain MSE loss (0.6x there).
+    assert composite_mse(shared, scene, personal) < 0.8 * before_mse
     for before, module in ((shared_before, shared), (personal_before, personal)):
         for name, parameter in module.named_parameters():
             assert not torch.equal(parameter, before[name]), f"{name} did not train"
@@ -293,12 +309,12 @@ def test_local_train_with_a_personal_field_trains_it_but_federates_the_global_fi
         assert torch.equal(federated[name], parameter)
 
 
-def test_sparsity_weight_moves_content_to_the_global_field(scene: Scene) -> None:
-    """NeRF-W's L1 term: with weight 1 the personal field alone renders almost nothing and the
-    global field covers more of the views than without the term."""
+def test_sparsity_weight_keeps_the_personal_field_sparse(scene: Scene) -> None:
+    """NeRF-W's L1 term on transient density: a large weight halves what the personal field
+    alone renders, the global field still renders the scene."""
     rays, _, image_index = all_pixel_rays(scene)
     opacity = {}
-    for weight in (0.0, 1.0):
+    for weight in (0.0, 100.0):
         shared, personal = make_global(), make_personal()
         config = small_config(steps=40, personal_density_weight=weight)
         local_train(shared, scene, config, RENDER, None, personal_field=personal)
@@ -306,8 +322,8 @@ def test_sparsity_weight_moves_content_to_the_global_field(scene: Scene) -> None
             alone, _ = render_rays(personal, rays, RENDER, image_index=image_index)
             shared_alone, _ = render_rays(shared, rays, RENDER)
         opacity[weight] = float(alone.opacity.mean()), float(shared_alone.opacity.mean())
-    assert opacity[1.0][0] < 0.25 * opacity[0.0][0]
-    assert opacity[1.0][1] > opacity[0.0][1]
+    assert opacity[100.0][0] < 0.5 * opacity[0.0][0]
+    assert opacity[100.0][1] > 0.5 * opacity[0.0][1]
 
 
 def test_occupancy_follows_the_composite_density(scene: Scene) -> None:
@@ -413,8 +429,8 @@ def test_scaffold_control_is_option_two_on_the_local_gradients(scene: Scene) -> 
 
 
 def test_loss_gradient_is_the_gradient_of_the_scene_loss(scene: Scene) -> None:
-    """With all pixels drawn, G_k matches autograd of the full-scene MSE by hand, and a
-    central finite difference of that MSE along G_k."""
+    """With all pixels drawn, G_k matches autograd of the full-scene NeRF-W loss by hand, and
+    a central finite difference of the global-only MSE along G_k."""
     shared, personal = make_global(), make_personal()
     with torch.no_grad():
         personal.appearance.weight.normal_()
@@ -431,7 +447,8 @@ def test_loss_gradient_is_the_gradient_of_the_scene_loss(scene: Scene) -> None:
     rendered, _ = render_rays(
         GlobalPersonalField(shared, personal), rays, RENDER, image_index=image_index
     )
-    loss = torch.nn.functional.mse_loss(rendered.rgb, colours)
+    beta = BETA_MIN + rendered.uncertainty
+    loss = ((rendered.rgb - colours).square().sum(-1) / (2 * beta.square()) + beta.log()).mean()
     by_hand = torch.autograd.grad(loss, list(shared.parameters()))
     for (name, _), expected in zip(shared.named_parameters(), by_hand, strict=True):
         torch.testing.assert_close(gradient[name], expected, rtol=1e-3, atol=1e-7)

@@ -14,6 +14,7 @@ from fedfields.aggregate.accounting import (
 )
 from fedfields.aggregate.decentnerf import (
     ALPHA_KEY,
+    alpha_gradient,
     alpha_update,
     alpha_weighted_payload,
     decentnerf_aggregate,
@@ -36,6 +37,7 @@ __all__ = [
     "SCAFFOLD_COST",
     "CostModel",
     "RoundCost",
+    "alpha_gradient",
     "alpha_update",
     "alpha_weighted_payload",
     "centralised_cost",

@@ -13,13 +13,14 @@ from torch import Tensor, nn
 class FieldOutputs:
     """Per-sample field values: volume density (>= 0) and colour in [0, 1].
 
-    A global+personal field also reports the personal branch's share of the density, which
-    NeRF-W's sparsity loss penalises; other fields leave it None.
+    A global+personal field also reports the personal branch's density, which NeRF-W's
+    sparsity loss penalises, and its uncertainty; other fields leave them None.
     """
 
     density: Tensor  # [N]
     rgb: Tensor  # [N, 3]
     personal_density: Tensor | None = None  # [N]
+    uncertainty: Tensor | None = None  # [N] NeRF-W's beta_i (personal share for a composite)
 
 
 class Field(nn.Module, ABC):

@@ -3,7 +3,10 @@
 Each user keeps a personal field p_k that never leaves the device next to the federated
 global field g_k. Along a ray both are one medium: densities add and the colour of a sample
 is the density-weighted mix of both colours (DecentNeRF Sec. 4.2; NeRF-W Sec. 4.2 composites
-the two alphas separately, which agrees to first order in the step length).
+the two alphas separately, which agrees to first order in the step length). As in NeRF-W
+(Sec. 4.2, Eq. 10), the personal branch is conditioned on a per-image transient embedding
+and reports an uncertainty beta per sample, which the local loss (`fedfields.train.nerfw`)
+uses to keep what one photo alone shows out of the global field.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ INITIAL_DENSITY_SHIFT = 4.0
 
 @dataclass(frozen=True)
 class PersonalFieldConfig:
-    """A small hash grid with density and colour heads and one appearance embedding per image."""
+    """A small hash grid with density, uncertainty and colour heads, and per image an
+    appearance embedding (colour) and a transient embedding (density, colour, uncertainty)."""
 
     num_images: int
     embedding_dim: int = 8
+    transient_embedding_dim: int = 8
     encoding: HashGridConfig = field(default_factory=_personal_encoding)
     geometry_features: int = 15
     hidden: int = 32
@@ -39,12 +44,13 @@ class PersonalFieldConfig:
 
 
 class PersonalField(Field):
-    """sigma_p(x) from hashed features; c_p(x, e_i) from geometry features and image i's embedding.
+    """sigma_p(x, t_i) and beta(x, t_i) from hashed features and image i's transient embedding
+    t_i; c_p from geometry features, t_i and the appearance embedding e_i (NeRF-W Eq. 10).
 
-    The density ignores the image, so content that stays put in a user's views (the user
-    standing in front of the scene) is one 3D object an occupancy grid can see; only the
-    colour follows the per-image appearance embedding e_i (NeRF-W's transient branch, whose
-    colour is also view-independent).
+    Content that stays put in a user's views (the user's own person) can ignore t_i; a
+    passer-by in one photo uses it. Colour is view-independent, as NeRF-W's transient branch.
+    `density(points)` without an image is the maximum over the user's images, so an
+    occupancy grid built from it skips no sample any image needs.
     """
 
     def __init__(self, config: PersonalFieldConfig) -> None:
@@ -54,31 +60,49 @@ class PersonalField(Field):
         self.config = config
         self.register_buffer("aabb", torch.tensor(config.aabb, dtype=torch.float32).view(2, 3))
         self.encoding = HashGridEncoding(config.encoding)
+        # outputs: density, uncertainty, geometry features
         self.density_head = mlp(
-            self.encoding.out_dim, config.hidden, 1, 1 + config.geometry_features
+            self.encoding.out_dim + config.transient_embedding_dim,
+            config.hidden,
+            1,
+            2 + config.geometry_features,
         )
         self.color_head = mlp(config.geometry_features + config.embedding_dim, config.hidden, 1, 3)
         self.appearance = nn.Embedding(config.num_images, config.embedding_dim)
+        self.transient = nn.Embedding(config.num_images, config.transient_embedding_dim)
         nn.init.normal_(self.appearance.weight, std=0.01)
+        nn.init.normal_(self.transient.weight, std=0.01)
 
-    def _geometry(self, points: Tensor) -> tuple[Tensor, Tensor]:
-        features = self.density_head(self.encoding(normalise_to_box(points, self.aabb)))
-        return trunc_exp(features[:, 0] - INITIAL_DENSITY_SHIFT), features[:, 1:]
+    def _head(self, encoded: Tensor, transient: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(density [N], uncertainty beta >= 0 [N], geometry features [N, F])."""
+        features = self.density_head(torch.cat([encoded, transient], dim=-1))
+        density = trunc_exp(features[:, 0] - INITIAL_DENSITY_SHIFT)
+        return density, nn.functional.softplus(features[:, 1]), features[:, 2:]
 
     def density(self, points: Tensor) -> Tensor:
-        return self._geometry(points)[0]
+        """The largest density any of the user's images gives these points."""
+        encoded = self.encoding(normalise_to_box(points, self.aabb))
+        densities = [
+            self._head(encoded, embedding.expand(points.shape[0], -1))[0]
+            for embedding in self.transient.weight
+        ]
+        return torch.stack(densities).amax(0)
 
     def forward(
         self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
     ) -> FieldOutputs:
-        """Density and colour seen in images `image_index` [N] (None: the mean embedding)."""
-        density, geometry = self._geometry(points)
+        """Density, colour and uncertainty seen in images `image_index` [N] (None: the
+        mean embeddings)."""
+        encoded = self.encoding(normalise_to_box(points, self.aabb))
         if image_index is None:
-            embedding = self.appearance.weight.mean(0).expand(points.shape[0], -1)
+            count = points.shape[0]
+            appearance = self.appearance.weight.mean(0).expand(count, -1)
+            transient = self.transient.weight.mean(0).expand(count, -1)
         else:
-            embedding = self.appearance(image_index)
-        rgb = torch.sigmoid(self.color_head(torch.cat([geometry, embedding], dim=-1)))
-        return FieldOutputs(density=density, rgb=rgb)
+            appearance, transient = self.appearance(image_index), self.transient(image_index)
+        density, uncertainty, geometry = self._head(encoded, transient)
+        rgb = torch.sigmoid(self.color_head(torch.cat([geometry, appearance], dim=-1)))
+        return FieldOutputs(density=density, rgb=rgb, uncertainty=uncertainty)
 
     def config_dict(self) -> dict:
         return {"kind": "personal", **asdict(self.config)}
@@ -88,7 +112,9 @@ class GlobalPersonalField(Field):
     """g_k and p_k rendered as one medium: sigma = sigma_g + sigma_p, colour mixed by density.
 
     Outputs carry sigma_p as `personal_density` for NeRF-W's L1 sparsity loss, which leaves
-    content both branches can explain to the global (federated) field.
+    content both branches can explain to the global (federated) field, and the personal
+    uncertainty beta_i weighted by the personal share of the density, whose volume rendering
+    is NeRF-W's per-ray beta (Eq. 11, to first order in the step length).
     """
 
     def __init__(self, global_field: Field, personal_field: PersonalField) -> None:
@@ -108,10 +134,13 @@ class GlobalPersonalField(Field):
         personal = self.personal_field(points, directions, image_index)
         density = shared.density + personal.density
         mixed = shared.density[:, None] * shared.rgb + personal.density[:, None] * personal.rgb
+        share = personal.density / (density + 1e-10)
+        uncertainty = None if personal.uncertainty is None else share * personal.uncertainty
         return FieldOutputs(
             density=density,
             rgb=mixed / (density[:, None] + 1e-10),
             personal_density=personal.density,
+            uncertainty=uncertainty,
         )
 
     def config_dict(self) -> dict:

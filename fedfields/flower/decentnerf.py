@@ -23,7 +23,9 @@ from fedfields.aggregate import (
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
+    AGGREGATE_ROUND,
     ALPHA_LR,
+    ALPHA_SUM,
     ARRAYS,
     CONFIG,
     GRADIENT,
@@ -44,18 +46,21 @@ class DecentNeRF(ProtocolStrategy):
 
     Round m >= 2 opens with a gradient query (message type GRADIENT_QUERY carrying ARRAYS =
     g^(m-1) and CONFIG) to the sampled nodes; their GRADIENT replies G_k are summed and
-    G = sum_k G_k goes out with the train messages under GRADIENT. Clients own alpha_k: they
-    update it (`alpha_update`), train, and reply ARRAYS = alpha_k g_k plus alpha_k under
-    `ALPHA_KEY` (`alpha_weighted_payload`). The server only sums (`sum_states`, the seam for
-    secure aggregation) and divides by the summed alpha (`decentnerf_aggregate`): it never
-    reads one client's alpha and ignores "num-examples". A failed or missing reply is left
-    out of a sum; dividing by the remaining clients' summed alpha keeps the aggregate's
-    scale. If no gradient reply arrives, no GRADIENT is sent and clients keep their alpha.
+    G = sum_k G_k goes out with the train messages under GRADIENT, with the summed alpha
+    A^(m-1) that normalised g^(m-1) ("alpha-sum") and its round ("aggregate-round"). G sums
+    the users sampled in round m, so L in dL/dalpha is theirs. Clients own alpha_k: they
+    update it (`alpha_update`, exact through the normalised aggregation), train, and reply
+    ARRAYS = alpha_k g_k plus alpha_k under `ALPHA_KEY` (`alpha_weighted_payload`). The
+    server only sums (`sum_states`, the seam for secure aggregation) and divides by the
+    summed alpha (`decentnerf_aggregate`): it never reads one client's alpha and ignores
+    "num-examples". A failed or missing reply is left out of a sum; dividing by the
+    remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
+    arrives, no GRADIENT is sent and clients keep their alpha.
 
     Args:
-        alpha_lr: eta in alpha_k <- alpha_k - eta <G, g_k^(m-1)>, sent as "alpha-lr". The
-            paper gives no value; 0.1 moves alphas by ~0.01-0.1 per round for fedfields'
-            default 2^15 hash grid. <G, g> scales with the model, so rescale eta with it.
+        alpha_lr: eta in alpha_k <- alpha_k - eta dL/dalpha_k, sent as "alpha-lr". The paper
+            gives no value; dL/dalpha scales with the model and the users' losses, so tune
+            eta per setting (docs/BENCHMARKS.md gives the values measured).
         query_timeout: seconds to wait for gradient replies; None takes `node_timeout`
             (None there too waits for all).
         **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
@@ -73,6 +78,8 @@ class DecentNeRF(ProtocolStrategy):
         **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**options)
+        self.last_aggregate: tuple[int, float] | None = None
+        """(round, summed alpha) of the latest aggregate this strategy formed."""
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
         if self.alpha_lr < 0:
             raise ValueError(f"alpha_lr must be >= 0 (0 freezes alpha), got {alpha_lr}")
@@ -93,6 +100,8 @@ class DecentNeRF(ProtocolStrategy):
             gradient_sum = self.gradient_sum(arrays, train_config, grid)
             if gradient_sum is not None:
                 records[GRADIENT] = state_to_arrays(gradient_sum)
+                if self.last_aggregate is not None:
+                    train_config[AGGREGATE_ROUND], train_config[ALPHA_SUM] = self.last_aggregate
         return self.messages(RecordDict(records), MessageType.TRAIN)
 
     def gradient_sum(
@@ -115,7 +124,9 @@ class DecentNeRF(ProtocolStrategy):
         payload_sum = self.sum_states(train_round.node_ids, ARRAYS, successful, payload_shapes)
         if payload_sum is None:
             return None, self.train_metrics(successful)
-        return state_to_arrays(decentnerf_aggregate(payload_sum)), self.train_metrics(successful)
+        aggregate = decentnerf_aggregate(payload_sum)
+        self.last_aggregate = (server_round, float(payload_sum[ALPHA_KEY].double().sum()))
+        return state_to_arrays(aggregate), self.train_metrics(successful)
 
     def sum_states(
         self,
@@ -193,9 +204,9 @@ class DecentNeRFClient:
     ) -> Message:
         """The train reply: alpha_k g_k plus alpha_k (ARRAYS) and `metrics` (METRICS).
 
-        alpha_k is first updated from the message's G and the stored g_k^(m-1) when both
-        exist (round m >= 2 for a user who trained before); `local_state` is then stored as
-        the next round's g_k^(m-1).
+        alpha_k is first updated from the message's G when the stored g_k^(m-1) went into
+        the aggregate the message carries (`_updated_alpha`); `local_state` is then stored
+        as the next round's g_k^(m-1).
         """
         alpha = self._updated_alpha(msg)
         self.state.put_tensors(PREVIOUS_GLOBAL, local_state)
@@ -208,19 +219,34 @@ class DecentNeRFClient:
         return Message(content, reply_to=msg)
 
     def _kept(self) -> dict[str, Any]:
-        """The stored alpha and history, or the initial alpha_k = 1."""
-        return self.state.values(ALPHA_STATE) or {"alpha": 1.0, "history": []}
+        """The stored alpha, history and round of the last upload, or the initial alpha_k = 1."""
+        return self.state.values(ALPHA_STATE) or {"alpha": 1.0, "history": [], "uploaded": 0}
 
     def _updated_alpha(self, msg: Message) -> float:
-        """alpha_k <- alpha_k - eta <G, g_k^(m-1)>, stored with the round in the history."""
+        """alpha_k <- alpha_k - eta dL/dalpha_k, stored with the round in the history.
+
+        With "alpha-sum" the derivative is the normalised aggregation's <G, g_k - g> / A,
+        else Eq. 2's <G, g_k>. A stale g_k (this user's last upload predates the aggregate's
+        round: it was not sampled then) took no part in g^(m-1), so dL/dalpha_k = 0 and
+        alpha_k is kept.
+        """
         kept = self._kept()
         alpha = float(kept["alpha"])
         previous = self.state.tensors(PREVIOUS_GLOBAL)
         config = msg.content[CONFIG]
-        if GRADIENT in msg.content and previous is not None:
+        aggregate_round = config.get(AGGREGATE_ROUND)
+        current = aggregate_round is None or int(aggregate_round) == int(kept.get("uploaded", 0))
+        if GRADIENT in msg.content and previous is not None and current:
             gradient_sum = arrays_to_state(msg.content[GRADIENT])
             alpha_lr = float(config.get(ALPHA_LR, self.alpha_lr))
-            alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr)
-        history = [*kept["history"], [int(config[SERVER_ROUND]), alpha]]
-        self.state.put_values(ALPHA_STATE, {"alpha": alpha, "history": history})
+            aggregate, alpha_sum = None, None
+            if ALPHA_SUM in config:
+                aggregate = arrays_to_state(msg.content[ARRAYS])
+                alpha_sum = float(config[ALPHA_SUM])
+            alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr, aggregate, alpha_sum)
+        server_round = int(config[SERVER_ROUND])
+        history = [*kept["history"], [server_round, alpha]]
+        self.state.put_values(
+            ALPHA_STATE, {"alpha": alpha, "history": history, "uploaded": server_round}
+        )
         return alpha

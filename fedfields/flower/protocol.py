@@ -6,7 +6,8 @@ config keys and metric keys through these constants only.
 Train message (server -> client), records by name:
   ARRAYS          global federated state g (x for Scaffold)
   CONFIG          "server-round", "strategy", "local-steps", "proximal-mu" (FedProx),
-                  "alpha-lr" (DecentNeRF), plus the user's train config
+                  "alpha-lr", "alpha-sum", "aggregate-round" (DecentNeRF), plus the user's
+                  train config
   SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
   GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
 Train reply (client -> server):
@@ -51,6 +52,10 @@ STRATEGY = "strategy"
 LOCAL_STEPS = "local-steps"
 PROXIMAL_MU = "proximal-mu"
 ALPHA_LR = "alpha-lr"
+ALPHA_SUM = "alpha-sum"
+"""DecentNeRF: A^(m-1), the summed alpha that normalised the aggregate the message carries."""
+AGGREGATE_ROUND = "aggregate-round"
+"""DecentNeRF: the round whose replies formed that aggregate (m - 1)."""
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""

@@ -43,11 +43,13 @@ class RenderConfig:
 class RayOutputs(RenderOutputs):
     """`render_rays`' per-ray outputs plus the personal density [S] of every sample it drew.
 
-    `personal_density` is set for a global+personal field (for NeRF-W's L1 sparsity loss on
-    transient density) and None for other fields.
+    For a global+personal field `personal_density` is set (for NeRF-W's L1 sparsity loss on
+    transient density) and `uncertainty` [R] is the volume-rendered beta of each ray (NeRF-W
+    Eq. 11, without beta_min); other fields leave both None.
     """
 
     personal_density: Tensor | None = None
+    uncertainty: Tensor | None = None
 
 
 def render_rays(
@@ -79,7 +81,12 @@ def render_rays(
         rendered = composite_packed(
             weights, outputs.rgb, samples.t_mid, samples.ray_index, len(rays), background
         )
-        return _with_samples(rendered, outputs), samples.t_mid.numel()
+        uncertainty = None
+        if outputs.uncertainty is not None:
+            uncertainty = weights.new_zeros(len(rays)).index_add(
+                0, samples.ray_index, weights * outputs.uncertainty
+            )
+        return _with_samples(rendered, outputs, uncertainty), samples.t_mid.numel()
     t_far = torch.maximum(t_far, t_near + 1e-4)  # rays missing the box render the background
     edges = stratified_bins(t_near, t_far, config.num_samples, perturb)
     if config.num_importance > 0:
@@ -97,7 +104,10 @@ def render_rays(
     outputs = _query(field, points.reshape(-1, 3), directions.reshape(-1, 3), sample_images)
     weights = dense_weights(outputs.density.view(mids.shape), edges[:, 1:] - edges[:, :-1])
     rendered = composite_dense(weights, outputs.rgb.view(*mids.shape, 3), mids, background)
-    return _with_samples(rendered, outputs), mids.numel()
+    uncertainty = None
+    if outputs.uncertainty is not None:
+        uncertainty = (weights * outputs.uncertainty.view(mids.shape)).sum(-1)
+    return _with_samples(rendered, outputs, uncertainty), mids.numel()
 
 
 def _points(rays: Rays, t: Tensor) -> Tensor:
@@ -113,13 +123,16 @@ def _query(
     return field(points, directions, image_index)
 
 
-def _with_samples(rendered: RenderOutputs, outputs: FieldOutputs) -> RayOutputs:
-    """Per-ray outputs with the per-sample values the caller's losses need."""
+def _with_samples(
+    rendered: RenderOutputs, outputs: FieldOutputs, uncertainty: Tensor | None
+) -> RayOutputs:
+    """Per-ray outputs with the values the caller's losses need."""
     return RayOutputs(
         rgb=rendered.rgb,
         depth=rendered.depth,
         opacity=rendered.opacity,
         personal_density=outputs.personal_density,
+        uncertainty=uncertainty,
     )
 
 

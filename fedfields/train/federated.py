@@ -23,7 +23,9 @@ from fedfields.data.scene import Scene
 from fedfields.fields import Field, GlobalPersonalField, PersonalField
 from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
+from fedfields.render.renderer import RayOutputs
 from fedfields.train.centralised import adapt_batch_rays
+from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
 
 LOSS_WINDOW = 10
 """`LocalTrainResult.loss` averages the photometric loss of this many last steps."""
@@ -66,7 +68,8 @@ class LocalTrainConfig:
     target_samples: int = 1 << 14  # adapt the ray batch to ~this many field samples per step
     batch_rays: int = 512  # the first step's batch
     max_batch_rays: int = 8192
-    personal_density_weight: float = 0.01  # NeRF-W's L1 on transient (personal) density
+    personal_density_weight: float = TRANSIENT_DENSITY_WEIGHT  # NeRF-W's lambda_u
+    beta_min: float = BETA_MIN  # NeRF-W's floor on the personal uncertainty
     proximal_mu: float = 0.0  # FedProx mu; 0 turns the proximal term off
     occupancy_update_every: int = 16
     random_background: bool = True
@@ -81,6 +84,8 @@ class LocalTrainConfig:
         for name in ("personal_density_weight", "proximal_mu"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.beta_min > 0:
+            raise ValueError(f"beta_min must be positive, got {self.beta_min}")
 
 
 @dataclass
@@ -121,8 +126,9 @@ def local_train(
 ) -> LocalTrainResult:
     """Fit the global field (and the personal one, if given) to `scene` with Adam on the MSE.
 
-    Loss: photometric MSE, plus `personal_density_weight` * mean personal density over the
-    samples (NeRF-W's sparsity term) with a personal field, plus FedProx's
+    Loss: photometric MSE, or with a personal field NeRF-W's objective (`nerfw_loss`: colour
+    error weighted by the personal uncertainty, log beta, `personal_density_weight` * mean
+    personal density), plus FedProx's
     mu/2 ||g - g_ref||^2 when mu > 0 (`global_reference` defaults to the starting weights).
     The occupancy grid follows the composite density, so personal content is sampled too.
 
@@ -176,10 +182,7 @@ def local_train(
             background=batch.background,
             image_index=batch.image_index if personal_field is not None else None,
         )
-        photometric = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
-        loss = photometric
-        if rendered.personal_density is not None and num_samples > 0:
-            loss = loss + config.personal_density_weight * rendered.personal_density.mean()
+        photometric, loss = _local_loss(rendered, batch.colors, config)
         if reference is not None:
             loss = loss + proximal_term(parameters, reference, config.proximal_mu)
         if not math.isfinite(loss.item()):
@@ -229,12 +232,14 @@ def loss_gradient(
     personal_field: PersonalField | None = None,
     num_rays: int = 4096,
     seed: int = 0,
+    beta_min: float = BETA_MIN,
 ) -> dict[str, Tensor]:
     """DecentNeRF's G_k = dL_k/dg at the current weights, both fields frozen (Algorithm 1, l. 9).
 
-    L_k is the photometric MSE on a fixed subset of `num_rays` pixels (at most all) from `seed`,
-    rendered without jitter on the scene's own background (the sparsity term does not depend
-    on g). No parameter or `.grad` changes; the result is keyed like `federated_state`.
+    L_k is the local training loss (MSE, or NeRF-W's with a personal field; its sparsity term
+    does not depend on g) on a fixed subset of `num_rays` pixels (at most all) from `seed`,
+    rendered without jitter on the scene's own background. No parameter or `.grad` changes;
+    the result is keyed like `federated_state`.
     Memory grows with `num_rays`, all rendered in one pass.
     """
     device = global_field.device
@@ -255,13 +260,31 @@ def loss_gradient(
         background=batch.background,
         image_index=batch.image_index if personal_field is not None else None,
     )
-    loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+    _, loss = _local_loss(rendered, batch.colors, LocalTrainConfig(steps=1, beta_min=beta_min))
     parameters = dict(global_field.named_parameters())
     gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
     return {
         name: (torch.zeros_like(p) if g is None else g).detach().cpu()
         for (name, p), g in zip(parameters.items(), gradients, strict=True)
     }
+
+
+def _local_loss(
+    rendered: RayOutputs, colors: Tensor, config: LocalTrainConfig
+) -> tuple[Tensor, Tensor]:
+    """(photometric MSE, loss to minimise): the MSE alone, or NeRF-W's with a personal field."""
+    if rendered.uncertainty is None or rendered.personal_density is None:
+        photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
+        return photometric, photometric
+    terms = nerfw_loss(
+        rendered.rgb,
+        colors,
+        rendered.uncertainty,
+        rendered.personal_density,
+        config.beta_min,
+        config.personal_density_weight,
+    )
+    return terms.mse, terms.total
 
 
 def _composite(global_field: Field, personal_field: PersonalField | None, num_images: int) -> Field:

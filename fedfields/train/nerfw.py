@@ -1,0 +1,57 @@
+"""NeRF-W's local objective (Martin-Brualla et al. 2021, Eq. 13), as each DecentNeRF user runs it.
+
+Per ray r: ||C(r) - C_hat(r)||^2 / (2 beta(r)^2) + log beta(r) + lambda_u * mean_k sigma_k^(tau),
+with beta(r) = beta_min + beta_hat(r), the volume-rendered uncertainty of the transient
+(personal) branch. Pixels the personal field claims get a large beta, so their colour error
+barely reaches the global field: what one photo alone shows stays out of the federated field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BETA_MIN = 0.03
+"""NeRF-W's beta_min (Sec. 4.2)."""
+TRANSIENT_DENSITY_WEIGHT = 0.01
+"""NeRF-W's lambda_u on the mean transient density."""
+
+
+@dataclass(frozen=True)
+class NerfWLoss:
+    """The three terms of Eq. 13 averaged over rays, and the plain MSE for reporting."""
+
+    total: Tensor
+    colour: Tensor  # mean ||C - C_hat||^2 / (2 beta^2)
+    log_beta: Tensor  # mean log beta
+    transient_density: Tensor  # lambda_u * mean sigma^(tau)
+    mse: Tensor  # mean over rays and channels, unweighted
+
+
+def nerfw_loss(
+    predicted: Tensor,
+    target: Tensor,
+    uncertainty: Tensor,
+    transient_density: Tensor,
+    beta_min: float = BETA_MIN,
+    transient_density_weight: float = TRANSIENT_DENSITY_WEIGHT,
+) -> NerfWLoss:
+    """Eq. 13 for colours [R, 3], rendered uncertainty beta_hat [R] and the transient
+    densities of every sample drawn [S] (empty when the batch drew none)."""
+    if beta_min <= 0:
+        raise ValueError(f"beta_min must be positive, got {beta_min}")
+    beta = beta_min + uncertainty
+    squared = (predicted - target).square()
+    colour = (squared.sum(-1) / (2.0 * beta.square())).mean()
+    log_beta = torch.log(beta).mean()
+    sparsity = transient_density.mean() if transient_density.numel() else predicted.new_zeros(())
+    density_term = transient_density_weight * sparsity
+    return NerfWLoss(
+        total=colour + log_beta + density_term,
+        colour=colour,
+        log_beta=log_beta,
+        transient_density=density_term,
+        mse=squared.mean(),
+    )
