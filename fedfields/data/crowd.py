@@ -90,8 +90,8 @@ class CrowdConfig:
     partition: str | None = None  # None: the layout's default (DEFAULT_PARTITION)
     seed: int = 0
     person_height: float = 0.35  # front: as a fraction of the bounding sphere's radius
-    # novel-blender: a third of the object's height above the ground (0.43 on lego)
-    person_scale: float = 0.33
+    # novel-blender: person height as a share of the object height above the ground (0.59 on lego)
+    person_scale: float = 0.45
     spot_radius: float = 1.25  # novel-blender: feet within this distance of the object's centre
     transients_per_view: int = 5  # novel-blender: one-off passers-by in every view
     heterogeneous: bool = False  # novel-blender: half the users heavily, half lightly occluded
