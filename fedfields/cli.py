@@ -12,7 +12,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fedfields.data import Scene, SceneError, holdout_indices, load_scene
-from fedfields.data.crowd import PARTITIONS, CrowdConfig, crowd_from_scene_dir, write_crowd
+from fedfields.data.crowd import (
+    LAYOUTS,
+    PARTITIONS,
+    PRESETS,
+    CrowdConfig,
+    crowd_from_scene_dir,
+    write_crowd,
+)
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.optim import resolve_device
 from fedfields.train import (
@@ -88,29 +95,54 @@ def _add_data_commands(commands: argparse._SubParsersAction) -> None:
         "crowd",
         help="split a scene among users, each with their own person in their views",
         description=(
-            "Partition a transforms.json scene's views among users (nearby viewing directions "
-            "by default) and composite one static person per user, 3D-consistent across that "
-            "user's views and nearer than the scene. Writes DIR/user_NN/transforms.json with "
-            "file_path (composited), mask_path (personal pixels white) and clean_path per "
-            "frame, DIR/crowd.json and DIR/contact_sheet.png."
+            "Partition a transforms.json scene's views among users and composite Lego-like "
+            "persons into them. Default (layout novel-blender, DecentNeRF's benchmark): users "
+            "hold yaw sectors; every view shows the user's static person (same 3D spot in all "
+            "its views) and --transients-per-view passers-by, all standing on the object's "
+            "ground around it, occluded by the object where it is nearer. --preset "
+            "heterogeneous: 8 users x 10 random views, 4 heavily occluded (larger persons and "
+            "passers-by) and 4 lightly (static person only). --layout front: one person per "
+            "user in front of the scene (older layout). Writes DIR/user_NN/transforms.json "
+            "with file_path (composited), mask_path (all persons), personal_mask_path (static "
+            "person), transient_mask_path and clean_path per frame, DIR/crowd.json (persons, "
+            "occlusion, coverage) and DIR/contact_sheet.png."
         ),
     )
     crowd.add_argument("--scene", required=True, type=Path, help="scene directory")
-    crowd.add_argument("--users", type=int, default=16, help="number of users (default 16)")
-    crowd.add_argument("--views-per-user", type=int, default=5, help="views per user (default 5)")
+    crowd.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="novel-blender",
+        help="novel-blender: 16 users x 5 views (default); heterogeneous: DecentNeRF Fig. 4, "
+        "8 users x 10 random views, half heavily and half lightly occluded",
+    )
+    crowd.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        default="novel-blender",
+        help="novel-blender: persons on the ground around the object (default); front: one "
+        "person per user between its cameras and the scene",
+    )
+    crowd.add_argument("--users", type=int, help="number of users (default 16, preset's)")
+    crowd.add_argument("--views-per-user", type=int, help="views per user (default 5, preset's)")
     crowd.add_argument("--downscale", type=float, default=1.0, help="image downscale")
     crowd.add_argument(
         "--partition",
         choices=list(PARTITIONS),
-        default="directions",
-        help="directions: balanced clusters of nearby viewing directions (default); "
-        "yaw: contiguous yaw sectors (turntable captures); random",
+        help="yaw: contiguous yaw sectors (novel-blender default); directions: balanced "
+        "clusters of nearby viewing directions (front default); random (heterogeneous)",
+    )
+    crowd.add_argument(
+        "--transients-per-view",
+        type=int,
+        default=5,
+        help="novel-blender: passers-by in every view (default 5)",
     )
     crowd.add_argument(
         "--transients",
         type=float,
         default=0.0,
-        help="probability that a view also shows a one-off passer-by (default 0)",
+        help="front: probability that a view also shows a one-off passer-by (default 0)",
     )
     crowd.add_argument("--seed", type=int, default=0)
     crowd.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
@@ -261,11 +293,19 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_crowd(args: argparse.Namespace) -> int:
+    given = {
+        "users": args.users,
+        "views_per_user": args.views_per_user,
+        "partition": args.partition,
+    }
     config = CrowdConfig(
-        users=args.users,
-        views_per_user=args.views_per_user,
-        partition=args.partition,
+        **{
+            **PRESETS[args.preset],
+            **{key: value for key, value in given.items() if value is not None},
+        },
+        layout=args.layout,
         seed=args.seed,
+        transients_per_view=args.transients_per_view,
         transient_probability=args.transients,
     )
     crowd = crowd_from_scene_dir(

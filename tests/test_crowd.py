@@ -1,4 +1,4 @@
-"""Crowdsourced lego: persons placed 3D-consistently, outside the scene, with exact masks."""
+"""Crowdsourced lego: persons placed 3D-consistently with exact masks (novel-blender and front)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,20 @@ import torch
 from fedfields.cli import main
 from fedfields.data import SceneError, load_scene
 from fedfields.data.crowd import (
+    PRESETS,
     Crowd,
     CrowdConfig,
     CrowdError,
     build_crowd,
+    composite_persons,
     crowd_from_scene_dir,
+    hull_depth,
     load_crowd_user,
+    silhouette_hull,
     write_crowd,
+    written_change,
 )
+from fedfields.data.figures import person, place
 from fedfields.data.surfaces import cast_rays, render_surfaces
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
@@ -34,7 +40,8 @@ def lego_black():
 
 @pytest.fixture(scope="module")
 def crowd(lego_black) -> Crowd:
-    return build_crowd(lego_black, CrowdConfig(users=16, views_per_user=5, seed=3), progress=False)
+    config = CrowdConfig(users=16, views_per_user=5, layout="front", seed=3)
+    return build_crowd(lego_black, config, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +125,8 @@ def test_bounding_sphere_contains_every_silhouette(crowd: Crowd, lego_black) -> 
 
 def test_person_is_3d_consistent_within_a_user() -> None:
     lego = load_scene(LEGO, downscale=2, background=(0.0, 0.0, 0.0))  # 100x100: fine detail
-    crowd = build_crowd(lego, CrowdConfig(users=4, views_per_user=5, seed=4), progress=False)
+    config = CrowdConfig(users=4, views_per_user=5, layout="front", seed=4)
+    crowd = build_crowd(lego, config, progress=False)
     cameras = lego.cameras
     checked = 0
     for user in crowd.users:
@@ -182,7 +190,8 @@ def test_written_dataset_round_trips(crowd: Crowd, written: Path) -> None:
     assert (written / "contact_sheet.png").is_file()
     user = crowd.users[5]
     loaded = load_crowd_user(written / "user_05")
-    assert torch.equal(loaded.personal_masks, user.masks)
+    assert torch.equal(loaded.personal_masks, user.personal_masks)
+    assert torch.equal(loaded.transient_masks, user.transient_masks)
     clean = user.clean_rgba[..., :3] * user.clean_rgba[..., 3:] + (1 - user.clean_rgba[..., 3:])
     torch.testing.assert_close(loaded.clean_images, clean, atol=2.5 / 255, rtol=0)
     composited = user.rgba[..., :3] * user.rgba[..., 3:] + (1 - user.rgba[..., 3:])
@@ -195,10 +204,13 @@ def test_written_dataset_round_trips(crowd: Crowd, written: Path) -> None:
 
 
 def test_transient_passers_by_add_to_the_mask_of_one_view(lego_black) -> None:
-    config = CrowdConfig(users=4, views_per_user=5, seed=1, transient_probability=1.0)
+    config = CrowdConfig(
+        users=4, views_per_user=5, layout="front", seed=1, transient_probability=1.0
+    )
     crowd = build_crowd(lego_black, config, progress=False)
     for user in crowd.users:
-        assert all(spec is not None for spec in user.transients)
+        assert all(len(specs) == 1 for specs in user.transients)
+        assert torch.equal(user.masks, user.personal_masks | user.transient_masks)
         static = render_surfaces([user.person.build()], lego_black.cameras, views=list(user.views))
         static_mask = torch.isfinite(static.depth)
         assert bool((user.masks >= static_mask).all())
@@ -247,7 +259,9 @@ def test_cli_writes_user_datasets_and_contact_sheet(tmp_path: Path) -> None:
 
 
 def test_yaw_sectors_keep_the_best_spot_and_leave_unseeable_views_clean(lego_black) -> None:
-    config = CrowdConfig(users=16, views_per_user=5, partition="yaw", seed=0, max_tries=300)
+    config = CrowdConfig(
+        users=16, views_per_user=5, layout="front", partition="yaw", seed=0, max_tries=300
+    )
     with pytest.warns(UserWarning, match="person is missing from views"):
         crowd = build_crowd(lego_black, config, progress=False)
     for user in crowd.users:
@@ -258,7 +272,8 @@ def test_yaw_sectors_keep_the_best_spot_and_leave_unseeable_views_clean(lego_bla
 
 
 def test_views_no_user_holds_are_written_clean_for_evaluation(lego_black, tmp_path: Path) -> None:
-    crowd = build_crowd(lego_black, CrowdConfig(users=16, views_per_user=4), progress=False)
+    config = CrowdConfig(users=16, views_per_user=4, layout="front")
+    crowd = build_crowd(lego_black, config, progress=False)
     write_crowd(crowd, tmp_path / "c")
     heldout = sorted(json.loads((tmp_path / "c" / "crowd.json").read_text())["heldout_views"])
     used = {view for user in crowd.users for view in user.views}
@@ -268,4 +283,158 @@ def test_views_no_user_holds_are_written_clean_for_evaluation(lego_black, tmp_pa
     torch.testing.assert_close(scene.images, white.images[heldout], atol=2.5 / 255, rtol=0)
     torch.testing.assert_close(
         scene.cameras.camera_to_world, white.cameras.camera_to_world[heldout]
+    )
+
+
+# ------------------------------------------------------------------ novel-blender layout
+
+HULL = 64  # voxels per axis for 50x50 views (the default 128 is for 100x100 and up)
+
+
+@pytest.fixture(scope="module")
+def novel(lego_black) -> Crowd:
+    config = CrowdConfig(seed=1, hull_resolution=HULL)
+    return build_crowd(lego_black, config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def novel_written(novel: Crowd, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("novel") / "lego_novel"
+    write_crowd(novel, out, source={"scene": str(LEGO)})
+    return out
+
+
+def _png_bytes(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image)
+
+
+def test_compositing_keeps_the_nearer_surface_and_blends_partial_alpha() -> None:
+    clean = torch.tensor([[[0.2, 0.4, 0.6, 1.0]] * 3 + [[0.2, 0.4, 0.6, 0.5], [0, 0, 0, 0.0]]])
+    scene_depth = torch.tensor([[2.0, 2.0, 2.0, 2.0, math.inf]])
+    person_rgba = torch.tensor([[[1.0, 0.0, 0.0, 1.0]] * 5])
+    person_depth = torch.tensor([[3.0, 1.0, math.inf, 3.0, 5.0]])
+    out = composite_persons(clean, scene_depth, person_rgba, person_depth)
+    torch.testing.assert_close(out[0, 0], clean[0, 0])  # person behind an opaque scene
+    torch.testing.assert_close(out[0, 1], person_rgba[0, 1])  # person in front
+    torch.testing.assert_close(out[0, 2], clean[0, 2])  # no person
+    torch.testing.assert_close(out[0, 3], torch.tensor([0.6, 0.2, 0.3, 1.0]))  # 0.5 over person
+    torch.testing.assert_close(out[0, 4], person_rgba[0, 4])  # empty scene: person shows
+    assert written_change(out, clean).tolist() == [[False, True, False, True, True]]
+
+
+def test_a_person_behind_the_object_is_hidden_and_one_in_front_hides_it(lego_black) -> None:
+    occupied = silhouette_hull(lego_black, HULL)
+    aabb = lego_black.aabb.float()
+    view = 41  # a low camera: a person behind the bulldozer overlaps it on screen
+    origin = lego_black.cameras.camera_to_world[view, :3, 3]
+    away = torch.nn.functional.normalize(-origin[:2], dim=0)  # horizontal, from the camera
+    level = -0.33  # lego's base plate
+    clean = torch.cat([lego_black.images[view], lego_black.masks[view][..., None]], dim=-1)
+    clean[..., :3] /= clean[..., 3:].clamp(min=1e-8)
+    depth = hull_depth(occupied, aabb, lego_black.cameras, [view])[0]
+    rng = np.random.default_rng(0)
+    behind = place(person(rng, 0.5), (*(1.0 * away).tolist(), level), 0.0)
+    front = place(person(rng, 0.5), (*(-1.1 * away).tolist(), level), 0.0)
+    for figure, hidden in ((behind, True), (front, False)):
+        rendered = render_surfaces([figure], lego_black.cameras, views=[view])
+        out = composite_persons(clean, depth, rendered.rgba[0], rendered.depth[0])
+        changed = written_change(out, clean)
+        over_object = torch.isfinite(rendered.depth[0]) & (clean[..., 3] >= 1.0)
+        assert int(over_object.sum()) >= 8, "the person must overlap the object in this view"
+        if hidden:
+            assert not bool(changed[over_object].any())
+        else:
+            assert bool(changed[over_object].all())
+
+
+def test_written_masks_are_exactly_the_changed_pixels(novel: Crowd, novel_written: Path) -> None:
+    for user in novel.users:
+        folder = novel_written / f"user_{user.user:02d}"
+        for view in user.views:
+            stem = f"r_{view:03d}.png"
+            changed = _png_bytes(folder / "images" / stem) != _png_bytes(folder / "clean" / stem)
+            changed = changed.any(axis=-1)
+            union = _png_bytes(folder / "masks" / stem) > 0
+            personal = _png_bytes(folder / "personal_masks" / stem) > 0
+            transient = _png_bytes(folder / "transient_masks" / stem) > 0
+            assert (changed == union).all(), f"user {user.user} view {view}"
+            assert ((personal | transient) == union).all() and not (personal & transient).any()
+            assert personal.sum() > 0 and transient.sum() > 0
+
+
+def test_the_static_person_stays_and_passers_by_change_per_view(novel: Crowd, lego_black) -> None:
+    for user in novel.users:
+        static = render_surfaces([user.person.build()], lego_black.cameras, list(user.views))
+        assert bool((torch.isfinite(static.depth) >= user.personal_masks).all())
+        assert all(int(mask.sum()) >= 3 for mask in user.personal_masks), f"user {user.user}"
+        feet = {spec.feet for specs in user.transients for spec in specs}
+        seeds = {spec.seed for specs in user.transients for spec in specs}
+        assert len(feet) == len(seeds) == 5 * len(user.views)
+        assert user.person.feet not in feet
+
+
+def test_six_persons_per_view_on_the_ground_inside_the_box(novel: Crowd) -> None:
+    assert novel.layout == "novel-blender" and novel.partition.method == "yaw_sectors"
+    assert novel.ground is not None and -0.45 < novel.ground.level < -0.25  # lego's plate
+    aabb = novel.scene.aabb
+    height = novel.users[0].person.height
+    assert 0.38 < height < 0.5
+    for user in novel.users:
+        for specs in user.transients:
+            persons = [user.person, *specs]
+            assert len(persons) == 6
+            for spec in persons:
+                assert spec.feet[2] == novel.ground.level
+                bounds = spec.build().bounds()
+                assert bool((bounds[0] >= aabb[0]).all() and (bounds[1] <= aabb[1]).all())
+                assert float(bounds[0, 2]) == pytest.approx(novel.ground.level, abs=1e-4)
+            feet = np.array([spec.feet[:2] for spec in persons])
+            apart = np.linalg.norm(feet[:, None] - feet[None], axis=-1)
+            assert apart[~np.eye(6, dtype=bool)].min() > 0.05
+
+
+def test_coverage_is_recorded_per_user_and_frame(novel: Crowd, novel_written: Path) -> None:
+    summary = json.loads((novel_written / "crowd.json").read_text())
+    assert summary["layout"] == "novel-blender"
+    for entry, user in zip(summary["persons"], novel.users, strict=True):
+        coverage = entry["coverage"]
+        assert 0.0 <= coverage["static"] <= coverage["total"] <= 1.0
+        assert coverage["total"] == pytest.approx(coverage["static"] + coverage["transient"])
+        scene = user.clean_rgba[..., 3] > 0.5
+        assert coverage["total"] == pytest.approx(
+            int((user.masks & scene).sum()) / int(scene.sum())
+        )
+    assert summary["mean_coverage"]["total"] > 0.0
+    frames = json.loads((novel_written / "user_03" / "transforms.json").read_text())["frames"]
+    assert all(0.0 <= frame["coverage"]["total"] <= 1.0 for frame in frames)
+    assert all(len(frame["transient_persons"]) == 5 for frame in frames)
+
+
+def test_heterogeneous_crowd_has_heavily_and_lightly_occluded_users(lego_black) -> None:
+    config = CrowdConfig(**PRESETS["heterogeneous"], seed=2, hull_resolution=HULL)
+    crowd = build_crowd(lego_black, config, progress=False)
+    assert len(crowd.users) == 8 and crowd.partition.method == "random"
+    heavy = [user for user in crowd.users if user.occlusion == "heavy"]
+    light = [user for user in crowd.users if user.occlusion == "light"]
+    assert len(heavy) == len(light) == 4
+    assert all(not any(user.transients) and not user.transient_masks.any() for user in light)
+    assert all(all(len(specs) == 5 for specs in user.transients) for user in heavy)
+    assert min(user.person.height for user in heavy) > max(u.person.height for u in light)
+    heavy_cover = np.mean([user.coverage()["total"] for user in heavy])
+    light_cover = np.mean([user.coverage()["total"] for user in light])
+    assert heavy_cover > 2.0 * light_cover
+
+
+def test_config_errors_name_the_key_and_value() -> None:
+    with pytest.raises(CrowdError, match="layout must be one of .*'side'"):
+        CrowdConfig(layout="side")
+    with pytest.raises(CrowdError, match="transients_per_view must be >= 0, got -1"):
+        CrowdConfig(transients_per_view=-1)
+    with pytest.raises(CrowdError, match="heterogeneous=True needs layout 'novel-blender'"):
+        CrowdConfig(layout="front", heterogeneous=True)
+    assert (
+        CrowdConfig().partition == "yaw" and CrowdConfig(layout="front").partition == "directions"
     )

@@ -32,13 +32,26 @@ from fedfields.data.partition import (
     yaw_sectors,
 )
 from fedfields.data.scene import Scene, SceneError, load_scene
-from fedfields.data.surfaces import SurfaceObject, render_surfaces
+from fedfields.data.surfaces import SurfaceObject, SurfaceRender, render_surfaces
 from fedfields.geometry.cameras import Cameras, project
-from fedfields.geometry.rays import image_rays
+from fedfields.geometry.rays import image_rays, intersect_aabb
 
 PARTITIONS = ("directions", "yaw", "random")
+LAYOUTS = ("novel-blender", "front")
+DEFAULT_PARTITION = {"novel-blender": "yaw", "front": "directions"}
+# Fig. 4 of DecentNeRF: 8 users whose views overlap (random split), half heavily occluded.
+PRESETS: dict[str, dict[str, Any]] = {
+    "novel-blender": {},
+    "heterogeneous": {
+        "users": 8,
+        "views_per_user": 10,
+        "partition": "random",
+        "heterogeneous": True,
+    },
+}
 CROWD_FORMAT = "fedfields-crowd-1"
 ANCHOR_HEIGHT = sum(TORSO_SPAN) / 2  # inside every torso, as a fraction of the height
+OBJECT_ALPHA = 0.5  # pixels with more scene alpha are the object (hull silhouettes, coverage)
 
 
 class CrowdError(ValueError):
@@ -47,27 +60,53 @@ class CrowdError(ValueError):
 
 @dataclass(frozen=True)
 class BoundingSphere:
-    """A sphere that contains the scene's content: persons must stay outside it."""
+    """A sphere that contains the scene's content: front-layout persons stay outside it."""
 
     centre: tuple[float, float, float]
     radius: float
 
 
 @dataclass(frozen=True)
+class Ground:
+    """Where novel-blender persons stand: the object's support level and its centre."""
+
+    level: float  # z of every person's feet
+    centre: tuple[float, float]  # x, y of the object's centre
+    object_height: float  # top of the object above `level`
+
+
+@dataclass(frozen=True)
 class CrowdConfig:
-    """How a crowd is drawn: users, their views, their persons, and transient passers-by."""
+    """How a crowd is drawn: users, their views, their persons, and transient passers-by.
+
+    layout "novel-blender" (DecentNeRF's benchmark): persons stand on the object's ground
+    around it, one static per user plus `transients_per_view` passers-by in every view.
+    layout "front": one person per user outside the scene's bounding sphere, toward its cameras.
+    """
 
     users: int = 16
     views_per_user: int = 5
-    partition: str = "directions"
+    layout: str = "novel-blender"
+    partition: str | None = None  # None: the layout's default (DEFAULT_PARTITION)
     seed: int = 0
-    person_height: float = 0.35  # as a fraction of the bounding sphere's radius
-    margin: float = 0.08  # the person keeps this fraction of the image size from every edge
+    person_height: float = 0.35  # front: as a fraction of the bounding sphere's radius
+    # novel-blender: person height as a share of the object height above the ground (0.59 on lego)
+    person_scale: float = 0.45
+    spot_radius: float = 1.25  # novel-blender: feet within this distance of the object's centre
+    transients_per_view: int = 5  # novel-blender: one-off passers-by in every view
+    heterogeneous: bool = False  # novel-blender: half the users heavily, half lightly occluded
+    heavy_scale: float = 1.35  # heavy users' persons are this much taller
+    hull_resolution: int = 128  # novel-blender: voxels per axis of the hull that gives depth
+    margin: float = 0.08  # front: the person keeps this fraction of the image size from edges
     min_person_pixels: int = 12  # at 100x100; scaled with the image area
-    transient_probability: float = 0.0  # chance that a view also shows a one-off passer-by
+    transient_probability: float = 0.0  # front: chance that a view also shows a passer-by
     max_tries: int = 4000
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise CrowdError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.partition is None:
+            object.__setattr__(self, "partition", DEFAULT_PARTITION[self.layout])
         if self.partition not in PARTITIONS:
             raise CrowdError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         if self.users < 1 or self.views_per_user < 1:
@@ -78,6 +117,24 @@ class CrowdConfig:
             raise CrowdError(
                 f"transient probability must be in [0, 1]: {self.transient_probability}"
             )
+        if self.transients_per_view < 0:
+            raise CrowdError(f"transients_per_view must be >= 0, got {self.transients_per_view}")
+        for key in ("person_scale", "spot_radius", "person_height"):
+            if not getattr(self, key) > 0:
+                raise CrowdError(f"{key} must be > 0, got {getattr(self, key)}")
+        if self.heavy_scale < 1.0:
+            raise CrowdError(f"heavy_scale must be >= 1, got {self.heavy_scale}")
+        if self.hull_resolution < 16:
+            raise CrowdError(f"hull_resolution must be >= 16, got {self.hull_resolution}")
+        if self.layout == "front" and self.heterogeneous:
+            raise CrowdError("heterogeneous=True needs layout 'novel-blender', got 'front'")
+        if self.layout == "novel-blender" and self.transient_probability > 0:
+            raise CrowdError(
+                f"transient_probability ({self.transient_probability}) is for layout 'front'; "
+                "layout 'novel-blender' uses transients_per_view"
+            )
+        if self.heterogeneous and self.users < 2:
+            raise CrowdError(f"heterogeneous needs users >= 2, got {self.users}")
 
 
 @dataclass(frozen=True)
@@ -105,26 +162,45 @@ class PersonSpec:
 
 @dataclass
 class UserViews:
-    """One user's views: composited images with their person, masks, and the clean views."""
+    """One user's views: composited images with their persons, masks, and the clean views."""
 
     user: int
     views: tuple[int, ...]  # indices into the source scene
-    person: PersonSpec
+    person: PersonSpec  # the static person: the user's personal content
     rgba: Tensor  # [V, H, W, 4] composited, straight alpha
     clean_rgba: Tensor  # [V, H, W, 4] the source views
-    masks: Tensor  # [V, H, W] bool, personal pixels (the user's person and any passers-by)
-    transients: tuple[PersonSpec | None, ...]  # per view, the passer-by if one was drawn
+    masks: Tensor  # [V, H, W] bool, every changed pixel (static person and passers-by)
+    transients: tuple[tuple[PersonSpec, ...], ...]  # per view, its passers-by
+    personal_masks: Tensor  # [V, H, W] bool, the static person's pixels
+    transient_masks: Tensor  # [V, H, W] bool, the passers-by's pixels
+    occlusion: str = "uniform"  # "heavy" or "light" in a heterogeneous crowd
+
+    def coverage(self, position: int | None = None) -> dict[str, float]:
+        """Fractions of object pixels (scene alpha > 0.5) that persons hide: all views or one."""
+        chosen = slice(None) if position is None else slice(position, position + 1)
+        scene = self.clean_rgba[chosen, ..., 3] > OBJECT_ALPHA
+        total = max(int(scene.sum()), 1)
+        return {
+            name: int((mask[chosen] & scene).sum()) / total
+            for name, mask in (
+                ("static", self.personal_masks),
+                ("transient", self.transient_masks),
+                ("total", self.masks),
+            )
+        }
 
 
 @dataclass
 class Crowd:
-    """A crowd built from one scene: its users, partition and the sphere persons avoid."""
+    """A crowd built from one scene: its users, partition, and where persons were placed."""
 
     users: list[UserViews]
     partition: Partition
     sphere: BoundingSphere
     cameras: Cameras
     scene: Scene
+    layout: str = "front"
+    ground: Ground | None = None  # novel-blender only
 
 
 def bounding_sphere(scene: Scene, resolution: int = 64) -> BoundingSphere:
@@ -145,26 +221,35 @@ def bounding_sphere(scene: Scene, resolution: int = 64) -> BoundingSphere:
     return BoundingSphere(_triple(centre), radius)
 
 
-def visual_hull(scene: Scene, resolution: int = 64) -> tuple[Tensor, Tensor, float]:
+def visual_hull(
+    scene: Scene, resolution: int = 64, threshold: float = 0.0, conservative: bool = True
+) -> tuple[Tensor, Tensor, float]:
     """(occupied [M] bool, voxel centres [M, 3], voxel half-diagonal) carved from the alpha masks.
 
-    A voxel survives when every view that sees its centre finds silhouette within the voxel's
-    projected radius there, so the hull contains every point of the object (conservative).
+    Silhouettes are pixels with alpha > `threshold`. Conservative: a voxel survives when every
+    view that sees its centre finds silhouette within the voxel's projected radius there, so the
+    hull contains every point of the object. Otherwise only the centre's pixel is tested (a
+    tight hull, for depth). Voxels are ordered x-major (reshape to [R, R, R] indexes x, y, z).
     """
     aabb = scene.aabb.double()
-    steps = [torch.linspace(0.0, 1.0, 2 * resolution + 1, dtype=torch.float64)[1::2]] * 3
-    grid = torch.stack(torch.meshgrid(*steps, indexing="ij"), dim=-1).reshape(-1, 3)
-    centres = aabb[0] + grid * (aabb[1] - aabb[0])
+    centres = _voxel_centres(scene.aabb, resolution)
+    centres = centres.double() if conservative else centres  # float32 keeps 128^3 affordable
     half_diagonal = float(0.5 * ((aabb[1] - aabb[0]) / resolution).norm())
     occupied = torch.ones(centres.shape[0], dtype=torch.bool)
     cameras = scene.cameras
     for view in range(len(scene)):
-        pixels, depth = project(cameras, view, centres)
-        silhouette = scene.masks[view].double() > 0.0
-        radius = math.ceil(half_diagonal * float(cameras.fx[view]) / max(float(depth.min()), 1e-6))
-        dilated = torch.nn.functional.max_pool2d(
-            silhouette[None, None].float(), 2 * radius + 1, stride=1, padding=radius
-        )[0, 0].bool()
+        # The conservative radius depends on every voxel's depth; the tight hull projects only
+        # the voxels still alive, which is what makes 128^3 affordable.
+        alive = torch.arange(occupied.shape[0]) if conservative else occupied.nonzero()[:, 0]
+        pixels, depth = project(cameras, view, centres[alive])
+        silhouette = scene.masks[view].double() > threshold
+        if conservative:
+            radius = math.ceil(
+                half_diagonal * float(cameras.fx[view]) / max(float(depth.min()), 1e-6)
+            )
+            silhouette = torch.nn.functional.max_pool2d(
+                silhouette[None, None].float(), 2 * radius + 1, stride=1, padding=radius
+            )[0, 0].bool()
         column, row = pixels[:, 0].floor().long(), pixels[:, 1].floor().long()
         inside = (
             (depth > 0)
@@ -173,20 +258,15 @@ def visual_hull(scene: Scene, resolution: int = 64) -> tuple[Tensor, Tensor, flo
             & (row >= 0)
             & (row < cameras.height)
         )
-        keep = torch.ones_like(occupied)
-        keep[inside] = dilated[row[inside], column[inside]]
-        occupied &= keep
+        keep = torch.ones(alive.shape[0], dtype=torch.bool)
+        keep[inside] = silhouette[row[inside], column[inside]]
+        occupied[alive[~keep]] = False
     return occupied, centres.float(), half_diagonal
 
 
 def partition_views(scene: Scene, sphere: BoundingSphere, config: CrowdConfig) -> Partition:
     """Split the scene's views among users with the configured partitioner."""
-    needed = config.users * config.views_per_user
-    if needed > len(scene):
-        raise CrowdError(
-            f"{config.users} users x {config.views_per_user} views needs {needed} views, "
-            f"the scene has {len(scene)}"
-        )
+    _check_view_count(scene, config)
     directions = viewing_directions(scene.cameras.camera_to_world.numpy(), sphere.centre)
     if config.partition == "directions":
         return direction_clusters(directions, config.users, config.views_per_user, config.seed)
@@ -195,13 +275,31 @@ def partition_views(scene: Scene, sphere: BoundingSphere, config: CrowdConfig) -
     return random_partition(len(scene), config.users, config.views_per_user, config.seed)
 
 
+def _check_view_count(scene: Scene, config: CrowdConfig) -> None:
+    """Refuse early when the users need more views than the scene has."""
+    needed = config.users * config.views_per_user
+    if needed > len(scene):
+        raise CrowdError(
+            f"{config.users} users x {config.views_per_user} views needs {needed} views, "
+            f"the scene has {len(scene)}"
+        )
+
+
 def build_crowd(scene: Scene, config: CrowdConfig, progress: bool = True) -> Crowd:
-    """Partition the views, place one person per user and composite it into that user's views.
+    """Partition the views among users and composite their persons (`config.layout`).
 
     `scene` must be loaded on a black background so its images are alpha-premultiplied.
     """
     if any(value != 0.0 for value in scene.background):
         raise ValueError("build_crowd needs the scene loaded with background=(0, 0, 0)")
+    _check_view_count(scene, config)
+    if config.layout == "front":
+        return _build_front(scene, config, progress)
+    return _build_novel_blender(scene, config, progress)
+
+
+def _build_front(scene: Scene, config: CrowdConfig, progress: bool) -> Crowd:
+    """One person per user outside the bounding sphere, between the user's cameras and scene."""
     sphere = bounding_sphere(scene)
     partition = partition_views(scene, sphere, config)
     rng = np.random.default_rng(config.seed)
@@ -214,9 +312,11 @@ def build_crowd(scene: Scene, config: CrowdConfig, progress: bool = True) -> Cro
         hidden = torch.tensor([not ok for ok in shown])
         masks[hidden] = False
         rgba[hidden] = clean[[view for view, ok in zip(views, shown, strict=True) if not ok]]
-        transients: list[PersonSpec | None] = []
+        personal = masks.clone()
+        transient_masks = torch.zeros_like(masks)
+        transients: list[tuple[PersonSpec, ...]] = []
         for position, view in enumerate(views):
-            passer_by = None
+            passers_by: tuple[PersonSpec, ...] = ()
             if rng.random() < config.transient_probability:
                 passer_by, _ = _place_person(
                     scene, (view,), sphere, config, rng, f"passer-by in view {view}"
@@ -224,13 +324,359 @@ def build_crowd(scene: Scene, config: CrowdConfig, progress: bool = True) -> Cro
                 extra_mask, extra_rgba = _composite(
                     scene, rgba[position : position + 1], (view,), passer_by.build()
                 )
+                transient_masks[position] = extra_mask[0]
+                personal[position] &= ~extra_mask[0]
                 masks[position] |= extra_mask[0]
                 rgba[position] = extra_rgba[0]
-            transients.append(passer_by)
+                passers_by = (passer_by,)
+            transients.append(passers_by)
         users.append(
-            UserViews(user, views, spec, rgba, clean[list(views)], masks, tuple(transients))
+            UserViews(
+                user,
+                views,
+                spec,
+                rgba,
+                clean[list(views)],
+                masks,
+                tuple(transients),
+                personal,
+                transient_masks,
+            )
         )
-    return Crowd(users, partition, sphere, scene.cameras, scene)
+    return Crowd(users, partition, sphere, scene.cameras, scene, layout="front")
+
+
+def _build_novel_blender(scene: Scene, config: CrowdConfig, progress: bool) -> Crowd:
+    """DecentNeRF's layout: per view one static person of the user and transient passers-by.
+
+    Everyone stands on the object's ground around it; occlusion against the scene uses the
+    depth of a tight visual hull, so persons behind the object are hidden by it.
+    """
+    occupied = silhouette_hull(scene, config.hull_resolution)
+    aabb = scene.aabb.float()
+    points = _voxel_centres(aabb, config.hull_resolution)[occupied.reshape(-1)]
+    if points.shape[0] == 0:
+        raise CrowdError("the scene's silhouettes (alpha > 0.5) carve away every hull voxel")
+    voxel = float((aabb[1, 0] - aabb[0, 0]) / config.hull_resolution)
+    ground = ground_of(occupied, aabb)
+    centre = 0.5 * (points.amin(0) + points.amax(0))
+    radius = float((points - centre).norm(dim=-1).max()) + 0.5 * math.sqrt(3.0) * voxel
+    sphere = BoundingSphere(_triple(centre), radius)
+    partition = partition_views(scene, sphere, config)
+    rng = np.random.default_rng(config.seed)
+    heavy = set(
+        rng.choice(config.users, config.users // 2, replace=False).tolist()
+        if config.heterogeneous
+        else []
+    )
+    clean = _straight_rgba(scene)
+    used = sorted({int(v) for group in partition.groups for v in group})
+    scene_pixels = [scene.masks[view] > 0 for view in used]
+    depths = hull_depth(occupied, aabb, scene.cameras, used, scene_pixels)
+    depth = dict(zip(used, depths, strict=True))
+    obstacles = _obstacles(occupied, aabb, ground.level + 1.5 * voxel)
+    world = _PlacementWorld(scene, ground, obstacles, voxel, clean, depth, config)
+    users = []
+    for user, views in enumerate(tqdm(partition.groups, desc="persons", disable=not progress)):
+        occlusion = "uniform"
+        if config.heterogeneous:
+            occlusion = "heavy" if user in heavy else "light"
+        users.append(_novel_blender_user(world, user, tuple(int(v) for v in views), occlusion, rng))
+    return Crowd(users, partition, sphere, scene.cameras, scene, "novel-blender", ground)
+
+
+@dataclass
+class _PlacementWorld:
+    """What placing novel-blender persons needs to know about the scene (shared by all users)."""
+
+    scene: Scene
+    ground: Ground
+    obstacles: Tensor  # [K, 3] hull columns above the ground: x, y, lowest occupied z
+    voxel: float  # hull voxel edge
+    clean: Tensor  # [N, H, W, 4] straight-alpha source views
+    depth: dict[int, Tensor]  # view -> [H, W] hull depth
+    config: CrowdConfig
+
+    @property
+    def min_pixels(self) -> int:
+        """`min_person_pixels` scaled from 100x100 to the image size."""
+        cameras = self.scene.cameras
+        return max(1, round(self.config.min_person_pixels * cameras.width * cameras.height / 1e4))
+
+
+def _novel_blender_user(
+    world: _PlacementWorld,
+    user: int,
+    views: tuple[int, ...],
+    occlusion: str,
+    rng: np.random.Generator,
+) -> UserViews:
+    """Place the user's static person (visible in all its views), then each view's passers-by."""
+    config = world.config
+    height = config.person_scale * world.ground.object_height
+    if occlusion == "heavy":
+        height *= config.heavy_scale
+    transients_per_view = 0 if occlusion == "light" else config.transients_per_view
+    clean = world.clean[list(views)]
+    static = None
+    for _ in range(config.max_tries):
+        drawn = _draw_standing(world, height, rng, [])
+        if drawn is None:
+            continue
+        spec = drawn[0]
+        rendered = render_surfaces([drawn[1]], world.scene.cameras, views=list(views))
+        shown = [
+            int(_person_changes(world, view, clean[i], rendered, i)[0].sum())
+            for i, view in enumerate(views)
+        ]
+        if min(shown) >= world.min_pixels:
+            static = spec
+            break
+    if static is None:
+        raise CrowdError(
+            f"user {user}: no spot on the ground within {config.spot_radius} of the object shows "
+            f"its person with >= {world.min_pixels} pixels in all of views {list(views)} after "
+            f"{config.max_tries} tries"
+        )
+    outputs = [
+        _compose_view(world, static, view, clean[i], transients_per_view, rng, user)
+        for i, view in enumerate(views)
+    ]
+    rgba, union, personal, transient, passers_by = zip(*outputs, strict=True)
+    return UserViews(
+        user,
+        views,
+        static,
+        torch.stack(rgba),
+        clean,
+        torch.stack(union),
+        tuple(passers_by),
+        torch.stack(personal),
+        torch.stack(transient),
+        occlusion,
+    )
+
+
+def _compose_view(
+    world: _PlacementWorld,
+    static: PersonSpec,
+    view: int,
+    clean: Tensor,
+    count: int,
+    rng: np.random.Generator,
+    user: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[PersonSpec, ...]]:
+    """(rgba, union, static, transient masks, passers-by) of one view of a user.
+
+    Passers-by are redrawn together while they would hide the static person below
+    `min_person_pixels`, so personal content stays visible in every view.
+    """
+    static_figure = static.build()
+    standing = [(static, _footprint(static, static_figure.bounds()))]
+    for _ in range(max(1, world.config.max_tries // 40)):
+        placed: list[tuple[PersonSpec, SurfaceObject]] = []
+        for _ in range(count * 200):
+            if len(placed) == count:
+                break
+            others = standing + [(spec, _footprint(spec, f.bounds())) for spec, f in placed]
+            drawn = _draw_standing(world, static.height, rng, others)
+            if drawn is not None:
+                placed.append(drawn)
+        if len(placed) < count:
+            continue
+        passers_by = [spec for spec, _ in placed]
+        figures = [static_figure, *(figure for _, figure in placed)]
+        rendered = render_surfaces(figures, world.scene.cameras, views=[view])
+        changed, rgba = _person_changes(world, view, clean, rendered, 0)
+        personal = changed & (rendered.instance[0] == 0)
+        if int(personal.sum()) >= world.min_pixels:
+            transient = changed & (rendered.instance[0] > 0)
+            return rgba, changed, personal, transient, tuple(passers_by)
+    raise CrowdError(
+        f"user {user}: no {count} passers-by for view {view} leave its person "
+        f">= {world.min_pixels} pixels"
+    )
+
+
+def _person_changes(
+    world: _PlacementWorld, view: int, clean: Tensor, rendered: SurfaceRender, position: int
+) -> tuple[Tensor, Tensor]:
+    """(changed [H, W], rgba [H, W, 4]): persons of `rendered[position]` composited into `view`."""
+    rgba = composite_persons(
+        clean, world.depth[view], rendered.rgba[position], rendered.depth[position]
+    )
+    changed = written_change(rgba, clean)
+    return changed, torch.where(changed[..., None], rgba, clean)
+
+
+def _draw_standing(
+    world: _PlacementWorld,
+    height: float,
+    rng: np.random.Generator,
+    others: list[tuple[PersonSpec, float]],
+) -> tuple[PersonSpec, SurfaceObject] | None:
+    """A random person (spec, figure) on the ground near the object; None where it won't fit.
+
+    It must stay in the scene's box, keep hull columns that rise above the ground lower than
+    its head out of its footprint (so it does not intersect the object), and keep its footprint
+    apart from the `others` (spec, footprint radius).
+    """
+    ground, config = world.ground, world.config
+    distance = config.spot_radius * math.sqrt(rng.random())
+    angle = rng.uniform(0.0, 2.0 * math.pi)
+    feet = (
+        ground.centre[0] + distance * math.cos(angle),
+        ground.centre[1] + distance * math.sin(angle),
+        ground.level,
+    )
+    obstacles = world.obstacles
+    offsets = (obstacles[:, :2] - torch.tensor(feet[:2])).norm(dim=-1)
+    if bool((offsets < world.voxel).any()):  # standing right on the object: skip the build
+        return None
+    spec = PersonSpec(int(rng.integers(2**31)), height, feet, rng.uniform(0.0, 2.0 * math.pi))
+    figure = spec.build()
+    bounds = figure.bounds()
+    aabb = world.scene.aabb.float()
+    if bool((bounds[0] < aabb[0]).any() or (bounds[1] > aabb[1]).any()):
+        return None
+    footprint = _footprint(spec, bounds)
+    under_head = obstacles[:, 2] < float(bounds[1, 2])
+    if bool((under_head & (offsets < footprint + 0.5 * world.voxel)).any()):
+        return None
+    for other, other_footprint in others:
+        if math.dist(feet[:2], other.feet[:2]) < footprint + other_footprint:
+            return None
+    return spec, figure
+
+
+def _obstacles(occupied: Tensor, aabb: Tensor, floor: float) -> Tensor:
+    """[K, 3] (x, y, lowest occupied z above `floor`) of every hull column with voxels there."""
+    resolution = occupied.shape[2]
+    voxel = (aabb[1] - aabb[0]) / resolution
+    z = aabb[0, 2] + (torch.arange(resolution) + 0.5) * voxel[2]
+    above = occupied & (z > floor)
+    columns = above.any(dim=2).nonzero()
+    lowest = above[columns[:, 0], columns[:, 1]].int().argmax(dim=1)
+    xy = aabb[0, :2] + (columns + 0.5) * voxel[:2]
+    return torch.cat([xy, (aabb[0, 2] + lowest * voxel[2])[:, None]], dim=1).float()
+
+
+def _footprint(spec: PersonSpec, bounds: Tensor) -> float:
+    """Radius about the feet of a vertical cylinder containing the person."""
+    corners = torch.tensor(
+        [[bounds[i, 0], bounds[j, 1]] for i in (0, 1) for j in (0, 1)], dtype=torch.float32
+    )
+    return float((corners - torch.tensor(spec.feet[:2])).norm(dim=-1).max())
+
+
+def composite_persons(
+    clean: Tensor, scene_depth: Tensor, person_rgba: Tensor, person_depth: Tensor
+) -> Tensor:
+    """Persons ray-cast at `person_depth` (inf: none) composited into straight-alpha `clean`.
+
+    A person shows where it is nearer than the scene or the scene has no alpha; where the scene
+    is nearer, its partial alpha a lays it over the person (rgb = a scene + (1 - a) person);
+    alpha becomes 1 wherever a person is. Works on [..., H, W] stacks.
+    """
+    hit = torch.isfinite(person_depth)
+    alpha = clean[..., 3:]
+    in_front = hit & ((person_depth < scene_depth) | (alpha[..., 0] == 0))
+    behind = hit & ~in_front
+    person_rgb = person_rgba[..., :3].to(clean.dtype)
+    rgb = torch.where(
+        in_front[..., None],
+        person_rgb,
+        torch.where(
+            behind[..., None], alpha * clean[..., :3] + (1.0 - alpha) * person_rgb, clean[..., :3]
+        ),
+    )
+    return torch.cat([rgb, torch.where(hit[..., None], 1.0, alpha)], dim=-1)
+
+
+def written_change(rgba: Tensor, clean: Tensor) -> Tensor:
+    """[..., H, W] bool: pixels whose 8-bit RGBA as written to PNG differs between the two."""
+    return (_bytes(rgba) != _bytes(clean)).any(dim=-1)
+
+
+def _bytes(pixels: Tensor) -> Tensor:
+    """Floats in [0, 1] as the 8-bit values `_png` writes."""
+    return (pixels.clamp(0.0, 1.0) * 255.0 + 0.5).to(torch.uint8)
+
+
+def silhouette_hull(scene: Scene, resolution: int) -> Tensor:
+    """[R, R, R] bool (x, y, z) tight visual hull of the object silhouettes (alpha > 0.5)."""
+    occupied, _, _ = visual_hull(scene, resolution, OBJECT_ALPHA, conservative=False)
+    return occupied.reshape(resolution, resolution, resolution)
+
+
+def ground_of(occupied: Tensor, aabb: Tensor) -> Ground:
+    """The ground persons stand on: the bottom of the hull's widest horizontal slice.
+
+    The object's support (lego's base plate) is its widest slice; the hull's lowest voxels lie
+    under it only because cameras on the upper hemisphere cannot carve below the support.
+    """
+    resolution = occupied.shape[2]
+    voxel = (aabb[1] - aabb[0]) / resolution
+    area = occupied.sum(dim=(0, 1))
+    widest = int(area.argmax())
+    filled = area.nonzero()[:, 0]
+    level = float(aabb[0, 2] + widest * voxel[2])
+    top = float(aabb[0, 2] + (int(filled.max()) + 1) * voxel[2])
+    xy = occupied.any(dim=2).nonzero()
+    low = aabb[0, :2] + (xy.amin(0) + 0.5) * voxel[:2]
+    high = aabb[0, :2] + (xy.amax(0) + 0.5) * voxel[:2]
+    centre = 0.5 * (low + high)
+    return Ground(level, (float(centre[0]), float(centre[1])), top - level)
+
+
+def hull_depth(
+    occupied: Tensor,
+    aabb: Tensor,
+    cameras: Cameras,
+    views: Sequence[int],
+    pixels: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
+    """Per view [H, W] distance along each pixel's unit ray to the first occupied voxel (inf: none).
+
+    Only `pixels` ([H, W] bool per view; all when None) are marched, the others stay inf:
+    persons show where the scene has no alpha anyway. Marched at half-voxel steps inside the
+    hull's box, one view at a time. A visual hull contains the object, so in concavities its
+    depth is <= the true depth: a person there is taken as hidden although the real surface
+    lies behind it.
+    """
+    resolution = occupied.shape[0]
+    voxel = (aabb[1] - aabb[0]) / resolution
+    cells = occupied.nonzero()
+    box = torch.stack([aabb[0] + cells.amin(0) * voxel, aabb[0] + (cells.amax(0) + 1) * voxel])
+    step = 0.5 * float(voxel.min())
+    flat = occupied.reshape(-1)
+    depths = []
+    for position, view in enumerate(views):
+        rays = image_rays(cameras, view)
+        chosen = torch.ones(len(rays.origins), dtype=torch.bool)
+        if pixels is not None:
+            chosen = pixels[position].reshape(-1)
+        depth = torch.full((len(chosen),), math.inf)
+        rays = rays[chosen]
+        t_near, t_far = intersect_aabb(rays, box, 0.0, math.inf)
+        samples = max(1, math.ceil(float((t_far - t_near).clamp(min=0).max()) / step))
+        t = t_near[:, None] + (torch.arange(samples) + 0.5) * step  # [R, S]
+        points = rays.origins[:, None] + t[..., None] * rays.directions[:, None]
+        cell = ((points - aabb[0]) / voxel).floor().long().clamp(0, resolution - 1)
+        index = (cell[..., 0] * resolution + cell[..., 1]) * resolution + cell[..., 2]
+        inside = flat[index] & (t < t_far[:, None])
+        first = inside.int().argmax(dim=1)
+        entry = t.gather(1, first[:, None])[:, 0] - step  # the voxel began up to a step before
+        depth[chosen] = torch.where(inside.any(dim=1), entry, torch.full_like(entry, math.inf))
+        depths.append(depth.reshape(cameras.height, cameras.width))
+    return depths
+
+
+def _voxel_centres(aabb: Tensor, resolution: int) -> Tensor:
+    """[R^3, 3] voxel centres in the x-major order of `visual_hull`."""
+    steps = [torch.linspace(0.0, 1.0, 2 * resolution + 1, dtype=torch.float64)[1::2]] * 3
+    grid = torch.stack(torch.meshgrid(*steps, indexing="ij"), dim=-1).reshape(-1, 3)
+    return (aabb[0].double() + grid * (aabb[1] - aabb[0]).double()).float()
 
 
 def _place_person(
@@ -409,6 +855,8 @@ def write_crowd(crowd: Crowd, out: Path, source: dict[str, Any] | None = None) -
         "source": source or {},
         "users": len(crowd.users),
         "image_size": [cameras.width, cameras.height],
+        "layout": crowd.layout,
+        "ground": None if crowd.ground is None else asdict(crowd.ground),
         "bounding_sphere": asdict(crowd.sphere),
         "partition": {"method": crowd.partition.method, **crowd.partition.stats()},
         "heldout_views": list(crowd.partition.left_out),
@@ -418,9 +866,15 @@ def write_crowd(crowd: Crowd, out: Path, source: dict[str, Any] | None = None) -
                 "views": list(user.views),
                 **asdict(user.person),
                 "anchor": list(user.person.anchor),
+                "occlusion": user.occlusion,
+                "coverage": user.coverage(),
             }
             for user in crowd.users
         ],
+        "mean_coverage": {
+            key: float(np.mean([user.coverage()[key] for user in crowd.users]))
+            for key in ("static", "transient", "total")
+        },
     }
     (staging / "crowd.json").write_text(json.dumps(summary, indent=2))
     contact_sheet(crowd).save(staging / "contact_sheet.png")
@@ -469,8 +923,9 @@ def _intrinsics_and_bounds(crowd: Crowd) -> dict[str, Any]:
 
 
 def _write_user(folder: Path, user: UserViews, crowd: Crowd, source: dict[str, Any]) -> None:
-    """One user's transforms.json plus images/, masks/ and clean/ PNGs."""
-    for name in ("images", "masks", "clean"):
+    """One user's transforms.json plus images/, clean/ and masks/ (union), personal_masks/
+    (the static person) and transient_masks/ (passers-by) PNGs."""
+    for name in ("images", "masks", "personal_masks", "transient_masks", "clean"):
         (folder / name).mkdir(parents=True)
     cameras = crowd.cameras
     frames = []
@@ -479,12 +934,15 @@ def _write_user(folder: Path, user: UserViews, crowd: Crowd, source: dict[str, A
         _png(folder / "images" / stem, user.rgba[position])
         _png(folder / "clean" / stem, user.clean_rgba[position])
         _png(folder / "masks" / stem, user.masks[position, ..., None].float())
+        _png(folder / "personal_masks" / stem, user.personal_masks[position, ..., None].float())
+        _png(folder / "transient_masks" / stem, user.transient_masks[position, ..., None].float())
         anchor_pixel, _ = project(cameras, view, torch.tensor([user.person.anchor]))
-        transient = user.transients[position]
         frames.append(
             {
                 "file_path": f"images/{stem}",
                 "mask_path": f"masks/{stem}",
+                "personal_mask_path": f"personal_masks/{stem}",
+                "transient_mask_path": f"transient_masks/{stem}",
                 "clean_path": f"clean/{stem}",
                 "transform_matrix": cameras.camera_to_world[view].tolist(),
                 "fl_x": float(cameras.fx[view]),
@@ -494,13 +952,16 @@ def _write_user(folder: Path, user: UserViews, crowd: Crowd, source: dict[str, A
                 "source_view": view,
                 "anchor_pixel": anchor_pixel[0].tolist(),
                 "personal_pixels": int(user.masks[position].sum()),
-                "transient_person": None if transient is None else asdict(transient),
+                "transient_persons": [asdict(spec) for spec in user.transients[position]],
+                "coverage": user.coverage(position),
             }
         )
     meta = {
         **_intrinsics_and_bounds(crowd),
         "user": user.user,
         "person": {**asdict(user.person), "anchor": list(user.person.anchor)},
+        "occlusion": user.occlusion,
+        "coverage": user.coverage(),
         "bounding_sphere": asdict(crowd.sphere),
         "source": source,
         "frames": frames,
@@ -552,9 +1013,10 @@ class CrowdUser:
     """One user's dataset read back: the scene with personal content, its masks and clean views."""
 
     scene: Scene  # composited images (what the user photographed)
-    personal_masks: Tensor  # [V, H, W] bool
+    personal_masks: Tensor  # [V, H, W] bool, the user's static person: where leakage is measured
     clean_images: Tensor  # [V, H, W, 3] composited on the scene's background
     person: dict[str, Any]
+    transient_masks: Tensor  # [V, H, W] bool, passers-by (none in datasets without the key)
 
 
 def load_crowd_user(
@@ -562,23 +1024,37 @@ def load_crowd_user(
     downscale: float = 1.0,
     background: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> CrowdUser:
-    """Read `user_NN/` written by `write_crowd`: images, personal masks and clean views."""
+    """Read `user_NN/` written by `write_crowd`: images, static and transient masks, clean views.
+
+    Datasets written before personal_masks/ existed give their masks/ as the personal masks.
+    """
     folder = Path(folder)
     scene = load_scene(folder, downscale=downscale, background=background)
     meta = json.loads((folder / "transforms.json").read_text())
-    masks, clean = [], []
+    masks, passers_by, clean = [], [], []
     for index, frame in enumerate(meta["frames"]):
         for key in ("mask_path", "clean_path"):
             if key not in frame or not (folder / frame[key]).is_file():
                 raise SceneError(
                     f"{folder / 'transforms.json'}: frame {index} has no readable '{key}'"
                 )
-        mask = _read_resized(folder / frame["mask_path"], scene.cameras, "L")[..., 0]
-        masks.append(mask > 0.0)
+        personal = folder / frame.get("personal_mask_path", frame["mask_path"])
+        masks.append(_read_resized(personal, scene.cameras, "L")[..., 0] > 0.0)
+        if "transient_mask_path" in frame:
+            transient = _read_resized(folder / frame["transient_mask_path"], scene.cameras, "L")
+            passers_by.append(transient[..., 0] > 0.0)
+        else:
+            passers_by.append(torch.zeros_like(masks[-1]))
         rgba = _read_resized(folder / frame["clean_path"], scene.cameras, "RGBA")
         bg = torch.tensor(background, dtype=torch.float32)
         clean.append(rgba[..., :3] * rgba[..., 3:] + (1.0 - rgba[..., 3:]) * bg)
-    return CrowdUser(scene, torch.stack(masks), torch.stack(clean), meta.get("person", {}))
+    return CrowdUser(
+        scene,
+        torch.stack(masks),
+        torch.stack(clean),
+        meta.get("person", {}),
+        torch.stack(passers_by),
+    )
 
 
 def _read_resized(path: Path, cameras: Cameras, mode: str) -> Tensor:
