@@ -290,6 +290,18 @@ def test_local_train_reduces_the_loss(scene: Scene) -> None:
     assert result.client_control is None
 
 
+def test_an_epoch_budget_ends_the_round_after_one_pass_over_the_pixels(scene: Scene) -> None:
+    """epochs=1 stops at the first step whose rays reach the scene's pixel count (2,500 here);
+    `steps` stays a cap."""
+    result = local_train(make_global(), scene, small_config(steps=500, epochs=1.0), RENDER, None)
+    pixels = VIEWS * 25 * 25
+    assert result.steps == -(-pixels // 96) and pixels <= result.rays < pixels + 96
+    capped = local_train(make_global(), scene, small_config(steps=5, epochs=1.0), RENDER, None)
+    assert capped.steps == 5
+    with pytest.raises(ValueError, match="epochs must be finite and >= 0"):
+        small_config(epochs=-1.0)
+
+
 def test_local_train_with_a_personal_field_trains_it_but_federates_the_global_field(
     scene: Scene,
 ) -> None:

@@ -62,7 +62,8 @@ class LocalTrainConfig:
     would restart every round, so any schedule over rounds is the strategy's to send.
     """
 
-    steps: int
+    steps: int  # optimiser steps, or the cap on them when `epochs` is set
+    epochs: float = 0.0  # > 0: end once this many passes over the scene's pixels were drawn
     learning_rate: float = 1e-2
     personal_learning_rate: float = 1e-2
     target_samples: int = 1 << 14  # adapt the ray batch to ~this many field samples per step
@@ -84,6 +85,8 @@ class LocalTrainConfig:
         for name in ("personal_density_weight", "proximal_mu"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.epochs) and self.epochs >= 0):
+            raise ValueError(f"epochs must be finite and >= 0, got {self.epochs}")
         if not self.beta_min > 0:
             raise ValueError(f"beta_min must be positive, got {self.beta_min}")
 
@@ -167,9 +170,12 @@ def local_train(
             optimizer.add_param_group(group)
     sampler = PixelSampler(scene, config.random_background)
     recent: deque[float] = deque(maxlen=LOSS_WINDOW)
-    batch_rays, total_rays, total_samples = config.batch_rays, 0, 0
+    batch_rays, total_rays, total_samples, steps = config.batch_rays, 0, 0, 0
+    epoch_rays = config.epochs * scene.images.shape[:3].numel()
     start = time.perf_counter()
     for step in range(config.steps):
+        if epoch_rays and total_rays >= epoch_rays:
+            break
         if occupancy is not None and step % config.occupancy_update_every == 0:
             occupancy.update(field.density, render_config.step_size)
         batch = sampler.sample(batch_rays)
@@ -200,6 +206,7 @@ def local_train(
                 parameter.grad += correction[name]
         optimizer.step()
         recent.append(photometric.item())
+        steps += 1
         total_rays += batch_rays
         total_samples += num_samples
         batch_rays = adapt_batch_rays(
@@ -208,7 +215,7 @@ def local_train(
     optimizer.zero_grad(set_to_none=True)  # no stale gradients outlive the round
     mean_loss = sum(recent) / len(recent)
     result = LocalTrainResult(
-        steps=config.steps,
+        steps=steps,
         rays=total_rays,
         samples=total_samples,
         seconds=time.perf_counter() - start,
@@ -218,7 +225,7 @@ def local_train(
     )
     if scaffold is not None and gradient_sum is not None:
         result.client_control = {
-            name: (total / config.steps).to("cpu", scaffold.client[name].dtype)
+            name: (total / steps).to("cpu", scaffold.client[name].dtype)
             for name, total in gradient_sum.items()
         }
     return result

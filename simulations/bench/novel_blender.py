@@ -1,0 +1,475 @@
+"""Benchmark: DecentNeRF's Novel Blender claims (paper 002/003, Table 1, Figs. 4, 5, 7).
+
+Side by side on one crowd, every user every round, about one epoch of local rays per round:
+centralised NeRF-W on all photos; FedNeRF (FedAvg over global-only fields); DecentNeRF(-L)
+(global + personal fields, NeRF-W loss, FedAvg weights); DecentNeRF (learned alpha, exact
+gradient through the normalised aggregation). The federation runs in this process with the
+library's client and server maths (`local_train`, `loss_gradient`, `alpha_update`,
+`alpha_weighted_payload`, `decentnerf_aggregate`): the same code the Flower App runs,
+without Ray's per-message overhead, so one method's 30 rounds fit a CPU budget.
+
+Leakage is scored on what the server can read (paper Fig. 7a): each user's uploaded global
+field for FedNeRF (plaintext), the securely aggregated field for DecentNeRF, both inside the
+user's personal-content masks against the photo, next to the floor (the clean view against
+the photo: a field that renders no person). Fig. 7b: each DecentNeRF user's own global and
+personal field inside the same masks.
+
+    python -m simulations.bench.novel_blender --crowd runs/crowd_nb_ds2 --downscale 2 \\
+        [--rounds 30] [--methods centralised fednerf decentnerf-l decentnerf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from PIL import Image
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from fedfields.aggregate import (
+    DECENTNERF_COST,
+    FEDAVG_COST,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+    state_sum,
+)
+from fedfields.config import FederatedConfig
+from fedfields.data import Scene
+from fedfields.data.crowd import CrowdUser
+from fedfields.fields import Field
+from fedfields.fields.encodings import HashGridConfig
+from fedfields.fields.personal import PersonalField, PersonalFieldConfig
+from fedfields.metrics import psnr, ssim
+from fedfields.render import OccupancyGrid, RenderConfig, render_image
+from fedfields.train.builders import global_field
+from fedfields.train.builders import render_config as default_render_config
+from fedfields.train.federated import (
+    LocalTrainConfig,
+    federated_state,
+    load_federated_state,
+    local_train,
+    loss_gradient,
+)
+from simulations.bench.federated_lego import _cat_cameras
+from simulations.scene_observer import CrowdData
+
+METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
+LABELS = {
+    "centralised": "Centralised NeRF-W (all photos)",
+    "fednerf": "FedNeRF (FedAvg, global field only)",
+    "decentnerf-l": "DecentNeRF(-L) (FedAvg weights)",
+    "decentnerf": "DecentNeRF (learned alpha)",
+}
+OCCUPANCY_PASSES = 2
+STEP_SCALE = {"value": 1.0}
+"""Marching step relative to the App's default, set once from --step-scale for every method."""
+
+
+def personal_field(num_images: int, aabb: Tensor) -> PersonalField:
+    """A user's personal field, lighter than the App's (6 levels up to 128, 2^13 entries):
+    persons span 10-20 pixels of the 50x50 views this benchmark affords."""
+    encoding = HashGridConfig(num_levels=6, log2_hashmap_size=13, max_resolution=128)
+    config = PersonalFieldConfig(num_images=num_images, encoding=encoding,
+                                 aabb=tuple(aabb.flatten().tolist()))  # fmt: skip
+    return PersonalField(config)
+
+
+def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
+    """The App's render settings with the benchmark's marching step."""
+    settings = default_render_config(config, scene)
+    return replace(settings, step_size=settings.step_size * STEP_SCALE["value"])
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The budget and losses shared by every method of one benchmark run."""
+
+    rounds: int = 30
+    epochs: float = 1.0  # local passes over a user's pixels per round
+    max_steps: int = 400  # cap on local steps per round
+    learning_rate: float = 1e-2
+    personal_learning_rate: float = 1e-2
+    target_samples: int = 1 << 14
+    beta_min: float = 0.03
+    transient_density_weight: float = 0.01
+    alpha_lr: float = 1.0
+    gradient_rays: int = 4096
+    seed: int = 0
+    run_config: dict[str, Any] = field(default_factory=dict)
+
+    def local(self, round_: int, user: int, personal: bool) -> LocalTrainConfig:
+        """One user's round: about `epochs` passes, NeRF-W loss when it has a personal field."""
+        return LocalTrainConfig(
+            steps=self.max_steps,
+            epochs=self.epochs,
+            learning_rate=self.learning_rate,
+            personal_learning_rate=self.personal_learning_rate,
+            target_samples=self.target_samples,
+            personal_density_weight=self.transient_density_weight if personal else 0.0,
+            beta_min=self.beta_min,
+            seed=self.seed * 100_003 + round_ * 1009 + user,
+        )
+
+
+@dataclass
+class UserState:
+    """What a user's device keeps between rounds (never sent): personal field, occupancy grid,
+    alpha and the last upload, for Eq. 2."""
+
+    personal: PersonalField | None
+    occupancy: OccupancyGrid
+    alpha: float = 1.0
+    previous: dict[str, Tensor] | None = None
+    alphas: list[float] = field(default_factory=list)
+
+
+def eval_views(data: CrowdData) -> list[tuple[int, int]]:
+    """(user, view) pairs scored every round: each user's view with the most personal pixels."""
+    return [
+        (index, int(user.personal_masks.flatten(1).sum(1).argmax()))
+        for index, user in enumerate(data.users)
+    ]
+
+
+def render(field: Field, scene: Scene, view: int, config: FederatedConfig, grid: OccupancyGrid):
+    """[H, W, 3] render of a scene's view, clamped."""
+    settings = render_config(config, scene)
+    return render_image(field, scene.cameras, view, settings, grid).rgb.clamp(0.0, 1.0)
+
+
+def fresh_grid(field: Field, config: FederatedConfig) -> OccupancyGrid:
+    """An occupancy grid built from a field's density alone (what any holder of it can do)."""
+    grid = OccupancyGrid(field.aabb)
+    step = render_config(config, None).step_size
+    for _ in range(OCCUPANCY_PASSES):
+        grid.update(field.density, step)
+    return grid
+
+
+def personal_psnr(image: Tensor, user: CrowdUser, view: int) -> float:
+    """PSNR inside the user's personal-content mask against the photo (higher: more leaked)."""
+    return psnr(image, user.scene.images[view], user.personal_masks[view])
+
+
+def floor_psnr(user: CrowdUser, view: int) -> float:
+    """The same for the clean view: what a field that renders no person scores."""
+    return psnr(user.clean_images[view], user.scene.images[view], user.personal_masks[view])
+
+
+def score_server_field(
+    field: Field, data: CrowdData, config: FederatedConfig, views: list[tuple[int, int]] | None
+) -> dict[str, float]:
+    """Clean-view PSNR/SSIM and personal-content PSNR with its floor over `views` (None: all)."""
+    grid = fresh_grid(field, config)
+    pairs = views or [(u, v) for u, user in enumerate(data.users) for v in range(len(user.scene))]
+    renders, cleans, personal, floors = [], [], [], []
+    for u, v in pairs:
+        user = data.users[u]
+        image = render(field, user.scene, v, config, grid)
+        renders.append(image)
+        cleans.append(user.clean_images[v])
+        personal.append(personal_psnr(image, user, v))
+        floors.append(floor_psnr(user, v))
+    return {
+        "clean-psnr": float(np.mean([psnr(r, c) for r, c in zip(renders, cleans, strict=True)])),
+        "clean-ssim": ssim(torch.stack(renders), torch.stack(cleans)),
+        "personal-psnr": float(np.mean(personal)),
+        "personal-floor": float(np.mean(floors)),
+    }
+
+
+def run_federated(
+    method: str, data: CrowdData, config: FederatedConfig, settings: Settings
+) -> dict[str, Any]:
+    """One federated method for `settings.rounds` rounds with every user; history and scores."""
+    personal_fields = method != "fednerf"
+    learned = method == "decentnerf"
+    torch.manual_seed(settings.seed)
+    model = global_field(config)
+    aggregate = federated_state(model)
+    users = [
+        UserState(
+            personal=personal_field(len(user.scene), model.aabb) if personal_fields else None,
+            occupancy=OccupancyGrid(model.aabb),
+        )
+        for user in data.users
+    ]
+    per_round_views = eval_views(data)
+    history: list[dict[str, Any]] = []
+    alpha_sum: float | None = None
+    started = time.perf_counter()
+    train_seconds = 0.0
+    for round_ in tqdm(range(1, settings.rounds + 1), desc=method):
+        record: dict[str, Any] = {"round": round_}
+        if learned and round_ >= 2 and alpha_sum is not None:
+            load_federated_state(model, aggregate)
+            gradients = [
+                loss_gradient(
+                    model,
+                    user.scene,
+                    render_config(config, user.scene),
+                    state.occupancy,
+                    state.personal,
+                    settings.gradient_rays,
+                    seed=round_,
+                    beta_min=settings.beta_min,
+                )  # fmt: skip
+                for user, state in zip(data.users, users, strict=True)
+            ]
+            gradient_sum = state_sum(gradients)
+            for state in users:
+                if state.previous is not None:
+                    state.alpha = alpha_update(state.alpha, gradient_sum, state.previous,
+                                               settings.alpha_lr, aggregate, alpha_sum)  # fmt: skip
+        payloads, upload_leak, own_global, own_personal = [], [], [], []
+        for index, (user, state) in enumerate(zip(data.users, users, strict=True)):
+            load_federated_state(model, aggregate)
+            tick = time.perf_counter()
+            local_train(model, user.scene, settings.local(round_, index, personal_fields),
+                        render_config(config, user.scene), state.occupancy,
+                        personal_field=state.personal)  # fmt: skip
+            train_seconds += time.perf_counter() - tick
+            upload = federated_state(model)
+            state.previous = upload
+            state.alphas.append(state.alpha)
+            payloads.append(alpha_weighted_payload(upload, state.alpha))
+            view = per_round_views[index][1]
+            model.eval()
+            if not personal_fields:  # FedNeRF: the server reads this upload in plaintext
+                upload_leak.append(
+                    personal_psnr(
+                        render(model, user.scene, view, config, state.occupancy), user, view
+                    )
+                )
+            else:  # Fig. 7b: the user's own fields, each alone
+                own_global.append(
+                    personal_psnr(
+                        render(model, user.scene, view, config, state.occupancy), user, view
+                    )
+                )
+                own_personal.append(
+                    personal_psnr(
+                        render(state.personal, user.scene, view, config, state.occupancy),
+                        user,
+                        view,
+                    )  # fmt: skip
+                )
+            model.train()
+        summed = state_sum(payloads)
+        alpha_sum = float(sum(state.alpha for state in users))
+        aggregate = decentnerf_aggregate(summed)
+        load_federated_state(model, aggregate)
+        model.eval()
+        record.update(score_server_field(model, data, config, per_round_views))
+        model.train()
+        if upload_leak:
+            record["upload-personal-psnr"] = float(np.mean(upload_leak))
+            record["upload-personal-psnr-max-user"] = float(np.max(upload_leak))
+        if own_global:
+            record["own-global-personal-psnr"] = float(np.mean(own_global))
+            record["own-personal-personal-psnr"] = float(np.mean(own_personal))
+        record["alphas"] = [state.alpha for state in users]
+        record["seconds"] = time.perf_counter() - started
+        history.append(record)
+        tqdm.write(json.dumps({k: v for k, v in record.items() if k != "alphas"}))
+    wall = time.perf_counter() - started
+    load_federated_state(model, aggregate)
+    model.eval()
+    final = score_server_field(model, data, config, None)
+    cost = (DECENTNERF_COST if learned else FEDAVG_COST).round_cost(
+        sum(t.numel() for t in aggregate.values()), len(data.users)
+    )
+    rays = sum(user.scene.images.shape[:3].numel() for user in data.users)
+    return {
+        "method": method,
+        "history": history,
+        "final": final,
+        "wall-seconds": wall,
+        "train-seconds": train_seconds,
+        "rays-per-second": rays * settings.epochs * settings.rounds / max(train_seconds, 1e-9),
+        "server-flops-per-round": cost.server_flops,
+        "bytes-per-round": cost.uplink_bytes + cost.downlink_bytes,
+        "alphas": [state.alphas for state in users],
+        "state": aggregate,
+    }
+
+
+def all_photos(data: CrowdData) -> Scene:
+    """Every user's photos as one scene (what a central server that collected them holds)."""
+    first = data.users[0].scene
+    return Scene(
+        images=torch.cat([u.scene.images for u in data.users]),
+        masks=torch.cat([u.scene.masks for u in data.users]),
+        cameras=_cat_cameras([u.scene for u in data.users]),
+        image_paths=tuple(p for u in data.users for p in u.scene.image_paths),
+        background=first.background,
+        aabb=first.aabb,
+        near=first.near,
+        far=first.far,
+    )
+
+
+def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings) -> dict[str, Any]:
+    """NeRF-W on all photos: one global + personal (transient) field, `rounds` epochs."""
+    torch.manual_seed(settings.seed)
+    photos = all_photos(data)
+    model = global_field(config)
+    personal = personal_field(len(photos), model.aabb)
+    grid = OccupancyGrid(model.aabb)
+    local = replace(
+        settings.local(0, 0, True),
+        epochs=settings.epochs * settings.rounds,
+        steps=settings.max_steps * settings.rounds * len(data.users),
+    )
+    started = time.perf_counter()
+    result = local_train(model, photos, local, render_config(config, photos), grid,
+                         personal_field=personal)  # fmt: skip
+    wall = time.perf_counter() - started
+    model.eval()
+    final = score_server_field(model, data, config, None)
+    return {
+        "method": "centralised",
+        "history": [],
+        "final": final,
+        "wall-seconds": wall,
+        "train-seconds": wall,
+        "rays-per-second": result.rays_per_second,
+        "server-flops-per-round": 0,
+        "bytes-per-round": 0,
+        "alphas": [],
+        "state": federated_state(model),
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of final scores, leakage and costs."""
+    lines = [
+        "| method | clean PSNR | clean SSIM | server-readable personal PSNR (worst round) "
+        "| floor | server FLOPs/round | bytes/round | rays/s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        final = result["final"]
+        leak = leakage_worst_round(result)
+        lines.append(
+            f"| {LABELS[result['method']]} | {final['clean-psnr']:.2f} | {final['clean-ssim']:.3f} "
+            f"| {'n/a' if leak is None else f'{leak:.2f}'} | {final['personal-floor']:.2f} "
+            f"| {result['server-flops-per-round']:.3g} | {result['bytes-per-round']:.3g} "
+            f"| {result['rays-per-second']:.0f} | {result['wall-seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def leakage_worst_round(result: dict[str, Any]) -> float | None:
+    """Highest per-round personal PSNR of what the server reads: uploads for FedNeRF, the
+    aggregate for DecentNeRF; None for centralised training."""
+    history = result["history"]
+    if not history:
+        return None
+    key = "upload-personal-psnr" if result["method"] == "fednerf" else "personal-psnr"
+    return max(record[key] for record in history)
+
+
+def plot_curves(path: Path, results: list[dict[str, Any]]) -> None:
+    """Fig. 7a/b-like: server-readable personal PSNR per round with the floor; own fields."""
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
+    for result in results:
+        history = result["history"]
+        if not history:
+            continue
+        rounds = [r["round"] for r in history]
+        key = "upload-personal-psnr" if result["method"] == "fednerf" else "personal-psnr"
+        left.plot(rounds, [r[key] for r in history], label=LABELS[result["method"]])
+        if "own-global-personal-psnr" in history[0] and result["method"] == "decentnerf":
+            right.plot(rounds, [r["own-global-personal-psnr"] for r in history], label="own global")
+            right.plot(rounds, [r["own-personal-personal-psnr"] for r in history],
+                       label="own personal")  # fmt: skip
+            right.plot(rounds, [r["personal-floor"] for r in history], "k--", label="floor")
+        floor = [r["personal-floor"] for r in history]
+    left.plot(rounds, floor, "k--", label="floor (no person rendered)")
+    left.set(xlabel="round", ylabel="PSNR inside personal masks (dB)",
+             title="what the server can read (Fig. 7a)")  # fmt: skip
+    right.set(xlabel="round", ylabel="PSNR inside personal masks (dB)",
+              title="DecentNeRF users' own fields (Fig. 7b)")  # fmt: skip
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def grid_figure(
+    path: Path, results: list[dict[str, Any]], data: CrowdData, config: FederatedConfig
+) -> None:
+    """Fig. 5-like: per user (one view) photo | clean ground truth | each method's server field."""
+    model = global_field(config)
+    pairs = eval_views(data)[:: max(1, len(data.users) // 4)][:4]
+    rows = []
+    for u, v in pairs:
+        user = data.users[u]
+        tiles = [user.scene.images[v], user.clean_images[v]]
+        for result in results:
+            load_federated_state(model, result["state"])
+            model.eval()
+            tiles.append(render(model, user.scene, v, config, fresh_grid(model, config)))
+        rows.append(torch.cat(tiles, dim=1))
+    image = (torch.cat(rows, dim=0).numpy() * 255 + 0.5).astype(np.uint8)
+    Image.fromarray(image).save(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--crowd", type=Path, required=True, help="`fedfields data crowd` folder")
+    parser.add_argument("--downscale", type=float, default=1.0, help="on top of the crowd's size")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--epochs", type=float, default=1.0, help="local epochs per round")
+    parser.add_argument("--alpha-lr", type=float, default=Settings.alpha_lr)
+    parser.add_argument("--beta-min", type=float, default=Settings.beta_min)
+    parser.add_argument(
+        "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
+    )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--out", type=Path, default=Path("runs/bench_novel_blender"))
+    parser.add_argument("--run-config", default="", help="extra run-config, e.g. 'hash-levels=12'")
+    args = parser.parse_args(argv)
+    run_config = parse_run_config(args.run_config)
+    config = FederatedConfig.from_run_config(run_config)
+    settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
+                        beta_min=args.beta_min, run_config=run_config)  # fmt: skip
+    STEP_SCALE["value"] = args.step_scale
+    data = CrowdData.load(str(args.crowd), args.downscale)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for method in args.methods:
+        if method == "centralised":
+            result = run_centralised(data, config, settings)
+        else:
+            result = run_federated(method, data, config, settings)
+        results.append(result)
+        saved = {k: v for k, v in result.items() if k != "state"}
+        (args.out / f"{method}.json").write_text(json.dumps(saved, indent=1))
+        print(json.dumps({"method": method, **result["final"], "wall": result["wall-seconds"]}))
+    print(table(results))
+    (args.out / "table.md").write_text(table(results) + "\n")
+    plot_curves(args.out / "leakage.png", results)
+    grid_figure(args.out / "grid.png", results, data, config)
+    return 0
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """'key=value key=value' (values as TOML scalars) into a dict."""
+    return tomllib.loads("\n".join(text.split())) if text.strip() else {}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
