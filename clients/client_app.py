@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import meta_client, split_client
+from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
@@ -111,6 +112,7 @@ def train(msg: Message, context: Context) -> Message:
         personal_learning_rate=config.scene.personal_learning_rate,
         target_samples=config.scene.target_samples,
         personal_density_weight=config.scene.personal_density_weight,
+        beta_min=config.scene.beta_min,
         proximal_mu=float(round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.common.seed * 100_003 + server_round * 1009 + user,
@@ -132,13 +134,16 @@ def train(msg: Message, context: Context) -> Message:
     local_state = federated_state(field)
     if decentnerf is not None and personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())
-        return decentnerf.train_reply(msg, local_state, metrics)
-    metrics[NUM_EXAMPLES] = result.num_examples
-    content = RecordDict({ARRAYS: state_to_arrays(local_state)})
-    if scaffold is not None:
-        scaffold.reply(content, result.client_control)
-    content[METRICS] = MetricRecord(metrics)
-    return Message(content, reply_to=msg)
+        reply = decentnerf.train_reply(msg, local_state, metrics)
+    else:
+        metrics[NUM_EXAMPLES] = result.num_examples
+        content = RecordDict({ARRAYS: state_to_arrays(local_state)})
+        if scaffold is not None:
+            scaffold.reply(content, result.client_control)
+        content[METRICS] = MetricRecord(metrics)
+        reply = Message(content, reply_to=msg)
+    reply.content[CLIENT] = ConfigRecord({CLIENT_INDEX: user})  # pairs uploads with users
+    return reply
 
 
 @app.query("gradient")
@@ -161,6 +166,7 @@ def gradient(msg: Message, context: Context) -> Message:
             personal_field=personal,
             num_rays=GRADIENT_RAYS,
             seed=seed,
+            beta_min=config.scene.beta_min,
         )
 
     return DecentNeRFClient.answer_gradient_query(msg, loss_gradient)

@@ -71,9 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
-    """The crowd folder, built by `fedfields data crowd` on first use."""
+    """The crowd folder (the Novel Blender layout), built by `fedfields data crowd` on first use."""
     crowd = args.crowd or APP_DIR / "runs" / (
-        f"crowd_{args.scene.name}_{args.users}x{args.views_per_user}_ds{args.downscale:g}"
+        f"crowd_{args.scene.name}_nb_{args.users}x{args.views_per_user}_ds{args.downscale:g}"
     )
     if not (crowd / "crowd.json").is_file():
         command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]

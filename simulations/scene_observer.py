@@ -3,8 +3,11 @@
 It reads the crowd's ground truth as the experimenter (run-config `data-dir`): each round it
 scores the global field on clean views (the scene without anyone's personal content) and
 inside the personal-content masks (how much of the users' persons the field reproduces: lower
-is less leakage); at the end it scores every view, writes renders/, the learned alphas the
-virtual nodes keep in their state directories (alphas.jsonl, alphas.png) and leakage.png.
+is less leakage), and, where replies carry a user's global field in plaintext (FedAvg-family
+uploads, or DecentNeRF's alpha_k g_k without secure aggregation), that upload on its user's
+view: what the server can read of each user (DecentNeRF paper, Fig. 7a); at the end it
+scores every view, writes renders/, the learned alphas the virtual nodes keep in their state
+directories (alphas.jsonl, alphas.png) and leakage.png.
 A deployed server has none of this data and runs without it.
 """
 
@@ -18,21 +21,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message, MessageType
 from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from PIL import Image
 
+from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields.aggregate import ALPHA_KEY
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdUser, load_crowd_user
 from fedfields.flower.decentnerf import ALPHA_STATE
-from fedfields.flower.protocol import arrays_to_state
+from fedfields.flower.protocol import ARRAYS, arrays_to_state, state_to_arrays
 from fedfields.metrics import psnr, ssim
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import load_federated_state
+from simulations.observers import ReplyTap
 
+UPLOAD_LEAK = "upload-personal-psnr"
+"""Metric: PSNR inside each user's masks of its plaintext upload, mean over the round's uploads."""
 PERSONAL_FLOOR = "personal-psnr-floor"
 """Metric: PSNR inside the masks of the clean views against the photos (no person rendered)."""
 OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
@@ -129,19 +137,42 @@ class CrowdObserver:
         self.run_dir = run_dir
         self.data = data
         self.renderer = FieldRenderer(config)
+        self.uploads: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def wrap_grid(self, grid: Grid) -> Grid:
-        """The crowd audit needs no replies: the grid as it is."""
-        return grid
+        """A `ReplyTap` keeping each plaintext upload of a user's global field."""
+        return ReplyTap(grid, self.record)
+
+    def record(self, replies: list[Message]) -> None:
+        """Keep (user, g_k) of successful train replies whose arrays the server can read."""
+        for reply in replies:
+            if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
+                continue
+            if CLIENT not in reply.content or ARRAYS not in reply.content:
+                continue  # secure aggregation: the server reads sums only
+            state = arrays_to_state(reply.content[ARRAYS])
+            alpha = state.pop(ALPHA_KEY, None)
+            if alpha is not None:  # DecentNeRF in plaintext: alpha_k g_k and alpha_k
+                state = {key: value / float(alpha.reshape(())) for key, value in state.items()}
+            self.uploads.append((int(reply.content[CLIENT][CLIENT_INDEX]), state))
 
     def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """Score a spread of users' first views (and held-out views) of this round's field."""
+        """Score a spread of users' first views (and held-out views) of this round's field,
+        and each readable upload inside its user's masks."""
+        metrics: dict[str, Any] = {}
+        uploads, self.uploads = self.uploads, []
+        if uploads:
+            leaks = []
+            for user, state in uploads:
+                self.renderer.load(state_to_arrays(state))
+                image = self.renderer(self.data.users[user].scene, 0)
+                crowd_user = self.data.users[user]
+                leaks.append(psnr(image, crowd_user.scene.images[0], crowd_user.personal_masks[0]))
+            metrics[UPLOAD_LEAK] = float(np.mean(leaks))
         self.renderer.load(arrays)
         count = self.config.scene.eval_views_per_round
         every = max(1, len(self.data.users) // max(1, count))
-        metrics: dict[str, Any] = score_crowd(
-            self.renderer, self.data.users[::every][:count], views=[0]
-        )
+        metrics |= score_crowd(self.renderer, self.data.users[::every][:count], views=[0])
         if self.data.heldout is not None:
             views = range(min(len(self.data.heldout), count))
             metrics["heldout-psnr"] = self.renderer.score_scene(self.data.heldout, views)[0]
@@ -220,6 +251,9 @@ def plot_leakage(path: Path, history: list[dict[str, Any]]) -> None:
     axes = figure.subplots()
     axes.plot(rounds, [h["clean-psnr"] for h in rows], marker="o", label="clean views")
     axes.plot(rounds, [h["personal-psnr"] for h in rows], marker="s", label="personal masks")
+    if all(UPLOAD_LEAK in h for h in rows):
+        uploads = [h[UPLOAD_LEAK] for h in rows]
+        axes.plot(rounds, uploads, marker="^", label="personal masks, users' uploads")
     if all(PERSONAL_FLOOR in h for h in rows):
         floor = [h[PERSONAL_FLOOR] for h in rows]
         axes.plot(rounds, floor, linestyle="--", color="grey", label="floor: no person rendered")

@@ -21,7 +21,7 @@ from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.flower.protocol import arrays_to_state
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
-from simulations.scene_observer import PERSONAL_FLOOR, CrowdData, score_crowd
+from simulations.scene_observer import PERSONAL_FLOOR, UPLOAD_LEAK, CrowdData, score_crowd
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGO = ROOT / "data" / "lego"
@@ -76,6 +76,8 @@ def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsy
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["server-flops"] > 0 and 0 < r["clean-psnr"] < 60 for r in rounds)
     assert all(r["num-replies"] == 3 and 0 < r["client-eval-psnr"] < 60 for r in rounds)
+    # Without secure aggregation the server can divide alpha_k g_k by alpha_k: scored per upload.
+    assert all(0 < r[UPLOAD_LEAK] < 60 for r in rounds)
     alphas = [json.loads(line) for line in (run_dir / "alphas.jsonl").read_text().splitlines()]
     assert sorted({(a["round"], a["user"]) for a in alphas}) == [
         (r, u) for r in (1, 2) for u in range(3)
@@ -144,6 +146,8 @@ def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_pa
     assert not any(len(r) for reply in replies for r in reply.content.array_records.values())
     masked = [reply for reply in replies if "fitres.num_examples" in reply.content]
     assert len(masked) == 3 * 2 * 3  # 3 secure sums (round 1: 1, round 2: 2) x 2 runs x 3 users
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(UPLOAD_LEAK in r for r in rounds)  # nothing per user to read
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "scaffold"])
@@ -154,6 +158,8 @@ def test_baselines_run_in_process(crowd_dir: Path, tmp_path: Path, strategy: str
     assert not list(nodes.glob(f"node_*/{PERSONAL}.pt"))  # FedNeRF and others share everything
     final = json.loads((run_dir / "summary.json").read_text())["final"]
     assert 0 < final["clean-psnr"] < 60
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r[UPLOAD_LEAK] < 60 for r in rounds)  # plaintext uploads, scored per user
 
 
 def test_one_round_through_flowers_ray_simulation_engine(crowd_dir: Path, tmp_path: Path) -> None:

@@ -106,7 +106,8 @@ class SceneSection:
     learning_rate: float = key(0.01, "Adam learning rate of the global field")
     personal_learning_rate: float = key(0.01, "DecentNeRF personal field and embeddings")
     target_samples: int = key(16384, "field samples per local step (sets the ray batch)")
-    personal_density_weight: float = key(0.01, "NeRF-W L1 on personal density")
+    personal_density_weight: float = key(0.01, "NeRF-W lambda_u on personal density")
+    beta_min: float = key(0.03, "NeRF-W floor of the personal uncertainty beta")
     alpha_lr: float = key(0.1, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
@@ -123,7 +124,8 @@ class SceneSection:
         _check(self, ["fraction_train"], lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check(self, ["hash_log2_size"], lambda v: 10 <= v <= 22, "in [10, 22]")
         _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")
-        _check(self, ["scene_bound"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+        _check(self, ["scene_bound", "beta_min"], lambda v: math.isfinite(v) and v > 0,
+               "finite and > 0")  # fmt: skip
         rates = ["learning_rate", "personal_learning_rate", "personal_density_weight", "alpha_lr"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 
