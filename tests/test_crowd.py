@@ -381,7 +381,8 @@ def test_six_persons_per_view_on_the_ground_inside_the_box(novel: Crowd) -> None
     assert novel.ground is not None and -0.45 < novel.ground.level < -0.25  # lego's plate
     aabb = novel.scene.aabb
     height = novel.users[0].person.height
-    assert 0.38 < height < 0.5
+    assert height == pytest.approx(CrowdConfig().person_scale * novel.ground.object_height)
+    assert 0.5 < height < 0.7  # about half the bulldozer's height
     for user in novel.users:
         for specs in user.transients:
             persons = [user.person, *specs]

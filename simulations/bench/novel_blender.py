@@ -441,7 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("runs/bench_novel_blender"))
     parser.add_argument("--run-config", default="", help="extra run-config, e.g. 'hash-levels=12'")
+    parser.add_argument(
+        "--summarise", action="store_true", help="print the table of the results saved in --out"
+    )
     args = parser.parse_args(argv)
+    if args.summarise:
+        saved = [json.loads((args.out / f"{m}.json").read_text()) for m in args.methods
+                 if (args.out / f"{m}.json").is_file()]  # fmt: skip
+        print(table(saved))
+        print(json.dumps(occlusion_alphas(args.crowd, saved)))
+        return 0
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
@@ -460,10 +469,29 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{method}.json").write_text(json.dumps(saved, indent=1))
         print(json.dumps({"method": method, **result["final"], "wall": result["wall-seconds"]}))
     print(table(results))
+    print(json.dumps(occlusion_alphas(args.crowd, results)))
     (args.out / "table.md").write_text(table(results) + "\n")
     plot_curves(args.out / "leakage.png", results)
     grid_figure(args.out / "grid.png", results, data, config)
     return 0
+
+
+def occlusion_alphas(crowd: Path, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Final alpha per occlusion group ("heavy", "light") of each learned run (paper Fig. 4)."""
+    persons = json.loads((crowd / "crowd.json").read_text()).get("persons", [])
+    groups = {person["user"]: person.get("occlusion", "uniform") for person in persons}
+    summary: dict[str, Any] = {}
+    for result in results:
+        if not result["alphas"]:
+            continue
+        final = [trace[-1] for trace in result["alphas"]]
+        by_group: dict[str, list[float]] = {}
+        for user, alpha in enumerate(final):
+            by_group.setdefault(groups.get(user, "uniform"), []).append(alpha)
+        summary[result["method"]] = {
+            group: round(float(np.mean(values)), 4) for group, values in by_group.items()
+        }
+    return summary
 
 
 def parse_run_config(text: str) -> dict[str, Any]:
