@@ -108,7 +108,7 @@ class SceneSection:
     target_samples: int = key(16384, "field samples per local step (sets the ray batch)")
     personal_density_weight: float = key(0.01, "NeRF-W lambda_u on personal density")
     beta_min: float = key(0.03, "NeRF-W floor of the personal uncertainty beta")
-    alpha_lr: float = key(0.1, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
+    alpha_lr: float = key(1.0, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
     hash_max_resolution: int = key(400, "finest hash-grid resolution")

@@ -73,7 +73,7 @@ class DecentNeRF(ProtocolStrategy):
     def __init__(
         self,
         *,
-        alpha_lr: float = 0.1,
+        alpha_lr: float = 1.0,
         query_timeout: float | None = None,
         **options: Unpack[StrategyOptions],
     ) -> None:
@@ -165,7 +165,7 @@ class DecentNeRFClient:
     alpha_k g_k with alpha_k (line 15). The model and its loss stay the caller's.
     """
 
-    def __init__(self, state: NodeState, alpha_lr: float = 0.1) -> None:
+    def __init__(self, state: NodeState, alpha_lr: float = 1.0) -> None:
         self.state = state
         self.alpha_lr = alpha_lr
         """eta when the message carries no "alpha-lr" (a DecentNeRF server always sends it)."""
