@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                  if (args.out / f"{m}.json").is_file()]  # fmt: skip
         print(table(saved))
         print(json.dumps(occlusion_alphas(args.crowd, saved)))
+        plot_curves(args.out / "leakage.png", saved)
         return 0
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
@@ -467,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         saved = {k: v for k, v in result.items() if k != "state"}
         (args.out / f"{method}.json").write_text(json.dumps(saved, indent=1))
+        torch.save(result["state"], args.out / f"{method}.pt")  # the server's final field
         print(json.dumps({"method": method, **result["final"], "wall": result["wall-seconds"]}))
     print(table(results))
     print(json.dumps(occlusion_alphas(args.crowd, results)))
