@@ -39,16 +39,7 @@ VARIANTS = {
 
 def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[str, float]:
     """The same global field trained on every user's photos in one place, equal steps."""
-    photos = Scene(
-        images=torch.cat([u.scene.images for u in data.users]),
-        masks=torch.cat([u.scene.masks for u in data.users]),
-        cameras=_cat_cameras([u.scene for u in data.users]),
-        image_paths=tuple(p for u in data.users for p in u.scene.image_paths),
-        background=data.users[0].scene.background,
-        aabb=data.users[0].scene.aabb,
-        near=data.users[0].scene.near,
-        far=data.users[0].scene.far,
-    )
+    photos = all_photos(data)
     field = global_field(config)
     settings = render_config(config, photos)
     occupancy = OccupancyGrid(field.aabb)
@@ -68,6 +59,21 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
         return render_image(field, scene.cameras, view, settings, occupancy).rgb.clamp(0, 1)
 
     return {**score_crowd(render, data.users), "seconds": seconds}
+
+
+def all_photos(data: CrowdData) -> Scene:
+    """Every user's photos as one scene (what a central server that collected them holds)."""
+    first = data.users[0].scene
+    return Scene(
+        images=torch.cat([u.scene.images for u in data.users]),
+        masks=torch.cat([u.scene.masks for u in data.users]),
+        cameras=_cat_cameras([u.scene for u in data.users]),
+        image_paths=tuple(p for u in data.users for p in u.scene.image_paths),
+        background=first.background,
+        aabb=first.aabb,
+        near=first.near,
+        far=first.far,
+    )
 
 
 def _cat_cameras(scenes: list[Scene]) -> Cameras:

@@ -60,7 +60,7 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
-from simulations.bench.federated_lego import _cat_cameras
+from simulations.bench.federated_lego import all_photos
 from simulations.scene_observer import CrowdData
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
@@ -302,21 +302,6 @@ def run_federated(
         "alphas": [state.alphas for state in users],
         "state": aggregate,
     }
-
-
-def all_photos(data: CrowdData) -> Scene:
-    """Every user's photos as one scene (what a central server that collected them holds)."""
-    first = data.users[0].scene
-    return Scene(
-        images=torch.cat([u.scene.images for u in data.users]),
-        masks=torch.cat([u.scene.masks for u in data.users]),
-        cameras=_cat_cameras([u.scene for u in data.users]),
-        image_paths=tuple(p for u in data.users for p in u.scene.image_paths),
-        background=first.background,
-        aabb=first.aabb,
-        near=first.near,
-        far=first.far,
-    )
 
 
 def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings) -> dict[str, Any]:
