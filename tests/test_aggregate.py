@@ -15,6 +15,7 @@ from fedfields.aggregate import (
     FEDAVG_COST,
     SCAFFOLD_COST,
     RoundCost,
+    RunningSum,
     alpha_update,
     alpha_weighted_payload,
     centralised_cost,
@@ -413,3 +414,39 @@ def test_round_cost_errors() -> None:
         FEDAVG_COST.round_cost(10, -1)
     with pytest.raises(ValueError, match="bytes_per_value must be an integer >= 1"):
         FEDAVG_COST.round_cost(10, 2, bytes_per_value=0)
+
+
+def test_running_sum_equals_the_list_rules_one_state_at_a_time() -> None:
+    gen = torch.Generator().manual_seed(3)
+    states = [
+        {
+            "w": torch.randn(5, 4, generator=gen),
+            "steps": torch.tensor(10 * k + 1, dtype=torch.int64),
+        }
+        for k in range(7)
+    ]
+    weights = [1.0, 2.5, 0.25, 7.0, 3.0, 1.5, 4.0]
+    total, plain = RunningSum(), RunningSum()
+    for state, weight in zip(states, weights, strict=True):
+        total.add(state, weight)
+        plain.add(state)
+    for key, value in weighted_mean(states, weights).items():
+        assert total.mean()[key].dtype == value.dtype
+        torch.testing.assert_close(total.mean()[key], value)
+    for key, value in state_sum(states).items():
+        torch.testing.assert_close(plain.sum()[key], value)
+    assert total.total_weight == pytest.approx(sum(weights)) and total.count == 7
+
+
+def test_running_sum_names_the_state_and_key_that_do_not_fit() -> None:
+    total = RunningSum()
+    total.add({"a": torch.zeros(3), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="state 1, key 'a': shape"):
+        total.add({"a": torch.zeros(4), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"state 1: keys differ .*missing \['b'\]"):
+        total.add({"a": torch.zeros(3)})
+    total.add({"a": torch.tensor([0.0, float("nan"), 0.0]), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match="key 'a': the sum holds non-finite values"):
+        total.mean()
+    with pytest.raises(ValueError, match="no states given"):
+        RunningSum().sum()

@@ -24,7 +24,7 @@ from fedfields.fields import (
     PersonalFieldConfig,
     build_field,
 )
-from fedfields.fields.personal import INITIAL_DENSITY_SHIFT
+from fedfields.fields.personal import DENSITY_BOUND_IMAGES, INITIAL_DENSITY_SHIFT
 from fedfields.geometry import Rays, image_rays
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.render.renderer import RayOutputs
@@ -200,6 +200,24 @@ def test_personal_density_follows_the_transient_embedding_and_its_bound_is_the_m
     torch.testing.assert_close(personal.density(points), per_image.amax(0))
     uncertainty = personal(points, directions, torch.zeros(50, dtype=torch.long)).uncertainty
     assert uncertainty is not None and bool((uncertainty >= 0).all())
+
+
+def test_personal_density_over_many_images_bounds_a_random_subset_each_call() -> None:
+    images = 3 * DENSITY_BOUND_IMAGES
+    personal = make_personal(num_images=images)
+    with torch.no_grad():
+        personal.transient.weight.normal_(std=3.0)
+    points, directions, _ = sample_inputs()
+    per_image = torch.stack(
+        [personal(points, directions, torch.full((50,), i)).density for i in range(images)]
+    )
+    calls = torch.stack([personal.density(points) for _ in range(40)])
+    # each call is the maximum over some images: never above the full maximum, never below
+    # the smallest image, and across calls the full maximum is reached
+    assert bool((calls <= per_image.amax(0) + 1e-6).all())
+    assert bool((calls >= per_image.amin(0) - 1e-6).all())
+    assert bool((calls[0] < per_image.amax(0) - 1e-6).any())
+    torch.testing.assert_close(calls.amax(0), per_image.amax(0))
 
 
 @pytest.mark.parametrize("kind", ["personal", "global_personal"])

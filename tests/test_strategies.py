@@ -6,7 +6,9 @@ Flower's own FedAvg is the oracle for ours.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import gc
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -24,7 +26,9 @@ from fedfields.aggregate import (
     decentnerf_aggregate,
     scaffold_client_control_update,
     scaffold_corrected_gradient,
+    scaffold_server_update,
     state_sum,
+    weighted_mean,
 )
 from fedfields.flower import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
 from fedfields.flower.protocol import (
@@ -393,9 +397,14 @@ class SecureSumStandIn(DecentNeRF):
         self,
         node_ids: Sequence[int],
         record_name: str,
-        replies: Sequence[Message],
+        replies: Iterable[Message],
         expected_shapes: Mapping[str, tuple[int, ...]],
+        on_reply: Callable[[Message], None] | None = None,
     ) -> State:
+        replies = list(replies)
+        for reply in replies:
+            if on_reply is not None:
+                on_reply(reply)
         self.calls.append((record_name, len(replies)))
         return self.summed
 
@@ -558,3 +567,77 @@ def test_harness_persists_node_state_copies_content_and_reports_errors() -> None
     assert [
         r.metadata.src_node_id for r in grid.send_and_receive([Message(content, 102, "train")])
     ] == []
+
+
+# ------------------------------------------------------------------ streaming aggregation
+
+
+def streaming_nodes(count: int) -> list[Callable]:
+    """Nodes replying distinct states (as local model, DecentNeRF payload and Scaffold pair)."""
+    nodes = []
+    for k in range(count):
+        state = random_state(k)
+        payload = {**state, ALPHA_KEY: torch.tensor([0.5 + k])}
+        records = {ARRAYS: state, CONTROL_DELTA: random_state(100 + k)}
+        metrics = {NUM_EXAMPLES: 2.0 + k, TRAIN_LOSS: float(k)}
+        nodes.append((records, payload, metrics))
+    return nodes
+
+
+def reference_aggregate(name: str, specs: list, start: State) -> State:
+    """What the pure maths gives with every state in hand (today's list-based rule)."""
+    if name == "fedavg":
+        states = [records[ARRAYS] for records, _, _ in specs]
+        return weighted_mean(states, [metrics[NUM_EXAMPLES] for _, _, metrics in specs])
+    if name == "decentnerf":
+        return decentnerf_aggregate(state_sum([payload for _, payload, _ in specs]))
+    zeros = {key: torch.zeros_like(value) for key, value in start.items()}
+    new_global, _ = scaffold_server_update(
+        start,
+        [{k: r[ARRAYS][k].double() - v.double() for k, v in start.items()} for r, _, _ in specs],
+        [records[CONTROL_DELTA] for records, _, _ in specs],
+        zeros,
+        num_clients_total=len(specs),
+    )
+    return new_global
+
+
+@pytest.mark.parametrize("name", ["fedavg", "decentnerf", "scaffold"])
+def test_aggregation_folds_each_reply_in_and_drops_it_before_the_next(name: str) -> None:
+    count = 6
+    specs = streaming_nodes(count)
+    handlers = [
+        fixed_reply_node({ARRAYS: payload} if name == "decentnerf" else records, metrics)
+        for records, payload, metrics in specs
+    ]
+    kind = {"fedavg": FedAvg, "decentnerf": DecentNeRF, "scaffold": Scaffold}[name]
+    strategy = kind(min_available_nodes=count)
+    start = random_state(9)
+    grid = InProcessGrid(handlers)
+    pending = list(grid.send_and_receive(
+        strategy.configure_train(1, state_to_arrays(start), ConfigRecord(), grid)
+    ))  # fmt: skip
+    handed: list[weakref.ref] = []
+    most_alive = 0
+
+    def stream() -> Iterable[Message]:
+        """Replies one at a time; before each, count the earlier ones still referenced."""
+        nonlocal most_alive
+        while pending:
+            gc.collect()
+            most_alive = max(most_alive, sum(ref() is not None for ref in handed))
+            reply = pending.pop(0)
+            handed.append(weakref.ref(reply))
+            yield reply
+            del reply
+
+    arrays, metrics = strategy.aggregate_train(1, stream())
+    assert len(handed) == count
+    assert most_alive <= 1  # only the reply just handed over (still in the loop variable)
+    assert arrays is not None and metrics is not None
+    expected = reference_aggregate(name, specs, start)
+    assert list(arrays) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(torch.from_numpy(arrays[key].numpy()), value)
+    losses = [metrics_[TRAIN_LOSS] for _, _, metrics_ in specs]
+    assert metrics[NUM_REPLIES] == count and metrics[TRAIN_LOSS] >= min(losses)

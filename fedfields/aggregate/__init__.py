@@ -27,7 +27,7 @@ from fedfields.aggregate.scaffold import (
     scaffold_server_update,
     scaffold_server_update_from_sums,
 )
-from fedfields.aggregate.states import state_sum
+from fedfields.aggregate.states import RunningSum, state_sum
 
 __all__ = [
     "ALPHA_KEY",
@@ -37,6 +37,7 @@ __all__ = [
     "SCAFFOLD_COST",
     "CostModel",
     "RoundCost",
+    "RunningSum",
     "alpha_gradient",
     "alpha_update",
     "alpha_weighted_payload",

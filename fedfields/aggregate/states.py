@@ -67,3 +67,84 @@ def state_sum(states: Sequence[State]) -> dict[str, Tensor]:
         key: like(sum(state[key].detach().double() for state in states), reference)
         for key, reference in states[0].items()
     }
+
+
+class RunningSum:
+    """sum_k w_k x_k and sum_k w_k accumulated one state at a time, in float64.
+
+    What a server needs to aggregate replies as they arrive: memory is one float64 copy of
+    the model whatever the number of states, and `sum()` / `mean()` equal `state_sum` /
+    `fedfields.aggregate.weighted_mean` over the same states (to float64 rounding).
+    """
+
+    def __init__(self) -> None:
+        self.total: dict[str, Tensor] = {}
+        self.reference: dict[str, Tensor] = {}  # one element per key: dtype to hand back
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, state: State, weight: float = 1.0) -> None:
+        """Add w * state; the first state fixes keys and shapes, a mismatch raises ValueError."""
+        weight = check_scalar(weight, f"state {self.count}: weight", positive=False)
+        if self.count == 0:
+            check_states([state])
+            self.total = {key: value.detach().double() * weight for key, value in state.items()}
+            self.reference = {key: value.detach().reshape(-1)[:1] for key, value in state.items()}
+        else:
+            self._check_like_first(state)
+            for key, value in state.items():
+                self.total[key].add_(value.detach(), alpha=weight)
+        self.total_weight += weight
+        self.count += 1
+
+    def _check_like_first(self, state: State) -> None:
+        """One ValueError naming the state and key unless keys and shapes match the first's.
+
+        Finiteness is checked once, on the total (`sum`, `mean`): callers that need to name
+        the culprit check each state first (`fedfields.flower.protocol.reply_state` does).
+        """
+        label = f"state {self.count}"
+        missing = [key for key in self.total if key not in state]
+        extra = [key for key in state if key not in self.total]
+        if missing or extra:
+            raise ValueError(
+                f"{label}: keys differ from state 0's (missing {missing}, unexpected {extra})"
+            )
+        for key, value in state.items():
+            if value.shape != self.total[key].shape:
+                raise ValueError(
+                    f"{label}, key {key!r}: shape {tuple(value.shape)} differs from state 0's "
+                    f"{tuple(self.total[key].shape)}"
+                )
+
+    def _finite(self) -> None:
+        """Raise ValueError naming the key if the total holds a non-finite value."""
+        for key, value in self.total.items():
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"key {key!r}: the sum holds non-finite values")
+
+    def sum(self) -> dict[str, Tensor]:
+        """sum_k w_k x_k in each key's input dtype; ValueError if nothing was added."""
+        if self.count == 0:
+            raise ValueError("no states given")
+        self._finite()
+        return {key: like(value, self.reference[key]) for key, value in self.total.items()}
+
+    def sum_float64(self) -> dict[str, Tensor]:
+        """sum_k w_k x_k kept in float64, for rules that compute further on it."""
+        if self.count == 0:
+            raise ValueError("no states given")
+        self._finite()
+        return dict(self.total)
+
+    def mean(self) -> dict[str, Tensor]:
+        """sum_k w_k x_k / sum_k w_k in each key's input dtype (FedAvg's weighted mean)."""
+        if self.count == 0:
+            raise ValueError("no states given")
+        if self.total_weight <= 0:
+            raise ValueError(f"weights sum to {self.total_weight}, not a positive number")
+        self._finite()
+        return {
+            key: like(value / self.total_weight, self.reference[key])
+            for key, value in self.total.items()
+        }

@@ -28,6 +28,10 @@ def _personal_encoding() -> HashGridConfig:
 # at the start it neither hides the global field nor keeps occupancy grids dense.
 INITIAL_DENSITY_SHIFT = 4.0
 
+# `PersonalField.density` bounds at most this many images per call: a field over all 80 photos
+# (centralised NeRF-W) would otherwise run its head 80 times per occupancy refresh.
+DENSITY_BOUND_IMAGES = 8
+
 
 @dataclass(frozen=True)
 class PersonalFieldConfig:
@@ -49,8 +53,9 @@ class PersonalField(Field):
 
     Content that stays put in a user's views (the user's own person) can ignore t_i; a
     passer-by in one photo uses it. Colour is view-independent, as NeRF-W's transient branch.
-    `density(points)` without an image is the maximum over the user's images, so an
-    occupancy grid built from it skips no sample any image needs.
+    `density(points)` without an image is the maximum over the user's images (over a fresh
+    random `DENSITY_BOUND_IMAGES` of them when there are more), so an occupancy grid, which
+    keeps a decaying maximum across refreshes, skips no sample any image needs.
     """
 
     def __init__(self, config: PersonalFieldConfig) -> None:
@@ -80,11 +85,16 @@ class PersonalField(Field):
         return density, nn.functional.softplus(features[:, 1]), features[:, 2:]
 
     def density(self, points: Tensor) -> Tensor:
-        """The largest density any of the user's images gives these points."""
+        """The largest density any of the user's images (or a random DENSITY_BOUND_IMAGES of
+        them) gives these points."""
         encoded = self.encoding(normalise_to_box(points, self.aabb))
+        embeddings = self.transient.weight
+        if embeddings.shape[0] > DENSITY_BOUND_IMAGES:
+            chosen = torch.randperm(embeddings.shape[0], device=embeddings.device)
+            embeddings = embeddings[chosen[:DENSITY_BOUND_IMAGES]]
         densities = [
             self._head(encoded, embedding.expand(points.shape[0], -1))[0]
-            for embedding in self.transient.weight
+            for embedding in embeddings
         ]
         return torch.stack(densities).amax(0)
 

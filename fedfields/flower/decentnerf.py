@@ -15,10 +15,10 @@ from torch import Tensor
 from fedfields.aggregate import (
     ALPHA_KEY,
     DECENTNERF_COST,
+    RunningSum,
     alpha_update,
     alpha_weighted_payload,
     decentnerf_aggregate,
-    state_sum,
 )
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.node import NodeState
@@ -38,7 +38,7 @@ from fedfields.flower.protocol import (
     reply_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
 
 
 class DecentNeRF(ProtocolStrategy):
@@ -111,46 +111,63 @@ class DecentNeRF(ProtocolStrategy):
         train_round = self.active_round
         queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
-        successful = self.successful_replies(replies)
-        return self.sum_states(train_round.node_ids, GRADIENT, successful, train_round.shapes)
+        return self.sum_states(
+            train_round.node_ids, GRADIENT, self.successful_replies(replies), train_round.shapes
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """g^(m) from the summed payload alone (Algorithm 1, line 18); metrics unweighted."""
         train_round = self.round_state(server_round)
-        successful = self.successful_replies(replies)
+        metrics: list[dict[str, Any]] = []
         payload_shapes = {**train_round.shapes, ALPHA_KEY: (1,)}
-        payload_sum = self.sum_states(train_round.node_ids, ARRAYS, successful, payload_shapes)
+        payload_sum = self.sum_states(
+            train_round.node_ids,
+            ARRAYS,
+            self.successful_replies(replies),
+            payload_shapes,
+            on_reply=lambda reply: metrics.append(reply_metrics(reply)),
+        )
         if payload_sum is None:
-            return None, self.train_metrics(successful)
+            return None, self.train_metrics(metrics)
         aggregate = decentnerf_aggregate(payload_sum)
         self.last_aggregate = (server_round, float(payload_sum[ALPHA_KEY].double().sum()))
-        return state_to_arrays(aggregate), self.train_metrics(successful)
+        return state_to_arrays(aggregate), self.train_metrics(metrics)
 
     def sum_states(
         self,
         node_ids: Sequence[int],
         record_name: str,
-        replies: Sequence[Message],
+        replies: Iterable[Message],
         expected_shapes: Shapes,
+        on_reply: Callable[[Message], None] | None = None,
     ) -> dict[str, Tensor] | None:
-        """Key-wise sum of the replies' `record_name` records (plain `state_sum`), None if none.
+        """Key-wise sum of the replies' `record_name` records, None if none replied.
 
-        With `secure_aggregation` set the sum is Flower SecAgg+'s (`secure_sums`), so the
-        server never sees one client's G_k, alpha_k g_k or alpha_k; the strategy uses nothing
-        else of the replies' ArrayRecords. `node_ids` are the nodes asked; missing ones are
-        logged.
+        Plain sums fold each reply in as it arrives (`RunningSum`: O(model) memory). With
+        `secure_aggregation` set the sum is Flower SecAgg+'s (`secure_sums`), so the server
+        never sees one client's G_k, alpha_k g_k or alpha_k; the strategy uses nothing else
+        of the replies' ArrayRecords. `on_reply` sees each reply first (e.g. to keep its
+        metrics); `node_ids` are the nodes asked, and missing ones are logged.
         """
-        answered = {reply.metadata.src_node_id for reply in replies}
+        total, held, answered = RunningSum(), [], set()
+        for reply in replies:
+            answered.add(reply.metadata.src_node_id)
+            if on_reply is not None:
+                on_reply(reply)
+            if self.secure_aggregation is not None:
+                held.append(reply)  # holds only metrics: the payload stays on the node
+            else:
+                total.add(reply_state(reply, record_name, expected_shapes))
         if missing := [node_id for node_id in node_ids if node_id not in answered]:
             log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
-        if not replies:
+        if not answered:
             return None
         if self.secure_aggregation is not None:
-            result = self.secure_sums(replies, {record_name: expected_shapes})
+            result = self.secure_sums(held, {record_name: expected_shapes})
             return None if result is None else self.like_global(result.sums[record_name])
-        return state_sum([reply_state(reply, record_name, expected_shapes) for reply in replies])
+        return total.sum()
 
 
 ALPHA_STATE = "decentnerf-alpha"

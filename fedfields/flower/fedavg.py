@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedfields.aggregate import weighted_mean
+from fedfields.aggregate import RunningSum
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -16,7 +16,7 @@ from fedfields.flower.protocol import (
     reply_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy import ProtocolStrategy, reply_metrics
 
 
 class FedAvg(ProtocolStrategy):
@@ -24,8 +24,8 @@ class FedAvg(ProtocolStrategy):
 
     Train messages carry ARRAYS and CONFIG ("server-round", "strategy", "local-steps" and the
     user's train config); replies must carry ARRAYS with the global's keys and shapes and
-    METRICS with a positive "num-examples". A bad reply raises one ValueError before
-    anything is aggregated; failed replies are dropped, as in Flower's FedAvg.
+    METRICS with a positive "num-examples". A bad reply raises one ValueError and nothing
+    is aggregated; failed replies are dropped, as in Flower's FedAvg.
 
     Args:
         fraction_train: fraction of the connected nodes sampled for training (Flower's FedAvg).
@@ -53,18 +53,26 @@ class FedAvg(ProtocolStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted mean of the replies' states (`fedfields.aggregate.weighted_mean`)."""
+        """Weighted mean of the replies' states, folded in as they arrive (`RunningSum`: the
+        same as `fedfields.aggregate.weighted_mean`, in O(model) memory)."""
         train_round = self.round_state(server_round)
         successful = self.successful_replies(replies)
-        if not successful:
-            return None, self.train_metrics(successful)
         if self.secure_aggregation is not None:
-            result = self.secure_sums(successful, {ARRAYS: train_round.shapes})
+            held = list(successful)  # metrics only: the payloads are held for SecAgg+
+            metrics = [reply_metrics(reply) for reply in held]
+            if not held:
+                return None, self.train_metrics(metrics)
+            result = self.secure_sums(held, {ARRAYS: train_round.shapes})
             if result is None:
                 return None, self.train_metrics([])
             mean = {key: value / result.total_weight for key, value in result.sums[ARRAYS].items()}
-            return state_to_arrays(self.like_global(mean)), self.train_metrics(successful)
-        states = [reply_state(reply, ARRAYS, train_round.shapes) for reply in successful]
-        weights = [reply_metric(reply, NUM_EXAMPLES, positive=True) for reply in successful]
-        mean = weighted_mean(states, weights)
-        return state_to_arrays(mean), self.train_metrics(successful, weights)
+            return state_to_arrays(self.like_global(mean)), self.train_metrics(metrics)
+        total, metrics, weights = RunningSum(), [], []
+        for reply in successful:  # each reply is folded in and dropped as it arrives
+            weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
+            total.add(reply_state(reply, ARRAYS, train_round.shapes), weight)
+            metrics.append(reply_metrics(reply))
+            weights.append(weight)
+        if total.count == 0:
+            return None, self.train_metrics(metrics)
+        return state_to_arrays(total.mean()), self.train_metrics(metrics, weights)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fedfields.aggregate import (
     SCAFFOLD_COST,
-    scaffold_server_update,
+    RunningSum,
     scaffold_server_update_from_sums,
 )
 from fedfields.aggregate.states import check_scalar
@@ -31,7 +31,7 @@ from fedfields.flower.protocol import (
     reply_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
 
 
 class Scaffold(ProtocolStrategy):
@@ -96,12 +96,14 @@ class Scaffold(ProtocolStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """New x from the replies' y_i; c is replaced only once every reply checked out."""
         train_round = self.round_state(server_round)
-        successful = self.successful_replies(replies)
-        if not successful:
-            return None, self.train_metrics(successful)
         shapes = train_round.shapes
+        successful = self.successful_replies(replies)
         if self.secure_aggregation is not None:
-            result = self.secure_sums(successful, {ARRAYS: shapes, CONTROL_DELTA: shapes})
+            held = list(successful)  # metrics only: the payloads are held for SecAgg+
+            metrics = [reply_metrics(reply) for reply in held]
+            if not held:
+                return None, self.train_metrics(metrics)
+            result = self.secure_sums(held, {ARRAYS: shapes, CONTROL_DELTA: shapes})
             if result is None:
                 return None, self.train_metrics([])
             new_global, self.server_control = scaffold_server_update_from_sums(
@@ -113,22 +115,27 @@ class Scaffold(ProtocolStrategy):
                 num_clients_total=train_round.num_nodes_total,
                 global_lr=self.global_lr,
             )
-            return state_to_arrays(new_global), self.train_metrics(successful)
-        local_states = [reply_state(reply, ARRAYS, shapes) for reply in successful]
-        control_deltas = [reply_state(reply, CONTROL_DELTA, shapes) for reply in successful]
-        model_deltas = [
-            {key: y[key].double() - x.double() for key, x in self.global_state.items()}
-            for y in local_states
-        ]
-        new_global, self.server_control = scaffold_server_update(
+            return state_to_arrays(new_global), self.train_metrics(metrics)
+        model_deltas, control_deltas, metrics = RunningSum(), RunningSum(), []
+        for reply in successful:  # folded in as they arrive: O(model) memory
+            y = reply_state(reply, ARRAYS, shapes)
+            control_delta = reply_state(reply, CONTROL_DELTA, shapes)
+            x = self.global_state
+            model_deltas.add({key: y[key].double() - x[key].double() for key in x})
+            control_deltas.add(control_delta)
+            metrics.append(reply_metrics(reply))
+        if not metrics:
+            return None, self.train_metrics(metrics)
+        new_global, self.server_control = scaffold_server_update_from_sums(
             self.global_state,
-            model_deltas,
-            control_deltas,
+            model_deltas.sum_float64(),
+            control_deltas.sum_float64(),
+            len(metrics),
             self.server_control,
             num_clients_total=train_round.num_nodes_total,
             global_lr=self.global_lr,
         )
-        return state_to_arrays(new_global), self.train_metrics(successful)
+        return state_to_arrays(new_global), self.train_metrics(metrics)
 
 
 CLIENT_CONTROL = "scaffold-client-control"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar, Self, TypedDict, Unpack
@@ -45,6 +45,7 @@ from fedfields.flower.protocol import (
     shapes_of,
 )
 from fedfields.flower.secure_sum import SecureSum, SecureSumResult
+from fedfields.flower.streaming import StreamingGrid
 from fedfields.privacy.secure_sum import (
     SecureAggregationConfig,
     SecureAggregationError,
@@ -311,15 +312,23 @@ class ProtocolStrategy(FlowerFedAvg):
             for node_id in train_round.node_ids
         ]
 
-    def successful_replies(self, replies: Iterable[Message]) -> list[Message]:
-        """Replies of sampled nodes without errors; every other reply is logged and dropped.
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Any:
+        """Flower's `Strategy.start` over a `StreamingGrid`: replies reach `aggregate_train`
+        as they arrive, so the running sums hold one model, not one per sampled node."""
+        if not isinstance(grid, StreamingGrid):
+            grid = StreamingGrid(grid)
+        return super().start(grid, initial_arrays, *args, **kwargs)
+
+    def successful_replies(self, replies: Iterable[Message]) -> Iterator[Message]:
+        """Replies of sampled nodes without errors, yielded as they come; every other reply
+        is logged and dropped.
 
         An error reply (a ClientApp that raised, or the SuperLink answering for a node that
         went away, which names the SuperLink as its source) counts in "num-failures"; so
         does a reply from a node that was not sampled or a second reply of one node.
         """
         train_round = self.active_round
-        successful, seen = [], set()
+        seen: set[int] = set()
         for reply in replies:
             node_id = reply.metadata.src_node_id
             if reply.has_error():
@@ -344,7 +353,7 @@ class ProtocolStrategy(FlowerFedAvg):
                 continue
             seen.add(node_id)
             train_round.bytes_up += content_bytes(reply.content)
-            successful.append(reply)
+            yield reply
         if missing := sorted(set(train_round.node_ids) - seen):
             log(
                 INFO,
@@ -352,22 +361,22 @@ class ProtocolStrategy(FlowerFedAvg):
                 train_round.server_round,
                 missing,
             )
-        return successful
 
     def train_metrics(
-        self, replies: Sequence[Message], weights: Sequence[float] | None = None
+        self, metrics: Sequence[Mapping[str, Any]], weights: Sequence[float] | None = None
     ) -> MetricRecord:
-        """Mean of the clients' scalar METRICS (weighted by `weights` if given) plus traffic.
+        """Mean of the clients' scalar METRICS (`reply_metrics` of each successful reply,
+        weighted by `weights` if given) plus traffic.
 
         Adds "num-replies", "num-failures", "bytes-up" and "bytes-down" (ArrayRecord bytes of
         the round, gradient queries included); "num-examples" itself is not averaged.
         """
-        weights = [1.0] * len(replies) if weights is None else weights
+        weights = [1.0] * len(metrics) if weights is None else weights
         train_round = self.active_round
         totals: dict[str, float] = dict(train_round.secure_metrics or {})
         norms: dict[str, float] = dict.fromkeys(totals, 1.0)
-        for reply, weight in zip(replies, weights, strict=True):
-            for key, value in reply.content.metric_records.get(METRICS, {}).items():
+        for values, weight in zip(metrics, weights, strict=True):
+            for key, value in values.items():
                 if key == NUM_EXAMPLES or isinstance(value, list):
                     continue
                 totals[key] = totals.get(key, 0.0) + weight * value
@@ -380,7 +389,7 @@ class ProtocolStrategy(FlowerFedAvg):
             }
         metrics = {
             **{key: total / norms[key] for key, total in totals.items()},
-            NUM_REPLIES: len(replies),
+            NUM_REPLIES: len(metrics),
             NUM_FAILURES: train_round.num_failures,
             BYTES_UP: train_round.bytes_up,
             BYTES_DOWN: train_round.bytes_down,
@@ -427,6 +436,11 @@ class ProtocolStrategy(FlowerFedAvg):
             key: value.to(getattr(torch, dtypes[key])) if key in dtypes else value
             for key, value in state.items()
         }
+
+
+def reply_metrics(reply: Message) -> dict[str, Any]:
+    """A copy of a reply's METRICS record: all `train_metrics` needs once the reply is gone."""
+    return dict(reply.content.metric_records.get(METRICS, {}))
 
 
 def _held_metric_keys(replies: Sequence[Message], records: Mapping[str, Shapes]) -> list[str]:

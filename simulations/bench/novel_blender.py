@@ -305,30 +305,40 @@ def run_federated(
 
 
 def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings) -> dict[str, Any]:
-    """NeRF-W on all photos: one global + personal (transient) field, `rounds` epochs."""
+    """NeRF-W on all photos: one global + personal (transient) field, `rounds` epochs, each
+    one `local_train` call (Adam restarts per epoch, as a user's does per round)."""
     torch.manual_seed(settings.seed)
     photos = all_photos(data)
     model = global_field(config)
     personal = personal_field(len(photos), model.aabb)
     grid = OccupancyGrid(model.aabb)
-    local = replace(
-        settings.local(0, 0, True),
-        epochs=settings.epochs * settings.rounds,
-        steps=settings.max_steps * settings.rounds * len(data.users),
-    )
+    per_round_views = eval_views(data)
+    history: list[dict[str, Any]] = []
     started = time.perf_counter()
-    result = local_train(model, photos, local, render_config(config, photos), grid,
-                         personal_field=personal)  # fmt: skip
+    train_seconds, rays = 0.0, 0
+    for epoch in tqdm(range(1, settings.rounds + 1), desc="centralised"):
+        local = replace(settings.local(epoch, 0, True), steps=settings.max_steps * len(data.users))
+        tick = time.perf_counter()
+        result = local_train(model, photos, local, render_config(config, photos), grid,
+                             personal_field=personal)  # fmt: skip
+        train_seconds += time.perf_counter() - tick
+        rays += result.rays
+        model.eval()
+        record = {"round": epoch, **score_server_field(model, data, config, per_round_views)}
+        model.train()
+        record["seconds"] = time.perf_counter() - started
+        history.append(record)
+        tqdm.write(json.dumps(record))
     wall = time.perf_counter() - started
     model.eval()
     final = score_server_field(model, data, config, None)
     return {
         "method": "centralised",
-        "history": [],
+        "history": history,
         "final": final,
         "wall-seconds": wall,
-        "train-seconds": wall,
-        "rays-per-second": result.rays_per_second,
+        "train-seconds": train_seconds,
+        "rays-per-second": rays / max(train_seconds, 1e-9),
         "server-flops-per-round": 0,
         "bytes-per-round": 0,
         "alphas": [],
@@ -359,7 +369,7 @@ def leakage_worst_round(result: dict[str, Any]) -> float | None:
     """Highest per-round personal PSNR of what the server reads: uploads for FedNeRF, the
     aggregate for DecentNeRF; None for centralised training."""
     history = result["history"]
-    if not history:
+    if not history or result["method"] == "centralised":
         return None
     key = "upload-personal-psnr" if result["method"] == "fednerf" else "personal-psnr"
     return max(record[key] for record in history)
@@ -371,7 +381,7 @@ def plot_curves(path: Path, results: list[dict[str, Any]]) -> None:
     left, right = figure.subplots(1, 2)
     for result in results:
         history = result["history"]
-        if not history:
+        if not history or result["method"] == "centralised":  # its server holds the photos
             continue
         rounds = [r["round"] for r in history]
         key = "upload-personal-psnr" if result["method"] == "fednerf" else "personal-psnr"
@@ -427,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench_novel_blender"))
     parser.add_argument("--run-config", default="", help="extra run-config, e.g. 'hash-levels=12'")
     parser.add_argument(
-        "--summarise", action="store_true", help="print the table of the results saved in --out"
+        "--summarise",
+        action="store_true",
+        help="print the table, redraw leakage.png and grid.png from the results saved in --out",
     )
     args = parser.parse_args(argv)
     if args.summarise:
@@ -436,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(saved))
         print(json.dumps(occlusion_alphas(args.crowd, saved)))
         plot_curves(args.out / "leakage.png", saved)
+        fields = [{**r, "state": torch.load(args.out / f"{r['method']}.pt")} for r in saved
+                  if (args.out / f"{r['method']}.pt").is_file()]  # fmt: skip
+        if fields:
+            config = FederatedConfig.from_run_config(parse_run_config(args.run_config))
+            STEP_SCALE["value"] = args.step_scale
+            data = CrowdData.load(str(args.crowd), args.downscale)
+            grid_figure(args.out / "grid.png", fields, data, config)
         return 0
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
