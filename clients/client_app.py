@@ -17,6 +17,7 @@ held-out views (the last `client-eval-views`, never trained on). With run-config
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +41,7 @@ from fedfields.flower import (
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT_SECONDS,
     CONFIG,
     LOCAL_STEPS,
     METRICS,
@@ -84,12 +86,21 @@ app = ClientApp(mods=[secure_aggregation_mod])
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train locally from the received global field; reply with what the strategy aggregates."""
+    """Train locally; the reply's METRICS also carry the handler's wall seconds."""
+    started = time.perf_counter()
     config = FederatedConfig.from_run_config(context.run_config)
     if config.common.mode == "split":
         return split_client.train(msg, context)
-    if config.common.task != "scene":
-        return meta_client.train(msg, context)
+    handler = meta_client.train if config.common.task != "scene" else _train_scene
+    reply = handler(msg, context)
+    if METRICS in reply.content:
+        reply.content[METRICS][CLIENT_SECONDS] = time.perf_counter() - started
+    return reply
+
+
+def _train_scene(msg: Message, context: Context) -> Message:
+    """Train locally from the received global field; reply with what the strategy aggregates."""
+    config = FederatedConfig.from_run_config(context.run_config)
     round_config = msg.content[CONFIG]
     state = NodeState(context)
     views = _user_views(context, config)

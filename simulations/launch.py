@@ -67,7 +67,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra run-config, e.g. \"strategy='fedavg'\" or \"task='faces'\"",
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="default runs/<time>-<strategy>")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="run on this existing Ray cluster (e.g. 127.0.0.1:6379; default $RAY_ADDRESS) "
+        "instead of a private Ray instance; the cluster is left running",
+    )
+    parser.add_argument(
+        "--client-cpus", type=int, default=1, help="CPUs per virtual client (Ray actor)"
+    )
+    parser.add_argument(
+        "--client-gpus", type=float, default=0.0, help="GPUs per virtual client, e.g. 0.25"
+    )
+    parser.add_argument(
+        "--no-audit",
+        action="store_true",
+        help="attach no simulation observer (large runs: the audit loads every user's photos)",
+    )
+    args = parser.parse_args(argv)
+    if args.client_cpus < 1:
+        parser.error(f"--client-cpus must be a positive integer, got {args.client_cpus}")
+    if args.client_gpus < 0:
+        parser.error(f"--client-gpus must be >= 0, got {args.client_gpus}")
+    return args
 
 
 def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
@@ -201,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ).resolve()
     state_dir = run_dir.with_name(run_dir.name + ".nodes")
     run_config = f"run-dir={json.dumps(str(run_dir))} state-dir={json.dumps(str(state_dir))}"
-    run_config += f" simulation-audit=true min-available-nodes={num_nodes}"
+    audit = "false" if args.no_audit else "true"
+    run_config += f" simulation-audit={audit} min-available-nodes={num_nodes}"
     if data_dir is not None:
         run_config = f"data-dir={json.dumps(str(data_dir))} {run_config}"
     if (
@@ -213,9 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         run_config += f" eval-scene-dir={json.dumps(str(heldout))}"
     if config.common.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
         run_config += f" downscale={float(args.downscale)}"  # the raw scene, like the crowd's
-    federation = f"num-supernodes={num_nodes} client-resources-num-cpus=1"
+    federation = federation_config(num_nodes, args.client_cpus, args.client_gpus)
     flwr = str(Path(sys.executable).with_name("flwr"))
     already_running = set(our_superlinks())
+    env.pop("RAY_ADDRESS", None)
+    if args.ray_address:
+        if already_running:  # it would keep the Ray settings it started with (pitfall P3)
+            print(
+                f"fedfields: this project's SuperLink is already running (PIDs "
+                f"{sorted(already_running)}) with its own Ray settings; stop it to run on "
+                f"the Ray cluster at {args.ray_address}",
+                file=sys.stderr,
+            )
+            return 2
+        env["RAY_ADDRESS"] = args.ray_address  # read by the SuperLink's simulation runtime
     command = [flwr, "run", str(APP_DIR), "--stream", "--federation-config", federation]
     command += ["--run-config", f"{run_config} {user_overrides(args.run_config)}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
@@ -234,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"fedfields: report in {run_dir}")
     return 0
+
+
+def federation_config(num_nodes: int, client_cpus: int, client_gpus: float) -> str:
+    """Flower's simulation settings: one virtual SuperNode per client and each client's Ray
+    resources (CPUs must be whole: Flower 1.41's `flwr run` takes no fractional CPUs)."""
+    config = f"num-supernodes={num_nodes} client-resources-num-cpus={client_cpus}"
+    return config + f" client-resources-num-gpus={client_gpus:g}"
 
 
 def _run_streaming(command: list[str], env: dict[str, str]) -> str:

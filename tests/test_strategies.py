@@ -11,10 +11,11 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from flower_harness import InProcessGrid
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from torch import Tensor
@@ -641,3 +642,26 @@ def test_aggregation_folds_each_reply_in_and_drops_it_before_the_next(name: str)
         torch.testing.assert_close(torch.from_numpy(arrays[key].numpy()), value)
     losses = [metrics_[TRAIN_LOSS] for _, _, metrics_ in specs]
     assert metrics[NUM_REPLIES] == count and metrics[TRAIN_LOSS] >= min(losses)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),
+        np.arange(5, dtype=">f4"),  # big-endian bytes
+        np.array(7, dtype=np.int64),
+    ],
+)
+def test_read_only_views_decode_as_numpy_does(array: np.ndarray) -> None:
+    record = ArrayRecord({"x": Array(array)})
+    view = arrays_to_state(record, copy=False)["x"]
+    np.testing.assert_array_equal(view.numpy(), array)
+    assert view.shape == array.shape
+
+
+def test_a_truncated_array_is_refused_naming_the_key() -> None:
+    good = Array(np.zeros(8, dtype=np.float32))
+    cut = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=good.data[:-4])
+    with pytest.raises(ValueError, match="key 'x': cannot decode"):
+        arrays_to_state(ArrayRecord({"x": cut}), copy=False)

@@ -70,26 +70,35 @@ def state_sum(states: Sequence[State]) -> dict[str, Tensor]:
 
 
 class RunningSum:
-    """sum_k w_k x_k and sum_k w_k accumulated one state at a time, in float64.
+    """sum_k w_k x_k and sum_k w_k accumulated one state at a time.
 
-    What a server needs to aggregate replies as they arrive: memory is one float64 copy of
-    the model whatever the number of states, and `sum()` / `mean()` equal `state_sum` /
-    `fedfields.aggregate.weighted_mean` over the same states (to float64 rounding).
+    What a server needs to aggregate replies as they arrive: memory is one copy of the model
+    whatever the number of states. float32 (and narrower) tensors accumulate in float32, as
+    Flower's own FedAvg does, float64 and integer tensors in float64; `sum()` / `mean()` then
+    equal `state_sum` / `fedfields.aggregate.weighted_mean` to float32 rounding (a relative
+    1e-7 per state summed) and hand back each key's input dtype.
     """
 
     def __init__(self) -> None:
         self.total: dict[str, Tensor] = {}
-        self.reference: dict[str, Tensor] = {}  # one element per key: dtype to hand back
+        self.dtypes: dict[str, torch.dtype] = {}  # each key's input dtype, handed back
         self.total_weight = 0.0
         self.count = 0
 
     def add(self, state: State, weight: float = 1.0) -> None:
-        """Add w * state; the first state fixes keys and shapes, a mismatch raises ValueError."""
+        """Add w * state; the first state fixes keys and shapes, a mismatch raises ValueError.
+
+        `state` is only read, never kept: read-only views of a message's bytes are fine.
+        """
         weight = check_scalar(weight, f"state {self.count}: weight", positive=False)
         if self.count == 0:
-            check_states([state])
-            self.total = {key: value.detach().double() * weight for key, value in state.items()}
-            self.reference = {key: value.detach().reshape(-1)[:1] for key, value in state.items()}
+            if len(state) == 0:
+                raise ValueError("state 0: state has no tensors")
+            self.dtypes = {key: value.dtype for key, value in state.items()}
+            self.total = {
+                key: value.detach().to(_accumulator(value.dtype)) * weight
+                for key, value in state.items()
+            }
         else:
             self._check_like_first(state)
             for key, value in state.items():
@@ -119,32 +128,40 @@ class RunningSum:
 
     def _finite(self) -> None:
         """Raise ValueError naming the key if the total holds a non-finite value."""
+        if self.count == 0:
+            raise ValueError("no states given")
         for key, value in self.total.items():
-            if not bool(torch.isfinite(value).all()):
+            if not math.isfinite(float(value.sum())) and not bool(torch.isfinite(value).all()):
                 raise ValueError(f"key {key!r}: the sum holds non-finite values")
 
-    def sum(self) -> dict[str, Tensor]:
-        """sum_k w_k x_k in each key's input dtype; ValueError if nothing was added."""
-        if self.count == 0:
-            raise ValueError("no states given")
-        self._finite()
-        return {key: like(value, self.reference[key]) for key, value in self.total.items()}
-
-    def sum_float64(self) -> dict[str, Tensor]:
-        """sum_k w_k x_k kept in float64, for rules that compute further on it."""
-        if self.count == 0:
-            raise ValueError("no states given")
+    def accumulated(self) -> dict[str, Tensor]:
+        """sum_k w_k x_k in the accumulation dtypes, for rules that compute further on it."""
         self._finite()
         return dict(self.total)
 
+    def sum(self) -> dict[str, Tensor]:
+        """sum_k w_k x_k in each key's input dtype; ValueError if nothing was added."""
+        self._finite()
+        return {key: _handed_back(value, self.dtypes[key]) for key, value in self.total.items()}
+
     def mean(self) -> dict[str, Tensor]:
         """sum_k w_k x_k / sum_k w_k in each key's input dtype (FedAvg's weighted mean)."""
-        if self.count == 0:
-            raise ValueError("no states given")
+        self._finite()
         if self.total_weight <= 0:
             raise ValueError(f"weights sum to {self.total_weight}, not a positive number")
-        self._finite()
         return {
-            key: like(value / self.total_weight, self.reference[key])
+            key: _handed_back(value / self.total_weight, self.dtypes[key])
             for key, value in self.total.items()
         }
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 and integer inputs, float32 for float32 and narrower floats."""
+    return torch.float32 if dtype.is_floating_point and dtype != torch.float64 else torch.float64
+
+
+def _handed_back(value: Tensor, dtype: torch.dtype) -> Tensor:
+    """An accumulated value in the input `dtype`, rounded to nearest for integer dtypes."""
+    if not dtype.is_floating_point:
+        value = torch.round(value)
+    return value.to(dtype)

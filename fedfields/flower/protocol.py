@@ -29,8 +29,10 @@ with the client's weight under WEIGHT_KEY (its "secure-weight" metric, or 1).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 from torch import Tensor
@@ -68,6 +70,8 @@ SECURE_DELTA = "secure-delta"
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_PSNR = "train-psnr"
+CLIENT_SECONDS = "client-seconds"
+"""Train metric: wall seconds of the client's train handler (compute, for overhead accounting)."""
 
 # Server-side entries the strategies add to each round's aggregated train MetricRecord.
 NUM_REPLIES = "num-replies"
@@ -112,15 +116,56 @@ def state_to_arrays(state: Mapping[str, Tensor]) -> ArrayRecord:
     return record
 
 
-def arrays_to_state(record: ArrayRecord) -> dict[str, Tensor]:
-    """CPU tensors from an ArrayRecord, keyed and ordered as the record."""
+def arrays_to_state(record: ArrayRecord, *, copy: bool = True) -> dict[str, Tensor]:
+    """CPU tensors from an ArrayRecord, keyed and ordered as the record.
+
+    `copy=False` gives read-only views of the record's bytes (no decode copy): what a
+    server that only reads a reply (checks and sums it) needs; never write into them.
+    """
     state = {}
     for key, array in record.items():
         try:
-            state[key] = torch.from_numpy(array.numpy())
+            state[key] = _decoded(array) if copy else _read_only_view(array)
         except (TypeError, ValueError) as error:
             raise ValueError(f"key {key!r}: cannot decode the array ({error})") from None
     return state
+
+
+def _decoded(array: Array) -> Tensor:
+    """A tensor holding a copy of a Flower Array's values, in native byte order."""
+    values = array.numpy()
+    if not values.dtype.isnative:
+        values = values.astype(values.dtype.newbyteorder("="))
+    return torch.from_numpy(values)
+
+
+def _read_only_view(array: Array) -> Tensor:
+    """A tensor over a Flower Array's .npy bytes without copying them.
+
+    The .npy header is parsed only far enough to find where the data starts; dtype and shape
+    come from the Array's metadata and must account for exactly the bytes that follow.
+    Anything unusual (Fortran order, big-endian data, another serialisation) is decoded
+    the slow way, by numpy.
+    """
+    data = array.data
+    if array.stype != "numpy.ndarray" or data[:6] != b"\x93NUMPY" or data[6] not in (1, 2):
+        return _decoded(array)
+    width = 2 if data[6] == 1 else 4
+    start = 8 + width + int.from_bytes(data[8 : 8 + width], "little")
+    header = data[8 + width : start]
+    dtype = np.dtype(array.dtype)
+    count = math.prod(array.shape)
+    native = dtype.byteorder in ("=", "|") or dtype.itemsize == 1
+    if b"'fortran_order': False" not in header or dtype.hasobject or not native:
+        return _decoded(array)
+    if len(data) - start != count * dtype.itemsize:
+        raise ValueError(
+            f"{len(data) - start} data bytes do not hold shape {array.shape} of {array.dtype}"
+        )
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    with warnings.catch_warnings():  # read-only by design: the caller never writes into it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(flat.reshape(array.shape))
 
 
 def shapes_of(record: ArrayRecord) -> dict[str, tuple[int, ...]]:
@@ -134,7 +179,8 @@ def content_bytes(content: RecordDict) -> int:
 
 
 def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> dict[str, Tensor]:
-    """The ArrayRecord `record_name` of a reply as tensors, or one ValueError naming the problem.
+    """The ArrayRecord `record_name` of a reply as read-only tensors (views of the message's
+    bytes), or one ValueError naming the problem.
 
     Missing or unexpected keys, shapes other than `expected_shapes` and non-finite floating
     values are all reported together with the sender's node id and the record name.
@@ -146,6 +192,12 @@ def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> 
     if not isinstance(record, ArrayRecord):
         found = "nothing" if record is None else type(record).__name__
         raise ValueError(f"{where}: expected an ArrayRecord, found {found}")
+    return checked_state(record, expected_shapes, where)
+
+
+def checked_state(record: ArrayRecord, expected_shapes: Shapes, where: str) -> dict[str, Tensor]:
+    """`record` as read-only tensors after checking keys, shapes and finiteness; one
+    ValueError starting with `where` lists every problem."""
     problems = []
     missing = [key for key in expected_shapes if key not in record]
     extra = [key for key in record if key not in expected_shapes]
@@ -154,7 +206,7 @@ def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> 
     if extra:
         problems.append(f"unexpected keys {extra}")
     try:
-        state = arrays_to_state(record)
+        state = arrays_to_state(record, copy=False)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     for key, tensor in state.items():
@@ -163,11 +215,18 @@ def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> 
         expected = tuple(expected_shapes[key])
         if tuple(tensor.shape) != expected:
             problems.append(f"key {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        elif tensor.is_floating_point() and not _finite(tensor):
             problems.append(f"key {key!r} has non-finite values")
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
     return state
+
+
+def _finite(tensor: Tensor) -> bool:
+    """Whether every value is finite, in one pass: NaN and inf reach the sum, and a finite
+    sum past the dtype's range (only possible with values near it) is checked element-wise."""
+    total = float(tensor.sum())
+    return math.isfinite(total) or bool(torch.isfinite(tensor).all())
 
 
 def reply_metric(message: Message, key: str, *, positive: bool = False) -> float:

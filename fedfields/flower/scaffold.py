@@ -128,8 +128,8 @@ class Scaffold(ProtocolStrategy):
             return None, self.train_metrics(metrics)
         new_global, self.server_control = scaffold_server_update_from_sums(
             self.global_state,
-            model_deltas.sum_float64(),
-            control_deltas.sum_float64(),
+            model_deltas.accumulated(),
+            control_deltas.accumulated(),
             len(metrics),
             self.server_control,
             num_clients_total=train_round.num_nodes_total,
