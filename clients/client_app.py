@@ -70,6 +70,7 @@ OCCUPANCY = "occupancy"
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 CLIENT_EVAL = "client-eval-psnr"
+QUERY_TIMING = "query-timing"  # node-state values: {"round", "seconds"} of the last G_k query
 EVAL_OCCUPANCY_PASSES = 2  # grid refreshes from the received field before scoring it
 
 
@@ -94,7 +95,11 @@ def train(msg: Message, context: Context) -> Message:
     handler = meta_client.train if config.common.task != "scene" else _train_scene
     reply = handler(msg, context)
     if METRICS in reply.content:
-        reply.content[METRICS][CLIENT_SECONDS] = time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        query = NodeState(context).values(QUERY_TIMING)  # this round's gradient query, if any
+        if query is not None and query["round"] == int(msg.content[CONFIG][SERVER_ROUND]):
+            seconds += float(query["seconds"])
+        reply.content[METRICS][CLIENT_SECONDS] = seconds
     return reply
 
 
@@ -159,6 +164,16 @@ def _train_scene(msg: Message, context: Context) -> Message:
 
 @app.query("gradient")
 def gradient(msg: Message, context: Context) -> Message:
+    """DecentNeRF's G_k; its wall seconds are kept for this round's train reply's
+    "client-seconds" (the reply to the query carries nothing but G_k)."""
+    started = time.perf_counter()
+    reply = _gradient(msg, context)
+    timing = {"round": int(msg.content[CONFIG][SERVER_ROUND])}
+    NodeState(context).put_values(QUERY_TIMING, timing | {"seconds": time.perf_counter() - started})
+    return reply
+
+
+def _gradient(msg: Message, context: Context) -> Message:
     """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
     config = FederatedConfig.from_run_config(context.run_config)
     state = NodeState(context)

@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--views-per-user", type=int, default=5)
     parser.add_argument("--downscale", type=float, default=2.0, help="of the scene's images")
     parser.add_argument("--crowd", type=Path, default=None, help="crowd dataset (built if missing)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="scene job: this many virtual clients sharing the crowd's users' photos round robin "
+        "(each with its own private state); default one per user",
+    )
     parser.add_argument("--object-views", type=int, default=16, help="views per object")
     parser.add_argument("--object-resolution", type=int, default=32, help="object image size")
     parser.add_argument(
@@ -93,17 +100,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def crowd_dataset(args: argparse.Namespace, env: dict[str, str]) -> Path:
-    """The crowd folder (the Novel Blender layout), built by `fedfields data crowd` on first use."""
+    """The crowd folder (the Novel Blender layout), built by `fedfields data crowd` on first use;
+    a given folder of user_* folders (e.g. links sharing users' photos) is used as it is."""
     crowd = args.crowd or APP_DIR / "runs" / (
         f"crowd_{args.scene.name}_nb_{args.users}x{args.views_per_user}_ds{args.downscale:g}"
     )
-    if not (crowd / "crowd.json").is_file():
+    if not (crowd / "crowd.json").is_file() and not any(crowd.glob("user_*")):
         command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]
         command += ["--scene", str(args.scene), "--users", str(args.users)]
         command += ["--views-per-user", str(args.views_per_user)]
         command += ["--downscale", str(args.downscale), "--out", str(crowd)]
         subprocess.run(command, check=True, env=env)
     return crowd.resolve()
+
+
+def replicated_crowd(crowd: Path, clients: int) -> Path:
+    """`<crowd>.x<clients>/user_NNN`: links giving client i the photos of user i mod U, so
+    many clients (each with its own private state) can share a crowd's U users' views."""
+    users = sorted(path for path in crowd.glob("user_*") if path.is_dir())
+    if not users:
+        raise FileNotFoundError(f"{crowd}: no user_* folders to share among {clients} clients")
+    if clients > 1000:
+        raise ValueError(f"at most 1000 clients share a crowd (user_000..user_999), got {clients}")
+    out = crowd.with_name(f"{crowd.name}.x{clients}")
+    out.mkdir(exist_ok=True)
+    for index in range(clients):
+        link = out / f"user_{index:03d}"
+        if not link.exists():
+            link.symlink_to(users[index % len(users)].resolve())
+    return out
 
 
 def object_collection(
@@ -210,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         data_dir, num_nodes, name = given or args.scene.resolve(), 1, "split"
     elif settings is None:
         data_dir = given or crowd_dataset(args, env)
+        if args.clients is not None:
+            data_dir = replicated_crowd(data_dir, args.clients)
+            args.no_audit = True  # the audit's ground truth is per user, not per shared client
+            print(f"fedfields: {args.clients} clients share the photos in {data_dir} (no audit)")
         num_nodes = len(list(data_dir.glob("user_*")))
     else:
         data_dir = None

@@ -159,7 +159,7 @@ class DecentNeRF(ProtocolStrategy):
             if self.secure_aggregation is not None:
                 held.append(reply)  # holds only metrics: the payload stays on the node
             else:
-                total.add(reply_state(reply, record_name, expected_shapes))
+                total.add(reply_state(reply, record_name, expected_shapes), checked=True)
         if missing := [node_id for node_id in node_ids if node_id not in answered]:
             log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
         if not answered:

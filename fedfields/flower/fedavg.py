@@ -70,7 +70,7 @@ class FedAvg(ProtocolStrategy):
         total, metrics, weights = RunningSum(), [], []
         for reply in successful:  # each reply is folded in and dropped as it arrives
             weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
-            total.add(reply_state(reply, ARRAYS, train_round.shapes), weight)
+            total.add(reply_state(reply, ARRAYS, train_round.shapes), weight, checked=True)
             metrics.append(reply_metrics(reply))
             weights.append(weight)
         if total.count == 0:

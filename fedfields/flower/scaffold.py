@@ -121,8 +121,8 @@ class Scaffold(ProtocolStrategy):
             y = reply_state(reply, ARRAYS, shapes)
             control_delta = reply_state(reply, CONTROL_DELTA, shapes)
             x = self.global_state
-            model_deltas.add({key: y[key].double() - x[key].double() for key in x})
-            control_deltas.add(control_delta)
+            model_deltas.add({key: y[key].double() - x[key].double() for key in x}, checked=True)
+            control_deltas.add(control_delta, checked=True)
             metrics.append(reply_metrics(reply))
         if not metrics:
             return None, self.train_metrics(metrics)

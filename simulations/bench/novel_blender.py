@@ -377,12 +377,13 @@ def leakage_worst_round(result: dict[str, Any]) -> float | None:
 
 def plot_curves(path: Path, results: list[dict[str, Any]]) -> None:
     """Fig. 7a/b-like: server-readable personal PSNR per round with the floor; own fields."""
+    results = [r for r in results if r["history"] and r["method"] != "centralised"]
+    if not results:  # centralised training alone: its server holds the photos, no curve
+        return
     figure = Figure(figsize=(11, 4))
     left, right = figure.subplots(1, 2)
     for result in results:
         history = result["history"]
-        if not history or result["method"] == "centralised":  # its server holds the photos
-            continue
         rounds = [r["round"] for r in history]
         key = "upload-personal-psnr" if result["method"] == "fednerf" else "personal-psnr"
         left.plot(rounds, [r[key] for r in history], label=LABELS[result["method"]])

@@ -12,10 +12,11 @@ engine) and this script measures, side by side:
   against one numpy pass over the same N x d floats (`weights @ X`).
 
 Data. The scene job's clients share views: client i holds user i mod 16 of a Novel Blender
-crowd (`replicated_crowd` links the folders), so 1000 clients are 1000 private states (personal
-fields, alphas, occupancy grids: files in each node's state directory, loaded only when the
-node is sampled) over 16 users' photos. FedMeNF's objects task gives every client its own
-procedural object (`fedfields data objects`, built once). Nothing here is a test of accuracy.
+crowd (`simulations.launch --clients N` links the folders as `<crowd>.x<N>`), so 1000
+clients are 1000 private states (personal fields, alphas, occupancy grids: files in each
+node's state directory, loaded only when the node is sampled) over 16 users' photos.
+FedMeNF's objects task gives every client its own procedural object (`fedfields data
+objects`, built once). Nothing here measures accuracy.
 
     python -m simulations.bench.scale --crowd runs/crowd_nb_ds4 [--clients 10 100 1000] \\
         [--sampled 10] [--rounds 5] [--jobs decentnerf fedavg objects]
@@ -42,21 +43,6 @@ from simulations import APP_DIR
 from simulations.launch import our_superlinks
 
 CPUS = psutil.cpu_count(logical=True) or 1
-
-
-def replicated_crowd(source: Path, clients: int, out: Path) -> Path:
-    """`out/user_000..`: `clients` links to the crowd's user folders, round robin."""
-    users = sorted(p for p in source.glob("user_*") if p.is_dir())
-    if not users:
-        raise FileNotFoundError(
-            f"{source}: no user_* folders (build it with `fedfields data crowd`)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    for index in range(clients):
-        link = out / f"user_{index:03d}"
-        if not link.exists():
-            link.symlink_to(users[index % len(users)].resolve())
-    return out
 
 
 class TreeMemory:
@@ -131,7 +117,7 @@ def run_job(
     if job == "objects":
         command += ["--objects", str(out / f"objects_{clients}")]
     else:
-        command += ["--crowd", str(replicated_crowd(crowd, clients, out / f"crowd_{clients}"))]
+        command += ["--crowd", str(crowd), "--clients", str(clients)]
     if ray_address:
         command += ["--ray-address", ray_address]
     log = (out / f"{job}_{clients}.log").open("w")
@@ -199,17 +185,27 @@ def aggregation_timing(
     def ours() -> None:
         total = RunningSum()
         for index, (record, weight) in enumerate(zip(replies, weights, strict=True)):
-            total.add(checked_state(record, shapes, f"reply {index}"), float(weight))
+            total.add(checked_state(record, shapes, f"reply {index}"), float(weight), checked=True)
         total.mean()
 
     def unchecked() -> None:  # ablation: the same sum without the per-reply checks
         total = RunningSum()
         for record, weight in zip(replies, weights, strict=True):
-            total.add(arrays_to_state(record, copy=False), float(weight))
+            total.add(arrays_to_state(record, copy=False), float(weight), checked=True)
         total.mean()
+
+    def float32_sum() -> None:  # ablation: accumulating in float32 instead of float64
+        total: dict[str, torch.Tensor] = {}
+        for record, weight in zip(replies, weights, strict=True):
+            for key, value in arrays_to_state(record, copy=False).items():
+                if key in total:
+                    total[key].add_(value, alpha=float(weight))
+                else:
+                    total[key] = value * float(weight)
 
     timings = {
         "running-sum-seconds": best_of(ours, repeats),
+        "float32-sum-seconds": best_of(float32_sum, repeats),
         "unchecked-running-sum-seconds": best_of(unchecked, repeats),
         "numpy-sum-seconds": best_of(lambda: matrix.sum(axis=0), repeats),
         "numpy-gemv-seconds": best_of(lambda: weights @ matrix, repeats),
@@ -222,6 +218,7 @@ def aggregation_timing(
         "ratio-to-gemv": timings["running-sum-seconds"] / timings["numpy-gemv-seconds"],
         "unchecked-ratio-to-sum": timings["unchecked-running-sum-seconds"]
         / timings["numpy-sum-seconds"],
+        "float32-ratio-to-sum": timings["float32-sum-seconds"] / timings["numpy-sum-seconds"],
     }
 
 
