@@ -50,6 +50,7 @@ from fedfields.flower.protocol import (
     SERVER_ROUND,
     TRAIN_LOSS,
     TRAIN_PSNR,
+    TRAIN_STEPS,
     arrays_to_state,
     state_to_arrays,
 )
@@ -146,7 +147,7 @@ def _train_scene(msg: Message, context: Context) -> Message:
         else ScaffoldControls(server=scaffold.server_control, client=scaffold.client_control),
     )
     state.put_tensors(OCCUPANCY, occupancy.state_dict())
-    metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr}
+    metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
     local_state = federated_state(field)
     if decentnerf is not None and personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())

@@ -11,8 +11,11 @@ from typing import Any, Unpack
 
 from fedfields.flower import (
     DecentNeRF,
+    FedACG,
     FedAvg,
+    FedExP,
     FedMeNF,
+    FedNova,
     FedProx,
     ProtocolStrategy,
     Scaffold,
@@ -20,7 +23,8 @@ from fedfields.flower import (
 )
 
 STRATEGIES: dict[str, type[ProtocolStrategy]] = {
-    cls.strategy_name: cls for cls in (FedAvg, FedProx, Scaffold, DecentNeRF, FedMeNF)
+    cls.strategy_name: cls
+    for cls in (FedAvg, FedProx, Scaffold, FedNova, FedExP, FedACG, DecentNeRF, FedMeNF)
 }
 
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from fedfields.aggregate import (
     ALPHA_KEY,
@@ -28,6 +29,9 @@ from fedfields.aggregate import (
     state_sum,
     weighted_mean,
 )
+from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
+from fedfields.aggregate.fedexp import fedexp_update
+from fedfields.aggregate.fednova import fednova_update
 
 F64 = torch.float64
 
@@ -450,3 +454,73 @@ def test_running_sum_names_the_state_and_key_that_do_not_fit() -> None:
     assert total.count == 1 and float(total.sum()["a"].abs().max()) == 0.0  # nothing half-added
     with pytest.raises(ValueError, match="no states given"):
         RunningSum().sum()
+
+
+# ------------------------------------------------------------------ FedNova, FedExP, FedACG
+
+
+def test_fednova_by_hand_and_fedavg_when_steps_are_equal() -> None:
+    x = {"w": torch.zeros(1)}
+    ys = [{"w": torch.tensor([2.0])}, {"w": torch.tensor([4.0])}]
+    # tau = 1 and 4, equal n: d = 0.5 (-2)/1 + 0.5 (-4)/4 = -1.5, tau_eff = 2.5 -> x = 3.75
+    assert float(fednova_update(x, ys, [1.0, 1.0], [1, 4])["w"]) == pytest.approx(3.75)
+    gen = torch.Generator().manual_seed(1)
+    x = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    ys = [{k: v + torch.randn(v.shape, generator=gen) for k, v in x.items()} for _ in range(4)]
+    weights = [1.0, 3.0, 2.0, 5.0]
+    for key, value in weighted_mean(ys, weights).items():
+        torch.testing.assert_close(fednova_update(x, ys, weights, [7] * 4)[key], value)
+
+
+def test_fednova_removes_the_objective_inconsistency_of_unequal_local_steps() -> None:
+    """Quadratic clients F_i = 1/2 (y - c_i)^2 with gradient steps of size eta: client i's
+    tau_i steps move y by (1 - (1 - eta)^tau_i) (c_i - x). FedAvg's fixed point leans to the
+    client that runs longer; FedNova's is the minimiser of sum_i p_i F_i (FedNova Sec. 3)."""
+    centres, steps, eta = [0.0, 1.0], [1, 10], 0.01
+
+    def local(x: float, centre: float, tau: int) -> dict[str, Tensor]:
+        return {"w": torch.tensor([x + (1 - (1 - eta) ** tau) * (centre - x)], dtype=F64)}
+
+    fedavg_x, fednova_x = 0.3, 0.3
+    for _ in range(3000):
+        ys = [local(fedavg_x, c, t) for c, t in zip(centres, steps, strict=True)]
+        fedavg_x = float(weighted_mean(ys, [1.0, 1.0])["w"])
+        ys = [local(fednova_x, c, t) for c, t in zip(centres, steps, strict=True)]
+        x = {"w": torch.tensor([fednova_x], dtype=F64)}
+        fednova_x = float(fednova_update(x, ys, [1.0, 1.0], steps)["w"])
+    # fixed points: sum_i w_i (c_i - x) = 0 with FedAvg's w_i = 1 - (1 - eta)^tau_i and
+    # FedNova's w_i = (1 - (1 - eta)^tau_i) / tau_i
+    moved = [1 - (1 - eta) ** tau for tau in steps]
+    fedavg_fixed = moved[1] / sum(moved)
+    normalised = [m / tau for m, tau in zip(moved, steps, strict=True)]
+    fednova_fixed = normalised[1] / sum(normalised)
+    assert fedavg_x == pytest.approx(fedavg_fixed, abs=1e-4) and fedavg_x > 0.9
+    assert fednova_x == pytest.approx(fednova_fixed, abs=1e-4)
+    assert abs(fednova_x - 0.5) < 0.02  # near the minimiser of F_1 + F_2, 0.5
+
+
+def test_fedexp_matches_its_formula_and_never_steps_less_than_fedavg() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = {"w": torch.randn(5, generator=gen, dtype=F64)}
+    ys = [{"w": x["w"] + torch.randn(5, generator=gen, dtype=F64)} for _ in range(4)]
+    weights = np.array([1.0, 2.0, 1.0, 4.0])
+    deltas = np.stack([(x["w"] - y["w"]).numpy() for y in ys])
+    p = weights / weights.sum()
+    mean = p @ deltas
+    eta = max(1.0, (p @ (deltas**2).sum(1)) / (2 * (mean @ mean + 1e-3)))
+    new, step = fedexp_update(x, ys, list(weights), epsilon=1e-3)
+    assert step == pytest.approx(eta) and step > 1.0  # disagreeing clients: extrapolate
+    np.testing.assert_allclose(new["w"].numpy(), x["w"].numpy() - eta * mean)
+    agreeing = [{"w": x["w"] + 1.0} for _ in range(3)]
+    assert fedexp_update(x, agreeing, [1.0, 1.0, 1.0])[1] == 1.0  # FedAvg's step
+
+
+def test_fedacg_two_rounds_by_hand() -> None:
+    x, m = {"w": torch.tensor([1.0], dtype=F64)}, {"w": torch.zeros(1, dtype=F64)}
+    assert float(fedacg_lookahead(x, m, 0.2)["w"]) == 1.0
+    x, m = fedacg_update(x, m, {"w": torch.tensor([2.0], dtype=F64)}, 0.2)
+    assert (float(x["w"]), float(m["w"])) == pytest.approx((2.0, 1.0))
+    assert float(fedacg_lookahead(x, m, 0.2)["w"]) == pytest.approx(2.2)
+    x, m = fedacg_update(x, m, {"w": torch.tensor([3.0], dtype=F64)}, 0.2)
+    # Delta = 3 - 2.2 = 0.8; m = 0.2 + 0.8 = 1.0; x = 2 + 1 = 3 (the clients' mean)
+    assert (float(x["w"]), float(m["w"])) == pytest.approx((3.0, 1.0))

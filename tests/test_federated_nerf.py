@@ -150,7 +150,9 @@ def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_pa
     assert not any(UPLOAD_LEAK in r for r in rounds)  # nothing per user to read
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "scaffold"])
+@pytest.mark.parametrize(
+    "strategy", ["fedavg", "fedprox", "scaffold", "fednova", "fedexp", "fedacg"]
+)
 def test_baselines_run_in_process(crowd_dir: Path, tmp_path: Path, strategy: str) -> None:
     run_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / strategy, strategy))
     assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "alphas.jsonl").exists()

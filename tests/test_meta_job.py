@@ -230,8 +230,8 @@ def test_secure_aggregation_gives_the_plaintext_aggregate(strategy: str, tmp_pat
     assert len(held) == 2 and all("client" not in reply.content for reply in held)
 
 
-@pytest.mark.parametrize("strategy", ["fedprox", "scaffold"])
-def test_meta_learners_under_fedprox_and_scaffold(strategy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "fednova", "fedexp", "fedacg"])
+def test_meta_learners_under_other_strategies(strategy: str, tmp_path: Path) -> None:
     config = tiny(
         tmp_path / strategy,
         strategy=strategy,

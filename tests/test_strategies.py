@@ -31,7 +31,19 @@ from fedfields.aggregate import (
     state_sum,
     weighted_mean,
 )
-from fedfields.flower import DecentNeRF, FedAvg, FedProx, ProtocolStrategy, Scaffold
+from fedfields.aggregate.fedexp import fedexp_update
+from fedfields.aggregate.fednova import fednova_update
+from fedfields.flower import (
+    DecentNeRF,
+    FedACG,
+    FedAvg,
+    FedExP,
+    FedNova,
+    FedProx,
+    ProtocolStrategy,
+    Scaffold,
+)
+from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
@@ -51,9 +63,11 @@ from fedfields.flower.protocol import (
     SERVER_ROUND,
     STRATEGY,
     TRAIN_LOSS,
+    TRAIN_STEPS,
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 State = dict[str, Tensor]
 F64 = torch.float64
@@ -665,3 +679,48 @@ def test_a_truncated_array_is_refused_naming_the_key() -> None:
     cut = Array(dtype=good.dtype, shape=good.shape, stype=good.stype, data=good.data[:-4])
     with pytest.raises(ValueError, match="key 'x': cannot decode"):
         arrays_to_state(ArrayRecord({"x": cut}), copy=False)
+
+
+# ------------------------------------------------------------------ FedNova, FedExP, FedACG
+
+
+def test_fednova_and_fedexp_aggregate_replies_as_their_maths() -> None:
+    start = random_state(9)
+    specs = [(random_state(k), 2.0 + k, 3 + 5 * k) for k in range(3)]
+    handlers = [
+        fixed_reply_node({ARRAYS: state}, {NUM_EXAMPLES: n, TRAIN_STEPS: tau, TRAIN_LOSS: 1.0})
+        for state, n, tau in specs
+    ]
+    states, weights, steps = zip(*specs, strict=True)
+    expected_nova = fednova_update(start, states, weights, steps)
+    expected_exp, eta = fedexp_update(start, states, weights)
+    for strategy, expected in ((FedNova(min_available_nodes=3), expected_nova),
+                               (FedExP(min_available_nodes=3), expected_exp)):  # fmt: skip
+        arrays, metrics = one_round(strategy, InProcessGrid(handlers), state_to_arrays(start))
+        assert arrays is not None and metrics is not None and metrics[NUM_REPLIES] == 3
+        for key, value in expected.items():
+            torch.testing.assert_close(torch.from_numpy(arrays[key].numpy()), value)
+    assert metrics[SERVER_STEP] == pytest.approx(eta)
+
+
+def test_fedacg_sends_the_lookahead_with_beta_and_keeps_momentum() -> None:
+    start = {"w": torch.tensor([1.0, -1.0])}
+    grid = InProcessGrid([fixed_reply_node({ARRAYS: {"w": torch.tensor([2.0, 0.0])}},
+                                           {NUM_EXAMPLES: 1})] * 2)  # fmt: skip
+    strategy = FedACG(momentum=0.5, beta=0.3, min_available_nodes=2)
+    arrays, _ = one_round(strategy, grid, state_to_arrays(start))
+    assert arrays is not None  # round 1: m = 0, x~ = x; the mean (2, 0) is the new x
+    torch.testing.assert_close(arrays_to_state(arrays)["w"], torch.tensor([2.0, 0.0]))
+    sent = grid.sent[-1].content
+    assert sent[CONFIG][PROXIMAL_MU] == 0.3
+    torch.testing.assert_close(arrays_to_state(sent[ARRAYS])["w"], start["w"])
+    one_round(strategy, grid, arrays, server_round=2)
+    # round 2 sends x + lambda m = (2, 0) + 0.5 (1, 1)
+    torch.testing.assert_close(arrays_to_state(grid.sent[-1].content[ARRAYS])["w"],
+                               torch.tensor([2.5, 0.5]))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [FedNova, FedExP])
+def test_rules_that_need_each_update_refuse_secure_aggregation(kind: type) -> None:
+    with pytest.raises(ValueError, match="secure aggregation hides"):
+        kind(secure_aggregation=SecureAggregationConfig())

@@ -158,3 +158,13 @@ def _handed_back(value: Tensor, dtype: torch.dtype) -> Tensor:
     if not dtype.is_floating_point:
         value = torch.round(value)
     return value.to(dtype)
+
+
+def difference(minuend: State, subtrahend: State) -> dict[str, Tensor]:
+    """minuend - subtrahend key-wise in float64 (keys of `minuend`)."""
+    return {key: value.double() - subtrahend[key].double() for key, value in minuend.items()}
+
+
+def squared_norm(state: State) -> float:
+    """sum of squares over every tensor of `state`, in float64."""
+    return sum(float(value.double().square().sum()) for value in state.values())

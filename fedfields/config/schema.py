@@ -59,8 +59,9 @@ def _finite(least: float) -> Callable[[Any], bool]:
 @dataclass(frozen=True)
 class CommonSection:
     """Keys every task and mode reads. The strategy's own settings (proximal-mu,
-    scaffold-global-lr) are common since the scene and the meta tasks run the same strategies;
-    field-width and field-depth size the scene's heads and the meta tasks' MLPs alike."""
+    scaffold-global-lr, fedexp-epsilon, fedacg-lambda, fedacg-beta) are common since the
+    scene and the meta tasks run the same strategies; field-width and field-depth size the
+    scene's heads and the meta tasks' MLPs alike."""
 
     title: ClassVar[str] = "common"
     used_by: ClassVar[str] = "every task and mode"
@@ -68,7 +69,9 @@ class CommonSection:
     task: str = key("scene", "scene (federated NeRF) | faces | video | objects (FedMeNF)")
     mode: str = key("federated", "federated | split (SplitNeRF, task scene, one client)")
     strategy: str = key(
-        "", '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold'
+        "",
+        '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold | '
+        "fednova | fedexp | fedacg",
     )
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(0, "seeds the initial model, the nodes' sampling and local randomness")
@@ -76,6 +79,9 @@ class CommonSection:
     downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
     proximal_mu: float = key(0.01, "FedProx mu (scene and meta tasks)")
     scaffold_global_lr: float = key(1.0, "Scaffold's server step size")
+    fedexp_epsilon: float = key(0.001, "FedExP's epsilon in its server step size")
+    fedacg_lambda: float = key(0.2, "FedACG's server momentum lambda")
+    fedacg_beta: float = key(0.1, "FedACG's proximal weight beta around the lookahead")
     field_width: int = key(0, "scene field heads (0: 64) or meta MLP width (0: the preset)")
     field_depth: int = key(0, "meta MLP depth (0: the task's preset)")
     eval_scene_dir: str = key(
@@ -88,7 +94,13 @@ class CommonSection:
         _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
         _check(self, ["field_width", "field_depth"], lambda v: v >= 0, ">= 0")
         _check(self, ["downscale"], lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-        _check(self, ["proximal_mu", "scaffold_global_lr"], _finite(0.0), "finite and >= 0")
+        _check(
+            self,
+            ["proximal_mu", "scaffold_global_lr", "fedacg_lambda", "fedacg_beta"],
+            _finite(0.0),
+            "finite and >= 0",
+        )
+        _check(self, ["fedexp_epsilon"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
         if self.mode == "split" and self.task != "scene":
             raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
 

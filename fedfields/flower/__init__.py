@@ -1,7 +1,8 @@
 """fedfields' reusable Flower layer: strategies, their client halves, the message protocol.
 
 Import these into any Flower 1.41 app; none needs this repository's ServerApp or ClientApp.
-Server side: `FedAvg`, `FedProx`, `Scaffold`, `DecentNeRF`, `FedMeNF` (message-API strategies
+Server side: `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, `DecentNeRF`,
+`FedMeNF` (message-API strategies
 built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
 `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
 node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
@@ -12,8 +13,11 @@ are in `fedfields.flower.protocol`.
 from __future__ import annotations
 
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
+from fedfields.flower.fedacg import FedACG
 from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedexp import FedExP
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_reply
+from fedfields.flower.fednova import FedNova
 from fedfields.flower.fedprox import FedProx
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.scaffold import Scaffold, ScaffoldClient
@@ -23,8 +27,11 @@ from fedfields.flower.strategy import InsufficientNodesError, ProtocolStrategy, 
 __all__ = [
     "DecentNeRF",
     "DecentNeRFClient",
+    "FedACG",
     "FedAvg",
+    "FedExP",
     "FedMeNF",
+    "FedNova",
     "FedProx",
     "InsufficientNodesError",
     "NodeState",

@@ -25,6 +25,7 @@ from fedfields.flower.protocol import (
     NUM_EXAMPLES,
     PROXIMAL_MU,
     TRAIN_LOSS,
+    TRAIN_STEPS,
     arrays_to_state,
     state_to_arrays,
 )
@@ -114,6 +115,7 @@ def meta_train_reply(
     metrics = {
         NUM_EXAMPLES: result.num_examples,
         TRAIN_LOSS: sum(result.outer_losses) / len(result.outer_losses),
+        TRAIN_STEPS: meta.outer_steps,
     }
     if result.gammas:
         metrics[GAMMA] = sum(result.gammas) / len(result.gammas)

@@ -70,6 +70,8 @@ SECURE_DELTA = "secure-delta"
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_PSNR = "train-psnr"
+TRAIN_STEPS = "train-steps"
+"""Train metric: local optimiser steps the client took this round (FedNova's tau_i)."""
 CLIENT_SECONDS = "client-seconds"
 """Train metric: wall seconds of the client's train handler (compute, for overhead accounting)."""
 

@@ -1,0 +1,80 @@
+"""FedNova (Wang et al. 2020, Eq. 6-7): normalised averaging of clients that ran different
+numbers of local steps, so a client that ran longer does not pull the model further.
+
+    x <- x - tau_eff * sum_i p_i (x - y_i) / tau_i,    tau_eff = sum_i p_i tau_i,
+
+with p_i = n_i / sum_j n_j. With plain local SGD a_i = tau_i (the paper's ||a_i||_1); our
+clients run Adam, where FedNova's momentum correction does not apply, so a_i = tau_i too.
+Equal tau_i give FedAvg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from fedfields.aggregate.states import (
+    RunningSum,
+    State,
+    check_scalar,
+    check_states,
+    difference,
+    like,
+)
+
+
+class FedNovaSums:
+    """What FedNova needs, folded in one client at a time: sum_i n_i (x - y_i) / tau_i,
+    sum_i n_i tau_i and sum_i n_i (memory: one float64 model)."""
+
+    def __init__(self, global_state: State) -> None:
+        self.global_state = global_state
+        self.normalised = RunningSum()
+        self.weight_sum = 0.0
+        self.weighted_steps = 0.0
+
+    def add(
+        self, local_state: State, weight: float, steps: float, *, checked: bool = False
+    ) -> None:
+        """Fold in client i's y_i with its example count n_i > 0 and local steps tau_i > 0."""
+        label = f"client {self.normalised.count}"
+        weight = check_scalar(weight, f"{label}: weight")
+        steps = check_scalar(steps, f"{label}: local steps")
+        delta = difference(self.global_state, local_state)
+        self.normalised.add(delta, weight / steps, checked=checked)
+        self.weight_sum += weight
+        self.weighted_steps += weight * steps
+
+    @property
+    def count(self) -> int:
+        """Clients folded in."""
+        return self.normalised.count
+
+    def update(self) -> dict[str, Tensor]:
+        """x - tau_eff sum_i p_i (x - y_i) / tau_i in the global state's dtypes."""
+        direction = self.normalised.accumulated()  # ValueError if no client was added
+        tau_eff = self.weighted_steps / self.weight_sum
+        return {
+            key: like(x.detach().double() - tau_eff * direction[key] / self.weight_sum, x)
+            for key, x in self.global_state.items()
+        }
+
+
+def fednova_update(
+    global_state: State,
+    local_states: Sequence[State],
+    weights: Sequence[float],
+    local_steps: Sequence[float],
+) -> dict[str, Tensor]:
+    """The new global state from the clients' y_i, example counts n_i and steps tau_i."""
+    labels = ["global_state"] + [f"client {i}" for i in range(len(local_states))]
+    check_states([global_state, *local_states], labels)
+    if not len(local_states) == len(weights) == len(local_steps):
+        raise ValueError(
+            f"{len(local_states)} states, {len(weights)} weights, {len(local_steps)} step counts"
+        )
+    sums = FedNovaSums(global_state)
+    for state, weight, steps in zip(local_states, weights, local_steps, strict=True):
+        sums.add(state, weight, steps, checked=True)
+    return sums.update()

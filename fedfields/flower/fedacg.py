@@ -1,0 +1,73 @@
+"""FedACG (Kim et al. 2024) on the fedfields protocol: server momentum sent ahead to clients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Unpack
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.aggregate.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
+from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.protocol import PROXIMAL_MU, arrays_to_state, state_to_arrays
+from fedfields.flower.strategy import StrategyOptions
+
+
+class FedACG(FedAvg):
+    """FedACG: clients start from x + lambda m and add beta/2 ||y - (x + lambda m)||^2 to
+    their loss (sent as "proximal-mu"); the server averages the replies as FedAvg does (also
+    through SecAgg+) and updates x and its momentum m (`fedfields.aggregate.fedacg`).
+
+    Args:
+        momentum: lambda (FedMeNF's Table 7: 0.2).
+        beta: the clients' proximal weight (Table 7: 0.1; Reptile 1e-4).
+        **options: as for `fedfields.flower.FedAvg`.
+    """
+
+    strategy_name = "fedacg"
+    config_keys = {"fedacg-lambda": "momentum", "fedacg-beta": "beta"}
+
+    def __init__(
+        self,
+        *,
+        momentum: float = FEDACG_LAMBDA,
+        beta: float = FEDACG_BETA,
+        **options: Unpack[StrategyOptions],
+    ) -> None:
+        super().__init__(**options)
+        for name, value in (("momentum", momentum), ("beta", beta)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be non-negative and finite, got {value}")
+        self.momentum_weight, self.beta = float(momentum), float(beta)
+        self.global_state: dict[str, Tensor] = {}
+        self.momentum: dict[str, Tensor] = {}
+
+    def protocol_config(self) -> dict[str, int | float | str]:
+        """FedAvg's entries plus "proximal-mu" = beta."""
+        return {**super().protocol_config(), PROXIMAL_MU: self.beta}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the lookahead x + lambda m instead of x."""
+        self.global_state = arrays_to_state(arrays)
+        if self.momentum.keys() != self.global_state.keys():  # first round: m = 0
+            self.momentum = {k: torch.zeros_like(v) for k, v in self.global_state.items()}
+        lookahead = fedacg_lookahead(self.global_state, self.momentum, self.momentum_weight)
+        return super().configure_train(server_round, state_to_arrays(lookahead), config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FedAvg's mean of the replies, then m <- lambda m + (mean - x~), x <- x + m."""
+        mean, metrics = super().aggregate_train(server_round, replies)
+        if mean is None:
+            return None, metrics
+        new_global, self.momentum = fedacg_update(
+            self.global_state, self.momentum, arrays_to_state(mean), self.momentum_weight
+        )
+        return state_to_arrays(new_global), metrics

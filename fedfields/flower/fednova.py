@@ -1,0 +1,71 @@
+"""FedNova (Wang et al. 2020) on the fedfields protocol: normalised averaging by local steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Unpack
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.aggregate.fednova import FedNovaSums
+from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.protocol import (
+    ARRAYS,
+    NUM_EXAMPLES,
+    TRAIN_STEPS,
+    arrays_to_state,
+    reply_metric,
+    reply_state,
+    state_to_arrays,
+)
+from fedfields.flower.strategy import StrategyOptions, reply_metrics
+
+
+def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
+    """ValueError: this rule needs each client's own update, which SecAgg+ hides."""
+    if options.get("secure_aggregation") is not None:
+        raise ValueError(
+            f"{name} needs each client's update (and its norm or step count), which secure "
+            "aggregation hides; use fedavg, fedprox, scaffold, fedacg or decentnerf with it"
+        )
+
+
+class FedNova(FedAvg):
+    """FedNova: x <- x - tau_eff sum_i p_i (x - y_i) / tau_i (`fedfields.aggregate.fednova`).
+
+    Messages as FedAvg's; replies also carry "train-steps" (tau_i, the local steps the client
+    took). Clients that trained longer do not pull x further; equal steps give FedAvg.
+    Not available with secure aggregation (the server needs each client's tau_i and y_i).
+    """
+
+    strategy_name = "fednova"
+
+    def __init__(self, **options: Unpack[StrategyOptions]) -> None:
+        refuse_secure_aggregation("fednova", options)
+        super().__init__(**options)
+        self.global_state: dict[str, Tensor] = {}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's messages; x is kept for the normalised update."""
+        self.global_state = arrays_to_state(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The normalised update, folding each reply in as it arrives."""
+        train_round = self.round_state(server_round)
+        sums, metrics, weights = FedNovaSums(self.global_state), [], []
+        for reply in self.successful_replies(replies):
+            weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
+            steps = reply_metric(reply, TRAIN_STEPS, positive=True)
+            sums.add(reply_state(reply, ARRAYS, train_round.shapes), weight, steps, checked=True)
+            metrics.append(reply_metrics(reply))
+            weights.append(weight)
+        if sums.count == 0:
+            return None, self.train_metrics(metrics)
+        return state_to_arrays(sums.update()), self.train_metrics(metrics, weights)
