@@ -14,6 +14,7 @@ from fedfields.data import load_scene
 from fedfields.data.scene import Scene
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.geometry import Rays
+from fedfields.privacy.attacks.inference import AttackConfig, membership_pairs, train_attack
 from fedfields.privacy.attacks.scene_aided import (
     SceneAidedConfig,
     pose_error,
@@ -281,3 +282,49 @@ def test_scene_aided_attack_poses_the_leaked_image_and_fits_it(
         undefended.render_config,
     )
     assert scores["ssim_depth"] > 0.9 and scores["psnr"] > 17.0  # 0.97-0.995, 19.7-22.3 dB
+
+
+# ------------------------------------------------------------------ FedMeNF App. C attacks
+
+
+def _blobs(count: int, seed: int) -> list[torch.Tensor]:
+    """Distinct smooth 12x12 colour images (random low-frequency patterns)."""
+    gen = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(count, 3, 3, 3, generator=gen)
+    images = torch.nn.functional.interpolate(coarse, size=(12, 12), mode="bilinear")
+    return list(images.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("memorised", [True, False])
+def test_membership_attack_finds_memorised_uploads_and_only_those(memorised: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+
+    def renders(images: list[torch.Tensor]) -> tuple[list, list]:
+        """A memorising upload renders its image (plus noise); a private one, noise."""
+        own = [
+            (image if memorised else torch.rand(image.shape, generator=gen))
+            + 0.05 * torch.randn(image.shape, generator=gen)
+            for image in images
+        ]
+        other = [own[(i + 1) % len(own)] for i in range(len(own))]
+        return own, other
+
+    shadow, target = _blobs(60, 1), _blobs(20, 2)
+    train = membership_pairs(shadow, *renders(shadow))
+    test = membership_pairs(target, *renders(target))
+    result = train_attack(*train, *test, AttackConfig(epochs=150))
+    assert result.chance == 0.5 and result.auc is not None
+    if memorised:
+        assert result.accuracy >= 0.85 and result.auc >= 0.9
+    else:
+        assert 0.3 <= result.accuracy <= 0.7 and result.train_accuracy > result.accuracy
+
+
+def test_property_attack_reads_a_property_that_renders_show() -> None:
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 3, (90,), generator=gen)
+    tint = torch.eye(3)[labels]  # the property colours the render
+    images = 0.5 * torch.rand(90, 12, 12, 3, generator=gen) + 0.5 * tint[:, None, None, :]
+    inputs = images.permute(0, 3, 1, 2)
+    result = train_attack(inputs[:60], labels[:60], inputs[60:], labels[60:], AttackConfig())
+    assert result.auc is None and result.accuracy >= 0.9 > result.chance

@@ -1,0 +1,122 @@
+"""Membership and property inference against uploaded models (FedMeNF, paper 004, App. C).
+
+An honest-but-curious server renders images from each client's uploaded model and trains a
+small CNN attacker (two convolutions, two fully connected layers) on shadow clients, then
+scores it on held-out target clients:
+
+- membership (Shokri et al. 2017, as FedMeNF builds it): the input is a pair (an image, the
+  render of one client's upload at that image's coordinates); label 1 when the image is in
+  that client's training data (paired with its owner's upload), 0 when paired with another
+  client's upload. Chance is 50% on the balanced pairs.
+- property (Ganju et al. 2018): the input is the render of a client's upload, the label a
+  property of the client's data (e.g. the object's kind). Chance is the majority class.
+
+Accuracy near chance means the uploads tell the attacker nothing it can learn from the
+shadow clients. Pure PyTorch; `simulations.bench.fedmenf_table` builds the inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sklearn.metrics import roc_auc_score
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class AttackConfig:
+    """The attacker's training: Adam, full-batch epochs, seeded."""
+
+    epochs: int = 200
+    learning_rate: float = 1e-3
+    hidden: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.hidden < 1 or not self.learning_rate > 0:
+            raise ValueError(f"epochs, hidden and learning_rate must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class AttackResult:
+    """Test accuracy, ROC AUC (binary attacks; None otherwise) and the chance accuracy."""
+
+    accuracy: float
+    auc: float | None
+    chance: float
+    train_accuracy: float
+
+
+def attacker_network(channels: int, classes: int, hidden: int = 64) -> nn.Module:
+    """Two 3x3 convolutions (stride 2) and two fully connected layers, as in App. C."""
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 16, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, classes),
+    )
+
+
+def membership_pairs(
+    images: Sequence[Tensor], own_renders: Sequence[Tensor], other_renders: Sequence[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Balanced pairs: (image, its owner's render) labelled 1, (image, another's) 0.
+
+    All [H, W, C] in [0, 1]; returns inputs [2N, 2C, H, W] and labels [2N].
+    """
+    if not len(images) == len(own_renders) == len(other_renders) > 0:
+        raise ValueError(
+            f"{len(images)} images, {len(own_renders)} own and {len(other_renders)} other renders"
+        )
+    pairs, labels = [], []
+    for image, own, other in zip(images, own_renders, other_renders, strict=True):
+        for render, label in ((own, 1), (other, 0)):
+            if render.shape != image.shape:
+                raise ValueError(f"render shape {tuple(render.shape)} != {tuple(image.shape)}")
+            pairs.append(torch.cat([image, render], dim=-1).permute(2, 0, 1))
+            labels.append(label)
+    return torch.stack(pairs).float(), torch.tensor(labels)
+
+
+def train_attack(
+    train_inputs: Tensor,
+    train_labels: Tensor,
+    test_inputs: Tensor,
+    test_labels: Tensor,
+    config: AttackConfig = AttackConfig(),
+) -> AttackResult:
+    """Fit the attacker on the shadow inputs [N, C, H, W] and labels [N] (0..K-1); score it
+    on the targets."""
+    if train_inputs.shape[1:] != test_inputs.shape[1:]:
+        raise ValueError(f"input shapes differ: {train_inputs.shape} vs {test_inputs.shape}")
+    if len(train_inputs) != len(train_labels) or len(test_inputs) != len(test_labels):
+        raise ValueError("each input needs one label")
+    classes = int(max(train_labels.max(), test_labels.max())) + 1
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        network = attacker_network(train_inputs.shape[1], max(classes, 2), config.hidden)
+        optimiser = torch.optim.Adam(network.parameters(), lr=config.learning_rate)
+        for _ in range(config.epochs):
+            optimiser.zero_grad()
+            loss = nn.functional.cross_entropy(network(train_inputs), train_labels)
+            loss.backward()
+            optimiser.step()
+    network.eval()
+    with torch.no_grad():
+        train_accuracy = float((network(train_inputs).argmax(1) == train_labels).float().mean())
+        logits = network(test_inputs)
+    accuracy = float((logits.argmax(1) == test_labels).float().mean())
+    auc = None
+    if classes <= 2 and len(set(test_labels.tolist())) == 2:
+        scores = torch.softmax(logits, 1)[:, 1].numpy()
+        auc = float(roc_auc_score(test_labels.numpy(), scores))
+    counts = np.bincount(test_labels.numpy(), minlength=classes)
+    return AttackResult(accuracy, auc, float(counts.max() / counts.sum()), train_accuracy)
