@@ -47,6 +47,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.privacy.attacks.inference import membership_pairs, train_attack
 from fedfields.train.builders import client_meta_tasks, heldout_meta_tasks, meta_model
 from fedfields.train.federated import federated_state
 from fedfields.train.meta import privacy_metrics, test_time_optimise
@@ -56,6 +57,7 @@ from simulations.observers import Observer, ReplyTap, simulation_observed
 from strategies import strategy_class
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
+MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
 Quality = dict[str, float | None]
 
 
@@ -229,6 +231,7 @@ class PrivacyAudit:
         self.steps = tto_schedule(settings.tto_steps)
         self.uploads: list[Upload] = []
         self.last_uploads: list[Upload] = []
+        self.latest: dict[int, dict[str, Tensor]] = {}  # each client's last upload (App. C)
 
     def wrap_grid(self, grid: Grid) -> Grid:
         """A `ReplyTap` keeping a copy of each successful train reply's upload."""
@@ -242,6 +245,7 @@ class PrivacyAudit:
             if CLIENT in reply.content and ARRAYS in reply.content:
                 client = int(reply.content[CLIENT][CLIENT_INDEX])
                 self.uploads.append(Upload(client, arrays_to_state(reply.content[ARRAYS])))
+                self.latest[client] = self.uploads[-1].state
 
     def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
         """Mean privacy metrics of the round's uploads and the clients they came from."""
@@ -254,9 +258,7 @@ class PrivacyAudit:
 
     def client_tasks(self, client: int) -> list[MetaTask]:
         """Client `client`'s private tasks, read from the experimenter's data."""
-        object_dir = None
-        if self.config.common.task == "objects":
-            object_dir = Path(self.config.deployment.data_dir) / f"object_{client:02d}"
+        object_dir = self.object_folder(client) if self.config.common.task == "objects" else None
         return client_meta_tasks(self.config, self.settings, client, object_dir)
 
     def privacy(self, upload: Upload) -> Quality:
@@ -265,11 +267,72 @@ class PrivacyAudit:
         return _mean([privacy_metrics(self.model, upload.state, task) for task in tasks])
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """privacy.png over the rounds and renders.png of the last round's uploads."""
+        """privacy.png over the rounds, renders.png of the last round's uploads, and the
+        inference attacks on every client's last upload (summary.json's "final")."""
         _plot_privacy(self.run_dir / "privacy.png", history)
         if self.last_uploads:
             self.render_grid(arrays_to_state(arrays), self.last_uploads[:RENDERED_CLIENTS])
-        return {}
+        return {"final": self.inference_attacks()}
+
+    def inference_attacks(self) -> dict[str, float]:
+        """FedMeNF App. C against each client's last upload: membership inference (shadow
+        clients train the attacker, the other fifth are its targets) and, for objects,
+        property inference of the object's kind. Empty with fewer than 5 clients."""
+        clients = sorted(self.latest)
+        if len(clients) < MIN_ATTACK_CLIENTS:
+            return {}
+        order = random.Random(self.config.common.seed).sample(clients, len(clients))
+        cut = max(1, len(order) // 5)
+        target, shadow = order[:cut], order[cut:]
+        membership = train_attack(*self.membership_pairs(shadow), *self.membership_pairs(target))
+        found = {"mia-accuracy": membership.accuracy, "mia-chance": membership.chance}
+        if membership.auc is not None:
+            found["mia-auc"] = membership.auc
+        if self.config.common.task == "objects":
+            kinds = sorted({self.object_kind(c) for c in clients})
+            train, test = (self.property_samples(group, kinds) for group in (shadow, target))
+            prop = train_attack(*train, *test)
+            found |= {"pia-accuracy": prop.accuracy, "pia-chance": prop.chance}
+        return found
+
+    def rendered(self, client: int, task: MetaTask) -> list[Tensor]:
+        """`task`'s query images as rendered by `client`'s last upload, [H, W, C] each."""
+        values = task.render_query(self.model, self.latest[client]).clamp(0.0, 1.0)
+        return list(_as_image_list(task.query_images(values)))
+
+    def membership_pairs(self, group: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Each client's query images with its own and a random other client's renders."""
+        rng = random.Random(self.config.common.seed + len(group))
+        images, own, other = [], [], []
+        for client in group:
+            stranger = rng.choice([c for c in group if c != client] or [client])
+            for task in self.client_tasks(client):
+                truth = list(_as_image_list(task.query_images(task.query_targets)))
+                images += truth
+                own += self.rendered(client, task)
+                other += self.rendered(stranger, task)
+        return membership_pairs(images, own, other)
+
+    def object_folder(self, client: int) -> Path:
+        """Client `client`'s object folder under `data-dir`, as its node finds it."""
+        root = Path(self.config.deployment.data_dir)
+        names = (f"object_{client:02d}", f"object_{client:03d}")
+        return next((root / n for n in names if (root / n).is_dir()), root / names[0])
+
+    def object_kind(self, client: int) -> str:
+        """The kind of client `client`'s object (transforms.json's object name)."""
+        meta = json.loads((self.object_folder(client) / "transforms.json").read_text())
+        return meta["object"]["name"]
+
+    def property_samples(self, group: Sequence[int], kinds: list[str]) -> tuple[Tensor, Tensor]:
+        """Renders of each client's upload, labelled with its object's kind."""
+        renders, labels = [], []
+        for client in group:
+            for task in self.client_tasks(client):
+                views = self.rendered(client, task)
+                renders += views
+                labels += [kinds.index(self.object_kind(client))] * len(views)
+        return torch.stack(renders).permute(0, 3, 1, 2), torch.tensor(labels)
 
     def render_grid(self, state: dict[str, Tensor], uploads: Sequence[Upload]) -> None:
         """Per client: private query image | render of its upload | TTO result from theta."""
@@ -320,6 +383,11 @@ def meta_observers(run_config: Mapping[str, Any], run_dir: Path | None = None) -
             )
         run_dir = Path(config.common.run_dir)
     return [PrivacyAudit(config, meta_settings(config), run_dir)]
+
+
+def _as_image_list(images: Tensor) -> Tensor:
+    """[N, H, W, C] as it is, one [H, W, C] image as a batch of one."""
+    return images if images.ndim == 4 else images[None]
 
 
 def _first_image(task: MetaTask, values: Tensor) -> np.ndarray:

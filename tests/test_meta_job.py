@@ -375,3 +375,13 @@ def test_fedmenf_samples_m_of_n_and_weights_by_dataset_size() -> None:
         m_of_n_sampling(8, 7)
     with pytest.raises(ValueError, match="sets \\['min_train_nodes'\\]"):
         FedMeNF(clients_per_round=3, num_clients=7, min_train_nodes=2)
+
+
+def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
+    config = tiny(tmp_path / "run", **{"num-clients": 6, "clients-per-round": 6})
+    config["num-server-rounds"] = 1
+    run_dir, _ = run_in_process(config)
+    final = json.loads((run_dir / "summary.json").read_text())["final"]
+    assert final["mia-chance"] == 0.5  # balanced pairs: own upload vs another client's
+    assert 0.0 <= final["mia-accuracy"] <= 1.0 and 0.0 <= final["mia-auc"] <= 1.0
+    assert "pia-accuracy" not in final  # faces carry no property to infer
