@@ -2,12 +2,13 @@
 
 Each run goes through Flower's simulation engine (Ray) with the task's preset
 (`fedfields.train.builders.META_PRESETS`, one virtual SuperNode per client) and reports the
-final round's held-out PSNR after test-time optimisation (TTO), PSNR_p of the round's uploads,
-their difference Delta, and PSNR_p averaged over all rounds. A "Local (no federation)" row
-gives the TTO from a random initialisation (summary.json's "initial", at the last TTO step):
-each client fits its own support set from scratch and shares nothing, so it has no PSNR_p. Prints a
-markdown table; run directories land in runs/bench_fedmenf/. The objects collection is built
-on first use, as `simulations.launch` does.
+final round's held-out PSNR after test-time optimisation (TTO), PSNR_p of the round's
+uploads, their difference Delta, PSNR_p averaged over all rounds, and the accuracy of FedMeNF
+App. C's membership and property inference attacks on every client's last upload. A "Local
+(no federation)" row gives the TTO from a random initialisation (summary.json's "initial",
+at the last TTO step): each client fits its own support set from scratch and shares nothing,
+so it has no PSNR_p. Prints a markdown table; run directories land in runs/bench_fedmenf/.
+The objects collection is built on first use, as `simulations.launch` does.
 
     python -m simulations.bench.fedmenf_table --task faces --strategies fedavg fedprox scaffold
     python -m simulations.bench.fedmenf_table --task objects --strategies fedavg fedprox scaffold
@@ -56,6 +57,9 @@ class Row:
     seconds: float  # the job's own time (summary.json), without Ray's start-up
     local_psnr: float  # TTO from a random initialisation, at the last TTO step
     local_steps: int
+    mia: float | None  # membership-inference accuracy on the last uploads (chance 0.5)
+    pia: float | None  # property-inference accuracy (objects: the kind; chance pia_chance)
+    pia_chance: float | None
 
 
 def learner_name(config: dict[str, Any]) -> str:
@@ -86,6 +90,9 @@ def read_row(run_dir: Path) -> Row:
         seconds=summary["seconds"],
         local_psnr=summary["initial"][str(steps)]["psnr"],
         local_steps=steps,
+        mia=summary["final"].get("mia-accuracy"),
+        pia=summary["final"].get("pia-accuracy"),
+        pia_chance=summary["final"].get("pia-chance"),
     )
 
 
@@ -146,14 +153,16 @@ def table(rows: list[Row]) -> str:
     )
     lines = [
         "| task | strategy | meta-learner | PSNR after TTO | PSNR_p | Delta "
-        "| PSNR_p, mean of rounds | job s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| PSNR_p, mean of rounds | MIA acc (chance 50%) | PIA acc (chance) | job s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        mia = "-" if row.mia is None else f"{row.mia:.1%}"
+        pia = "-" if row.pia is None else f"{row.pia:.1%} ({row.pia_chance:.0%})"
         lines.append(
             f"| {row.task} | {row.strategy} | {row.learner} | {row.psnr:.2f} | "
             f"{row.psnr_p:.2f} | {row.psnr - row.psnr_p:.2f} | {row.psnr_p_mean:.2f} | "
-            f"{row.seconds:.0f} |"
+            f"{mia} | {pia} | {row.seconds:.0f} |"
         )
     for task in sorted({row.task for row in rows}):
         local = [row.local_psnr for row in rows if row.task == task]
@@ -162,7 +171,7 @@ def table(rows: list[Row]) -> str:
         steps = next(row.local_steps for row in rows if row.task == task)
         lines.append(
             f"| {task} | - | Local (no federation, {steps} TTO steps from random init) | "
-            f"{value} | - | - | - | - |"
+            f"{value} | - | - | - | - | - | - |"
         )
     return "\n".join(lines)
 
