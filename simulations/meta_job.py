@@ -50,7 +50,7 @@ from fedfields.flower.protocol import (
 from fedfields.privacy.attacks.inference import membership_pairs, train_attack
 from fedfields.train.builders import client_meta_tasks, heldout_meta_tasks, meta_model
 from fedfields.train.federated import federated_state
-from fedfields.train.meta import privacy_metrics, test_time_optimise
+from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr, test_time_optimise
 from fedfields.train.meta_tasks import MetaTask
 from simulations.federated_nerf import make_run_dir, secure_aggregation_report
 from simulations.observers import Observer, ReplyTap, simulation_observed
@@ -262,9 +262,16 @@ class PrivacyAudit:
         return client_meta_tasks(self.config, self.settings, client, object_dir)
 
     def privacy(self, upload: Upload) -> Quality:
-        """PSNR_p, SSIM_p, LPIPS_p of one upload, averaged over its client's tasks."""
+        """PSNR_p, SSIM_p, LPIPS_p of one upload and PSNR_p after rescaling its outputs
+        (blind and oracle), averaged over its client's tasks."""
         tasks = self.client_tasks(upload.client)
-        return _mean([privacy_metrics(self.model, upload.state, task) for task in tasks])
+        return _mean(
+            [
+                privacy_metrics(self.model, upload.state, task)
+                | rescaled_privacy_psnr(self.model, upload.state, task)
+                for task in tasks
+            ]
+        )
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
         """privacy.png over the rounds, renders.png of the last round's uploads, and the

@@ -344,3 +344,26 @@ def test_meta_config_rejects_bad_values_naming_the_field(options: dict, field: s
     base = dict(learner="fedmenf", outer_steps=1, inner_steps=1, inner_lr=0.1, outer_lr=0.1)
     with pytest.raises(ValueError, match=field):
         MetaConfig(**{**base, **options})
+
+
+def test_rescaling_attacker_recovers_a_dimmed_memorised_upload() -> None:
+    frames = np.random.default_rng(4).random((2, 8, 8, 3))
+    task = CoordinateTask(VideoTask.from_frames("clip", frames), chunk=10_000)
+
+    class Memorised(torch.nn.Module):
+        """An upload that stores the private pixels dimmed to a tenth, plus an offset."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.values = torch.nn.Parameter(0.1 * task.pixels.clone() - 0.3)
+
+        def forward(self, coords: torch.Tensor) -> torch.Tensor:
+            return self.values[: len(coords)]
+
+    model = Memorised()
+    state = _weights(model)
+    plain = privacy_metrics(model, state, task, with_lpips=False)["psnr_p"]
+    rescaled = meta.rescaled_privacy_psnr(model, state, task)
+    assert plain < 10  # clamping hides the content: mostly black
+    assert rescaled["psnr_p_oracle"] > 60  # an exact affine map brings it all back
+    assert rescaled["psnr_p_rescaled"] > plain + 10  # min-max alone recovers most of it

@@ -341,6 +341,32 @@ def privacy_metrics(
     return {f"{name}_p": value for name, value in quality.items()}
 
 
+def rescaled_privacy_psnr(
+    model: nn.Module, state: Mapping[str, Tensor], task: MetaTask
+) -> dict[str, float]:
+    """PSNR_p of an attacker who rescales the upload's outputs before clamping (FedMeNF's
+    PSNR_p clamps raw outputs to [0, 1], which an output scaled down hides).
+
+    "psnr_p_rescaled": blind, min-max from the render's own statistics (what a server can do);
+    "psnr_p_oracle": the least-squares affine fit against the private targets (an upper bound:
+    the attacker would need the answer).
+    """
+    params = _on_device(state, dict(model.named_parameters()), "state")
+    render = task.render_query(model, params).double()
+    target = task.query_targets.double()
+    spread = render.max() - render.min()
+    blind = (render - render.min()) / spread if spread > 0 else torch.zeros_like(render)
+    design = torch.stack([render.flatten(), torch.ones_like(render.flatten())], dim=1)
+    fit = torch.linalg.lstsq(design, target.flatten()[:, None]).solution[:, 0]
+    oracle = fit[0] * render + fit[1]
+    targets = task.query_images(task.query_targets)
+
+    def score(values: Tensor) -> float:
+        return psnr(task.query_images(values.float().clamp(0.0, 1.0)), targets)
+
+    return {"psnr_p_rescaled": score(blind), "psnr_p_oracle": score(oracle)}
+
+
 def _quality(task: MetaTask, prediction: Tensor, with_lpips: bool) -> dict[str, float | None]:
     """PSNR, SSIM and LPIPS of a prediction clamped to [0, 1] against the query targets."""
     images = task.query_images(prediction.clamp(0.0, 1.0))
