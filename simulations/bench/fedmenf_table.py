@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flwr.common.config import parse_config_args
+
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
 from simulations.launch import object_collection
@@ -96,7 +98,14 @@ def read_row(run_dir: Path) -> Row:
     )
 
 
-def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> Path:
+def run_one(
+    task: str,
+    strategy: str,
+    learner: str,
+    rounds: int,
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """One federated run of `task` through Ray; returns its run directory.
 
     A simulation: run-config `simulation-audit` attaches the privacy audit; for objects
@@ -112,6 +121,7 @@ def run_one(task: str, strategy: str, learner: str, rounds: int, out: Path) -> P
         "run-dir": str(run_dir),
         "simulation-audit": True,
         **LEARNERS[learner],
+        **(overrides or {}),
     }
     if task == "objects":  # the same collection `simulations.launch` builds
         collection = object_collection(launch_args([]), settings, dict(os.environ))
@@ -184,17 +194,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", type=Path, default=OUT, help="parent of the run directories")
     parser.add_argument(
+        "--run-config", default="", help="extra run-config for every run, e.g. 'tto-steps=128'"
+    )
+    parser.add_argument(
         "--report", nargs="+", type=Path, default=None, help="only tabulate these run dirs"
     )
     args = parser.parse_args()
     if args.report is not None:
         print(table([read_row(run_dir) for run_dir in args.report]))
         return
+    overrides = parse_config_args([args.run_config]) if args.run_config.strip() else {}
     rows = []
     for strategy in args.strategies:
         for learner in args.learners:
             started = time.perf_counter()
-            run_dir = run_one(args.task, strategy, learner, args.rounds, args.out)
+            run_dir = run_one(args.task, strategy, learner, args.rounds, args.out, overrides)
             row = read_row(run_dir)
             rows.append(row)
             print(
