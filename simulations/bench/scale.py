@@ -115,7 +115,7 @@ def run_job(
     command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--run-dir", str(run_dir)]
     command += ["--run-config", job_run_config(job, clients, sampled, rounds)]
     if job == "objects":
-        command += ["--objects", str(out / f"objects_{clients}")]
+        command += ["--objects", str(out / f"collection_{clients}")]
     else:
         command += ["--crowd", str(crowd), "--clients", str(clients)]
     if ray_address:
