@@ -1,4 +1,5 @@
-"""Pure aggregation maths over state dicts: FedAvg, FedProx, Scaffold, DecentNeRF, costs."""
+"""Pure aggregation maths over state dicts: FedAvg, FedProx, Scaffold, FedNova, FedExP, FedACG,
+DecentNeRF, running sums and costs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from fedfields.aggregate.decentnerf import (
     alpha_weighted_payload,
     decentnerf_aggregate,
 )
+from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
 from fedfields.aggregate.fedavg import weighted_mean
+from fedfields.aggregate.fedexp import FedExPSums, fedexp_update
+from fedfields.aggregate.fednova import FedNovaSums, fednova_update
 from fedfields.aggregate.fedprox import proximal_term
 from fedfields.aggregate.scaffold import (
     scaffold_client_control_update,
@@ -36,12 +40,18 @@ __all__ = [
     "FEDAVG_COST",
     "SCAFFOLD_COST",
     "CostModel",
+    "FedExPSums",
+    "FedNovaSums",
     "RoundCost",
     "RunningSum",
     "alpha_gradient",
     "alpha_update",
     "alpha_weighted_payload",
     "centralised_cost",
+    "fedacg_lookahead",
+    "fedacg_update",
+    "fedexp_update",
+    "fednova_update",
     "decentnerf_aggregate",
     "proximal_term",
     "scaffold_client_control_update",

@@ -19,7 +19,9 @@ FEDACG_LAMBDA = 0.2
 FEDACG_BETA = 0.1
 
 
-def fedacg_lookahead(global_state: State, momentum: State, momentum_weight: float) -> dict:
+def fedacg_lookahead(
+    global_state: State, momentum: State, momentum_weight: float
+) -> dict[str, Tensor]:
     """x~ = x + lambda m, in x's dtypes (what the clients start from and stay near)."""
     check_states([global_state, momentum], ["global_state", "momentum"])
     weight = check_scalar(momentum_weight, "lambda", positive=False)
