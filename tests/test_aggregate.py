@@ -524,3 +524,16 @@ def test_fedacg_two_rounds_by_hand() -> None:
     x, m = fedacg_update(x, m, {"w": torch.tensor([3.0], dtype=F64)}, 0.2)
     # Delta = 3 - 2.2 = 0.8; m = 0.2 + 0.8 = 1.0; x = 2 + 1 = 3 (the clients' mean)
     assert (float(x["w"]), float(m["w"])) == pytest.approx((3.0, 1.0))
+
+
+def test_running_sum_does_not_depend_on_the_order_states_arrive_in() -> None:
+    gen = torch.Generator().manual_seed(8)
+    states = [{"w": torch.randn(2000, generator=gen)} for _ in range(8)]
+    weights = [3.0, 5.0, 6.0, 7.0, 9.0, 10.0, 11.0, 13.0]  # example counts
+    results = []
+    for order in (range(8), [7, 2, 5, 0, 3, 6, 1, 4]):
+        total = RunningSum()
+        for index in order:
+            total.add(states[index], weights[index])
+        results.append(total.mean()["w"])
+    assert torch.equal(results[0], results[1])  # bit for bit: seeded runs repeat

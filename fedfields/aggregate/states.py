@@ -107,8 +107,8 @@ class RunningSum:
             if not checked and value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise ValueError(f"{label}, key {key!r}: non-finite values")
         for key, value in state.items():
-            if self.count == 0:
-                torch.mul(value.detach(), weight, out=self.total[key])
+            if self.count == 0:  # copy exactly into float64, then scale in float64
+                self.total[key].copy_(value.detach()).mul_(weight)
             else:
                 self.total[key].add_(value.detach(), alpha=weight)
         self.total_weight += weight
