@@ -399,7 +399,8 @@ def plot_curves(path: Path, results: list[dict[str, Any]]) -> None:
     right.set(xlabel="round", ylabel="PSNR inside personal masks (dB)",
               title="DecentNeRF users' own fields (Fig. 7b)")  # fmt: skip
     left.legend(fontsize=7)
-    right.legend(fontsize=7)
+    if right.get_legend_handles_labels()[0]:  # DecentNeRF curves only
+        right.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
