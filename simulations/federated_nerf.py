@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.logger import log
@@ -28,6 +30,13 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.flower import ProtocolStrategy
 from fedfields.flower.protocol import NUM_REPLIES, state_to_arrays
+from fedfields.flower.resume import (
+    RESUME_FILE,
+    ResumeError,
+    RoundCheckpoint,
+    load_round_checkpoint,
+    save_round_checkpoint,
+)
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import federated_state
@@ -176,6 +185,61 @@ def make_run_dir(config: FederatedConfig) -> Path:
     return path
 
 
+def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]:
+    """A new, empty run directory (config.json written), or with run-config `resume` the run
+    in `run-dir` and its last round checkpoint.
+
+    Resuming checks that the saved config.json matches this run-config except `resume` and a
+    larger `num-server-rounds` (secure-aggregation settings included), then keeps the lines of
+    metrics.jsonl up to the checkpoint's round: a round the crash interrupted runs again.
+    """
+    if not config.common.resume:
+        run_dir = make_run_dir(config)
+        (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+        return run_dir, None
+    run_dir = Path(config.common.run_dir)
+    saved_path = run_dir / "config.json"
+    if not saved_path.is_file():
+        raise ResumeError(f"cannot resume: {saved_path} does not exist (not a fedfields run)")
+    saved, current = json.loads(saved_path.read_text()), config.to_run_config()
+    free = {"resume", "num-server-rounds"}
+    differing = sorted(k for k in current.keys() - free if saved.get(k, current[k]) != current[k])
+    if differing:
+        changes = ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in differing)
+        raise ResumeError(f"cannot resume {run_dir}: run-config differs from the run's ({changes})")
+    checkpoint = load_round_checkpoint(run_dir / RESUME_FILE)
+    if checkpoint.server_round > config.common.num_server_rounds:
+        raise ResumeError(
+            f"cannot resume {run_dir}: it completed {checkpoint.server_round} rounds, more than "
+            f"num-server-rounds = {config.common.num_server_rounds}"
+        )
+    return run_dir, checkpoint
+
+
+def resumed_history(run_dir: Path, last_round: int) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines of rounds 1..`last_round`, the file rewritten to hold only them."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    history = [json.loads(line) for line in lines if line.strip()]
+    history = [line for line in history if line["round"] <= last_round]
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(line) + "\n" for line in history))
+    partial.replace(path)
+    return history
+
+
+def round_checkpointer(
+    run_dir: Path, strategy: ProtocolStrategy
+) -> Callable[[int, ArrayRecord], None]:
+    """`ProtocolStrategy.start`'s round_end_fn: the round's `RoundCheckpoint`, atomically."""
+
+    def save(server_round: int, arrays: ArrayRecord) -> None:
+        checkpoint = RoundCheckpoint.capture(server_round, arrays, strategy)
+        save_round_checkpoint(run_dir / RESUME_FILE, checkpoint)
+
+    return save
+
+
 def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | None = None) -> Path:
     """Run the whole job on `grid`; returns the run directory holding the report.
 
@@ -188,22 +252,28 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
     crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
     random.seed(config.common.seed)  # the strategies sample each round's nodes with `random`
     strategy = make_strategy(config)  # an unknown strategy fails before anything is written
-    run_dir = make_run_dir(config)
-    (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+    run_dir, checkpoint = open_run_dir(config)
     torch.manual_seed(config.common.seed)
-    initial = federated_state(global_field(config))
+    initial = state_to_arrays(federated_state(global_field(config)))
     observers: list[Observer] = [] if crowd is None else [CrowdObserver(config, crowd, run_dir)]
     for observer in observers:
         grid = observer.wrap_grid(grid)
-    num_parameters = sum(t.numel() for t in initial.values())
+    num_parameters = sum(int(np.prod(array.shape)) for array in initial.values())
     report = RoundReport(config, run_dir, strategy, observers, num_parameters)
+    if checkpoint is not None:
+        report.history = resumed_history(run_dir, checkpoint.server_round)
+        checkpoint.restore(strategy)
+        initial = checkpoint.arrays()
+        log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)
     result = strategy.start(
         grid,
-        state_to_arrays(initial),
+        initial,
         num_rounds=config.common.num_server_rounds,
         timeout=config.deployment.round_timeout,
         train_config=ConfigRecord({"local-steps": config.scene.local_steps}),
         evaluate_fn=report,
+        first_round=1 if checkpoint is None else checkpoint.server_round + 1,
+        round_end_fn=round_checkpointer(run_dir, strategy),
     )
     summary = report.finish(result.arrays)
     log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))

@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="default runs/<time>-<strategy>")
     parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last completed round, with its settings",
+    )
+    parser.add_argument(
         "--ray-address",
         default=os.environ.get("RAY_ADDRESS"),
         help="run on this existing Ray cluster (e.g. 127.0.0.1:6379; default $RAY_ADDRESS) "
@@ -169,6 +176,15 @@ def job_config(run_config: str) -> FederatedConfig:
     return config
 
 
+def resumed_run_config(run_dir: Path, extra: str) -> str:
+    """The run-config of the run in `run_dir` (its config.json) with resume=true, then `extra`."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--resume {run_dir}: no config.json there (not a fedfields run)")
+    saved = {**json.loads(path.read_text()), "resume": True}
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in saved.items()) + f" {extra}"
+
+
 def user_overrides(run_config: str) -> str:
     """The user's run-config without the keys the launcher resolves (`LAUNCHER_KEYS`)."""
     overrides = parse_config_args([run_config]) if run_config.strip() else {}
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **ENVIRONMENT, "PATH": f"{scripts}:{os.environ.get('PATH', '')}"}
     Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
     try:
+        if args.resume is not None:
+            args.run_config = resumed_run_config(args.resume.resolve(), args.run_config)
         config = job_config(args.run_config)
         settings = meta_settings(config) if config.common.task != "scene" else None
     except ValueError as error:
@@ -246,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             data_dir = given or object_collection(args, settings, env)
         num_nodes = settings.num_clients
         name = f"{config.common.task}-{name}-{config.meta.meta_learner}"
+    try:  # e.g. min-train-nodes above the nodes started, before anything runs
+        config.check_node_count(num_nodes, "num-supernodes")
+    except ValueError as error:
+        print(f"fedfields: {error}", file=sys.stderr)
+        return 2
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     run_dir = (
         args.run_dir or Path(config.common.run_dir or APP_DIR / "runs" / f"{stamp}-{name}")

@@ -52,7 +52,12 @@ from fedfields.train.builders import client_meta_tasks, heldout_meta_tasks, meta
 from fedfields.train.federated import federated_state
 from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr, test_time_optimise
 from fedfields.train.meta_tasks import MetaTask
-from simulations.federated_nerf import make_run_dir, secure_aggregation_report
+from simulations.federated_nerf import (
+    open_run_dir,
+    resumed_history,
+    round_checkpointer,
+    secure_aggregation_report,
+)
 from simulations.observers import Observer, ReplyTap, simulation_observed
 from strategies import strategy_class
 
@@ -498,6 +503,7 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
         return cls(
             clients_per_round=config.meta.clients_per_round,
             num_clients=settings.num_clients,
+            **cls.own_config(config.to_run_config()),  # reply bounds, aggregation-rule
             **common,
         )
     sampling = m_of_n_sampling(config.meta.clients_per_round, settings.num_clients)
@@ -516,8 +522,7 @@ def run_meta_job(
     settings = meta_settings(config)
     random.seed(config.common.seed)  # Flower samples each round's nodes with `random`
     strategy = make_meta_strategy(config, settings)  # an unknown one fails before any write
-    run_dir = make_run_dir(config)
-    (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+    run_dir, checkpoint = open_run_dir(config)
     if observers is None:
         observers = meta_observers(run_config, run_dir)
     for observer in observers:
@@ -525,13 +530,23 @@ def run_meta_job(
     torch.manual_seed(config.common.seed)
     initial = federated_state(meta_model(config, settings))
     report = MetaReport(config, settings, run_dir, strategy, observers)
+    arrays = state_to_arrays(initial)
+    if checkpoint is not None:
+        if report.heldout:  # round 0's TTO curve, for tto.png (before the RNGs are restored)
+            report.initial = report.tto_curve(initial)
+        report.history = resumed_history(run_dir, checkpoint.server_round)
+        checkpoint.restore(strategy)
+        arrays = checkpoint.arrays()
+        log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)
     result = strategy.start(
         grid,
-        state_to_arrays(initial),
+        arrays,
         num_rounds=config.common.num_server_rounds,
         timeout=config.deployment.round_timeout,
         train_config=ConfigRecord({LOCAL_STEPS: settings.outer_steps}),
         evaluate_fn=report,
+        first_round=1 if checkpoint is None else checkpoint.server_round + 1,
+        round_end_fn=round_checkpointer(run_dir, strategy),
     )
     summary = report.finish(result.arrays)
     log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
 from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
+from fedfields.config import FederatedConfig
 from fedfields.flower.protocol import GRADIENT_QUERY
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from simulations.server_app import run_job
@@ -33,9 +36,10 @@ def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
     )
 
 
-def client_app(run_config: dict[str, Any]) -> ClientApp:
-    """The ClientApp's handlers and mods (scene or meta tasks, by `task`), seeing `run_config`."""
-    app = ClientApp(mods=[secure_aggregation_mod])
+def client_app(run_config: dict[str, Any], mods: Sequence[Mod] = ()) -> ClientApp:
+    """The ClientApp's handlers and mods (scene or meta tasks, by `task`), seeing `run_config`;
+    `mods` go first (outermost), e.g. a benchmark's fault injection."""
+    app = ClientApp(mods=[*mods, secure_aggregation_mod])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -60,11 +64,18 @@ def server_app(run_config: dict[str, Any], outcome: dict[str, Path]) -> ServerAp
 
 
 def run_with_ray(
-    run_config: dict[str, Any], num_supernodes: int, cpus_per_client: float = 1.0
+    run_config: dict[str, Any],
+    num_supernodes: int,
+    cpus_per_client: float = 1.0,
+    mods: Sequence[Mod] = (),
 ) -> Path:
-    """Run the job through Flower's simulation engine (Ray); returns the run directory."""
+    """Run the job through Flower's simulation engine (Ray); returns the run directory.
+
+    A run-config that cannot sample its rounds from `num_supernodes` nodes (e.g.
+    min-train-nodes above it) raises ValueError before anything starts."""
     from flwr.simulation import run_simulation
 
+    FederatedConfig.from_run_config(run_config).check_node_count(num_supernodes, "num-supernodes")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs to hide here
     outcome: dict[str, Path] = {}
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0}}
@@ -72,7 +83,7 @@ def run_with_ray(
         warnings.simplefilter("ignore", DeprecationWarning)  # run_simulation is deprecated in 1.41
         run_simulation(
             server_app=server_app(run_config, outcome),
-            client_app=client_app(run_config),
+            client_app=client_app(run_config, mods),
             num_supernodes=num_supernodes,
             backend_config=backend,
         )

@@ -6,9 +6,15 @@ inside the personal-content masks (how much of the users' persons the field repr
 is less leakage), and, where replies carry a user's global field in plaintext (FedAvg-family
 uploads, or DecentNeRF's alpha_k g_k without secure aggregation), that upload on its user's
 view: what the server can read of each user (DecentNeRF paper, Fig. 7a); at the end it
-scores every view, writes renders/, the learned alphas the virtual nodes keep in their state
-directories (alphas.jsonl, alphas.png) and leakage.png.
+scores every view, writes leakage.png, renders/ (each user's photo beside the server's
+render) and the learned alphas the virtual nodes keep in their state directories
+(alphas.jsonl, alphas.png).
 A deployed server has none of this data and runs without it.
+
+Per-user output (renders/ with the users' photos, alphas_k) is the experimenter's, read from
+the nodes' state and data, never the server's: with secure aggregation on, where the server
+must hold nothing per client, it goes to `<run-dir>.audit/` beside the run directory
+(`audit_dir`), and the run directory keeps only what the server could compute from sums.
 """
 
 from __future__ import annotations
@@ -129,12 +135,22 @@ class FieldRenderer:
         return float(np.mean(values)), ssim(torch.stack(renders), targets)
 
 
+def audit_dir(run_dir: Path) -> Path:
+    """Where a secure run's per-user audit output goes: `<run-dir>.audit/`, outside it."""
+    return run_dir.with_name(run_dir.name + ".audit")
+
+
 class CrowdObserver:
-    """Simulation-only audit of the scene job against the crowd's ground truth."""
+    """Simulation-only audit of the scene job against the crowd's ground truth.
+
+    `per_user_dir` receives what is per user (renders/, alphas): the run directory, or
+    `audit_dir(run_dir)` with secure aggregation on (module docstring).
+    """
 
     def __init__(self, config: FederatedConfig, data: CrowdData, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
+        self.per_user_dir = audit_dir(run_dir) if config.secure.secure_aggregation else run_dir
         self.data = data
         self.renderer = FieldRenderer(config)
         self.uploads: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -179,25 +195,27 @@ class CrowdObserver:
         return metrics
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """Every view scored, renders, alphas and leakage plots; the final scores."""
+        """Every view scored, renders, alphas (in `per_user_dir`) and leakage plots; the
+        final scores."""
         self.renderer.load(arrays)
         final = score_crowd(self.renderer, self.data.users, views=None)
         if self.data.heldout is not None:
             heldout = self.data.heldout
             heldout_psnr, heldout_ssim = self.renderer.score_scene(heldout, range(len(heldout)))
             final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
+        self.per_user_dir.mkdir(parents=True, exist_ok=True)
         self._write_renders()
         alphas = node_alphas(self.config.deployment.state_dir)
         if alphas:
             lines = "".join(json.dumps(line) + "\n" for line in alphas)
-            (self.run_dir / "alphas.jsonl").write_text(lines)
-            plot_alphas(self.run_dir / "alphas.png", alphas)
+            (self.per_user_dir / "alphas.jsonl").write_text(lines)
+            plot_alphas(self.per_user_dir / "alphas.png", alphas)
         plot_leakage(self.run_dir / "leakage.png", history)
         return {"final": final}
 
     def _write_renders(self) -> None:
         """Per user: clean ground truth | server render | the user's photo, masks outlined."""
-        out = self.run_dir / "renders"
+        out = self.per_user_dir / "renders"
         out.mkdir(exist_ok=True)
         for index, user in enumerate(self.data.users):
             render = self.renderer(user.scene, 0)

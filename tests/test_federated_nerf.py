@@ -134,7 +134,8 @@ def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path:
 
 def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_path: Path) -> None:
     plain_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / "plain", "decentnerf"))
-    config = tiny(crowd_dir, tmp_path / "secure", "decentnerf", **{"secure-aggregation": True})
+    secure = {"secure-aggregation": True, "min-train-nodes": 3}  # SecAgg+ needs 3 per round
+    config = tiny(crowd_dir, tmp_path / "secure", "decentnerf", **secure)
     run_dir, grid = _run_in_process(config)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["secure-aggregation"]["enabled"] is True

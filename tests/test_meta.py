@@ -142,6 +142,24 @@ def test_fedmenf_gradient_is_maml_minus_gamma_times_memorising_gradient() -> Non
     assert result.gammas == [gamma] and maml.gammas == []
 
 
+def test_memorising_bound_stops_the_push_only_beyond_it() -> None:
+    """With L(w) above the bound the -gamma L(w) term has no gradient (FedMeNF's step is
+    MAML's); below it, the step is the unbounded FedMeNF step."""
+    task, gamma = _image_task(), 0.3
+    loss_w = _query_loss(_siren(), task, _weights(_siren())).item()
+    maml = local_meta_update(_siren(), [task], _config("maml"))
+    unbounded = local_meta_update(_siren(), [task], _config("fedmenf", gamma=gamma))
+    above = local_meta_update(
+        _siren(), [task], _config("fedmenf", gamma=gamma, memorising_bound=0.5 * loss_w)
+    )
+    below = local_meta_update(
+        _siren(), [task], _config("fedmenf", gamma=gamma, memorising_bound=2.0 * loss_w)
+    )
+    _assert_dicts_close(above.mean_outer_gradient, maml.mean_outer_gradient, rtol=0, atol=0)
+    _assert_dicts_close(below.mean_outer_gradient, unbounded.mean_outer_gradient, rtol=0, atol=0)
+    assert above.outer_losses[0] == pytest.approx(maml.outer_losses[0] - gamma * 0.5 * loss_w)
+
+
 def test_adaptive_gamma_follows_eq_14_and_is_clipped() -> None:
     # 1 - N zeta / (R E M lambda_o |g_K|^2) = 1 - 50 * 0.01 / (10 * 4 * 5 * 0.05 * 2) = 0.975
     assert adaptive_gamma(0.01, 50, 10, 4, 5, 0.05, 2.0) == pytest.approx(0.975)
@@ -334,6 +352,8 @@ def test_ray_task_is_differentiable_and_maml_runs_second_order_on_a_tiny_nerf() 
         ({"gamma": 1.5}, "gamma"),
         ({"learner": "maml", "gamma": 0.5}, "gamma"),
         ({"privacy_budget": -1.0}, "privacy_budget"),
+        ({"memorising_bound": 0.0}, "memorising_bound"),
+        ({"learner": "maml", "memorising_bound": 0.1}, "memorising_bound"),
         ({"num_clients": 2, "clients_per_round": 3}, "clients_per_round"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"support_batch": 0}, "support_batch"),

@@ -211,9 +211,9 @@ def test_privacy_audit_never_influences_training(
 
 @pytest.mark.parametrize("strategy", ["fedmenf", "scaffold"])
 def test_secure_aggregation_gives_the_plaintext_aggregate(strategy: str, tmp_path: Path) -> None:
-    one_round = {"num-server-rounds": 1, "strategy": strategy}
+    one_round = {"num-server-rounds": 1, "strategy": strategy, "clients-per-round": 3}
     plain, _ = run_in_process(tiny(tmp_path / "plain", **one_round))
-    secure, grid = run_in_process(
+    secure, grid = run_in_process(  # SecAgg+ needs 3 clients per round
         tiny(tmp_path / "secure", **one_round, **{"secure-aggregation": True})
     )
     first, second = (
@@ -222,12 +222,14 @@ def test_secure_aggregation_gives_the_plaintext_aggregate(strategy: str, tmp_pat
     )
     difference = torch.cat([(first[k] - second[k]).flatten() for k in first]).norm()
     assert float(difference / torch.cat([v.flatten() for v in first.values()]).norm()) < 1e-5
-    assert not all(torch.equal(first[k], second[k]) for k in first)  # quantised by SecAgg+
+    if strategy == "fedmenf":  # quantised by SecAgg+; Scaffold sums the small y_i - x, whose
+        # quantisation error can fall below float32's resolution of x (3 clients: it does)
+        assert not all(torch.equal(first[k], second[k]) for k in first)
     assert "psnr_p" not in metric_lines(secure)[0]  # no upload to audit: the server sees sums
     summary = json.loads((secure / "summary.json").read_text())
     assert summary["secure-aggregation"]["enabled"] is True
     held = [reply for reply in grid.received if "held" in reply.content]
-    assert len(held) == 2 and all("client" not in reply.content for reply in held)
+    assert len(held) == 3 and all("client" not in reply.content for reply in held)
 
 
 @pytest.mark.parametrize("strategy", ["fedprox", "scaffold", "fednova", "fedexp", "fedacg"])

@@ -121,7 +121,13 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
         )
         assert [entry[0] for entry in history["history"]] == [1, 2]
     in_run_dir = {p.name for p in run_dir.iterdir()}
-    assert in_run_dir == {"config.json", "metrics.jsonl", "checkpoint.pt", "summary.json"}
+    assert in_run_dir == {
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "resume.pt",
+        "summary.json",
+    }
 
 
 def test_nodes_with_different_cameras_federate(crowds: tuple[Path, Path], tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Pure aggregation maths over state dicts: FedAvg, FedProx, Scaffold, FedNova, FedExP, FedACG,
-DecentNeRF, running sums and costs."""
+DecentNeRF, robust rules (coordinate-wise median, trimmed mean), running sums and costs."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ from fedfields.aggregate.fedavg import weighted_mean
 from fedfields.aggregate.fedexp import FedExPSums, fedexp_update
 from fedfields.aggregate.fednova import FedNovaSums, fednova_update
 from fedfields.aggregate.fedprox import proximal_term
+from fedfields.aggregate.robust import (
+    AGGREGATION_RULES,
+    coordinate_median,
+    coordinate_trimmed_mean,
+    robust_aggregate,
+)
 from fedfields.aggregate.scaffold import (
     scaffold_client_control_update,
     scaffold_corrected_gradient,
@@ -34,6 +40,7 @@ from fedfields.aggregate.scaffold import (
 from fedfields.aggregate.states import RunningSum, state_sum
 
 __all__ = [
+    "AGGREGATION_RULES",
     "ALPHA_KEY",
     "DECENTNERF_COST",
     "DECENTNERF_PAPER_COST",
@@ -48,12 +55,15 @@ __all__ = [
     "alpha_update",
     "alpha_weighted_payload",
     "centralised_cost",
+    "coordinate_median",
+    "coordinate_trimmed_mean",
     "fedacg_lookahead",
     "fedacg_update",
     "fedexp_update",
     "fednova_update",
     "decentnerf_aggregate",
     "proximal_term",
+    "robust_aggregate",
     "scaffold_client_control_update",
     "scaffold_corrected_gradient",
     "scaffold_server_update",

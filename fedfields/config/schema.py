@@ -3,8 +3,11 @@
 Flower passes every key of pyproject's `[tool.flwr.app.config]` (defaults merged with
 `--run-config` overrides) to both apps, so `FederatedConfig.from_run_config` sees all sections
 at once. It refuses unknown keys (with the closest known one), values of the wrong type or
-range (naming the key and value), and a key of a section this run does not use changed from
-its default (naming the task or mode that uses it). Field names are the keys in snake_case;
+range (naming the key and value), a key of a section this run does not use changed from
+its default (naming the task or mode that uses it), and values that contradict each other
+(secure aggregation with fewer than 3 clients per round, more clients per round than nodes,
+a robust aggregation rule the strategy or secure aggregation cannot take), all before
+anything runs. Field names are the keys in snake_case;
 each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`).
 """
 
@@ -24,6 +27,11 @@ MODES = ("federated", "split")
 HASH_BACKENDS = ("torch", "tcnn")
 LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
 OUTER_OPTIMIZERS = ("sgd", "adamw")
+AGGREGATION_RULES = ("mean", "trimmed-mean", "median")
+ROBUST_STRATEGIES = ("fedavg", "fedprox", "fedmenf", "fedacg")
+"""Strategies whose server step starts from FedAvg's mean, which `aggregation-rule` replaces."""
+SECURE_MIN_CLIENTS = 3
+"""SecAgg+ among two clients shows each the other's values (the sum minus its own)."""
 
 
 def key(default: Any, doc: str) -> Any:
@@ -76,6 +84,7 @@ class CommonSection:
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(0, "seeds the initial model, the nodes' sampling and local randomness")
     run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
+    resume: bool = key(False, "continue run-dir's run from its last completed round")
     downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
     proximal_mu: float = key(0.01, "FedProx mu (scene and meta tasks)")
     scaffold_global_lr: float = key(1.0, "Scaffold's server step size")
@@ -92,6 +101,10 @@ class CommonSection:
         _choice(self, "task", TASKS)
         _choice(self, "mode", MODES)
         _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
+        if self.resume and not self.run_dir:
+            raise ValueError("run-config 'resume' = true needs 'run-dir': the run to continue")
+        if self.resume and self.mode == "split":
+            raise ValueError("run-config 'resume' = true: split runs (mode 'split') do not resume")
         _check(self, ["field_width", "field_depth"], lambda v: v >= 0, ">= 0")
         _check(self, ["downscale"], lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
         _check(
@@ -121,6 +134,9 @@ class SceneSection:
     personal_density_weight: float = key(0.01, "NeRF-W lambda_u on personal density")
     beta_min: float = key(0.03, "NeRF-W floor of the personal uncertainty beta")
     alpha_lr: float = key(1.0, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
+    alpha_max: float = key(
+        100.0, "DecentNeRF: a reply with alpha_k outside (0, alpha-max] is dropped"
+    )
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
     hash_max_resolution: int = key(400, "finest hash-grid resolution")
@@ -132,12 +148,14 @@ class SceneSection:
     def __post_init__(self) -> None:
         _choice(self, "hash_backend", HASH_BACKENDS)
         _check(self, ["local_steps", "target_samples", "hash_levels"], lambda v: v >= 1, ">= 1")
-        _check(self, ["eval_views_per_round", "client_eval_views"], lambda v: v >= 0, ">= 0")
+        _check(self, ["eval_views_per_round"], lambda v: v >= 1, ">= 1")
+        _check(self, ["client_eval_views"], lambda v: v >= 0, ">= 0")
         _check(self, ["fraction_train"], lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check(self, ["hash_log2_size"], lambda v: 10 <= v <= 22, "in [10, 22]")
         _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")
         _check(self, ["scene_bound", "beta_min"], lambda v: math.isfinite(v) and v > 0,
                "finite and > 0")  # fmt: skip
+        _check(self, ["alpha_max"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
         rates = ["learning_rate", "personal_learning_rate", "personal_density_weight", "alpha_lr"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 
@@ -153,6 +171,9 @@ class MetaSection:
     meta_learner: str = key("fedmenf", "maml | fomaml | reptile | fedmenf")
     gamma: float = key(0.75, "FedMeNF's fixed gamma (Eq. 10)")
     privacy_budget: float = key(0.0, "zeta > 0: adaptive gamma (Eq. 13-14) instead of gamma")
+    memorising_bound: float = key(
+        0.0, "> 0: FedMeNF's L(w) in Eq. 10 clamped at this MSE (0: unbounded, the paper's)"
+    )
     clients_per_round: int = key(5, "M, clients sampled per round")
     num_clients: int = key(0, "N (faces 20, video 6, objects 20)")
     outer_steps: int = key(0, "E (faces 32, video 64, objects 8)")
@@ -171,7 +192,7 @@ class MetaSection:
         counts = ["num_clients", "outer_steps", "inner_steps", "tto_steps"]
         _check(self, counts, lambda v: v >= 0, ">= 0 (0: the task's preset)")
         _check(self, ["gamma"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        rates = ["privacy_budget", "inner_lr", "outer_lr", "tto_lr"]
+        rates = ["privacy_budget", "memorising_bound", "inner_lr", "outer_lr", "tto_lr"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 
 
@@ -212,6 +233,9 @@ class SecureSection:
     secagg_clipping_range: float = key(
         0.0, "0: per-tensor bounds summed securely; > 0: fixed bound"
     )
+    secagg_max_exponent: int = key(
+        32, "cap e of the automatic bounds 2^e; a client declaring more is overruled"
+    )
 
     def __post_init__(self) -> None:
         self.secure_aggregation_config()  # validates the secagg-* keys
@@ -224,10 +248,35 @@ class SecureSection:
                 reconstruction_threshold=self.secagg_reconstruction_threshold,
                 timeout=self.secagg_timeout,
                 clipping_range=self.secagg_clipping_range,
+                max_exponent=self.secagg_max_exponent,
             )
         except ValueError as error:
             raise ValueError(f"run-config: {error}") from None
         return config if self.secure_aggregation else None
+
+
+@dataclass(frozen=True)
+class RobustSection:
+    """What a plaintext reply may carry before the server drops it (counted in the round's
+    "num-dropped"), and the aggregation rule. "median" and "trimmed-mean" are coordinate-wise,
+    ignore the clients' num-examples and hold all of a round's replies in memory (the mean
+    folds them in one at a time); fedavg, fedprox, fedmenf and fedacg take them, and not
+    with secure aggregation (the server sees only the sum)."""
+
+    title: ClassVar[str] = "bad replies and robust aggregation"
+    used_by: ClassVar[str] = "every task in mode='federated'"
+
+    max_update_norm: float = key(
+        1000.0, "drop a reply with ||g_k - g|| > this x max(||g||, 1) (0: no bound)"
+    )
+    max_num_examples: float = key(1e9, "drop a reply whose num-examples exceeds this (0: no cap)")
+    aggregation_rule: str = key("mean", "mean (weighted) | trimmed-mean | median (unweighted)")
+    trim_fraction: float = key(0.2, "trimmed-mean: share of the replies cut at each end, [0, 0.5)")
+
+    def __post_init__(self) -> None:
+        _choice(self, "aggregation_rule", AGGREGATION_RULES)
+        _check(self, ["max_update_norm", "max_num_examples"], _finite(0.0), "finite and >= 0")
+        _check(self, ["trim_fraction"], lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 
 
 @dataclass(frozen=True)
@@ -262,6 +311,7 @@ SECTIONS: dict[str, type] = {
     "meta": MetaSection,
     "split": SplitSection,
     "secure": SecureSection,
+    "robust": RobustSection,
     "deployment": DeploymentSection,
 }
 """FederatedConfig's attribute name -> its section's dataclass, in reference order."""
@@ -276,9 +326,21 @@ class FederatedConfig:
     meta: MetaSection = field(default_factory=MetaSection)
     split: SplitSection = field(default_factory=SplitSection)
     secure: SecureSection = field(default_factory=SecureSection)
+    robust: RobustSection = field(default_factory=RobustSection)
     deployment: DeploymentSection = field(default_factory=DeploymentSection)
 
     def __post_init__(self) -> None:
+        self._check_strategy_and_sections()
+        self._check_aggregation_rule()
+        self._check_clients_per_round()
+        if self.deployment.min_available_nodes > 0:
+            self.check_node_count(
+                self.deployment.min_available_nodes,
+                f"'min-available-nodes' = {self.deployment.min_available_nodes}",
+            )
+
+    def _check_strategy_and_sections(self) -> None:
+        """The strategy fits the task; no key of an unused section changed."""
         task, strategy = self.common.task, self.common.strategy
         if task != "scene" and strategy == "decentnerf":
             raise ValueError(
@@ -294,6 +356,65 @@ class FederatedConfig:
                     f"run-config '{changed}' belongs to the {section.title} section, used by "
                     f"{used}; this run is task={task!r} mode={self.common.mode!r}"
                 )
+
+    def _check_aggregation_rule(self) -> None:
+        """A robust rule needs a strategy built on the mean and each client's state."""
+        rule = self.robust.aggregation_rule
+        if rule == "mean" or self.common.mode != "federated":
+            return
+        if self.strategy_name not in ROBUST_STRATEGIES:
+            raise ValueError(
+                f"run-config 'aggregation-rule' {rule!r} is for strategies "
+                f"{', '.join(ROBUST_STRATEGIES)}; strategy {self.strategy_name!r} has its own "
+                "server step: use 'mean'"
+            )
+        if self.secure.secure_aggregation:
+            raise ValueError(
+                f"run-config 'aggregation-rule' {rule!r} needs each client's state, which "
+                "'secure-aggregation' = true hides: use 'mean' with secure aggregation"
+            )
+
+    def _check_clients_per_round(self) -> None:
+        """Secure aggregation needs 3 clients per round; M <= N for the meta tasks."""
+        if self.common.mode != "federated":
+            return
+        key, least = self.clients_per_round_floor()
+        if self.secure.secure_aggregation and least < SECURE_MIN_CLIENTS:
+            raise ValueError(
+                f"run-config 'secure-aggregation' = true needs at least {SECURE_MIN_CLIENTS} "
+                f"clients per round (SecAgg+ among 2 shows each the other's values), but "
+                f"{key!r} = {least} lets a round have {least}: set {key} >= {SECURE_MIN_CLIENTS}"
+            )
+        meta = self.meta
+        if self.common.task != "scene" and 0 < meta.num_clients < meta.clients_per_round:
+            raise ValueError(
+                f"run-config 'clients-per-round' = {meta.clients_per_round} is above "
+                f"'num-clients' = {meta.num_clients}"
+            )
+
+    def clients_per_round_floor(self) -> tuple[str, int]:
+        """The run-config key bounding a round's sampled clients from below, and its value:
+        the meta tasks sample exactly clients-per-round; the scene samples
+        max(int(nodes x fraction-train), min-train-nodes) of the connected nodes, and a round
+        may go on with only min-train-nodes connected."""
+        if self.common.task != "scene":
+            return "clients-per-round", self.meta.clients_per_round
+        return "min-train-nodes", self.deployment.min_train_nodes
+
+    def check_node_count(self, num_nodes: int, source: str = "") -> None:
+        """ValueError if a round cannot sample its clients from `num_nodes` nodes (the
+        launchers know the count: simulation num-supernodes, --clients, --users); `source`
+        names where the count came from. Under secure aggregation the floor is already >= 3
+        (`__post_init__`), so a count that passes leaves every round its 3 clients."""
+        if self.common.mode != "federated":
+            return
+        key, least = self.clients_per_round_floor()
+        where = f" ({source})" if source else ""
+        if least > num_nodes:
+            raise ValueError(
+                f"run-config {key!r} = {least} is above the {num_nodes} nodes of this "
+                f"federation{where}: no round could sample it"
+            )
 
     def unused_sections(self) -> dict[str, str]:
         """Sections this run's task and mode do not read, with who reads them."""

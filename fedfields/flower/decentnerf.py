@@ -33,12 +33,21 @@ from fedfields.flower.protocol import (
     METRICS,
     SERVER_ROUND,
     STRATEGY,
+    BadReply,
     Shapes,
     arrays_to_state,
-    reply_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
+from fedfields.flower.strategy import (
+    CheckedReply,
+    ProtocolStrategy,
+    StrategyOptions,
+    reply_metrics,
+)
+
+DEFAULT_ALPHA_MAX = 100.0
+"""Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
+a hundred times an untouched one before its reply is dropped."""
 
 
 class DecentNeRF(ProtocolStrategy):
@@ -55,7 +64,11 @@ class DecentNeRF(ProtocolStrategy):
     summed alpha (`decentnerf_aggregate`): it never reads one client's alpha and ignores
     "num-examples". A failed or missing reply is left out of a sum; dividing by the
     remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
-    arrives, no GRADIENT is sent and clients keep their alpha.
+    arrives, no GRADIENT is sent and clients keep their alpha. Without secure aggregation a
+    bad reply is dropped before it reaches a sum (`ProtocolStrategy.checked_replies`): besides
+    the shared checks, a payload's alpha_k must lie in (0, alpha_max] and its g_k =
+    payload / alpha_k obeys `max_update_norm`; gradient replies are checked for keys, shapes
+    and finite values only.
 
     Args:
         alpha_lr: eta in alpha_k <- alpha_k - eta dL/dalpha_k, sent as "alpha-lr". The paper
@@ -63,11 +76,12 @@ class DecentNeRF(ProtocolStrategy):
             eta per setting (docs/BENCHMARKS.md gives the values measured).
         query_timeout: seconds to wait for gradient replies; None takes `node_timeout`
             (None there too waits for all).
+        alpha_max: a plaintext reply whose alpha_k is outside (0, alpha_max] is dropped.
         **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
     """
 
     strategy_name = "decentnerf"
-    config_keys = {"alpha-lr": "alpha_lr"}
+    config_keys = {"alpha-lr": "alpha_lr", "alpha-max": "alpha_max"}
     cost_model = DECENTNERF_COST
 
     def __init__(
@@ -75,9 +89,11 @@ class DecentNeRF(ProtocolStrategy):
         *,
         alpha_lr: float = 1.0,
         query_timeout: float | None = None,
+        alpha_max: float = DEFAULT_ALPHA_MAX,
         **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**options)
+        self.alpha_max = check_scalar(alpha_max, "alpha_max")
         self.last_aggregate: tuple[int, float] | None = None
         """(round, summed alpha) of the latest aggregate this strategy formed."""
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
@@ -88,6 +104,16 @@ class DecentNeRF(ProtocolStrategy):
     def protocol_config(self) -> dict[str, int | float | str]:
         """The shared entries plus "alpha-lr"."""
         return {**super().protocol_config(), ALPHA_LR: self.alpha_lr}
+
+    def resumable_state(self) -> dict[str, Any]:
+        """The shared state plus (round, summed alpha) of the latest aggregate."""
+        return {**super().resumable_state(), "last-aggregate": self.last_aggregate}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take back the shared state and the latest aggregate's bookkeeping."""
+        super().restore_state(state)
+        last = state["last-aggregate"]
+        self.last_aggregate = None if last is None else (int(last[0]), float(last[1]))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -111,9 +137,7 @@ class DecentNeRF(ProtocolStrategy):
         train_round = self.active_round
         queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
-        return self.sum_states(
-            train_round.node_ids, GRADIENT, self.successful_replies(replies), train_round.shapes
-        )
+        return self.sum_states(train_round.node_ids, GRADIENT, replies, train_round.shapes)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -123,11 +147,7 @@ class DecentNeRF(ProtocolStrategy):
         metrics: list[dict[str, Any]] = []
         payload_shapes = {**train_round.shapes, ALPHA_KEY: (1,)}
         payload_sum = self.sum_states(
-            train_round.node_ids,
-            ARRAYS,
-            self.successful_replies(replies),
-            payload_shapes,
-            on_reply=lambda reply: metrics.append(reply_metrics(reply)),
+            train_round.node_ids, ARRAYS, replies, payload_shapes, on_metrics=metrics.append
         )
         if payload_sum is None:
             return None, self.train_metrics(metrics)
@@ -135,31 +155,51 @@ class DecentNeRF(ProtocolStrategy):
         self.last_aggregate = (server_round, float(payload_sum[ALPHA_KEY].double().sum()))
         return state_to_arrays(aggregate), self.train_metrics(metrics)
 
+    def check_update(self, reply: CheckedReply) -> None:
+        """A payload's alpha_k in (0, alpha_max], then the update-norm bound on its g_k =
+        payload / alpha_k; gradient replies (no ARRAYS) pass."""
+        payload = reply.states.get(ARRAYS)
+        if payload is None:
+            return
+        alpha = float(payload[ALPHA_KEY].double().reshape(()))
+        if not 0.0 < alpha <= self.alpha_max:
+            raise BadReply(
+                "alpha",
+                f"reply from node {reply.node_id}, record {ARRAYS!r}: {ALPHA_KEY!r} is outside "
+                f"(0, alpha-max = {self.alpha_max:g}]",
+            )
+        self.check_update_norm(reply.node_id, payload, scale=alpha)
+
     def sum_states(
         self,
         node_ids: Sequence[int],
         record_name: str,
         replies: Iterable[Message],
         expected_shapes: Shapes,
-        on_reply: Callable[[Message], None] | None = None,
+        on_metrics: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Tensor] | None:
-        """Key-wise sum of the replies' `record_name` records, None if none replied.
+        """Key-wise sum of the replies' `record_name` records, None if none was summed.
 
-        Plain sums fold each reply in as it arrives (`RunningSum`: O(model) memory). With
-        `secure_aggregation` set the sum is Flower SecAgg+'s (`secure_sums`), so the server
-        never sees one client's G_k, alpha_k g_k or alpha_k; the strategy uses nothing else
-        of the replies' ArrayRecords. `on_reply` sees each reply first (e.g. to keep its
-        metrics); `node_ids` are the nodes asked, and missing ones are logged.
+        Plain sums fold each checked reply in as it arrives (`checked_replies`, a bad one is
+        dropped first; `RunningSum`: O(model) memory). With `secure_aggregation` set the sum
+        is Flower SecAgg+'s (`secure_sums`), so the server never sees one client's G_k,
+        alpha_k g_k or alpha_k; the strategy uses nothing else of the replies' ArrayRecords.
+        `on_metrics` gets each summed reply's METRICS; `node_ids` are the nodes asked, and
+        those not summed are logged.
         """
         total, held, answered = RunningSum(), [], set()
-        for reply in replies:
-            answered.add(reply.metadata.src_node_id)
-            if on_reply is not None:
-                on_reply(reply)
-            if self.secure_aggregation is not None:
+        if self.secure_aggregation is not None:
+            for reply in self.successful_replies(replies):
+                answered.add(reply.metadata.src_node_id)
+                if on_metrics is not None:
+                    on_metrics(reply_metrics(reply))
                 held.append(reply)  # holds only metrics: the payload stays on the node
-            else:
-                total.add(reply_state(reply, record_name, expected_shapes), checked=True)
+        else:
+            for checked in self.checked_replies(replies, {record_name: expected_shapes}):
+                answered.add(checked.node_id)
+                if on_metrics is not None:
+                    on_metrics(checked.metrics)
+                total.add(checked.states[record_name], checked=True)
         if missing := [node_id for node_id in node_ids if node_id not in answered]:
             log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
         if not answered:

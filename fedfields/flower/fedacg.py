@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Unpack
+from collections.abc import Iterable, Mapping
+from typing import Any, Unpack
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -12,9 +12,8 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedfields.aggregate.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
-from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU, arrays_to_state, state_to_arrays
-from fedfields.flower.strategy import StrategyOptions
 
 
 class FedACG(FedAvg):
@@ -25,7 +24,8 @@ class FedACG(FedAvg):
     Args:
         momentum: lambda (FedMeNF's Table 7: 0.2).
         beta: the clients' proximal weight (Table 7: 0.1; Reptile 1e-4).
-        **options: as for `fedfields.flower.FedAvg`.
+        **options: as for `fedfields.flower.FedAvg` (a robust `aggregation_rule` replaces the
+            mean that the momentum step starts from).
     """
 
     strategy_name = "fedacg"
@@ -36,7 +36,7 @@ class FedACG(FedAvg):
         *,
         momentum: float = FEDACG_LAMBDA,
         beta: float = FEDACG_BETA,
-        **options: Unpack[StrategyOptions],
+        **options: Unpack[FedAvgOptions],
     ) -> None:
         super().__init__(**options)
         for name, value in (("momentum", momentum), ("beta", beta)):
@@ -49,6 +49,15 @@ class FedACG(FedAvg):
     def protocol_config(self) -> dict[str, int | float | str]:
         """FedAvg's entries plus "proximal-mu" = beta."""
         return {**super().protocol_config(), PROXIMAL_MU: self.beta}
+
+    def resumable_state(self) -> dict[str, Any]:
+        """FedAvg's state plus the server momentum m."""
+        return {**super().resumable_state(), "momentum": dict(self.momentum)}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take back FedAvg's state and m."""
+        super().restore_state(state)
+        self.momentum = dict(state["momentum"])
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

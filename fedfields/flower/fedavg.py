@@ -1,22 +1,31 @@
-"""FedAvg (McMahan et al. 2017) on the fedfields protocol: the example-weighted mean of states."""
+"""FedAvg (McMahan et al. 2017) on the fedfields protocol: the example-weighted mean of states,
+or optionally a coordinate-wise robust rule (median, trimmed mean)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from torch import Tensor
 
 from fedfields.aggregate import RunningSum
-from fedfields.flower.protocol import (
-    ARRAYS,
-    CONFIG,
-    NUM_EXAMPLES,
-    reply_metric,
-    reply_state,
-    state_to_arrays,
+from fedfields.aggregate.robust import (
+    AGGREGATION_RULES,
+    DEFAULT_TRIM_FRACTION,
+    check_trim_fraction,
+    robust_aggregate,
 )
-from fedfields.flower.strategy import ProtocolStrategy, reply_metrics
+from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
+
+
+class FedAvgOptions(StrategyOptions, total=False):
+    """`StrategyOptions` plus FedAvg's aggregation rule, for the strategies built on it."""
+
+    aggregation_rule: str
+    trim_fraction: float
 
 
 class FedAvg(ProtocolStrategy):
@@ -24,8 +33,9 @@ class FedAvg(ProtocolStrategy):
 
     Train messages carry ARRAYS and CONFIG ("server-round", "strategy", "local-steps" and the
     user's train config); replies must carry ARRAYS with the global's keys and shapes and
-    METRICS with a positive "num-examples". A bad reply raises one ValueError and nothing
-    is aggregated; failed replies are dropped, as in Flower's FedAvg.
+    METRICS with a positive "num-examples". A bad reply (`ProtocolStrategy.checked_replies`)
+    is dropped and counted and the round aggregates the rest; failed replies are dropped, as
+    in Flower's FedAvg. With no reply left the global model stays as it was.
 
     Args:
         fraction_train: fraction of the connected nodes sampled for training (Flower's FedAvg).
@@ -37,10 +47,41 @@ class FedAvg(ProtocolStrategy):
             takes "local-steps" from the train config given to `start`, else 1.
         secure_aggregation: SecAgg+ settings; set, the server only learns
             sum_k n_k g_k and sum_k n_k (clients put n_k inside the masked vector).
+        node_timeout: seconds a round waits for nodes to connect (None: forever).
+        max_num_examples: a reply whose "num-examples" exceeds it is dropped (0/None: no cap).
+        max_update_norm: a reply with ||g_k - g|| > max_update_norm * max(||g||, 1) is dropped
+            (g: the arrays sent; 0/None: no bound).
+        aggregation_rule: "mean" (the weighted mean, folded in as replies arrive), or the
+            coordinate-wise "median" or "trimmed-mean" (`fedfields.aggregate.robust`), which
+            ignore "num-examples" and hold every reply of the round in memory. Not with
+            secure aggregation (the server never sees one client's state).
+        trim_fraction: share of the replies cut from each end of each coordinate by
+            "trimmed-mean", in [0, 0.5).
     """
 
     strategy_name = "fedavg"
     secure_weight = NUM_EXAMPLES
+    config_keys = {"aggregation-rule": "aggregation_rule", "trim-fraction": "trim_fraction"}
+
+    def __init__(
+        self,
+        *,
+        aggregation_rule: str = "mean",
+        trim_fraction: float = DEFAULT_TRIM_FRACTION,
+        **options: Unpack[StrategyOptions],
+    ) -> None:
+        super().__init__(**options)
+        if aggregation_rule not in AGGREGATION_RULES:
+            raise ValueError(
+                f"aggregation_rule must be one of {AGGREGATION_RULES}, got {aggregation_rule!r}"
+            )
+        if aggregation_rule != "mean" and self.secure_aggregation is not None:
+            raise ValueError(
+                f"aggregation_rule {aggregation_rule!r} needs each client's state, which secure "
+                "aggregation hides; use 'mean' with secure aggregation"
+            )
+        self.aggregation_rule = aggregation_rule
+        self.trim_fraction = check_trim_fraction(trim_fraction)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -53,12 +94,12 @@ class FedAvg(ProtocolStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted mean of the replies' states, folded in as they arrive (`RunningSum`: the
-        same as `fedfields.aggregate.weighted_mean`, in O(model) memory)."""
+        """Weighted mean of the checked replies' states, folded in as they arrive
+        (`RunningSum`: the same as `fedfields.aggregate.weighted_mean`, in O(model) memory),
+        or the robust rule over all of them."""
         train_round = self.round_state(server_round)
-        successful = self.successful_replies(replies)
         if self.secure_aggregation is not None:
-            held = list(successful)  # metrics only: the payloads are held for SecAgg+
+            held = list(self.successful_replies(replies))  # metrics only: payloads are held
             metrics = [reply_metrics(reply) for reply in held]
             if not held:
                 return None, self.train_metrics(metrics)
@@ -67,12 +108,20 @@ class FedAvg(ProtocolStrategy):
                 return None, self.train_metrics([])
             mean = {key: value / result.total_weight for key, value in result.sums[ARRAYS].items()}
             return state_to_arrays(self.like_global(mean)), self.train_metrics(metrics)
-        total, metrics, weights = RunningSum(), [], []
-        for reply in successful:  # each reply is folded in and dropped as it arrives
-            weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
-            total.add(reply_state(reply, ARRAYS, train_round.shapes), weight, checked=True)
-            metrics.append(reply_metrics(reply))
-            weights.append(weight)
-        if total.count == 0:
+        total, kept, metrics, weights = RunningSum(), [], [], []
+        checked = self.checked_replies(replies, {ARRAYS: train_round.shapes}, weighted=True)
+        for reply in checked:  # a reply is checked in full before it touches the sum
+            if self.aggregation_rule == "mean":  # folded in and dropped as it arrives
+                total.add(reply.states[ARRAYS], reply.weight, checked=True)
+            else:  # the robust rules need every state at once
+                kept.append(reply.states[ARRAYS])
+            metrics.append(reply.metrics)
+            weights.append(reply.weight)
+        if not metrics:
             return None, self.train_metrics(metrics)
-        return state_to_arrays(total.mean()), self.train_metrics(metrics, weights)
+        aggregate: dict[str, Tensor] = (
+            total.mean()
+            if self.aggregation_rule == "mean"
+            else robust_aggregate(self.aggregation_rule, kept, self.trim_fraction)
+        )
+        return state_to_arrays(aggregate), self.train_metrics(metrics, weights)

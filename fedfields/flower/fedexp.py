@@ -12,16 +12,9 @@ from torch import Tensor
 from fedfields.aggregate.fedexp import FEDEXP_EPSILON, FedExPSums
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.fednova import refuse_secure_aggregation
-from fedfields.flower.protocol import (
-    ARRAYS,
-    NUM_EXAMPLES,
-    arrays_to_state,
-    reply_metric,
-    reply_state,
-    state_to_arrays,
-)
-from fedfields.flower.strategy import StrategyOptions, reply_metrics
+from fedfields.flower.fednova import refuse_robust_rule, refuse_secure_aggregation
+from fedfields.flower.protocol import ARRAYS, arrays_to_state, state_to_arrays
+from fedfields.flower.strategy import StrategyOptions
 
 SERVER_STEP = "fedexp-server-step"
 """Train metric: the round's eta_g (1 is FedAvg's step)."""
@@ -34,7 +27,7 @@ class FedExP(FedAvg):
     Args:
         epsilon: eps of the step size (FedMeNF's Table 7: 0.001).
         **options: as for `fedfields.flower.FedAvg`; not with secure aggregation (the step
-            needs each client's ||Delta_i||).
+            needs each client's ||Delta_i||) nor with a robust `aggregation_rule`.
     """
 
     strategy_name = "fedexp"
@@ -45,6 +38,7 @@ class FedExP(FedAvg):
     ) -> None:
         refuse_secure_aggregation("fedexp", options)
         super().__init__(**options)
+        refuse_robust_rule(self)
         self.epsilon = check_scalar(epsilon, "epsilon")
         self.global_state: dict[str, Tensor] = {}
 
@@ -58,14 +52,14 @@ class FedExP(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The extrapolated update, folding each reply in as it arrives."""
+        """The extrapolated update, folding each checked reply in as it arrives."""
         train_round = self.round_state(server_round)
         sums, metrics, weights = FedExPSums(self.global_state, self.epsilon), [], []
-        for reply in self.successful_replies(replies):
-            weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
-            sums.add(reply_state(reply, ARRAYS, train_round.shapes), weight, checked=True)
-            metrics.append(reply_metrics(reply))
-            weights.append(weight)
+        checked = self.checked_replies(replies, {ARRAYS: train_round.shapes}, weighted=True)
+        for reply in checked:
+            sums.add(reply.states[ARRAYS], reply.weight, checked=True)
+            metrics.append(reply.metrics)
+            weights.append(reply.weight)
         if sums.count == 0:
             return None, self.train_metrics(metrics)
         aggregated = self.train_metrics(metrics, weights)

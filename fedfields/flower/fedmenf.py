@@ -15,6 +15,7 @@ from typing import Unpack
 from flwr.app import Message, MetricRecord, RecordDict
 from torch import nn
 
+from fedfields.aggregate.robust import DEFAULT_TRIM_FRACTION
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -68,7 +69,10 @@ class FedMeNF(FedAvg):
     Args:
         clients_per_round: M, the clients sampled each round.
         num_clients: N, the nodes sampling waits for.
-        fraction_evaluate, min_evaluate_nodes, local_steps: as for `fedfields.flower.FedAvg`.
+        fraction_evaluate, min_evaluate_nodes, local_steps, aggregation_rule, trim_fraction,
+            max_num_examples, max_update_norm: as for `fedfields.flower.FedAvg` (a robust
+            `aggregation_rule` replaces the size-weighted mean by an unweighted median or
+            trimmed mean of the w_m).
     """
 
     strategy_name = "fedmenf"
@@ -78,12 +82,16 @@ class FedMeNF(FedAvg):
         *,
         clients_per_round: int,
         num_clients: int,
+        aggregation_rule: str = "mean",
+        trim_fraction: float = DEFAULT_TRIM_FRACTION,
         **options: Unpack[StrategyOptions],
     ) -> None:
         sampling = m_of_n_sampling(clients_per_round, num_clients)
         if clashes := sorted(set(sampling) & set(options)):
             raise ValueError(f"FedMeNF sets {clashes} from clients_per_round and num_clients")
-        super().__init__(**sampling, **options)
+        super().__init__(
+            aggregation_rule=aggregation_rule, trim_fraction=trim_fraction, **sampling, **options
+        )
 
 
 def meta_train_reply(

@@ -11,16 +11,8 @@ from torch import Tensor
 
 from fedfields.aggregate.fednova import FedNovaSums
 from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.protocol import (
-    ARRAYS,
-    NUM_EXAMPLES,
-    TRAIN_STEPS,
-    arrays_to_state,
-    reply_metric,
-    reply_state,
-    state_to_arrays,
-)
-from fedfields.flower.strategy import StrategyOptions, reply_metrics
+from fedfields.flower.protocol import ARRAYS, TRAIN_STEPS, arrays_to_state, state_to_arrays
+from fedfields.flower.strategy import StrategyOptions
 
 
 def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
@@ -32,12 +24,23 @@ def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
         )
 
 
+def refuse_robust_rule(strategy: FedAvg) -> None:
+    """ValueError: this rule has its own server step, built on the weighted mean only."""
+    if strategy.aggregation_rule != "mean":
+        raise ValueError(
+            f"{strategy.strategy_name} aggregates with its own server step; aggregation_rule "
+            f"{strategy.aggregation_rule!r} is for fedavg, fedprox, fedmenf and fedacg"
+        )
+
+
 class FedNova(FedAvg):
     """FedNova: x <- x - tau_eff sum_i p_i (x - y_i) / tau_i (`fedfields.aggregate.fednova`).
 
     Messages as FedAvg's; replies also carry "train-steps" (tau_i, the local steps the client
     took). Clients that trained longer do not pull x further; equal steps give FedAvg.
-    Not available with secure aggregation (the server needs each client's tau_i and y_i).
+    Not available with secure aggregation (the server needs each client's tau_i and y_i),
+    nor with a robust `aggregation_rule`. A reply without a positive "train-steps", or failing
+    FedAvg's checks, is dropped.
     """
 
     strategy_name = "fednova"
@@ -45,6 +48,7 @@ class FedNova(FedAvg):
     def __init__(self, **options: Unpack[StrategyOptions]) -> None:
         refuse_secure_aggregation("fednova", options)
         super().__init__(**options)
+        refuse_robust_rule(self)
         self.global_state: dict[str, Tensor] = {}
 
     def configure_train(
@@ -57,15 +61,17 @@ class FedNova(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The normalised update, folding each reply in as it arrives."""
+        """The normalised update, folding each checked reply in as it arrives."""
         train_round = self.round_state(server_round)
         sums, metrics, weights = FedNovaSums(self.global_state), [], []
-        for reply in self.successful_replies(replies):
-            weight = reply_metric(reply, NUM_EXAMPLES, positive=True)
-            steps = reply_metric(reply, TRAIN_STEPS, positive=True)
-            sums.add(reply_state(reply, ARRAYS, train_round.shapes), weight, steps, checked=True)
-            metrics.append(reply_metrics(reply))
-            weights.append(weight)
+        checked = self.checked_replies(
+            replies, {ARRAYS: train_round.shapes}, weighted=True, scalars=(TRAIN_STEPS,)
+        )
+        for reply in checked:
+            steps = reply.scalars[TRAIN_STEPS]
+            sums.add(reply.states[ARRAYS], reply.weight, steps, checked=True)
+            metrics.append(reply.metrics)
+            weights.append(reply.weight)
         if sums.count == 0:
             return None, self.train_metrics(metrics)
         return state_to_arrays(sums.update()), self.train_metrics(metrics, weights)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Unpack
 
-from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU
-from fedfields.flower.strategy import StrategyOptions
 
 
 class FedProx(FedAvg):
@@ -18,13 +17,14 @@ class FedProx(FedAvg):
 
     Args:
         proximal_mu: weight mu >= 0 of the proximal term.
-        **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
+        **options: sampling, "local-steps", reply bounds and `aggregation_rule`, as for
+            `fedfields.flower.FedAvg`.
     """
 
     strategy_name = "fedprox"
     config_keys = {"proximal-mu": "proximal_mu"}
 
-    def __init__(self, *, proximal_mu: float, **options: Unpack[StrategyOptions]) -> None:
+    def __init__(self, *, proximal_mu: float, **options: Unpack[FedAvgOptions]) -> None:
         super().__init__(**options)
         if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
             raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")

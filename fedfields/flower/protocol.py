@@ -78,6 +78,11 @@ CLIENT_SECONDS = "client-seconds"
 # Server-side entries the strategies add to each round's aggregated train MetricRecord.
 NUM_REPLIES = "num-replies"
 NUM_FAILURES = "num-failures"
+"""Replies of the round left out: error replies, unexpected replies and dropped ones."""
+NUM_DROPPED = "num-dropped"
+"""Replies that arrived but failed a check (`BadReply`) and were dropped unaggregated."""
+DROPPED_PREFIX = "dropped-"
+"""Prefix of the per-check drop counts, e.g. "dropped-non-finite" (present when non-zero)."""
 BYTES_UP = "bytes-up"
 BYTES_DOWN = "bytes-down"
 
@@ -104,6 +109,8 @@ SECURE_SUM_STAGE = "secure-sum-stage"
 SECURE_SUM_LAYOUT = "secure-sum-layout"
 SECURE_SUM_SCALES = "secure-sum-scales"
 SECURE_SUM_CLIPPING = "secure-sum-clipping"
+SECURE_SUM_MAX_EXPONENT = "secure-sum-max-exponent"
+"""Fit-config entry of the bounds stage: the cap e (secagg-max-exponent) of a declared 2^e."""
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -180,47 +187,59 @@ def content_bytes(content: RecordDict) -> int:
     return sum(record.count_bytes() for record in content.array_records.values())
 
 
+class BadReply(ValueError):
+    """A reply that fails a check. `check` names the check ("missing-key", "shape",
+    "non-finite", "num-examples", ...); the message names node, record and key, never a
+    value the client sent. Strategies drop such a reply and count it as "dropped-<check>"."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(message)
+        self.check = check
+
+
 def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> dict[str, Tensor]:
     """The ArrayRecord `record_name` of a reply as read-only tensors (views of the message's
-    bytes), or one ValueError naming the problem.
+    bytes), or one `BadReply` naming the problem.
 
     Missing or unexpected keys, shapes other than `expected_shapes` and non-finite floating
     values are all reported together with the sender's node id and the record name.
     """
     where = f"reply from node {message.metadata.src_node_id}, record {record_name!r}"
     if message.has_error():
-        raise ValueError(f"{where}: the node reported an error: {message.error.reason}")
+        raise BadReply("error", f"{where}: the node reported an error: {message.error.reason}")
     record = message.content.get(record_name)
     if not isinstance(record, ArrayRecord):
         found = "nothing" if record is None else type(record).__name__
-        raise ValueError(f"{where}: expected an ArrayRecord, found {found}")
+        raise BadReply("missing-record", f"{where}: expected an ArrayRecord, found {found}")
     return checked_state(record, expected_shapes, where)
 
 
 def checked_state(record: ArrayRecord, expected_shapes: Shapes, where: str) -> dict[str, Tensor]:
     """`record` as read-only tensors after checking keys, shapes and finiteness; one
-    ValueError starting with `where` lists every problem."""
-    problems = []
+    `BadReply` starting with `where` lists every problem (its `check` is the first's)."""
+    problems: list[tuple[str, str]] = []
     missing = [key for key in expected_shapes if key not in record]
     extra = [key for key in record if key not in expected_shapes]
     if missing:
-        problems.append(f"missing keys {missing}")
+        problems.append(("missing-key", f"missing keys {missing}"))
     if extra:
-        problems.append(f"unexpected keys {extra}")
+        problems.append(("extra-key", f"unexpected keys {extra}"))
     try:
         state = arrays_to_state(record, copy=False)
     except ValueError as error:
-        raise ValueError(f"{where}: {error}") from None
+        raise BadReply("decode", f"{where}: {error}") from None
     for key, tensor in state.items():
         if key not in expected_shapes:
             continue
         expected = tuple(expected_shapes[key])
         if tuple(tensor.shape) != expected:
-            problems.append(f"key {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            problems.append(
+                ("shape", f"key {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            )
         elif tensor.is_floating_point() and not _finite(tensor):
-            problems.append(f"key {key!r} has non-finite values")
+            problems.append(("non-finite", f"key {key!r} has non-finite values"))
     if problems:
-        raise ValueError(f"{where}: " + "; ".join(problems))
+        raise BadReply(problems[0][0], f"{where}: " + "; ".join(text for _, text in problems))
     return state
 
 
@@ -231,17 +250,23 @@ def _finite(tensor: Tensor) -> bool:
     return math.isfinite(total) or bool(torch.isfinite(tensor).all())
 
 
-def reply_metric(message: Message, key: str, *, positive: bool = False) -> float:
-    """Scalar `key` of a reply's METRICS record, or a ValueError naming node and key.
+def reply_metric(
+    message: Message, key: str, *, positive: bool = False, at_most: float | None = None
+) -> float:
+    """Scalar `key` of a reply's METRICS record, or a `BadReply` (check `key`) naming node
+    and key but not the value.
 
-    The value must be finite, and > 0 if `positive` (e.g. "num-examples" as a weight).
+    The value must be finite, > 0 if `positive` (e.g. "num-examples" as a weight) and at most
+    `at_most` if given (an absurd example count would outweigh every other client).
     """
     where = f"reply from node {message.metadata.src_node_id}, record {METRICS!r}"
     record = message.content.metric_records.get(METRICS)
     if record is None or key not in record:
-        raise ValueError(f"{where}: missing metric {key!r}")
+        raise BadReply(key, f"{where}: missing metric {key!r}")
     value = record[key]
     if isinstance(value, list) or not math.isfinite(value) or (positive and value <= 0):
         requirement = "a positive finite scalar" if positive else "a finite scalar"
-        raise ValueError(f"{where}: metric {key!r} must be {requirement}, got {value!r}")
+        raise BadReply(key, f"{where}: metric {key!r} is not {requirement}")
+    if at_most is not None and value > at_most:
+        raise BadReply(key, f"{where}: metric {key!r} is above its cap {at_most:g}")
     return float(value)

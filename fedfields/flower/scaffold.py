@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Unpack
+from typing import Any, Unpack
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -28,7 +28,6 @@ from fedfields.flower.protocol import (
     SERVER_CONTROL,
     STRATEGY,
     arrays_to_state,
-    reply_state,
     state_to_arrays,
 )
 from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
@@ -38,7 +37,9 @@ class Scaffold(ProtocolStrategy):
     """Scaffold: x <- x + lr_g mean(y_i - x), c <- c + |S|/N mean(delta c_i) (Algorithm 1).
 
     Train messages carry ARRAYS (x), SERVER_CONTROL (c, zeros at first, same keys as x) and
-    CONFIG; replies carry ARRAYS (y_i), CONTROL_DELTA (delta c_i) and optional METRICS.
+    CONFIG; replies carry ARRAYS (y_i), CONTROL_DELTA (delta c_i) and optional METRICS. A bad
+    reply (`ProtocolStrategy.checked_replies`; ||y_i - x|| bounded by `max_update_norm`) is
+    dropped whole and counted.
     N is the number of connected nodes when the round is sampled. Clients keep their own
     c_i in their node state (`ScaffoldClient`).
 
@@ -69,6 +70,15 @@ class Scaffold(ProtocolStrategy):
         log(INFO, "\t├──> Scaffold global_lr: %s", self.global_lr)
         super().summary()
 
+    def resumable_state(self) -> dict[str, Any]:
+        """The shared state plus the server control c."""
+        return {**super().resumable_state(), "server-control": dict(self.server_control)}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take back the shared state and c."""
+        super().restore_state(state)
+        self.server_control = dict(state["server-control"])
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -94,12 +104,12 @@ class Scaffold(ProtocolStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """New x from the replies' y_i; c is replaced only once every reply checked out."""
+        """New x from the checked replies' y_i (a bad reply is dropped whole: neither its
+        y_i nor its delta c_i is used); x and c stay as they were if none is left."""
         train_round = self.round_state(server_round)
         shapes = train_round.shapes
-        successful = self.successful_replies(replies)
         if self.secure_aggregation is not None:
-            held = list(successful)  # metrics only: the payloads are held for SecAgg+
+            held = list(self.successful_replies(replies))  # metrics only: payloads are held
             metrics = [reply_metrics(reply) for reply in held]
             if not held:
                 return None, self.train_metrics(metrics)
@@ -117,13 +127,12 @@ class Scaffold(ProtocolStrategy):
             )
             return state_to_arrays(new_global), self.train_metrics(metrics)
         model_deltas, control_deltas, metrics = RunningSum(), RunningSum(), []
-        for reply in successful:  # folded in as they arrive: O(model) memory
-            y = reply_state(reply, ARRAYS, shapes)
-            control_delta = reply_state(reply, CONTROL_DELTA, shapes)
-            x = self.global_state
+        checked = self.checked_replies(replies, {ARRAYS: shapes, CONTROL_DELTA: shapes})
+        for reply in checked:  # checked in full, then folded in: O(model) memory
+            y, x = reply.states[ARRAYS], self.global_state
             model_deltas.add({key: y[key].double() - x[key].double() for key in x}, checked=True)
-            control_deltas.add(control_delta, checked=True)
-            metrics.append(reply_metrics(reply))
+            control_deltas.add(reply.states[CONTROL_DELTA], checked=True)
+            metrics.append(reply.metrics)
         if not metrics:
             return None, self.train_metrics(metrics)
         new_global, self.server_control = scaffold_server_update_from_sums(

@@ -7,15 +7,25 @@ records) and replies with their names only. SecAgg+ messages go to Flower's
 `secaggplus_mod`, whose masked-vector stage is answered from what was held: exponent
 one-hots ("bounds") or the scaled payload ("payload"). The plaintext weight of every SecAgg+
 reply is 1 and its metrics are empty, so nothing but masked vectors identifies the client.
+
+Errors: Flower forwards a ClientApp exception's text to the server as the reply's error
+reason. In secure mode (a SecAgg+ stage, a message whose CONFIG asks for secure aggregation,
+or run-config `secure-aggregation` on) an exception raised below this mod reaches the server
+as `SecureModeClientError` naming only the exception's type; the full message, which may hold
+a loss, a norm or a shape of the client's data, is logged on the node only. A
+`ValueFreeError` (a refusal that names settings and tensors, no values) goes through as is.
 """
 
 from __future__ import annotations
+
+from logging import ERROR
 
 import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
+    Error,
     Message,
     MessageType,
     MetricRecord,
@@ -23,6 +33,7 @@ from flwr.app import (
 )
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from torch import Tensor
 
@@ -36,6 +47,7 @@ from fedfields.flower.protocol import (
     SECURE_DELTA,
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
+    SECURE_SUM_MAX_EXPONENT,
     SECURE_SUM_SCALES,
     SECURE_SUM_STAGE,
     SECURE_WEIGHT,
@@ -45,6 +57,8 @@ from fedfields.flower.protocol import (
 )
 from fedfields.privacy.secure_sum import (
     CLIENT_WEIGHT,
+    EXPONENT_MAX,
+    ValueFreeError,
     bound_vectors,
     check_payload,
     decode_layout,
@@ -53,10 +67,53 @@ from fedfields.privacy.secure_sum import (
 
 HELD_PREFIX = "secure-held/"
 """context.state keys of the held records: HELD_PREFIX + record name."""
+SECURE_RUN_CONFIG = "secure-aggregation"
+"""Run-config key that, when true, puts every message of the run in secure mode."""
+
+
+class SecureModeClientError(RuntimeError):
+    """What the server learns of a ClientApp failure in secure mode: the exception's type."""
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """Route SecAgg+ stages to Flower's mod; hold back replies of secure-mode messages."""
+    """Route SecAgg+ stages to Flower's mod; hold back replies of secure-mode messages.
+
+    In secure mode (`in_secure_mode`) a failure below reaches the server as the exception's
+    type only (module docstring); the full error is logged on this node.
+    """
+    if not in_secure_mode(msg, context):
+        return _route(msg, context, call_next)
+    try:
+        reply = _route(msg, context, call_next)
+    except ValueFreeError:
+        raise
+    except Exception as error:
+        kind = type(error).__name__
+        log(ERROR, "secure mode: the ClientApp raised %s (the server learns the type only)", kind)
+        log(ERROR, "%s: %s", kind, error, exc_info=error)
+        raise SecureModeClientError(
+            f"{kind} in the ClientApp (secure mode: the message stays in the node's log)"
+        ) from None
+    if reply.has_error():  # a handler's own Error reply: its reason may hold values too
+        log(ERROR, "secure mode: the handler replied with an error: %s", reply.error.reason)
+        reason = "the handler replied with an error (secure mode: the reason stays on the node)"
+        return Message(Error(code=reply.error.code, reason=reason), reply_to=msg)
+    return reply
+
+
+def in_secure_mode(msg: Message, context: Context) -> bool:
+    """A SecAgg+ stage, a message whose CONFIG asks for secure aggregation, or a run whose
+    run-config turns `secure-aggregation` on."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return True
+    config = msg.content.config_records.get(CONFIG)
+    if config is not None and bool(config.get(SECURE_AGGREGATION, False)):
+        return True
+    return context.run_config.get(SECURE_RUN_CONFIG, False) is True
+
+
+def _route(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """SecAgg+ stages to Flower's mod, secure messages held back, others straight through."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         if msg.metadata.message_type != MessageType.TRAIN:
             raise ValueError("SecAgg+ stages must arrive as 'train' messages")
@@ -133,7 +190,8 @@ def _answer_stage(msg: Message, context: Context) -> Message:
     check_payload(payload, layout)
     stage = fit_config[SECURE_SUM_STAGE]
     if stage == "bounds":
-        vectors = bound_vectors(payload, layout)
+        cap = int(fit_config.get(SECURE_SUM_MAX_EXPONENT, EXPONENT_MAX))
+        vectors = bound_vectors(payload, layout, cap)
     elif stage == "payload":
         scales = [float(s) for s in fit_config[SECURE_SUM_SCALES]]
         vectors = scaled_vectors(payload, layout, scales, float(fit_config[SECURE_SUM_CLIPPING]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -29,6 +29,7 @@ from torch import Tensor
 from fedfields.flower.protocol import (
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
+    SECURE_SUM_MAX_EXPONENT,
     SECURE_SUM_SCALES,
     SECURE_SUM_STAGE,
 )
@@ -39,7 +40,7 @@ from fedfields.privacy.secure_sum import (
     SecureAggregationConfig,
     SecureAggregationError,
     encode_layout,
-    scales_from_histograms,
+    plan_scales,
     unpack_sum,
 )
 
@@ -48,12 +49,14 @@ from fedfields.privacy.secure_sum import (
 class SecureSumResult:
     """Record -> key -> summed float64 tensor, the nodes in the sum and their masked bytes.
 
-    `total_weight` is filled in by the strategy from the METRICS pseudo-record."""
+    `total_weight` is filled in by the strategy from the METRICS pseudo-record; `scales` are
+    the per-tensor scales of the payload (its quantisation step is 2 * C * scale / Q)."""
 
     sums: dict[str, dict[str, Tensor]]
     node_ids: list[int]
     bytes_up: int = 0
     total_weight: float = 0.0
+    scales: list[float] | None = None
 
 
 class _NodeProxy:
@@ -102,8 +105,9 @@ class SecureSum:
     """Sums tensors the clients hold back, securely: the server learns the sum only.
 
     With `config.clipping_range` 0 it first sums per-tensor exponent one-hots (one SecAgg+
-    run) to pick power-of-two scales, then sums the scaled payload (a second run); with a
-    fixed clipping range it runs once and clients refuse values beyond it.
+    run) to pick power-of-two scales, capped at 2^`config.max_exponent` whatever a client
+    declares (`fedfields.privacy.secure_sum.plan_scales`), then sums the scaled payload (a
+    second run); with a fixed clipping range it runs once and clients refuse values beyond it.
     """
 
     def __init__(self, config: SecureAggregationConfig) -> None:
@@ -123,13 +127,18 @@ class SecureSum:
         if self.config.clipping_range > 0:
             scales, clipping = [1.0] * len(layout), self.config.clipping_range
         else:
-            bounds, node_ids = self._run(
-                grid, node_ids, {**common, SECURE_SUM_STAGE: "bounds"}, 1.0, server_round
-            )
+            bounds_config = {
+                **common,
+                SECURE_SUM_STAGE: "bounds",
+                SECURE_SUM_MAX_EXPONENT: self.config.max_exponent,
+            }
+            bounds, node_ids = self._run(grid, node_ids, bounds_config, 1.0, server_round)
             bytes_up += _masked_bytes(bounds, len(node_ids))
             if any(vector.size != NUM_BUCKETS for vector in bounds):
                 raise SecureAggregationError("bounds stage returned vectors of the wrong length")
-            scales, clipping = scales_from_histograms(bounds), 1.0
+            plan = plan_scales(bounds, self.config.max_exponent, len(node_ids))
+            _log_overruled(plan.capped, plan.malformed, layout, self.config.max_exponent)
+            scales, clipping = plan.scales, 1.0
         payload_config = {
             **common,
             SECURE_SUM_STAGE: "payload",
@@ -138,7 +147,8 @@ class SecureSum:
         }
         vectors, survivors = self._run(grid, node_ids, payload_config, clipping, server_round)
         bytes_up += _masked_bytes(vectors, len(survivors))
-        return SecureSumResult(unpack_sum(vectors, layout, scales), survivors, bytes_up)
+        sums = unpack_sum(vectors, layout, scales)
+        return SecureSumResult(sums, survivors, bytes_up, scales=list(scales))
 
     def _run(
         self,
@@ -207,6 +217,32 @@ class _ErrorRecorder:
             if reply.has_error()
         ]
         return replies
+
+
+def _log_overruled(
+    capped: Sequence[int], malformed: Sequence[int], layout: Sequence[LayoutEntry], cap: int
+) -> None:
+    """Warn about tensors whose bounds a client declared beyond the cap or sent malformed
+    (a liar or a misconfigured client; the secure sum cannot tell which one)."""
+    names = [f"{layout[i][0]}/{layout[i][1]}" for i in capped]
+    if names:
+        log(
+            WARNING,
+            "secure sum: a client declared bounds above 2^%d (secagg-max-exponent) for %s; "
+            "their scale is capped at 2^%d",
+            cap,
+            names,
+            cap,
+        )
+    names = [f"{layout[i][0]}/{layout[i][1]}" for i in malformed]
+    if names:
+        log(
+            WARNING,
+            "secure sum: the bounds of %s are no sum of one-hots (a client sent a malformed "
+            "bounds vector); their scale falls back to the cap 2^%d",
+            names,
+            cap,
+        )
 
 
 def _masked_bytes(vectors: Sequence[np.ndarray], num_clients: int) -> int:

@@ -2,14 +2,22 @@
 
 Built on Flower 1.41's message-API FedAvg, whose node sampling and federated evaluation the
 strategies keep; records and keys follow `fedfields.flower.protocol`.
+
+Reply checks live here once (`ProtocolStrategy.checked_replies`): a plaintext reply with
+NaN/Inf, wrong shapes, missing or extra keys, a non-positive or absurd "num-examples"
+(above `max_num_examples`) or an update ||g_k - g|| above `max_update_norm` * max(||g||, 1)
+is dropped before it touches any sum, logged at WARNING with node and check, and counted in
+the round's "num-failures", "num-dropped" and "dropped-<check>" metrics; the round
+aggregates the rest, and with nothing left the global model stays as it was.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
@@ -18,19 +26,24 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from torch import Tensor
 
 from fedfields.aggregate import FEDAVG_COST, CostModel
+from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
     BYTES_UP,
     CONFIG,
+    DROPPED_PREFIX,
     HELD,
     HELD_METRICS,
     HELD_RECORDS,
     LOCAL_STEPS,
     METRICS,
+    NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
@@ -40,8 +53,12 @@ from fedfields.flower.protocol import (
     SERVER_ROUND,
     STRATEGY,
     WEIGHT_KEY,
+    BadReply,
     Shapes,
+    arrays_to_state,
     content_bytes,
+    reply_metric,
+    reply_state,
     shapes_of,
 )
 from fedfields.flower.secure_sum import SecureSum, SecureSumResult
@@ -69,6 +86,25 @@ class StrategyOptions(TypedDict, total=False):
     local_steps: int | None
     secure_aggregation: SecureAggregationConfig | None
     node_timeout: float | None
+    max_num_examples: float | None
+    max_update_norm: float | None
+
+
+DEFAULT_MAX_NUM_EXAMPLES = 1e9
+"""Cap on a reply's "num-examples": a thousand megapixel photos, far above any client here,
+yet low enough that one client cannot outweigh the others a billion to one."""
+DEFAULT_MAX_UPDATE_NORM = 1e3
+"""Cap on ||g_k - g|| / max(||g||, 1): an honest round moves a model by far less than 1000x
+its own norm; a scaled or exploded update does not."""
+
+
+def _optional_cap(value: float | None, name: str) -> float | None:
+    """A positive finite cap, or None for 0/None (no cap); ValueError otherwise."""
+    if value is None or (not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be > 0 and finite (0 or None: no cap), got {value!r}")
+    return float(value)
 
 
 class InsufficientNodesError(RuntimeError):
@@ -101,9 +137,27 @@ class TrainRound:
     bytes_down: int = 0
     bytes_up: int = 0
     num_failures: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Replies dropped by a check, per check ("non-finite", "shape", ...)."""
     secure_sums: int = 0
     secure_failures: int = 0
     secure_metrics: dict[str, float] | None = None
+    reference: dict[str, Tensor] = field(default_factory=dict)
+    """The arrays sent (read-only views), for the update-norm check; {} when it is off."""
+    reference_norm: float = 0.0
+
+
+@dataclass
+class CheckedReply:
+    """A plaintext reply that passed every check: its records as read-only tensors (views of
+    the message's bytes; never write into them), its weight, the scalars asked for and a
+    copy of its METRICS. It holds no reference to the message itself."""
+
+    node_id: int
+    states: dict[str, dict[str, Tensor]]
+    weight: float = 1.0
+    scalars: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class ProtocolStrategy(FlowerFedAvg):
@@ -113,7 +167,8 @@ class ProtocolStrategy(FlowerFedAvg):
     `configure_train`/`aggregate_train` with `begin_round`, `messages`,
     `successful_replies` and `train_metrics`. Constructor arguments (`StrategyOptions`) are
     documented on `fedfields.flower.FedAvg`. With `secure_aggregation` set, replies are held back
-    by the clients and aggregated through `secure_sums` (Flower SecAgg+) only.
+    by the clients and aggregated through `secure_sums` (Flower SecAgg+) only; otherwise
+    `checked_replies` checks each reply and drops a bad one (see the module docstring).
 
     Nodes come and go: a round samples among the nodes connected now (the first round waits
     up to `node_timeout` for `min_available_nodes`, every round for `min_train_nodes`, and
@@ -128,8 +183,12 @@ class ProtocolStrategy(FlowerFedAvg):
     """Records the clients hold as differences from what they received."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
-    config_keys: ClassVar[dict[str, str]] = {}
-    """Flower run-config keys `from_config` reads, mapped to constructor arguments."""
+    config_keys: ClassVar[dict[str, str]] = {
+        "max-num-examples": "max_num_examples",
+        "max-update-norm": "max_update_norm",
+    }
+    """Flower run-config keys `from_config` reads, mapped to constructor arguments; the keys
+    of the base classes are read too (`own_config`)."""
 
     def __init__(
         self,
@@ -142,6 +201,8 @@ class ProtocolStrategy(FlowerFedAvg):
         local_steps: int | None = None,
         secure_aggregation: SecureAggregationConfig | None = None,
         node_timeout: float | None = None,
+        max_num_examples: float | None = DEFAULT_MAX_NUM_EXAMPLES,
+        max_update_norm: float | None = DEFAULT_MAX_UPDATE_NORM,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -158,6 +219,8 @@ class ProtocolStrategy(FlowerFedAvg):
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
         self.node_timeout = node_timeout
+        self.max_num_examples = _optional_cap(max_num_examples, "max_num_examples")
+        self.max_update_norm = _optional_cap(max_update_norm, "max_update_norm")
         self.current_round: TrainRound | None = None
         self.rounds_started = 0
         self.latest_train_metrics: dict[str, float] = {}
@@ -167,8 +230,16 @@ class ProtocolStrategy(FlowerFedAvg):
     def from_config(cls, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]) -> Self:
         """The strategy with its own settings from a Flower run-config (`config_keys`, e.g.
         "proximal-mu" for FedProx; absent keys keep the defaults) and the shared `options`."""
-        own = {arg: run_config[key] for key, arg in cls.config_keys.items() if key in run_config}
-        return cls(**own, **options)
+        return cls(**cls.own_config(run_config), **options)
+
+    @classmethod
+    def own_config(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Constructor arguments from the run-config keys in `config_keys` of this class and
+        its bases (absent keys are left out, so they keep the defaults)."""
+        keys: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            keys.update(vars(klass).get("config_keys", {}))
+        return {arg: run_config[key] for key, arg in keys.items() if key in run_config}
 
     def summary(self) -> None:
         """Log the protocol settings, then Flower FedAvg's sampling summary."""
@@ -226,6 +297,10 @@ class ProtocolStrategy(FlowerFedAvg):
         self.current_round = TrainRound(
             server_round, node_ids, len(connected), shapes_of(arrays), dtypes, grid
         )
+        if self.max_update_norm is not None and self.secure_aggregation is None:
+            reference = arrays_to_state(arrays, copy=False)
+            self.current_round.reference = reference
+            self.current_round.reference_norm = update_norm(reference)
         return self.current_round
 
     def connected_nodes(self, grid: Grid) -> list[int]:
@@ -312,12 +387,68 @@ class ProtocolStrategy(FlowerFedAvg):
             for node_id in train_round.node_ids
         ]
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Any:
-        """Flower's `Strategy.start` over a `StreamingGrid`: replies reach `aggregate_train`
-        as they arrive, so the running sums hold one model, not one per sampled node."""
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        first_round: int = 1,
+        round_end_fn: Callable[[int, ArrayRecord], None] | None = None,
+    ) -> Result:
+        """Flower's `Strategy.start` loop, resumable, over a `StreamingGrid` (replies reach
+        `aggregate_train` as they arrive: the running sums hold one model, not one per node).
+
+        Rounds `first_round`..`num_rounds` run as in Flower 1.41 (train, federated evaluation,
+        `evaluate_fn`); `evaluate_fn(0, ...)` runs only when starting at round 1.
+        `round_end_fn(round, arrays)` is called last in each round: where a resumable run
+        writes its `fedfields.flower.resume.RoundCheckpoint`, RNG states included.
+        """
+        if not 1 <= first_round <= num_rounds + 1:
+            raise ValueError(f"first_round must lie in [1, {num_rounds + 1}], got {first_round}")
         if not isinstance(grid, StreamingGrid):
             grid = StreamingGrid(grid)
-        return super().start(grid, initial_arrays, *args, **kwargs)
+        name = type(self).__name__
+        log(INFO, "Starting %s strategy (rounds %d-%d):", name, first_round, num_rounds)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result(arrays=initial_arrays)
+        if evaluate_fn and first_round == 1:
+            if (initial := evaluate_fn(0, initial_arrays)) is not None:
+                result.evaluate_metrics_serverapp[0] = initial
+        arrays = initial_arrays
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            messages = self.configure_train(server_round, arrays, train_config, grid)
+            replies = grid.send_and_receive(messages=messages, timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            messages = self.configure_evaluate(server_round, arrays, evaluate_config, grid)
+            replies = grid.send_and_receive(messages=messages, timeout=timeout)
+            if (evaluated := self.aggregate_evaluate(server_round, replies)) is not None:
+                result.evaluate_metrics_clientapp[server_round] = evaluated
+            if evaluate_fn and (scored := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = scored
+            if round_end_fn is not None:
+                round_end_fn(server_round, arrays)
+        return result
+
+    def resumable_state(self) -> dict[str, Any]:
+        """The strategy's own state a resumed run needs (subclasses add theirs)."""
+        return {"rounds-started": self.rounds_started}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take back what `resumable_state` returned."""
+        self.rounds_started = int(state["rounds-started"])
 
     def successful_replies(self, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
@@ -362,14 +493,85 @@ class ProtocolStrategy(FlowerFedAvg):
                 missing,
             )
 
+    def checked_replies(
+        self,
+        replies: Iterable[Message],
+        records: Mapping[str, Shapes],
+        *,
+        weighted: bool = False,
+        scalars: Sequence[str] = (),
+    ) -> Iterator[CheckedReply]:
+        """The successful plaintext replies that pass every check, yielded as they come; a
+        bad one is dropped (`drop`) before anything of it reaches the caller's sums.
+
+        Checks, in order: each of `records` present with exactly the expected keys and
+        shapes and finite values (`reply_state`); if `weighted`, a "num-examples" in
+        (0, `max_num_examples`] (the reply's `weight`, else 1); each metric in `scalars`
+        positive and finite; then `check_update` (the update-norm bound).
+        """
+        for reply in self.successful_replies(replies):
+            try:
+                checked = CheckedReply(
+                    reply.metadata.src_node_id,
+                    {name: reply_state(reply, name, shapes) for name, shapes in records.items()},
+                )
+                if weighted:
+                    checked.weight = reply_metric(
+                        reply, NUM_EXAMPLES, positive=True, at_most=self.max_num_examples
+                    )
+                checked.scalars = {key: reply_metric(reply, key, positive=True) for key in scalars}
+                self.check_update(checked)
+            except BadReply as bad:
+                self.drop(reply, bad)
+                continue
+            checked.metrics = reply_metrics(reply)
+            yield checked
+
+    def check_update(self, reply: CheckedReply) -> None:
+        """Raise `BadReply` ("update-norm") if the reply's ARRAYS moved further than
+        `max_update_norm` * max(||g||, 1) from the arrays sent (g); no-op when off."""
+        if ARRAYS in reply.states:
+            self.check_update_norm(reply.node_id, reply.states[ARRAYS])
+
+    def check_update_norm(
+        self, node_id: int, state: Mapping[str, Tensor], scale: float = 1.0
+    ) -> None:
+        """The update-norm check of `state` / `scale` (DecentNeRF divides out alpha_k)."""
+        train_round = self.active_round
+        if self.max_update_norm is None or not train_round.reference:
+            return
+        bound = self.max_update_norm * max(train_round.reference_norm, 1.0)
+        if not update_norm(state, train_round.reference, scale) <= bound:
+            raise BadReply(
+                "update-norm",
+                f"reply from node {node_id}, record {ARRAYS!r}: the update's norm exceeds "
+                f"max-update-norm = {self.max_update_norm:g} times max(||global||, 1)",
+            )
+
+    def drop(self, reply: Message, bad: BadReply) -> None:
+        """Leave `reply` out of the round: count it and log node and check at WARNING."""
+        train_round = self.active_round
+        train_round.num_failures += 1
+        train_round.dropped[bad.check] = train_round.dropped.get(bad.check, 0) + 1
+        log(
+            WARNING,
+            "round %d: reply from node %d dropped (check %r): %s",
+            train_round.server_round,
+            reply.metadata.src_node_id,
+            bad.check,
+            bad,
+        )
+
     def train_metrics(
         self, metrics: Sequence[Mapping[str, Any]], weights: Sequence[float] | None = None
     ) -> MetricRecord:
         """Mean of the clients' scalar METRICS (`reply_metrics` of each successful reply,
         weighted by `weights` if given) plus traffic.
 
-        Adds "num-replies", "num-failures", "bytes-up" and "bytes-down" (ArrayRecord bytes of
-        the round, gradient queries included); "num-examples" itself is not averaged.
+        Adds "num-replies", "num-failures" (error, unexpected and dropped replies),
+        "num-dropped" with a "dropped-<check>" count per check that dropped one, "bytes-up" and
+        "bytes-down" (ArrayRecord bytes of the round, gradient queries included);
+        "num-examples" itself is not averaged.
         """
         weights = [1.0] * len(metrics) if weights is None else weights
         train_round = self.active_round
@@ -391,6 +593,8 @@ class ProtocolStrategy(FlowerFedAvg):
             **{key: total / norms[key] for key, total in totals.items()},
             NUM_REPLIES: len(metrics),
             NUM_FAILURES: train_round.num_failures,
+            NUM_DROPPED: sum(train_round.dropped.values()),
+            **{DROPPED_PREFIX + check: count for check, count in train_round.dropped.items()},
             BYTES_UP: train_round.bytes_up,
             BYTES_DOWN: train_round.bytes_down,
             **secure,

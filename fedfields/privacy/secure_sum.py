@@ -10,6 +10,16 @@ Automatic bounds: each client reports, per tensor, a one-hot vector of the expon
 max|x| <= 2^e; the *secure sum* of those vectors tells the server how many clients fall in
 each power-of-two bucket (never which client) and the largest e per tensor. Scaling each
 tensor by 2^-e_max puts every client's values in [-1, 1], so C = 1 clips nothing.
+
+A client can lie in that histogram. Declaring a huge e would make the scale huge and
+quantise everyone else's values to nothing, so the scale is capped at 2^max_exponent
+(run-config `secagg-max-exponent`): honest clients refuse (and drop out) rather than declare
+more, and the server ignores buckets above the cap, so a liar can coarsen the quantisation
+step to at most 2^(max_exponent + 1) / Q and no further. A histogram no set of one-hots can
+give (non-integer or negative counts, a total other than the number of clients) falls back
+to the cap, which clips no honest client. What a liar adds to its own masked vector is
+bounded only by SecAgg+'s clipping ([-C, C] times the scale) for a client that runs the
+protocol code, and not at all for one that does not: secure sums carry no range proofs.
 """
 
 from __future__ import annotations
@@ -28,6 +38,10 @@ EXPONENT_MAX = 64
 NUM_BUCKETS = EXPONENT_MAX - EXPONENT_MIN + 1
 """Length of one tensor's exponent one-hot vector (exponents clamped to [-64, 64])."""
 
+DEFAULT_MAX_EXPONENT = 32
+"""Default `secagg-max-exponent`: |values| up to 2^32 (~4.3e9) per tensor, enough for metrics
+weighted by pixel counts; a liar can then coarsen a tensor's step to 2^33 / Q at most."""
+
 MIN_QUANTIZATION_RANGE = 2**20
 """Fewer levels than this would cost more than ~1e-6 relative precision per client."""
 
@@ -43,6 +57,12 @@ class SecureAggregationError(RuntimeError):
     """A secure sum could not be completed (too few survivors, refused payloads)."""
 
 
+class ValueFreeError(ValueError):
+    """A client-side refusal whose message names settings, records and keys but carries no
+    value of the client's data or model, so secure mode may forward it to the server as is
+    (`fedfields.flower.secure_aggregation`)."""
+
+
 @dataclass(frozen=True)
 class SecureAggregationConfig:
     """SecAgg+ settings of one federation (run-config keys "secagg-*").
@@ -56,6 +76,9 @@ class SecureAggregationConfig:
         clipping_range: 0 chooses per-tensor bounds securely (module docstring); > 0 is a
             fixed bound C that clients check, refusing (and dropping out) rather than clip.
         modulus_range: M, a power of two <= 2^32; Q is the largest with n * Q < M.
+        max_exponent: cap e_cap on the automatic bounds: a tensor's scale is at most
+            2^e_cap, whatever a client declares (module docstring); clients whose values
+            exceed it refuse. Integer in [EXPONENT_MIN, EXPONENT_MAX] (the latter: no cap).
     """
 
     num_shares: float = 1.0
@@ -63,6 +86,7 @@ class SecureAggregationConfig:
     timeout: float = 600.0
     clipping_range: float = 0.0
     modulus_range: int = 2**32
+    max_exponent: int = DEFAULT_MAX_EXPONENT
 
     def __post_init__(self) -> None:
         shares, threshold = self.num_shares, self.reconstruction_threshold
@@ -90,6 +114,17 @@ class SecureAggregationConfig:
             raise ValueError(
                 f"secagg-modulus-range must be a power of two in [2^24, 2^32], got {modulus}"
             )
+        exponent = self.max_exponent
+        if (
+            isinstance(exponent, bool)
+            or not float(exponent).is_integer()
+            or not EXPONENT_MIN <= exponent <= EXPONENT_MAX
+        ):
+            raise ValueError(
+                f"secagg-max-exponent must be an integer in [{EXPONENT_MIN}, {EXPONENT_MAX}], "
+                f"got {exponent}"
+            )
+        object.__setattr__(self, "max_exponent", int(exponent))
 
     def quantization_range(self, num_clients: int) -> int:
         """Q for `num_clients`: the largest with num_clients * Q < M (no silent overflow).
@@ -184,7 +219,9 @@ def check_payload(
 
 # ------------------------------------------------------------------ bounds
 def exponent_bound(tensor: Tensor) -> int:
-    """The smallest e in [EXPONENT_MIN, EXPONENT_MAX] with max|x| <= 2^e (clamped)."""
+    """The smallest e in [EXPONENT_MIN, EXPONENT_MAX] with max|x| <= 2^e (clamped).
+
+    Raises ValueFreeError beyond 2^EXPONENT_MAX (the message holds no value)."""
     peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
     if peak == 0.0:
         return EXPONENT_MIN
@@ -192,33 +229,106 @@ def exponent_bound(tensor: Tensor) -> int:
     if mantissa == 0.5:
         exponent -= 1  # exact powers of two fit their own exponent
     if exponent > EXPONENT_MAX:
-        raise ValueError(f"value {peak:g} exceeds 2^{EXPONENT_MAX}: cannot be summed securely")
+        raise ValueFreeError(f"a value exceeds 2^{EXPONENT_MAX}: cannot be summed securely")
     return max(exponent, EXPONENT_MIN)
 
 
 def exponent_one_hot(tensor: Tensor) -> np.ndarray:
     """One-hot vector (NUM_BUCKETS,) marking `exponent_bound(tensor)`."""
-    one_hot = np.zeros(NUM_BUCKETS)
-    one_hot[exponent_bound(tensor) - EXPONENT_MIN] = 1.0
-    return one_hot
+    return exponent_one_hot_of(exponent_bound(tensor))
 
 
 def bound_vectors(
-    payload: Mapping[str, Mapping[str, Tensor]], layout: Sequence[LayoutEntry]
+    payload: Mapping[str, Mapping[str, Tensor]],
+    layout: Sequence[LayoutEntry],
+    max_exponent: int = EXPONENT_MAX,
 ) -> list[np.ndarray]:
-    """A client's bounds-stage vectors: one exponent one-hot per tensor of the layout."""
-    return [exponent_one_hot(payload[record][key]) for record, key, _ in layout]
+    """A client's bounds-stage vectors: one exponent one-hot per tensor of the layout.
+
+    An honest client never declares more than `max_exponent` (secagg-max-exponent): a
+    tensor that needs more raises ValueFreeError naming it, and the client drops out.
+    """
+    vectors = []
+    for record, key, _ in layout:
+        exponent = exponent_bound(payload[record][key])
+        if exponent > max_exponent:
+            raise ValueFreeError(
+                f"{record}/{key} exceeds 2^{max_exponent}, the cap on secure bounds "
+                f"(secagg-max-exponent): raise it, or scale the values down"
+            )
+        vectors.append(exponent_one_hot_of(exponent))
+    return vectors
 
 
-def scales_from_histograms(histograms: Sequence[np.ndarray]) -> list[float]:
-    """Per-tensor scale 2^e_max from the securely summed one-hots (counts per bucket)."""
-    scales = []
-    for histogram in histograms:
-        occupied = np.flatnonzero(np.asarray(histogram) > 0.5)
+def exponent_one_hot_of(exponent: int) -> np.ndarray:
+    """One-hot vector (NUM_BUCKETS,) marking `exponent` (in [EXPONENT_MIN, EXPONENT_MAX])."""
+    one_hot = np.zeros(NUM_BUCKETS)
+    one_hot[exponent - EXPONENT_MIN] = 1.0
+    return one_hot
+
+
+HISTOGRAM_TOLERANCE = 0.25
+"""How far a summed count may sit from an integer (SecAgg+'s error is ~n * 2 / Q)."""
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """Per-tensor scales chosen from the bounds histograms, and what was overruled.
+
+    `capped` lists the tensors some client declared a bound above the cap for (a liar, or a
+    misconfigured client: an honest one refuses instead); `malformed` those whose histogram
+    no set of one-hots gives. Both get the cap's scale; neither says which client it was.
+    """
+
+    scales: list[float]
+    capped: list[int]
+    malformed: list[int]
+
+
+def plan_scales(
+    histograms: Sequence[np.ndarray],
+    max_exponent: int = EXPONENT_MAX,
+    num_clients: int | None = None,
+) -> ScalePlan:
+    """Scale 2^min(e_max, max_exponent) per tensor from the securely summed one-hots.
+
+    With `num_clients`, a histogram whose counts are not integers in [0, n] summing to n is
+    malformed and gets 2^max_exponent, which clips no honest client.
+    """
+    cap = max_exponent - EXPONENT_MIN
+    scales, capped, malformed = [], [], []
+    for index, histogram in enumerate(histograms):
+        counts = np.asarray(histogram, dtype=np.float64)
+        if num_clients is not None and not _plausible(counts, num_clients):
+            malformed.append(index)
+            scales.append(math.ldexp(1.0, max_exponent))
+            continue
+        occupied = np.flatnonzero(counts > 0.5)
         if occupied.size == 0:
             raise SecureAggregationError("bounds histogram is empty: no client reported a bound")
-        scales.append(math.ldexp(1.0, int(occupied[-1]) + EXPONENT_MIN))
-    return scales
+        top = int(occupied[-1])
+        if top > cap:
+            capped.append(index)
+        scales.append(math.ldexp(1.0, min(top, cap) + EXPONENT_MIN))
+    return ScalePlan(scales, capped, malformed)
+
+
+def _plausible(counts: np.ndarray, num_clients: int) -> bool:
+    """Whether `counts` can be a sum of `num_clients` one-hots (up to SecAgg+'s error)."""
+    rounded = np.round(counts)
+    return bool(
+        counts.shape == (NUM_BUCKETS,)
+        and np.all(np.abs(counts - rounded) <= HISTOGRAM_TOLERANCE)
+        and np.all(rounded >= 0)
+        and rounded.sum() == num_clients
+    )
+
+
+def scales_from_histograms(
+    histograms: Sequence[np.ndarray], max_exponent: int = EXPONENT_MAX
+) -> list[float]:
+    """Per-tensor scale 2^min(e_max, max_exponent) from the summed one-hots (`plan_scales`)."""
+    return plan_scales(histograms, max_exponent).scales
 
 
 # ------------------------------------------------------------------ payload
@@ -230,8 +340,9 @@ def scaled_vectors(
 ) -> list[np.ndarray]:
     """Each tensor of the layout divided by its scale, as float64 arrays.
 
-    Raises ValueError (naming the tensor) instead of letting SecAgg+ clip a value beyond
-    `clipping_range`.
+    Raises ValueFreeError (naming the tensor, not its values) instead of letting SecAgg+
+    clip a value beyond `clipping_range`: clipping would silently change this client's
+    share of the sum, while a refusal shows as its dropout.
     """
     if len(scales) != len(layout):
         raise ValueError(f"{len(scales)} scales for {len(layout)} tensors")
@@ -240,9 +351,10 @@ def scaled_vectors(
         vector = payload[record][key].detach().double().cpu().numpy() / scale
         peak = float(np.abs(vector).max()) if vector.size else 0.0
         if peak > clipping_range:
-            raise ValueError(
-                f"{record}/{key} reaches {peak:.4g} x its scale, beyond the SecAgg+ clipping "
-                f"range {clipping_range:g}; raise secagg-clipping-range or set it to 0 (automatic)"
+            raise ValueFreeError(
+                f"{record}/{key} has values beyond the SecAgg+ clipping range "
+                f"{clipping_range:g} (times its scale {scale:g}); raise secagg-clipping-range "
+                f"or set it to 0 (automatic)"
             )
         vectors.append(vector)
     return vectors

@@ -107,6 +107,9 @@ def meta_config(
         privacy_budget=config.meta.privacy_budget
         if fedmenf and config.meta.privacy_budget > 0
         else None,
+        memorising_bound=config.meta.memorising_bound
+        if fedmenf and config.meta.memorising_bound > 0
+        else None,
         num_clients=settings.num_clients,
         rounds=config.common.num_server_rounds,
         clients_per_round=config.meta.clients_per_round,

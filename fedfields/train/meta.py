@@ -16,7 +16,10 @@ then update w_i with an outer gradient on a query minibatch B_K:
 - "fedmenf": grad_w [L(phi_K, B_K) - gamma L(w_i, B_K)] (the privacy-preserving loss L_pp,
   Eq. 10), second order like MAML: Proposition 3's g_pp ~ (1 - gamma) g_K - lambda_i I_K keeps
   the inner-product term I_K (Eq. 5), which is second order. gamma is fixed, or adaptive from a
-  privacy budget zeta (Eq. 13-14).
+  privacy budget zeta (Eq. 13-14). L_pp is unbounded below in w: the -gamma L(w) term keeps
+  pushing w's own outputs away from the data (w drifts until one inner step barely recovers
+  it); `memorising_bound` clamps L(w) at that MSE, so the push stops once w is that far away
+  (our addition, off by default).
 
 Every inner gradient and the outer gradient (plus FedProx's mu (w - w_global) when mu > 0)
 are clipped to `max_grad_norm` (FedMeNF Appendix D: 5; its code clips both loops), Scaffold's
@@ -57,6 +60,7 @@ class MetaConfig:
     outer_optimizer: str = "sgd"  # "sgd" | "adamw"
     gamma: float = 0.0  # FedMeNF's fixed gamma (Eq. 10)
     privacy_budget: float | None = None  # zeta: adaptive gamma (Eq. 13-14) when set
+    memorising_bound: float | None = None  # FedMeNF: L(w) in Eq. 10 clamped at this; None: not
     num_clients: int = 1  # N
     rounds: int = 1  # R
     clients_per_round: int = 1  # M
@@ -99,9 +103,16 @@ class MetaConfig:
             math.isfinite(self.privacy_budget) and self.privacy_budget >= 0
         ):
             raise ValueError(f"privacy_budget must be >= 0 and finite, got {self.privacy_budget}")
-        if self.learner != "fedmenf" and (self.gamma != 0.0 or self.privacy_budget is not None):
+        if self.memorising_bound is not None and not (
+            math.isfinite(self.memorising_bound) and self.memorising_bound > 0
+        ):
+            raise ValueError(f"memorising_bound must be > 0 and finite: {self.memorising_bound}")
+        optional = (self.privacy_budget, self.memorising_bound)
+        fedmenf_settings = self.gamma != 0.0 or any(x is not None for x in optional)
+        if self.learner != "fedmenf" and fedmenf_settings:
             raise ValueError(
-                f"gamma and privacy_budget apply to learner 'fedmenf' only, not {self.learner!r}"
+                "gamma, privacy_budget and memorising_bound apply to learner 'fedmenf' only, "
+                f"not {self.learner!r}"
             )
         if not (math.isfinite(self.proximal_mu) and self.proximal_mu >= 0):
             raise ValueError(f"proximal_mu must be >= 0 and finite, got {self.proximal_mu}")
@@ -236,6 +247,8 @@ def _outer_gradient(
     gamma = None
     if config.learner == "fedmenf":
         memorising = task.loss(model, params, query)
+        if config.memorising_bound is not None:  # no push once w is this far from the data
+            memorising = memorising.clamp(max=config.memorising_bound)
         gamma = config.gamma
         if config.privacy_budget is not None:
             g_k = _grad(memorising, weights, retain_graph=True)

@@ -1,0 +1,116 @@
+"""Per-round checkpoints a federated run resumes from after its ServerApp died.
+
+After each completed round the ServerApp writes, atomically, what the next round needs: the
+global state, the strategy's own state (`ProtocolStrategy.resumable_state`: Scaffold's server
+control, FedACG's momentum, DecentNeRF's bookkeeping), the sampling RNG (Flower's strategies
+sample nodes with Python's `random`) and torch's RNG. `ProtocolStrategy.start(first_round=k+1)`
+then continues from round k; the clients continue from their own node state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.app import ArrayRecord
+from torch import Tensor
+
+from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+
+if TYPE_CHECKING:
+    from fedfields.flower.strategy import ProtocolStrategy
+
+RESUME_FILE = "resume.pt"
+"""The round checkpoint's file name inside a run directory."""
+FORMAT = 1
+
+
+class ResumeError(ValueError):
+    """A run cannot be resumed: no checkpoint, an unreadable one, or different settings."""
+
+
+@dataclass
+class RoundCheckpoint:
+    """Everything a run needs to go on after round `server_round`."""
+
+    server_round: int
+    state: dict[str, Tensor]
+    strategy_state: dict[str, Any]
+    sampling_rng: tuple[Any, ...]
+    torch_rng: Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(
+        cls,
+        server_round: int,
+        arrays: ArrayRecord,
+        strategy: ProtocolStrategy,
+        extra: Mapping[str, Any] | None = None,
+    ) -> RoundCheckpoint:
+        """The checkpoint of the round that just ended, RNG states as they are now."""
+        return cls(
+            server_round=server_round,
+            state=arrays_to_state(arrays),
+            strategy_state=strategy.resumable_state(),
+            sampling_rng=random.getstate(),
+            torch_rng=torch.get_rng_state(),
+            extra=dict(extra or {}),
+        )
+
+    def arrays(self) -> ArrayRecord:
+        """The global state as the ArrayRecord the next round starts from."""
+        return state_to_arrays(self.state)
+
+    def restore(self, strategy: ProtocolStrategy) -> None:
+        """Put the strategy's state and both RNGs back as they were after `server_round`."""
+        strategy.restore_state(self.strategy_state)
+        random.setstate(self.sampling_rng)
+        torch.set_rng_state(self.torch_rng)
+
+
+def save_round_checkpoint(path: Path, checkpoint: RoundCheckpoint) -> None:
+    """Write `checkpoint` to `path` atomically: a crash leaves the previous file whole."""
+    partial = path.with_name(path.name + ".partial")
+    payload = {
+        "format": FORMAT,
+        "server-round": checkpoint.server_round,
+        "state": checkpoint.state,
+        "strategy": checkpoint.strategy_state,
+        "sampling-rng": checkpoint.sampling_rng,
+        "torch-rng": checkpoint.torch_rng,
+        "extra": checkpoint.extra,
+    }
+    with partial.open("wb") as out:
+        torch.save(payload, out)
+        out.flush()
+        os.fsync(out.fileno())
+    partial.replace(path)
+
+
+def load_round_checkpoint(path: Path) -> RoundCheckpoint:
+    """The checkpoint at `path`; ResumeError naming the file if it is missing or unreadable."""
+    if not path.is_file():
+        raise ResumeError(f"cannot resume: {path} does not exist (no round was completed)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if payload.get("format") != FORMAT:
+            raise ResumeError(f"cannot resume: {path} has format {payload.get('format')!r}")
+        return RoundCheckpoint(
+            server_round=int(payload["server-round"]),
+            state=dict(payload["state"]),
+            strategy_state=dict(payload["strategy"]),
+            sampling_rng=tuple(payload["sampling-rng"]),
+            torch_rng=payload["torch-rng"],
+            extra=dict(payload["extra"]),
+        )
+    except ResumeError:
+        raise
+    except Exception as error:  # torch.load raises many kinds on a damaged file
+        reason = type(error).__name__
+        raise ResumeError(f"cannot resume: {path} is unreadable ({reason})") from error

@@ -1,0 +1,465 @@
+"""Bad replies are dropped, never fatal; robust aggregation (median, trimmed mean) holds
+against a scaled update. Issue 18, item 2.
+
+Each bad reply kind is sent by one node next to honest ones; the round must give exactly
+what the honest nodes alone give (the bad reply never touches a sum), stay finite and count
+the drop. The robust rules are checked against numpy and scipy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from scipy import stats
+from torch import Tensor
+
+from fedfields.aggregate import ALPHA_KEY, alpha_weighted_payload
+from fedfields.aggregate.robust import (
+    coordinate_median,
+    coordinate_trimmed_mean,
+    robust_aggregate,
+    update_norm,
+)
+from fedfields.flower import (
+    DecentNeRF,
+    FedACG,
+    FedAvg,
+    FedExP,
+    FedMeNF,
+    FedNova,
+    FedProx,
+    ProtocolStrategy,
+    Scaffold,
+)
+from fedfields.flower.protocol import (
+    ARRAYS,
+    CONTROL_DELTA,
+    METRICS,
+    NUM_DROPPED,
+    NUM_EXAMPLES,
+    NUM_FAILURES,
+    NUM_REPLIES,
+    TRAIN_LOSS,
+    TRAIN_STEPS,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.privacy.secure_sum import SecureAggregationConfig
+
+State = dict[str, Tensor]
+F64 = torch.float64
+HONEST = 3
+
+
+def global_state() -> State:
+    return {
+        "weight": torch.tensor([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], dtype=F64),
+        "bias": torch.tensor([0.5, -0.5], dtype=F64),
+    }
+
+
+def honest_state(k: int, scale: float = 0.1) -> State:
+    """The global model moved by a small, client-specific step."""
+    gen = torch.Generator().manual_seed(k)
+    return {key: v + scale * torch.randn(v.shape, generator=gen, dtype=F64)
+            for key, v in global_state().items()}  # fmt: skip
+
+
+def node(records: dict[str, State], metrics: dict[str, float]) -> Callable:
+    """A node answering every message with `records` and `metrics`."""
+
+    def handler(message: Message, context: Context) -> Message:
+        content = RecordDict({name: state_to_arrays(state) for name, state in records.items()})
+        content[METRICS] = MetricRecord(metrics)
+        return Message(content, reply_to=message)
+
+    return handler
+
+
+# ------------------------------------------------------------------ strategies and replies
+
+WEIGHTED = ("fedavg", "fedprox", "fedmenf", "fednova", "fedexp", "fedacg")
+
+
+def make(name: str, count: int, **options: object) -> ProtocolStrategy:
+    """A fresh strategy sampling all `count` nodes."""
+    if name == "fedmenf":
+        return FedMeNF(clients_per_round=count, num_clients=count, **options)
+    kinds: dict[str, Callable[..., ProtocolStrategy]] = {
+        "fedavg": FedAvg,
+        "fedprox": lambda **o: FedProx(proximal_mu=0.1, **o),
+        "fednova": FedNova,
+        "fedexp": FedExP,
+        "fedacg": FedACG,
+        "scaffold": Scaffold,
+        "decentnerf": DecentNeRF,
+    }
+    return kinds[name](min_available_nodes=count, **options)
+
+
+def honest_reply(name: str, k: int) -> tuple[dict[str, State], dict[str, float]]:
+    """What honest client k sends to strategy `name`: records and metrics."""
+    state = honest_state(k)
+    metrics = {NUM_EXAMPLES: 10.0 + 5 * k, TRAIN_STEPS: 2.0 + k, TRAIN_LOSS: 0.1 * k}
+    if name == "decentnerf":
+        return {ARRAYS: alpha_weighted_payload(state, 0.5 + k)}, metrics
+    if name == "scaffold":
+        return {ARRAYS: state, CONTROL_DELTA: honest_state(100 + k, 0.01)}, metrics
+    return {ARRAYS: state}, metrics
+
+
+def run_round(
+    name: str, replies: list[tuple[dict[str, State], dict[str, float]]], **options: object
+) -> tuple[ArrayRecord | None, MetricRecord, ProtocolStrategy]:
+    strategy = make(name, len(replies), **options)
+    grid = InProcessGrid([node(records, metrics) for records, metrics in replies])
+    sent = state_to_arrays(global_state())
+    messages = strategy.configure_train(1, sent, ConfigRecord(), grid)
+    arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert metrics is not None
+    return arrays, metrics, strategy
+
+
+# ------------------------------------------------------------------ bad reply kinds
+
+
+def _set(record: str, key: str, value: Tensor) -> Callable:
+    def corrupt(records: dict[str, State], metrics: dict[str, float]) -> None:
+        records[record] = {**records[record], key: value}
+
+    return corrupt
+
+
+def _nan(records: dict[str, State], metrics: dict[str, float]) -> None:
+    weight = records[ARRAYS]["weight"].clone()
+    weight[0, 1] = float("nan")
+    records[ARRAYS] = {**records[ARRAYS], "weight": weight}
+
+
+def _inf(records: dict[str, State], metrics: dict[str, float]) -> None:
+    bias = records[ARRAYS]["bias"].clone()
+    bias[1] = -float("inf")
+    records[ARRAYS] = {**records[ARRAYS], "bias": bias}
+
+
+def _wide(records: dict[str, State], metrics: dict[str, float]) -> None:
+    records[ARRAYS] = {**records[ARRAYS], "weight": torch.zeros(2, 4, dtype=F64)}
+
+
+def _missing_key(records: dict[str, State], metrics: dict[str, float]) -> None:
+    records[ARRAYS] = {k: v for k, v in records[ARRAYS].items() if k != "bias"}
+
+
+def _extra_key(records: dict[str, State], metrics: dict[str, float]) -> None:
+    records[ARRAYS] = {**records[ARRAYS], "smuggled": torch.zeros(3, dtype=F64)}
+
+
+def _no_record(records: dict[str, State], metrics: dict[str, float]) -> None:
+    del records[ARRAYS]
+
+
+def _scaled_update(records: dict[str, State], metrics: dict[str, float]) -> None:
+    """g + 1e6 (g_k - g), keeping a DecentNeRF payload's alpha_k."""
+    start = global_state()
+    payload = records[ARRAYS]
+    alpha = float(payload[ALPHA_KEY]) if ALPHA_KEY in payload else 1.0
+    scaled = {k: start[k] + 1e6 * (payload[k] / alpha - start[k]) for k in start}
+    records[ARRAYS] = alpha_weighted_payload(scaled, alpha) if ALPHA_KEY in payload else scaled
+
+
+def _metric(key: str, value: float | None) -> Callable:
+    def corrupt(records: dict[str, State], metrics: dict[str, float]) -> None:
+        if value is None:
+            del metrics[key]
+        else:
+            metrics[key] = value
+
+    return corrupt
+
+
+def _alpha(alpha: float) -> Callable:
+    def corrupt(records: dict[str, State], metrics: dict[str, float]) -> None:
+        records[ARRAYS] = alpha_weighted_payload(honest_state(7), alpha)
+
+    return corrupt
+
+
+COMMON_KINDS: dict[str, tuple[Callable, str]] = {
+    "nan": (_nan, "non-finite"),
+    "inf": (_inf, "non-finite"),
+    "wrong-shape": (_wide, "shape"),
+    "missing-key": (_missing_key, "missing-key"),
+    "extra-key": (_extra_key, "extra-key"),
+    "no-record": (_no_record, "missing-record"),
+    "scaled-update": (_scaled_update, "update-norm"),
+}
+WEIGHT_KINDS: dict[str, tuple[Callable, str]] = {
+    "zero-examples": (_metric(NUM_EXAMPLES, 0.0), NUM_EXAMPLES),
+    "negative-examples": (_metric(NUM_EXAMPLES, -4.0), NUM_EXAMPLES),
+    "nan-examples": (_metric(NUM_EXAMPLES, float("nan")), NUM_EXAMPLES),
+    "missing-examples": (_metric(NUM_EXAMPLES, None), NUM_EXAMPLES),
+    "absurd-examples": (_metric(NUM_EXAMPLES, 1e12), NUM_EXAMPLES),
+}
+SPECIFIC_KINDS: dict[str, dict[str, tuple[Callable, str]]] = {
+    "fednova": {"zero-steps": (_metric(TRAIN_STEPS, 0.0), TRAIN_STEPS)},
+    "scaffold": {
+        "nan-control": (_set(CONTROL_DELTA, "bias", torch.tensor([0.0, math.nan])), "non-finite")
+    },  # fmt: skip
+    "decentnerf": {
+        "negative-alpha": (_alpha(-1.0), "alpha"),
+        "zero-alpha": (_alpha(0.0), "alpha"),
+        "huge-alpha": (_alpha(1e4), "alpha"),
+    },
+}
+
+
+def cases() -> list[tuple[str, str, Callable, str]]:
+    found = []
+    for name in (*WEIGHTED, "scaffold", "decentnerf"):
+        kinds = {**COMMON_KINDS, **SPECIFIC_KINDS.get(name, {})}
+        if name in WEIGHTED:
+            kinds.update(WEIGHT_KINDS)
+        found += [(name, kind, corrupt, check) for kind, (corrupt, check) in kinds.items()]
+    return found
+
+
+def assert_same_arrays(got: ArrayRecord | None, expected: ArrayRecord | None) -> None:
+    assert got is not None and expected is not None
+    got_state, expected_state = arrays_to_state(got), arrays_to_state(expected)
+    assert list(got_state) == list(expected_state)
+    for key, value in expected_state.items():
+        assert bool(torch.isfinite(got_state[key]).all())
+        # the same replies in another arrival order: equal up to float64 rounding
+        torch.testing.assert_close(got_state[key], value, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "corrupt", "check"), cases(), ids=[f"{c[0]}-{c[1]}" for c in cases()]
+)
+def test_a_bad_reply_is_dropped_and_the_honest_ones_aggregate(
+    name: str, kind: str, corrupt: Callable, check: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    honest = [honest_reply(name, k) for k in range(HONEST)]
+    records, metrics = honest_reply(name, HONEST)
+    corrupt(records, metrics)
+    # the bad node replies second: the honest replies after it must still be folded in
+    replies = [honest[0], (records, metrics), *honest[1:]]
+    with caplog.at_level(logging.WARNING):
+        arrays, round_metrics, strategy = run_round(name, replies)
+    expected, expected_metrics, alone = run_round(name, honest)
+    assert_same_arrays(arrays, expected)
+    assert round_metrics[NUM_REPLIES] == HONEST
+    assert round_metrics[NUM_FAILURES] == 1 and round_metrics[NUM_DROPPED] == 1
+    assert round_metrics[f"dropped-{check}"] == 1
+    assert round_metrics.get(TRAIN_LOSS) == expected_metrics.get(TRAIN_LOSS)
+    if isinstance(strategy, Scaffold) and isinstance(alone, Scaffold):
+        # c <- c + sum_i delta c_i / N, N the connected nodes: 4 here, 3 alone
+        for key, value in alone.server_control.items():
+            expected_control = value * HONEST / (HONEST + 1)
+            torch.testing.assert_close(
+                strategy.server_control[key], expected_control, rtol=1e-12, atol=1e-12
+            )
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and "node 102" in dropped[0] and check in dropped[0]
+
+
+def test_a_drop_logs_node_and_check_but_no_value(caplog: pytest.LogCaptureFixture) -> None:
+    records, metrics = honest_reply("fedavg", 1)
+    metrics[NUM_EXAMPLES] = 123456789012.0
+    with caplog.at_level(logging.WARNING):
+        run_round("fedavg", [honest_reply("fedavg", 0), (records, metrics)])
+    (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "node 102" in message and "'num-examples'" in message
+    assert "123456789012" not in message and "1.23456789012e+11" not in message
+
+
+@pytest.mark.parametrize("name", ["fedavg", "scaffold", "decentnerf", "fednova"])
+def test_with_every_reply_bad_the_global_model_stays(name: str) -> None:
+    replies = []
+    for k in range(HONEST):
+        records, metrics = honest_reply(name, k)
+        _nan(records, metrics)
+        replies.append((records, metrics))
+    arrays, metrics, strategy = run_round(name, replies)
+    assert arrays is None  # Flower keeps the global model
+    assert metrics[NUM_REPLIES] == 0 and metrics[NUM_DROPPED] == HONEST
+    if isinstance(strategy, Scaffold):
+        assert all(not c.any() for c in strategy.server_control.values())
+
+
+def test_a_reply_just_inside_the_bounds_is_kept() -> None:
+    """The caps are inclusive and relative to max(||g||, 1): a move of exactly the bound is
+    aggregated, num-examples at the cap too."""
+    start = global_state()
+    bound = 2.0 * max(update_norm(start), 1.0)
+    direction = {k: torch.ones_like(v) for k, v in start.items()}
+    length = update_norm(direction)
+    moved = {k: start[k] + direction[k] * (bound * 0.999 / length) for k in start}
+    replies = [({ARRAYS: moved}, {NUM_EXAMPLES: 50.0}), honest_reply("fedavg", 0)]
+    _, metrics, _ = run_round("fedavg", replies, max_update_norm=2.0, max_num_examples=50.0)
+    assert metrics[NUM_REPLIES] == 2 and metrics[NUM_DROPPED] == 0
+    too_far = {k: start[k] + direction[k] * (bound * 1.001 / length) for k in start}
+    replies = [({ARRAYS: too_far}, {NUM_EXAMPLES: 50.0}), honest_reply("fedavg", 0)]
+    _, metrics, _ = run_round("fedavg", replies, max_update_norm=2.0, max_num_examples=50.0)
+    assert metrics[NUM_REPLIES] == 1 and metrics["dropped-update-norm"] == 1
+    replies = [({ARRAYS: moved}, {NUM_EXAMPLES: 50.0}), honest_reply("fedavg", 0)]
+    _, metrics, _ = run_round("fedavg", replies, max_update_norm=2.0, max_num_examples=49.0)
+    assert metrics[NUM_REPLIES] == 1 and metrics[f"dropped-{NUM_EXAMPLES}"] == 1
+
+
+def test_disabled_bounds_let_an_outlier_through() -> None:
+    records, metrics = honest_reply("fedavg", 3)
+    _scaled_update(records, metrics)
+    metrics[NUM_EXAMPLES] = 1e12
+    replies = [honest_reply("fedavg", 0), (records, metrics)]
+    arrays, round_metrics, _ = run_round("fedavg", replies, max_update_norm=0, max_num_examples=0)
+    assert round_metrics[NUM_REPLIES] == 2 and round_metrics[NUM_DROPPED] == 0
+    assert arrays is not None
+    assert update_norm(arrays_to_state(arrays), global_state()) > 1e4
+
+
+# ------------------------------------------------------------------ robust aggregation
+
+
+def poisoned_round(name: str, rule: str, **options: object) -> tuple[State, State, MetricRecord]:
+    """5 clients with equal weights, client 3 sending g + 1e6 (g_3 - g); the round's result
+    and the honest clients' mean."""
+    replies = []
+    for k in range(5):
+        records = {ARRAYS: honest_state(k, scale=1e-4)}
+        metrics = {NUM_EXAMPLES: 100.0, TRAIN_LOSS: 1.0}
+        if k == 3:
+            _scaled_update(records, metrics)
+        replies.append((records, metrics))
+    honest = [records[ARRAYS] for k, (records, _) in enumerate(replies) if k != 3]
+    honest_mean = {key: torch.stack([s[key] for s in honest]).mean(0) for key in honest[0]}
+    arrays, metrics, _ = run_round(name, replies, aggregation_rule=rule, **options)
+    assert arrays is not None
+    return arrays_to_state(arrays), honest_mean, metrics
+
+
+def max_distance(first: State, second: State) -> float:
+    return max(float((first[k] - second[k]).abs().max()) for k in first)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedmenf"])
+def test_a_scaled_update_ruins_the_mean_but_not_median_or_trimmed_mean(name: str) -> None:
+    mean, honest_mean, _ = poisoned_round(name, "mean", max_update_norm=0)
+    assert max_distance(mean, honest_mean) > 1.0
+    for rule in ("median", "trimmed-mean"):
+        robust, honest_mean, metrics = poisoned_round(name, rule, max_update_norm=0)
+        assert metrics[NUM_REPLIES] == 5 and metrics[NUM_DROPPED] == 0
+        assert max_distance(robust, honest_mean) < 1e-3, rule
+
+
+def test_max_update_norm_drops_the_scaled_update_from_the_mean() -> None:
+    # honest updates move g by ~1e-4 x ||g||, the scaled one by ~1e2 x ||g||
+    mean, honest_mean, metrics = poisoned_round("fedavg", "mean", max_update_norm=10.0)
+    assert metrics["dropped-update-norm"] == 1 and metrics[NUM_REPLIES] == 4
+    assert max_distance(mean, honest_mean) < 1e-12
+
+
+def test_fedacg_moves_from_the_robust_aggregate() -> None:
+    robust, honest_mean, _ = poisoned_round("fedacg", "median", max_update_norm=0)
+    assert max_distance(robust, honest_mean) < 1e-3  # first round: momentum starts at 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7, 10])
+def test_median_and_trimmed_mean_equal_numpy_and_scipy(count: int) -> None:
+    gen = torch.Generator().manual_seed(count)
+    states = [
+        {"a": torch.randn(4, 3, generator=gen, dtype=F64), "b": torch.randn(5, generator=gen)}
+        for _ in range(count)
+    ]
+    stacked = {key: np.stack([s[key].numpy() for s in states]) for key in states[0]}
+    median = coordinate_median(states)
+    for key, values in stacked.items():
+        np.testing.assert_allclose(median[key].numpy(), np.median(values, axis=0), rtol=1e-6)
+        assert median[key].dtype == states[0][key].dtype
+    for fraction in (0.0, 0.1, 0.2, 0.25, 0.4, 0.49):
+        trimmed = coordinate_trimmed_mean(states, fraction)
+        for key, values in stacked.items():
+            expected = stats.trim_mean(values, fraction, axis=0)
+            np.testing.assert_allclose(trimmed[key].numpy(), expected, rtol=1e-6, atol=1e-7)
+    assert robust_aggregate("median", states)["a"].equal(median["a"])
+
+
+def test_robust_rules_round_integer_tensors_and_refuse_bad_arguments() -> None:
+    states = [{"steps": torch.tensor([1, 4])}, {"steps": torch.tensor([2, 7])}]
+    assert coordinate_median(states)["steps"].tolist() == [2, 6]  # 1.5 -> 2, 5.5 -> 6
+    with pytest.raises(ValueError, match=r"trim_fraction must be in \[0, 0.5\)"):
+        coordinate_trimmed_mean(states, 0.5)
+    with pytest.raises(ValueError, match="'median' or 'trimmed-mean'"):
+        robust_aggregate("mean", states)
+    with pytest.raises(ValueError, match="shape"):
+        coordinate_median([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}])
+
+
+def test_update_norm_is_the_euclidean_distance() -> None:
+    start, moved = global_state(), honest_state(5)
+    flat = torch.cat([(moved[k] - start[k]).flatten() for k in start])
+    assert update_norm(moved, start) == pytest.approx(float(flat.norm()), rel=1e-12)
+    payload = alpha_weighted_payload(moved, 2.5)
+    assert update_norm(payload, start, scale=2.5) == pytest.approx(float(flat.norm()), rel=1e-12)
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: FedAvg(aggregation_rule="mode"), "aggregation_rule must be one of"),
+        (lambda: FedAvg(trim_fraction=0.5), r"trim_fraction must be in \[0, 0.5\)"),
+        (
+            lambda: FedProx(
+                proximal_mu=0.1,
+                aggregation_rule="median",
+                secure_aggregation=SecureAggregationConfig(),
+            ),
+            "secure aggregation hides",
+        ),
+        (lambda: FedNova(aggregation_rule="median"), "fednova aggregates with its own"),
+        (lambda: FedExP(aggregation_rule="trimmed-mean"), "fedexp aggregates with its own"),
+        (lambda: FedAvg(max_update_norm=-1.0), "max_update_norm must be > 0"),
+        (lambda: FedAvg(max_num_examples=float("inf")), "max_num_examples must be > 0"),
+        (lambda: DecentNeRF(alpha_max=0.0), "alpha_max must be positive"),
+    ],
+)
+def test_contradictory_strategy_arguments_are_refused(build: Callable, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_run_config_keys_reach_the_strategies() -> None:
+    from fedfields.config import FederatedConfig, meta_settings
+    from simulations.meta_job import make_meta_strategy
+    from strategies import make_strategy
+
+    config = FederatedConfig.from_run_config(
+        {
+            "strategy": "fedprox",
+            "aggregation-rule": "trimmed-mean",
+            "trim-fraction": 0.3,
+            "max-update-norm": 5.0,
+            "max-num-examples": 0.0,
+        }
+    )
+    fedprox = make_strategy("fedprox", config.to_run_config())
+    assert isinstance(fedprox, FedProx)
+    assert (fedprox.aggregation_rule, fedprox.trim_fraction) == ("trimmed-mean", 0.3)
+    assert (fedprox.max_update_norm, fedprox.max_num_examples) == (5.0, None)
+    scene = FederatedConfig.from_run_config({"alpha-max": 7.0})
+    decentnerf = make_strategy("decentnerf", scene.to_run_config())
+    assert isinstance(decentnerf, DecentNeRF) and decentnerf.alpha_max == 7.0
+    assert decentnerf.max_update_norm == 1000.0 and decentnerf.max_num_examples == 1e9
+    faces = FederatedConfig.from_run_config({"task": "faces", "aggregation-rule": "median"})
+    fedmenf = make_meta_strategy(faces, meta_settings(faces))
+    assert isinstance(fedmenf, FedMeNF) and fedmenf.aggregation_rule == "median"
