@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, Callable[[], dict]]] = [
         ("clean", lambda: simulated("clean", args.rounds)),
         ("server-killed", lambda: killed_and_resumed(args.rounds, args.kill_after)),
+        ("clean-again", lambda: simulated("clean-again", args.rounds)),  # Ray's own spread
     ]
     for count in (1, 2, 3):  # 4, 8, 12 of 20 nodes crash: about 1, 2, 3 of 5 per round
         nodes = frozenset(range(4 * count))
@@ -210,13 +211,15 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             (name, lambda n=name, e=extra: simulated(n, args.rounds, (Poison("scaled-1e6"),), **e))
         )
-    results = []
+    saved = OUT / "results.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else []
     for name, run in rows:
         if args.only is not None and not any(name.startswith(prefix) for prefix in args.only):
             continue
-        results.append(run())
-        print(json.dumps(results[-1]), flush=True)
-        (OUT / "results.json").write_text(json.dumps(results, indent=2))
+        result = run()
+        results = [r for r in results if r["name"] != result["name"]] + [result]
+        print(json.dumps(result), flush=True)
+        saved.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
