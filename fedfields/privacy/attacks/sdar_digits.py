@@ -276,6 +276,7 @@ class DigitsAuditResult:
 
     test_accuracy: float
     mean_image_mse: float  # predicting the auxiliary mean digit for every private one
+    class_mean_mse: float  # predicting the auxiliary mean digit of each private digit's class
     scores: dict[str, AttackScore]
     model: SplitCNN
     attacks: dict[str, SDARAttack]
@@ -337,15 +338,30 @@ def digits_audit(
                 data.private_inputs[:16], reconstructions[:16], png_dir / f"{name}.png"
             )
     mean_image = data.aux_inputs.mean(dim=0, keepdim=True).expand_as(data.private_inputs)
+    class_means = class_mean_images(data.aux_inputs, data.aux_labels)[data.private_labels]
     return DigitsAuditResult(
         accuracy,
         F.mse_loss(mean_image, data.private_inputs).item(),
+        F.mse_loss(class_means, data.private_inputs).item(),
         scores,
         model,
         sdar_attacks,
         data,
         pngs,
     )
+
+
+def class_mean_images(inputs: Tensor, labels: Tensor, num_classes: int = NUM_CLASSES) -> Tensor:
+    """Mean image per class, [num_classes, ...]: the guess a server holding the labels (vanilla
+    SL) makes from its auxiliary data alone, the baseline an attack must beat to show leakage
+    beyond the label. ValueError if a class has no image."""
+    counts = torch.bincount(labels, minlength=num_classes)
+    if (counts == 0).any():
+        missing = torch.nonzero(counts == 0).flatten().tolist()
+        raise ValueError(f"classes {missing} have no image to average")
+    sums = torch.zeros(num_classes, *inputs.shape[1:], dtype=inputs.dtype)
+    sums.index_add_(0, labels, inputs)
+    return sums / counts.view(-1, *([1] * (inputs.dim() - 1))).to(inputs.dtype)
 
 
 def _conditioned(module: nn.Module, shape: tuple[int, ...], conditional: bool) -> nn.Module:
