@@ -22,7 +22,7 @@ from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
 from simulations.run import client_app, with_run_config
 from simulations.split_job import run_split_job, split_observers
 
-LEGO = Path(__file__).resolve().parents[2] / "shared" / "data" / "lego"
+LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"  # the bundled scene
 
 
 def tiny(run_dir: Path, **overrides: object) -> dict:
