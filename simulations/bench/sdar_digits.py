@@ -9,10 +9,14 @@ private digits (images in [0, 1]; lower = more leakage), the MSE of the auxiliar
 digit's class (what the labels a vanilla server holds give away: an attack below it shows more
 than the label) and, U-shaped, the label accuracy (chance 0.10). Then
 SDAR under paper 001 Sec. VI's defences (dropout before the classifier, l2 on every party's
-weights, mirrored on the attacker's simulators) in vanilla split learning.
+weights, mirrored on the attacker's simulators) in vanilla split learning; Table V's ablation
+(every component of SDAR removed in turn, all attacks watching the same training); and
+Table VII's vanilla lambdas (lambda_1 0.02, lambda_2 1e-5) beside larger lambda_1 and none, at a
+longer budget, with the discriminators' final losses (chance: 2 ln 2 = 1.386) to show whether
+they trained at all.
 
     python -m simulations.bench.sdar_digits [--steps 400] [--seeds 0 1] [--levels 1 2 3]
-        [--no-defences] [--png-dir DIR]
+        [--tables levels defences ablation lambda] [--lambda-steps 2000] [--png-dir DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +39,18 @@ from fedfields.privacy.attacks.sdar_digits import (
 
 DEFENCES = (("dropout", 0.2), ("dropout", 0.5), ("l2", 1e-3), ("l2", 1e-2))
 DEFENCE_LEVEL = 2
+ABLATION_LEVELS = (2, 3)
+# Table V's cases (paper numbering), plus naive SDA (no adversarial term and no labels)
+ABLATION = {
+    "1 full SDAR": SDARConfig(),
+    "2 no d1": SDARConfig(lambda1=0.0),
+    "3 no d2": SDARConfig(lambda2=0.0),
+    "4 no d1, no d2": SDARConfig(lambda1=0.0, lambda2=0.0),
+    "5 no label conditioning": SDARConfig(conditional=False),
+    "naive SDA": SDARConfig.naive(),
+}
+LAMBDA1S = (0.0, 0.02, 0.2, 0.4)  # 0.02: Table VII's vanilla value; 0: no d1
+CHANCE_BCE_PAIR = 1.386  # d1/d2 loss (two BCE terms) of a discriminator at chance
 
 
 def cell(values: Sequence[float], digits: int = 4) -> str:
@@ -115,18 +131,86 @@ def defence_table(steps: int, seeds: Sequence[int], png_dir: Path | None) -> lis
     return lines
 
 
+def final_loss(history: Sequence[dict[str, float]], key: str) -> float | None:
+    """Mean of `key` over the last tenth of the attack's steps (None when it has no such term)."""
+    values = [record[key] for record in history if key in record]
+    if not values:
+        return None
+    tail = values[-max(1, len(values) // 10) :]
+    return sum(tail) / len(tail)
+
+
+def optional_cell(values: Sequence[float | None]) -> str:
+    """`cell` of the values, or '-' when the attack has no such term."""
+    present = [value for value in values if value is not None]
+    return cell(present, 3) if present else "-"
+
+
+def attack_rows(
+    attacks: dict[str, SDARConfig], level: int, steps: int, seeds: Sequence[int],
+    png_dir: Path | None,
+) -> list[str]:  # fmt: skip
+    """One vanilla training per seed at `level` watched by every attack; a row per attack."""
+    results = [run(DigitsSplitConfig(level, steps=steps, seed=seed), attacks, png_dir)
+               for seed in seeds]  # fmt: skip
+    rows = []
+    for name in attacks:
+        scores = [r.scores[name] for r in results]
+        rows.append(
+            f"| {name} | {level} | {steps} | {cell([s.mse for s in scores])} "
+            f"| {cell([r.class_mean_mse for r in results])} "
+            f"| {optional_cell([final_loss(s.history, 'd1') for s in scores])} "
+            f"| {optional_cell([final_loss(s.history, 'd2') for s in scores])} |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+ATTACK_TABLE_HEADER = [
+    "| attack (vanilla) | client blocks | steps | attack MSE | class-mean MSE | d1 loss (end) "
+    "| d2 loss (end) |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def ablation_table(steps: int, seeds: Sequence[int], png_dir: Path | None) -> list[str]:
+    """Paper 001 Table V: SDAR with each component removed, at ABLATION_LEVELS."""
+    lines = list(ATTACK_TABLE_HEADER)
+    for level in ABLATION_LEVELS:
+        lines += attack_rows(ABLATION, level, steps, seeds, png_dir)
+    return lines
+
+
+def lambda_table(steps: int, seeds: Sequence[int], png_dir: Path | None) -> list[str]:
+    """Table VII's vanilla lambda_1 beside larger ones and none, at DEFENCE_LEVEL."""
+    attacks = {f"lambda_1 = {value:g}": SDARConfig(lambda1=value) for value in LAMBDA1S}
+    return [*ATTACK_TABLE_HEADER, *attack_rows(attacks, DEFENCE_LEVEL, steps, seeds, png_dir)]
+
+
+TABLES = ("levels", "defences", "ablation", "lambda")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="split-learning steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--levels", type=int, nargs="+", default=list(SPLIT_LEVELS))
-    parser.add_argument("--no-defences", action="store_true", help="skip the Sec. VI table")
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES))
+    parser.add_argument(
+        "--lambda-steps", type=int, default=2000, help="split-learning steps of the lambda table"
+    )
     parser.add_argument("--png-dir", type=Path, help="write private/reconstructed digit PNGs")
     args = parser.parse_args()
     start = time.perf_counter()
-    tables = [split_level_table(args.steps, args.seeds, args.levels, args.png_dir)]
-    if not args.no_defences:
+    tables = []
+    if "levels" in args.tables:
+        tables.append(split_level_table(args.steps, args.seeds, args.levels, args.png_dir))
+    if "defences" in args.tables:
         tables.append(defence_table(args.steps, args.seeds, args.png_dir))
+    if "ablation" in args.tables:
+        tables.append(ablation_table(args.steps, args.seeds, args.png_dir))
+    if "lambda" in args.tables:
+        tables.append(lambda_table(args.lambda_steps, args.seeds, args.png_dir))
     print(f"\n{args.steps} steps, batch 32, seeds {args.seeds}\n")
     for table in tables:
         print("\n".join(table) + "\n")
