@@ -1,4 +1,4 @@
-"""Benchmark: a miniature of paper 000's Table 4 on lego (SplitNeRF defences vs the attack).
+"""Benchmark: a miniature of paper 000's Table 4 (SplitNeRF defences vs the attack).
 
 Rows: no defence (attack at the default ratio 100, and at the paper's ratio 0.01), S2NeRF
 gradient noise with c in {0.6, 1.2, 2.4} and r in {1e-4, 1}, NoisyLabel with sigma_l in
@@ -9,7 +9,11 @@ same seed (field, pixel sampler, defence noise, attack), then reports:
 - leakage: the Surrogate Model Attack on the row's transcript, its depth and grey renders of
   the held-out views (server part + surrogate head) scored with SSIM against a fixed
   reference, the undefended run's depth and grey renders, and against the row's own client
-  model; LPIPS-depth against the reference where the lpips package is installed;
+  model; LPIPS-depth against the reference where the lpips package is installed. Two
+  attackers: offline (`surrogate_model_attack`, fedfields' defaults, `--epochs` passes over
+  every `--record-every`-th exchange) and online (`online_surrogate_attack` with
+  `paper_online_config`: the paper's 10/t-attack, one step per training step, so it sees
+  every exchange; its cells repeat on the "ratio 0.01" row, which trains nothing new);
 - the untrained-head baseline: a freshly initialised surrogate head (no transcript) on the
   row's server part, scored the same way, so the attack's gain is visible;
 - the row's client model's own SSIM-depth against the reference (how far the defence moved
@@ -17,8 +21,16 @@ same seed (field, pixel sampler, defence noise, attack), then reports:
 
 Scoring against the undefended reference matters: under strong noise the client's own model
 is a haze, which even an untrained head matches well. A PNG grid (one held-out view; per row
-the reference depth, the row's client depth, the attack's depth and the untrained head's
-depth) and a results.json go to --out.
+the reference depth, the row's client depth, the offline and online attacks' depths and the
+untrained head's depth) and a results.json go to --out.
+
+--scene takes any scene folder `load_scene` reads. Besides lego, a procedural object (ray-cast
+surfaces, `fedfields.data.objects`) rendered at the bench's 25x25 from 80 views:
+
+    .venv/bin/fedfields data objects --count 1 --views 80 --resolution 25 \
+        --out runs/objects_split_bench
+    .venv/bin/python -m simulations.bench.split_defences --downscale 1 \
+        --scene runs/objects_split_bench/object_000 --out runs/bench_split_defences_object
 
     .venv/bin/python -m simulations.bench.split_defences [--out runs/bench_split_defences]
         [--downscale 8] [--steps 300] [--batch-rays 128] [--samples 32] [--record-every 10]
@@ -49,9 +61,12 @@ from fedfields.geometry.rays import image_rays
 from fedfields.metrics.image import lpips, ssim
 from fedfields.privacy.attacks.surrogate import (
     SurrogateAttackConfig,
+    SurrogateResult,
     depth_view,
     grey_view,
     make_surrogate_head,
+    online_surrogate_attack,
+    paper_online_config,
     surrogate_model_attack,
 )
 from fedfields.privacy.defences import ClientDefence, NoisyLabel, S2NeRFNoise
@@ -149,6 +164,11 @@ def make_field(scene: Scene, log2_hashmap_size: int, seed: int) -> HashGridField
     )
     aabb = tuple(scene.aabb.reshape(-1).tolist())
     return HashGridField(HashGridFieldConfig(encoding=encoding, aabb=aabb))
+
+
+def every_kth(transcript: Sequence[SplitExchange], k: int) -> list[SplitExchange]:
+    """The exchanges a server recording every k-th step keeps (steps 0, k, 2k, ...)."""
+    return [exchange for exchange in transcript if exchange.step % k == 0]
 
 
 def train_row(
@@ -256,41 +276,52 @@ def bench_setup(
 
 
 def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.ndarray]]]:
-    """Train and attack every row; return its figures and its depth panels for the grid."""
+    """Train and attack every row; return its figures and its depth panels for the grid.
+
+    Every exchange is recorded for the online attacker; the offline one gets every
+    `--record-every`-th. Rows sharing a split run are consecutive, so only the current run
+    (and its online attack) is kept.
+    """
     train_scene, test_scene, render_config, split_config = bench_setup(args, args.seed)
+    split_config = dataclasses.replace(split_config, record_every=1)
     attack_config = SurrogateAttackConfig(epochs=args.epochs, seed=args.seed)
+    online_config = paper_online_config(args.seed)
     background = torch.tensor(test_scene.background)
     print(
-        f"lego {test_scene.cameras.width}x{test_scene.cameras.height}: "
+        f"{args.scene.name} {test_scene.cameras.width}x{test_scene.cameras.height}: "
         f"{len(train_scene)} training / "
         f"{len(test_scene)} held-out views; {args.steps} split steps of {args.batch_rays} rays x "
-        f"{args.samples} samples, 2^{args.log2_hashmap_size} table, every "
-        f"{args.record_every}th exchange recorded; attack {args.epochs} epochs; seed {args.seed}; "
-        f"torch threads {torch.get_num_threads()}",
+        f"{args.samples} samples, 2^{args.log2_hashmap_size} table; offline attack "
+        f"{args.epochs} epochs over every {args.record_every}th exchange, online attack over "
+        f"every exchange; seed {args.seed}; torch threads {torch.get_num_threads()}",
         flush=True,
     )
-    runs: dict[tuple, SplitRun] = {}
+    run_key: tuple | None = None
     reference: Views | None = None
     figures: list[dict] = []
     panels: list[list[np.ndarray]] = []
     for row in table_rows():
-        if row.training_key not in runs:
-            runs[row.training_key] = train_row(
+        if row.training_key != run_key:
+            run_key = row.training_key
+            run = train_row(
                 row, train_scene, test_scene, split_config, render_config, args.log2_hashmap_size
             )
-        run = runs[row.training_key]
-        cached = server_views(run.server, test_scene, render_config)
-        own = render_views(run.client, cached, render_config)
+            cached = server_views(run.server, test_scene, render_config)
+            own = render_views(run.client, cached, render_config)
+            online = online_surrogate_attack(run.server, run.transcript, background, online_config)
+            online_views = render_views(online.head, cached, render_config)
         if reference is None:  # the first row is the undefended run
             reference = own
         config = attack_config
         if row.ratio is not None:
             config = dataclasses.replace(attack_config, ratio=row.ratio)
-        attack = surrogate_model_attack(run.server, run.transcript, background, config)
+        offline = every_kth(run.transcript, args.record_every)
+        attack = surrogate_model_attack(run.server, offline, background, config)
         attacked = render_views(attack.head, cached, render_config)
         untrained = render_views(untrained_head(run.server, config), cached, render_config)
         vs_reference = similarity(attacked, reference)
         vs_own = similarity(attacked, own)
+        online_vs_reference = similarity(online_views, reference)
         figures.append(
             {
                 "row": row.name,
@@ -307,9 +338,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.nd
                 "untrained_vs_reference": similarity(untrained, reference),
                 "untrained_vs_own": similarity(untrained, own),
                 "client_vs_reference": similarity(own, reference),
+                "online_vs_reference": online_vs_reference,
+                "online_vs_own": similarity(online_views, own),
                 "split_seconds": run.seconds,
                 "attack_seconds": attack.seconds,
+                "online_seconds": online.seconds,
                 "final_relative_gradient_loss": attack.history[-1]["relative_gradient_loss"],
+                "online_final_relative_gradient_loss": late_mean(online, "relative_gradient_loss"),
             }
         )
         view = args.grid_view
@@ -318,16 +353,24 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict], list[list[np.nd
                 reference.depth[view].numpy(),
                 own.depth[view].numpy(),
                 attacked.depth[view].numpy(),
+                online_views.depth[view].numpy(),
                 untrained.depth[view].numpy(),
             ]
         )
         print(
             f"{row.name}: PSNR {run.psnr:.2f} dB, attack SSIM-depth vs ref "
-            f"{vs_reference['ssim_depth']:.3f}, vs own {vs_own['ssim_depth']:.3f} "
-            f"(split {run.seconds:.0f} s, attack {attack.seconds:.0f} s)",
+            f"{vs_reference['ssim_depth']:.3f}, vs own {vs_own['ssim_depth']:.3f}; online "
+            f"{online_vs_reference['ssim_depth']:.3f} (split {run.seconds:.0f} s, attack "
+            f"{attack.seconds:.0f} s, online {online.seconds:.0f} s)",
             flush=True,
         )
     return figures, panels
+
+
+def late_mean(result: SurrogateResult, name: str, fraction: float = 0.1) -> float:
+    """Mean of a history entry over the last `fraction` of the records (at least one)."""
+    tail = result.history[-max(1, int(len(result.history) * fraction)) :]
+    return sum(record[name] for record in tail) / len(tail)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -341,8 +384,9 @@ def markdown_table(figures: Sequence[dict]) -> str:
     header = (
         "| defence | c | r | sigma_l | held-out PSNR | SSIM | attack SSIM-depth vs ref "
         "| attack SSIM-grey vs ref | attack LPIPS-depth vs ref | attack SSIM-depth vs own "
-        "| attack SSIM-grey vs own | untrained SSIM-depth vs ref | untrained SSIM-depth vs own "
-        "| client SSIM-depth vs ref | split s | attack s |"
+        "| attack SSIM-grey vs own | online SSIM-depth vs ref | online SSIM-grey vs ref "
+        "| online SSIM-depth vs own | untrained SSIM-depth vs ref | untrained SSIM-depth vs own "
+        "| client SSIM-depth vs ref | split s | attack s | online s |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for f in figures:
@@ -361,22 +405,26 @@ def markdown_table(figures: Sequence[dict]) -> str:
             _fmt(f["attack_vs_reference"]["lpips_depth"]),
             _fmt(f["attack_vs_own"]["ssim_depth"]),
             _fmt(f["attack_vs_own"]["ssim_grey"]),
+            _fmt(f["online_vs_reference"]["ssim_depth"]),
+            _fmt(f["online_vs_reference"]["ssim_grey"]),
+            _fmt(f["online_vs_own"]["ssim_depth"]),
             _fmt(f["untrained_vs_reference"]["ssim_depth"]),
             _fmt(f["untrained_vs_own"]["ssim_depth"]),
             _fmt(f["client_vs_reference"]["ssim_depth"]),
             f"{f['split_seconds']:.0f}",
             f"{f['attack_seconds']:.0f}",
+            f"{f['online_seconds']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write_grid(path: Path, names: Sequence[str], panels: Sequence[Sequence[np.ndarray]]) -> None:
-    """PNG: one line per row, reference | client | attack | untrained depth, labelled."""
+    """PNG: one line per row, reference | client | offline | online | untrained depth."""
     scale, label_width, header = 4, 200, 16
     height, width = panels[0][0].shape
     cell_h, cell_w = height * scale, width * scale
-    columns = ("reference", "client", "attack", "untrained")
+    columns = ("reference", "client", "offline", "online", "untrained")
     canvas = Image.new(
         "L", (label_width + len(columns) * (cell_w + 2), header + len(panels) * (cell_h + 2)), 255
     )
@@ -395,7 +443,12 @@ def write_grid(path: Path, names: Sequence[str], panels: Sequence[Sequence[np.nd
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scene", type=Path, default=APP_DIR / "data" / "lego")
+    parser.add_argument(
+        "--scene",
+        type=Path,
+        default=APP_DIR / "data" / "lego",
+        help="scene folder (lego, or a procedural object: see the module docstring)",
+    )
     parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_split_defences")
     parser.add_argument("--downscale", type=float, default=8.0)
     parser.add_argument("--holdout", type=int, default=8)
@@ -403,7 +456,12 @@ def main() -> None:
     parser.add_argument("--batch-rays", type=int, default=128)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--log2-hashmap-size", type=int, default=14)
-    parser.add_argument("--record-every", type=int, default=10)
+    parser.add_argument(
+        "--record-every",
+        type=int,
+        default=10,
+        help="the offline attacker's transcript: every k-th exchange (the online one sees all)",
+    )
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grid-view", type=int, default=1, help="held-out view in the PNG")

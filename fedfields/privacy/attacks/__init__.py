@@ -1,8 +1,9 @@
 """Attacks that measure what a split-learning server learns.
 
-The Surrogate Model Attack and its scene-aided variant on SplitNeRF (paper 000, Sec. 4) and
-SDAR on any split PyTorch model (paper 001); the digits task of SDAR's audit lives in
-`fedfields.privacy.attacks.sdar_digits` (it needs scikit-learn's load_digits).
+The Surrogate Model Attack (offline and online) and its scene-aided variant on SplitNeRF
+(paper 000, Sec. 4) and SDAR on any split PyTorch model (paper 001); the digits task of
+SDAR's audit lives in `fedfields.privacy.attacks.sdar_digits` (it needs scikit-learn's
+load_digits).
 """
 
 from fedfields.privacy.attacks.scene_aided import (
@@ -40,6 +41,8 @@ from fedfields.privacy.attacks.surrogate import (
     gradient_distance,
     grey_view,
     make_surrogate_head,
+    online_surrogate_attack,
+    paper_online_config,
     render_depth_and_grey,
     render_split_view,
     score_attack,
@@ -72,6 +75,8 @@ __all__ = [
     "gradient_distance",
     "grey_view",
     "make_surrogate_head",
+    "online_surrogate_attack",
+    "paper_online_config",
     "pose_error",
     "posed_cameras",
     "render_depth_and_grey",
