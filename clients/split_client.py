@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import lru_cache
 from logging import WARNING
 from pathlib import Path
 
@@ -24,9 +23,8 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from fedfields.config import FederatedConfig
-from fedfields.data import Scene, load_scene
+from fedfields.data import Scene
 from fedfields.data.pixels import PixelSampler
-from fedfields.data.scene import holdout_indices
 from fedfields.fields import HashGridField
 from fedfields.flower.node import DATA_DIR, NodeState, node_data_dir
 from fedfields.flower.protocol import (
@@ -45,17 +43,23 @@ from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
 from fedfields.privacy.split import client_step, sample_rays
 from fedfields.render import RenderConfig
-from fedfields.train.builders import check_scene_fits, global_field, render_config
+from fedfields.train.builders import (
+    HOLDOUT_EVERY,
+    SCENE_PREFIX,
+    check_scene_fits,
+    client_views,
+    is_scene,
+    joint_field,
+    render_config,
+)
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
 
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"
 PENDING = "split-pending"  # the batch the server is embedding: rays, colours, background
-HOLDOUT_EVERY = 8  # every 8th view is held out for the client's own evaluation
 LEARNING_RATE = 1e-2  # decays to 0.1x over the run, as `fedfields.privacy.train_split`
 WEIGHT_DECAY = 1e-6
-SCENE_PREFIX = "scene"  # a simulation data root holds scene_NN, one per virtual node
 CHECKPOINT = "checkpoint.pt"  # the joint field, in the client's state directory
 CLIENT_REPORT = "client.json"
 RENDERS = "renders"
@@ -84,11 +88,6 @@ def split_defence(config: FederatedConfig) -> ClientDefence | None:
     return None
 
 
-def is_scene(folder: Path) -> bool:
-    """Whether `folder` holds a scene (transforms.json or transforms_<split>.json)."""
-    return any(folder.glob("transforms*.json"))
-
-
 def scene_dir(context: Context) -> Path:
     """This node's scene folder: node-config `data-dir` (a deployed SuperNode's own scene).
 
@@ -100,20 +99,6 @@ def scene_dir(context: Context) -> Path:
     if DATA_DIR not in context.node_config and root.parts and is_scene(root):
         return root
     return node_data_dir(context, SCENE_PREFIX)
-
-
-@lru_cache(maxsize=2)
-def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
-    """(training views, held-out views) of the scene in `data_dir`, read once per process."""
-    scene = load_scene(data_dir, downscale=downscale)
-    train, heldout = holdout_indices(len(scene), HOLDOUT_EVERY)
-    return scene.subset(train), scene.subset(heldout)
-
-
-def joint_field(config: FederatedConfig) -> HashGridField:
-    """The joint field as both sides initialise it: run-config's shapes, seeded by `seed`."""
-    torch.manual_seed(config.common.seed)
-    return global_field(config)
 
 
 def train(msg: Message, context: Context) -> Message:

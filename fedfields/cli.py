@@ -1,4 +1,5 @@
-"""The `fedfields` command line: centralised training, evaluation, and dataset building."""
+"""The `fedfields` command line: centralised training, evaluation, dataset building, and the
+audit of finished runs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fedfields.data.crowd import (
     crowd_from_scene_dir,
     write_crowd,
 )
+from fedfields.data.figures import OBJECT_KINDS
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.optim import resolve_device
 from fedfields.train import (
@@ -80,7 +82,62 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     _add_data_commands(commands)
     _add_attack_commands(commands)
+    _add_audit_command(commands)
     return parser
+
+
+def _add_audit_command(commands: argparse._SubParsersAction) -> None:
+    """`fedfields audit RUN_DIR ...`: utility versus leakage of finished runs."""
+    audit = commands.add_parser(
+        "audit",
+        help="run every attack and metric that applies to finished runs; one table",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Audit finished runs (directories with config.json and checkpoint.pt) as the experimenter,
+reading the ground truth their run-config names (data-dir); prints one utility-versus-leakage
+table, one row per run, and writes audit.json and audit.png into each run directory.
+
+  scene (fednerf, decentnerf, fedavg...): utility = clean-view PSNR/SSIM of the checkpoint's
+    global field on the crowd's views; leakage = PSNR inside each user's person masks against
+    the photo, rendered from that field (what the server reads), next to the floor (a field
+    that renders no person); plus the observer's per-round figures (uploads' personal PSNR)
+    as recorded during the run.
+  meta (faces, video, objects): utility = PSNR after test-time optimisation from theta on the
+    held-out tasks; leakage = PSNR_p of theta on the clients' query sets (blind and oracle
+    rescaled too) and membership inference against theta; plus summary.json's figures of
+    the clients' uploads as recorded during the run.
+  split: utility = held-out PSNR of the client's joint field; leakage = SSIM-depth/grey of the
+    Surrogate Model Attack (offline and online), SDAR and its naive baseline against the
+    client's renders, from transcript.pt (runs made with split-attack); reference = an
+    untrained surrogate head.""",
+    )
+    audit.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directory")
+    audit.add_argument("--seed", type=int, default=0, help="seed of the attacks (default 0)")
+    audit.add_argument("--max-views", type=int, help="scene: first N views of each user")
+    audit.add_argument("--max-clients", type=int, help="meta: first N clients' query sets")
+    audit.add_argument(
+        "--sdar-aux",
+        choices=OBJECT_KINDS,
+        default="car",
+        help="split: the procedural object the SDAR attacker owns (default car)",
+    )
+    audit.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from fedfields.audit import AuditConfig, audit_runs, format_table, write_audit
+
+    config = AuditConfig(
+        seed=args.seed,
+        max_views=args.max_views,
+        max_clients=args.max_clients,
+        sdar_aux=args.sdar_aux,
+        progress=not args.no_progress,
+    )
+    results = audit_runs(args.run_dirs, config)
+    write_audit(results)
+    print(format_table(results))
+    return 0
 
 
 def _add_data_commands(commands: argparse._SubParsersAction) -> None:
@@ -345,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "crowd": run_crowd,
         "objects": run_objects,
         "sdar-digits": run_sdar_digits,
+        "audit": run_audit,
     }
     name = args.command if args.command != "data" else args.data_command
     try:

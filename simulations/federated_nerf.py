@@ -28,8 +28,9 @@ from flwr.serverapp import Grid
 
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
+from fedfields.data.crowd import CrowdData
 from fedfields.flower import ProtocolStrategy
-from fedfields.flower.protocol import NUM_REPLIES, state_to_arrays
+from fedfields.flower.protocol import NUM_REPLIES, arrays_to_state, state_to_arrays
 from fedfields.flower.resume import (
     RESUME_FILE,
     ResumeError,
@@ -37,11 +38,13 @@ from fedfields.flower.resume import (
     load_round_checkpoint,
     save_round_checkpoint,
 )
+from fedfields.report import write_report
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
+from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.federated import federated_state
 from simulations.observers import Observer, simulation_observed
-from simulations.scene_observer import CrowdData, CrowdObserver, FieldRenderer
+from simulations.scene_observer import CrowdObserver
 from strategies import make_strategy as make_named_strategy
 
 
@@ -89,7 +92,7 @@ class RoundReport:
             "downlink-bytes": float(cost.downlink_bytes),
         }
         if self.eval_scene is not None:
-            self.renderer.load(arrays)
+            self.renderer.load(arrays_to_state(arrays))
             views = range(min(len(self.eval_scene), self.config.scene.eval_views_per_round))
             metrics["eval-scene-psnr"] = self.renderer.score_scene(self.eval_scene, views)[0]
         for observer in self.observers:
@@ -102,8 +105,9 @@ class RoundReport:
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """Checkpoint of the global field, the server's final scores and summary.json."""
-        self.renderer.load(arrays)
+        """Checkpoint of the global field, the server's final scores, summary.json and
+        report.html."""
+        self.renderer.load(arrays_to_state(arrays))
         final: dict[str, Any] = {}
         if self.eval_scene is not None:
             scene = self.eval_scene
@@ -129,6 +133,7 @@ class RoundReport:
             summary |= observed
         summary["seconds"] = time.perf_counter() - self.started
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_report(self.run_dir)
         return summary
 
 

@@ -48,9 +48,20 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.privacy.attacks.inference import membership_pairs, train_attack
-from fedfields.train.builders import client_meta_tasks, heldout_meta_tasks, meta_model
+from fedfields.report import write_report
+from fedfields.train.builders import (
+    Quality,
+    as_image_batch,
+    client_meta_tasks,
+    client_object_folder,
+    heldout_meta_tasks,
+    mean_quality,
+    meta_model,
+    tto_qualities,
+    tto_schedule,
+)
 from fedfields.train.federated import federated_state
-from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr, test_time_optimise
+from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
 from simulations.federated_nerf import (
     open_run_dir,
@@ -63,7 +74,6 @@ from strategies import strategy_class
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
-Quality = dict[str, float | None]
 
 
 @dataclass
@@ -72,34 +82,6 @@ class Upload:
 
     client: int
     state: dict[str, Tensor]
-
-
-def tto_schedule(max_steps: int) -> tuple[int, ...]:
-    """TTO step counts scored: 0, 1, 2, 4, ... below `max_steps`, then `max_steps`."""
-    steps, power = [0], 1
-    while power < max_steps:
-        steps.append(power)
-        power *= 2
-    return (*steps, max_steps) if max_steps > 0 else (0,)
-
-
-def tto_qualities(
-    model: nn.Module,
-    state: dict[str, Tensor],
-    task: MetaTask,
-    config: FederatedConfig,
-    settings: MetaSettings,
-) -> dict[int, Quality]:
-    """`fedfields.train.meta.test_time_optimise` from `state` with the task's preset schedule."""
-    return test_time_optimise(
-        model,
-        state,
-        task,
-        tto_schedule(settings.tto_steps),
-        learning_rate=settings.tto_lr,
-        batch_size=settings.support_batch,
-        seed=config.common.seed,
-    )
 
 
 class CapturedRender:
@@ -120,7 +102,7 @@ class CapturedRender:
 
 class MetaReport:
     """Flower's evaluate_fn for the meta job: one line of metrics.jsonl per round, and the
-    final report (checkpoint, tto.png, summary.json).
+    final report (checkpoint, tto.png, summary.json, report.html).
 
     A line holds the clients' aggregated train metrics, theta's TTO quality on the public
     held-out tasks (if any) and what the observers measured.
@@ -183,10 +165,11 @@ class MetaReport:
             tto_qualities(self.model, state, task, self.config, self.settings)
             for task in self.heldout
         ]
-        return {step: _mean([curve[step] for curve in curves]) for step in self.steps}
+        return {step: mean_quality([curve[step] for curve in curves]) for step in self.steps}
 
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """Checkpoint of theta, the TTO plot, the observers' final audits and summary.json."""
+        """Checkpoint of theta, the TTO plot, the observers' final audits, summary.json and
+        report.html."""
         state = arrays_to_state(arrays)
         payload = {
             "format": "fedfields-meta-checkpoint-1",
@@ -216,6 +199,7 @@ class MetaReport:
             summary |= observed
         summary["seconds"] = time.perf_counter() - self.started
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_report(self.run_dir)
         return summary
 
 
@@ -258,7 +242,7 @@ class PrivacyAudit:
         if not uploads:
             return {}
         self.last_uploads = uploads
-        privacy = _mean([self.privacy(upload) for upload in uploads])
+        privacy = mean_quality([self.privacy(upload) for upload in uploads])
         return {**_present(privacy), "clients": [upload.client for upload in uploads]}
 
     def client_tasks(self, client: int) -> list[MetaTask]:
@@ -270,7 +254,7 @@ class PrivacyAudit:
         """PSNR_p, SSIM_p, LPIPS_p of one upload and PSNR_p after rescaling its outputs
         (blind and oracle), averaged over its client's tasks."""
         tasks = self.client_tasks(upload.client)
-        return _mean(
+        return mean_quality(
             [
                 privacy_metrics(self.model, upload.state, task)
                 | rescaled_privacy_psnr(self.model, upload.state, task)
@@ -310,7 +294,7 @@ class PrivacyAudit:
     def rendered(self, client: int, task: MetaTask) -> list[Tensor]:
         """`task`'s query images as rendered by `client`'s last upload, [H, W, C] each."""
         values = task.render_query(self.model, self.latest[client]).clamp(0.0, 1.0)
-        return list(_as_image_list(task.query_images(values)))
+        return list(as_image_batch(task.query_images(values)))
 
     def membership_pairs(self, group: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Each client's query images with its own and a random other client's renders."""
@@ -319,7 +303,7 @@ class PrivacyAudit:
         for client in group:
             stranger = rng.choice([c for c in group if c != client] or [client])
             for task in self.client_tasks(client):
-                truth = list(_as_image_list(task.query_images(task.query_targets)))
+                truth = list(as_image_batch(task.query_images(task.query_targets)))
                 images += truth
                 own += self.rendered(client, task)
                 other += self.rendered(stranger, task)
@@ -327,9 +311,7 @@ class PrivacyAudit:
 
     def object_folder(self, client: int) -> Path:
         """Client `client`'s object folder under `data-dir`, as its node finds it."""
-        root = Path(self.config.deployment.data_dir)
-        names = (f"object_{client:02d}", f"object_{client:03d}")
-        return next((root / n for n in names if (root / n).is_dir()), root / names[0])
+        return client_object_folder(self.config.deployment.data_dir, client)
 
     def object_kind(self, client: int) -> str:
         """The kind of client `client`'s object (transforms.json's object name)."""
@@ -397,25 +379,11 @@ def meta_observers(run_config: Mapping[str, Any], run_dir: Path | None = None) -
     return [PrivacyAudit(config, meta_settings(config), run_dir)]
 
 
-def _as_image_list(images: Tensor) -> Tensor:
-    """[N, H, W, C] as it is, one [H, W, C] image as a batch of one."""
-    return images if images.ndim == 4 else images[None]
-
-
 def _first_image(task: MetaTask, values: Tensor) -> np.ndarray:
     """The first image (frame or view) of query-shaped values, [H, W] or [H, W, 3] in [0, 1]."""
     images = task.query_images(values.clamp(0.0, 1.0))
     image = images[0] if images.ndim == 4 else images
     return image[..., 0].numpy() if image.shape[-1] == 1 else image.numpy()
-
-
-def _mean(qualities: Sequence[Quality]) -> Quality:
-    """Key-wise mean; a key that some entry lacks a value for (None) stays None."""
-    means: Quality = {}
-    for key in qualities[0]:
-        values = [quality[key] for quality in qualities]
-        means[key] = None if any(v is None for v in values) else float(np.mean(values))
-    return means
 
 
 def _present(quality: Quality) -> dict[str, float]:

@@ -20,8 +20,6 @@ must hold nothing per client, it goes to `<run-dir>.audit/` beside the run direc
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,104 +33,13 @@ from PIL import Image
 from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.config import FederatedConfig
-from fedfields.data import Scene, load_scene
-from fedfields.data.crowd import CrowdUser, load_crowd_user
+from fedfields.data.crowd import CrowdData
 from fedfields.flower.decentnerf import ALPHA_STATE
-from fedfields.flower.protocol import ARRAYS, arrays_to_state, state_to_arrays
-from fedfields.metrics import psnr, ssim
-from fedfields.render import OccupancyGrid, render_image
-from fedfields.train.builders import global_field, render_config
-from fedfields.train.federated import load_federated_state
+from fedfields.flower.protocol import ARRAYS, arrays_to_state
+from fedfields.metrics import psnr
+from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
+from fedfields.train.evaluation import FieldRenderer
 from simulations.observers import ReplyTap
-
-UPLOAD_LEAK = "upload-personal-psnr"
-"""Metric: PSNR inside each user's masks of its plaintext upload, mean over the round's uploads."""
-PERSONAL_FLOOR = "personal-psnr-floor"
-"""Metric: PSNR inside the masks of the clean views against the photos (no person rendered)."""
-OCCUPANCY_PASSES = 2  # grid refreshes from a freshly aggregated field before rendering
-
-
-@dataclass
-class CrowdData:
-    """Every user's views with their masks and clean images, and the held-out clean views."""
-
-    users: list[CrowdUser]
-    heldout: Scene | None
-
-    @classmethod
-    def load(cls, data_dir: str, downscale: float) -> CrowdData:
-        """Read a `fedfields data crowd` folder; a clear error if it is not one."""
-        root = Path(data_dir)
-        folders = sorted(root.glob("user_*"))
-        if not folders:
-            raise FileNotFoundError(
-                f"{root}: no user_NN folders; build one with `fedfields data crowd`"
-            )
-        users = [load_crowd_user(folder, downscale=downscale) for folder in folders]
-        heldout = None
-        if (root / "heldout" / "transforms.json").is_file():
-            heldout = load_scene(root / "heldout", downscale=downscale)
-        return cls(users, heldout)
-
-
-def score_crowd(
-    render: Callable[[Scene, int], torch.Tensor],
-    users: list[CrowdUser],
-    views: list[int] | None = None,
-) -> dict[str, float]:
-    """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views,
-    with the leakage floor: the clean view against the photo inside the masks, i.e. what a
-    field that renders no person scores, so leakage is told apart from none.
-
-    `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view.
-    """
-    clean, personal, floor, predictions, targets = [], [], [], [], []
-    for user in users:
-        for view in views if views is not None else range(len(user.scene)):
-            image = render(user.scene, view)
-            photo, mask = user.scene.images[view], user.personal_masks[view]
-            clean.append(psnr(image, user.clean_images[view]))
-            personal.append(psnr(image, photo, mask))
-            floor.append(psnr(user.clean_images[view], photo, mask))
-            predictions.append(image)
-            targets.append(user.clean_images[view])
-    return {
-        "clean-psnr": float(np.mean(clean)),
-        "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
-        "personal-psnr": float(np.mean(personal)),
-        PERSONAL_FLOOR: float(np.mean(floor)),
-    }
-
-
-class FieldRenderer:
-    """The global field loaded from arrays, with a fresh occupancy grid, rendering any view."""
-
-    def __init__(self, config: FederatedConfig) -> None:
-        self.config = config
-        self.field = global_field(config)
-        self.occupancy = OccupancyGrid(self.field.aabb)
-
-    def load(self, arrays: ArrayRecord) -> None:
-        """Load the aggregated state and refresh the occupancy grid from its density."""
-        load_federated_state(self.field, arrays_to_state(arrays))
-        self.field.eval()
-        self.occupancy = OccupancyGrid(self.field.aabb)
-        step = render_config(self.config, None).step_size
-        for _ in range(OCCUPANCY_PASSES):
-            self.occupancy.update(self.field.density, step)
-
-    def __call__(self, scene: Scene, view: int) -> torch.Tensor:
-        """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""
-        settings = render_config(self.config, scene)
-        rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
-        return rendered.rgb.clamp(0.0, 1.0)
-
-    def score_scene(self, scene: Scene, views: range) -> tuple[float, float]:
-        """Mean PSNR and SSIM of the renders of `views` against `scene`'s images."""
-        renders = [self(scene, view) for view in views]
-        targets = scene.images[list(views)]
-        values = [psnr(r, t) for r, t in zip(renders, targets, strict=True)]
-        return float(np.mean(values)), ssim(torch.stack(renders), targets)
 
 
 def audit_dir(run_dir: Path) -> Path:
@@ -180,12 +87,12 @@ class CrowdObserver:
         if uploads:
             leaks = []
             for user, state in uploads:
-                self.renderer.load(state_to_arrays(state))
+                self.renderer.load(state)
                 image = self.renderer(self.data.users[user].scene, 0)
                 crowd_user = self.data.users[user]
                 leaks.append(psnr(image, crowd_user.scene.images[0], crowd_user.personal_masks[0]))
             metrics[UPLOAD_LEAK] = float(np.mean(leaks))
-        self.renderer.load(arrays)
+        self.renderer.load(arrays_to_state(arrays))
         count = self.config.scene.eval_views_per_round
         every = max(1, len(self.data.users) // max(1, count))
         metrics |= score_crowd(self.renderer, self.data.users[::every][:count], views=[0])
@@ -197,7 +104,7 @@ class CrowdObserver:
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Every view scored, renders, alphas (in `per_user_dir`) and leakage plots; the
         final scores."""
-        self.renderer.load(arrays)
+        self.renderer.load(arrays_to_state(arrays))
         final = score_crowd(self.renderer, self.data.users, views=None)
         if self.data.heldout is not None:
             heldout = self.data.heldout

@@ -5,7 +5,7 @@ client everything else (`clients.split_client`). Both build the joint field from
 alone (`joint_field`: the same shapes and seed), so the server reads no file of the client.
 Each step is one "train" round trip: the server embeds the batch the client sent, the client
 answers with the embedding gradient and its next batch; the server back-propagates and steps.
-The run directory gets config.json, metrics.jsonl and summary.json.
+The run directory gets config.json, metrics.jsonl, summary.json and report.html.
 
 In simulation (`simulation_observed`) `SplitAudit` observes the wire as the honest-but-curious
 server would, keeping every k-th exchange; with `split-attack` it runs the Surrogate Model
@@ -29,17 +29,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 
-from clients.split_client import (
-    CHECKPOINT,
-    CLIENT_REPORT,
-    LEARNING_RATE,
-    RENDERS,
-    SCENE_PREFIX,
-    WEIGHT_DECAY,
-    client_views,
-    is_scene,
-    joint_field,
-)
+from clients.split_client import CHECKPOINT, CLIENT_REPORT, LEARNING_RATE, RENDERS, WEIGHT_DECAY
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.flower.protocol import (
@@ -70,7 +60,10 @@ from fedfields.privacy.attacks import (
     score_attack,
     surrogate_model_attack,
 )
+from fedfields.privacy.split import TRANSCRIPT_FILE, save_transcript
 from fedfields.render import RenderConfig
+from fedfields.report import write_report
+from fedfields.train.builders import client_views, joint_field, split_scene_dir
 from fedfields.train.checkpoint import load_checkpoint
 from simulations.federated_nerf import make_run_dir
 from simulations.observers import Observer, ReplyTap, simulation_observed
@@ -150,6 +143,7 @@ def run_split_job(
         for observer in observers:
             summary |= observer.finish(arrays, history)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_report(run_dir)
     log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
     return run_dir
@@ -245,7 +239,9 @@ def split_observers(run_config: dict[str, Any], run_dir: Path | None = None) -> 
 class SplitAudit:
     """Simulation-only observer of a split run: the client's renders, checkpoint and
     client.json copied into the run directory and, with `split-attack`, the Surrogate Model
-    Attack on every `split-record-every`-th exchange seen on the wire (`attack.png`).
+    Attack on every `split-record-every`-th exchange seen on the wire (`attack.png`); that
+    record, what the honest-but-curious server saw and never client state, is kept as
+    transcript.pt for the post-hoc attacks of `fedfields audit`.
 
     As the experimenter it reads the client's scene (run-config `data-dir`: the scene, or its
     scene_00) and the client's state directory (`<state-dir>/node_00`, `fedfields.flower.node`).
@@ -254,8 +250,7 @@ class SplitAudit:
     def __init__(self, config: FederatedConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
-        root = Path(config.deployment.data_dir)
-        self.scene_dir = root if is_scene(root) else root / f"{SCENE_PREFIX}_00"
+        self.scene_dir = split_scene_dir(config.deployment.data_dir)
         self.client_dir = Path(config.deployment.state_dir) / "node_00"
         self.transcript: list[SplitExchange] = []
         self.samples: RaySamples | None = None  # the batch the client sent last
@@ -306,6 +301,7 @@ class SplitAudit:
         shutil.copytree(self.client_dir / RENDERS, self.run_dir / RENDERS, dirs_exist_ok=True)
         if not self.config.split.split_attack:
             return {}
+        save_transcript(self.run_dir / TRANSCRIPT_FILE, self.transcript)
         server, _ = split_field(joint_field(self.config))
         server.load_state_dict(arrays_to_state(arrays))
         return {"attack": self.attack(server)}

@@ -17,11 +17,11 @@ from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
 from fedfields.config import FederatedConfig
 from fedfields.data import load_scene
-from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+from fedfields.data.crowd import CrowdConfig, CrowdData, build_crowd, write_crowd
 from fedfields.flower.protocol import arrays_to_state
+from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
-from simulations.scene_observer import PERSONAL_FLOOR, UPLOAD_LEAK, CrowdData, score_crowd
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGO = ROOT / "data" / "lego"

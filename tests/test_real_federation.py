@@ -127,6 +127,7 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
         "checkpoint.pt",
         "resume.pt",
         "summary.json",
+        "report.html",
     }
 
 

@@ -9,8 +9,10 @@ same search over a plaintext run finds them, so the search can fail.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from test_secure_aggregation import numbers_received as numbers_in_records
 
 from clients.client_app import PERSONAL
 from fedfields.config import FederatedConfig, meta_settings
+from fedfields.data.crowd import CrowdData
 from fedfields.flower import secure_aggregation
 from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.flower.protocol import (
@@ -57,11 +60,12 @@ from fedfields.privacy.secure_sum import (
     exponent_one_hot_of,
     plan_scales,
 )
+from fedfields.report import REPORT_FILE
 from fedfields.train.builders import client_meta_tasks
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
-from simulations.scene_observer import CrowdData, audit_dir
+from simulations.scene_observer import audit_dir
 
 # ------------------------------------------------------------------ the exponent cap
 
@@ -311,12 +315,17 @@ def private(values: Iterable[float] | np.ndarray, public: np.ndarray) -> np.ndar
     return np.unique(array[~matches(array, public)])
 
 
+EMBEDDED_PNG = re.compile(r"data:image/png;base64,([A-Za-z0-9+/=]*)")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
 def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor]], list[Path]]:
-    """Every number in the run directory's JSON/JSONL files, the tensors of its torch files by
-    key, and its images."""
+    """Every number in the run directory's JSON/JSONL files and report.html, the tensors of its
+    torch files by key, and its images (report.html embeds these and one plot of its own)."""
     numbers: list[float] = []
     tensors: dict[str, list[torch.Tensor]] = {}
     images = []
+    embedded: list[bytes] = []  # report.html's images
 
     def walk(value: object, key: str = "") -> None:
         if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -342,8 +351,15 @@ def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor
             walk(torch.load(path, map_location="cpu", weights_only=False))
         elif path.suffix == ".png":
             images.append(path)
+        elif path.name == REPORT_FILE:  # the page the run ends with
+            text = path.read_text()
+            embedded = [base64.b64decode(data) for data in EMBEDDED_PNG.findall(text)]
+            numbers += [float(number) for number in NUMBER.findall(EMBEDDED_PNG.sub("", text))]
         else:
             raise AssertionError(f"unexpected file in the run directory: {path}")
+    # Besides the PNGs searched here, the report embeds only its plot of metrics.jsonl.
+    files = {image.read_bytes() for image in images}
+    assert len([png for png in embedded if png not in files]) <= 1, "report.html embeds more"
     return np.asarray(numbers), tensors, images
 
 

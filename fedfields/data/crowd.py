@@ -1086,3 +1086,26 @@ def crowd_from_scene_dir(
     """Load a scene on black (premultiplied) and build its crowd."""
     scene = load_scene(scene_dir, downscale=downscale, background=(0.0, 0.0, 0.0))
     return build_crowd(scene, config, progress=progress)
+
+
+@dataclass
+class CrowdData:
+    """Every user's views with their masks and clean images, and the held-out clean views."""
+
+    users: list[CrowdUser]
+    heldout: Scene | None
+
+    @classmethod
+    def load(cls, data_dir: str | Path, downscale: float) -> CrowdData:
+        """Read a `fedfields data crowd` folder; a clear error if it is not one."""
+        root = Path(data_dir)
+        folders = sorted(root.glob("user_*"))
+        if not folders:
+            raise FileNotFoundError(
+                f"{root}: no user_NN folders; build one with `fedfields data crowd`"
+            )
+        users = [load_crowd_user(folder, downscale=downscale) for folder in folders]
+        heldout = None
+        if (root / "heldout" / "transforms.json").is_file():
+            heldout = load_scene(root / "heldout", downscale=downscale)
+        return cls(users, heldout)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -258,6 +259,45 @@ class SplitExchange:
     samples: RaySamples  # the rays and sample distances the client sent; points = .points()
     embeddings: Tensor  # [R*S, d] the server's reply
     gradient: Tensor  # [R*S, d] the gradient the client returned (after any defence)
+
+
+TRANSCRIPT_FORMAT = "fedfields-split-transcript-1"
+TRANSCRIPT_FILE = "transcript.pt"  # a split run directory's record of the wire (`fedfields audit`)
+
+
+def save_transcript(path: Path, transcript: list[SplitExchange]) -> None:
+    """Write the exchanges a split server saw (rays, embeddings, returned gradients) to `path`,
+    via `<path>.partial` so a crash leaves no half-written file; `load_transcript` reads it."""
+    exchanges = [
+        {
+            "step": exchange.step,
+            "origins": exchange.samples.origins,
+            "directions": exchange.samples.directions,
+            "edges": exchange.samples.edges,
+            "embeddings": exchange.embeddings,
+            "gradient": exchange.gradient,
+        }
+        for exchange in transcript
+    ]
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"format": TRANSCRIPT_FORMAT, "exchanges": exchanges}, partial)
+    partial.replace(path)
+
+
+def load_transcript(path: Path) -> list[SplitExchange]:
+    """The exchanges `save_transcript` wrote; ValueError if `path` holds something else."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != TRANSCRIPT_FORMAT:
+        raise ValueError(f"{path} is not a split transcript (missing format tag)")
+    return [
+        SplitExchange(
+            int(e["step"]),
+            RaySamples(e["origins"], e["directions"], e["edges"]),
+            e["embeddings"],
+            e["gradient"],
+        )
+        for e in payload["exchanges"]
+    ]
 
 
 @dataclass

@@ -8,13 +8,16 @@ whatever a node's images or hardware.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from torch import nn
+import numpy as np
+import torch
+from torch import Tensor, nn
 
 from fedfields.config import FederatedConfig, MetaSettings
-from fedfields.data.scene import Scene
+from fedfields.data.scene import Scene, holdout_indices, load_scene
 from fedfields.data.tasks import LFW_FACES, VideoTask, client_tasks, gif_video, lfw_faces
 from fedfields.fields import (
     HashGridConfig,
@@ -26,10 +29,11 @@ from fedfields.fields import (
     SirenConfig,
 )
 from fedfields.render import RenderConfig
-from fedfields.train.meta import MetaConfig
+from fedfields.train.meta import MetaConfig, test_time_optimise
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
 
 SCENE_FIELD_WIDTH = 64  # hidden width of the scene field's heads when `field-width` is 0
+Quality = dict[str, float | None]  # psnr, ssim, lpips (None where not computed)
 
 
 def global_field(config: FederatedConfig) -> HashGridField:
@@ -81,6 +85,38 @@ def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
         step_size=2.0 * bound * math.sqrt(3) / 256,
         **views,
     )
+
+
+# ------------------------------------------------------------------ SplitNeRF (mode "split")
+
+HOLDOUT_EVERY = 8  # every 8th view of the split client's scene is held out for evaluation
+SCENE_PREFIX = "scene"  # a simulation data root holds scene_NN, one per virtual node
+
+
+def is_scene(folder: Path) -> bool:
+    """Whether `folder` holds a scene (transforms.json or transforms_<split>.json)."""
+    return any(folder.glob("transforms*.json"))
+
+
+def split_scene_dir(data_dir: str | Path) -> Path:
+    """The split client's scene under run-config `data-dir`: the scene itself (the launcher's
+    one virtual node) or its scene_00 folder (a root of scene_NN folders)."""
+    root = Path(data_dir)
+    return root if is_scene(root) else root / f"{SCENE_PREFIX}_00"
+
+
+@lru_cache(maxsize=2)
+def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
+    """(training views, held-out views) of the scene in `data_dir`, read once per process."""
+    scene = load_scene(data_dir, downscale=downscale)
+    train, heldout = holdout_indices(len(scene), HOLDOUT_EVERY)
+    return scene.subset(train), scene.subset(heldout)
+
+
+def joint_field(config: FederatedConfig) -> HashGridField:
+    """The joint field as both sides initialise it: run-config's shapes, seeded by `seed`."""
+    torch.manual_seed(config.common.seed)
+    return global_field(config)
 
 
 # ------------------------------------------------------------------ FedMeNF meta-learning
@@ -226,7 +262,57 @@ def _eval_objects(config: FederatedConfig, settings: MetaSettings) -> list[Path]
     return folders[: settings.heldout_tasks]
 
 
+def client_object_folder(data_dir: str | Path, client: int) -> Path:
+    """Client `client`'s object folder under a simulation's `data-dir`, as its virtual node
+    finds it (object_NN, or object_NNN as `fedfields data objects` names them)."""
+    root = Path(data_dir)
+    names = (f"object_{client:02d}", f"object_{client:03d}")
+    return next((root / n for n in names if (root / n).is_dir()), root / names[0])
+
+
 @lru_cache(maxsize=64)
 def _object_task(folder: Path, downscale: float) -> RayTask:
     """One object's support and query views, read once per process."""
     return RayTask.from_object(folder, downscale=downscale)
+
+
+def tto_schedule(max_steps: int) -> tuple[int, ...]:
+    """TTO step counts scored: 0, 1, 2, 4, ... below `max_steps`, then `max_steps`."""
+    steps, power = [0], 1
+    while power < max_steps:
+        steps.append(power)
+        power *= 2
+    return (*steps, max_steps) if max_steps > 0 else (0,)
+
+
+def tto_qualities(
+    model: nn.Module,
+    state: dict[str, Tensor],
+    task: MetaTask,
+    config: FederatedConfig,
+    settings: MetaSettings,
+) -> dict[int, Quality]:
+    """`fedfields.train.meta.test_time_optimise` from `state` with the task's preset schedule."""
+    return test_time_optimise(
+        model,
+        state,
+        task,
+        tto_schedule(settings.tto_steps),
+        learning_rate=settings.tto_lr,
+        batch_size=settings.support_batch,
+        seed=config.common.seed,
+    )
+
+
+def mean_quality(qualities: Sequence[Quality]) -> Quality:
+    """Key-wise mean; a key that some entry lacks a value for (None) stays None."""
+    means: Quality = {}
+    for key in qualities[0]:
+        values = [quality[key] for quality in qualities]
+        means[key] = None if any(v is None for v in values) else float(np.mean(values))
+    return means
+
+
+def as_image_batch(images: Tensor) -> Tensor:
+    """[N, H, W, C] as it is, one [H, W, C] image as a batch of one."""
+    return images if images.ndim == 4 else images[None]

@@ -1,7 +1,9 @@
-"""Score a field on views of a scene and write its renders next to the ground truth."""
+"""Score a field on views of a scene and write its renders next to the ground truth; render
+the run-config's federated global field from its parameters (`FieldRenderer`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +13,16 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from fedfields.config import FederatedConfig
 from fedfields.data.scene import Scene
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
+from fedfields.train.builders import global_field, render_config
+from fedfields.train.checkpoint import load_checkpoint
+from fedfields.train.federated import load_federated_state
+
+OCCUPANCY_PASSES = 2  # grid refreshes from a freshly loaded field before rendering
 
 
 @dataclass
@@ -92,3 +100,47 @@ def write_renders(
         Image.fromarray(strip).save(path)
         written.append(path)
     return written
+
+
+class FieldRenderer:
+    """The run-config's global field with an occupancy grid, rendering any view of any scene.
+
+    The server's report, the simulation's observers and `fedfields audit` score the same
+    field the same way: loaded from federated parameters (`load`, fresh grid) or from a run's
+    checkpoint (`from_checkpoint`, the grid saved with it).
+    """
+
+    def __init__(self, config: FederatedConfig) -> None:
+        self.config = config
+        self.field = global_field(config)
+        self.occupancy = OccupancyGrid(self.field.aabb)
+
+    @classmethod
+    def from_checkpoint(cls, config: FederatedConfig, path: Path) -> FieldRenderer:
+        """The field and occupancy grid a run saved in `path` (`save_checkpoint`)."""
+        renderer = cls(config)
+        field, _, occupancy, _ = load_checkpoint(path)
+        renderer.field, renderer.occupancy = field.eval(), occupancy
+        return renderer
+
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load federated parameters and refresh the occupancy grid from their density."""
+        load_federated_state(self.field, state)
+        self.field.eval()
+        self.occupancy = OccupancyGrid(self.field.aabb)
+        step = render_config(self.config, None).step_size
+        for _ in range(OCCUPANCY_PASSES):
+            self.occupancy.update(self.field.density, step)
+
+    def __call__(self, scene: Scene, view: int) -> torch.Tensor:
+        """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""
+        settings = render_config(self.config, scene)
+        rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
+        return rendered.rgb.clamp(0.0, 1.0)
+
+    def score_scene(self, scene: Scene, views: range) -> tuple[float, float]:
+        """Mean PSNR and SSIM of the renders of `views` against `scene`'s images."""
+        renders = [self(scene, view) for view in views]
+        targets = scene.images[list(views)]
+        values = [psnr(r, t) for r, t in zip(renders, targets, strict=True)]
+        return float(np.mean(values)), ssim(torch.stack(renders), targets)

@@ -21,13 +21,14 @@ import torch
 
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
+from fedfields.data.crowd import CrowdData
 from fedfields.geometry import Cameras
+from fedfields.privacy.leakage import score_crowd
 from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.builders import global_field, render_config
 from simulations import APP_DIR
 from simulations.run import run_with_ray
-from simulations.scene_observer import CrowdData, score_crowd
 from strategies import strategy_class
 
 VARIANTS = {

@@ -45,7 +45,7 @@ from fedfields.aggregate import (
 )
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
-from fedfields.data.crowd import CrowdUser
+from fedfields.data.crowd import CrowdData, CrowdUser
 from fedfields.fields import Field
 from fedfields.fields.encodings import HashGridConfig
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
@@ -61,7 +61,6 @@ from fedfields.train.federated import (
     loss_gradient,
 )
 from simulations.bench.federated_lego import all_photos
-from simulations.scene_observer import CrowdData
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
 LABELS = {

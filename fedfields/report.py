@@ -1,0 +1,264 @@
+"""A run's `report.html`: its settings, curves, headline numbers and figures on one page.
+
+A run directory holds a dozen files (config.json, metrics.jsonl, summary.json, audit.json,
+PNGs); the report puts them on one page that opens offline in any browser, so a run can be
+read, or sent to someone, without Python. It is self-contained: every image is embedded as a
+`data:` URI, the style is inline, and a Content-Security-Policy forbids loading anything
+else. It reads only the run directory (never `<run-dir>.audit/` beside a secure run, which
+holds what the server must not), escapes every string taken from a file, and is rewritten
+whole, atomically, by each writer: the end of a run and `fedfields audit`.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+REPORT_FILE = "report.html"
+CURVE_COLUMNS = 3
+CURVE_X_KEYS = ("round", "step")  # the first one every metrics line has is the x axis
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 72em;
+       padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.8em; }
+h3 { font-size: 1em; margin: 1.2em 0 0.4em; }
+table { border-collapse: collapse; margin: 0.3em 0; }
+th, td { border: 1px solid #ddd; padding: 0.2em 0.6em; text-align: left; }
+td.number { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f4f4f4; font-weight: 600; }
+figure { display: inline-block; margin: 0.5em; vertical-align: top; }
+figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption, .note { color: #666; font-size: 0.9em; }
+"""
+# Only inline style and data: images: nothing can be fetched and no script runs.
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `<run_dir>/report.html` from the files in `run_dir`; returns its path.
+
+    Sections appear for the files that exist: summary.json, audit.json, metrics.jsonl (drawn
+    as per-round curves), every PNG under the run directory, alphas.jsonl and config.json.
+    """
+    run_dir = Path(run_dir)
+    sections = [
+        _json_section("Summary", run_dir / "summary.json"),
+        _json_section("Audit", run_dir / "audit.json"),
+        _curves_section(run_dir / "metrics.jsonl"),
+        _figures_section(run_dir),
+        _alphas_section(run_dir / "alphas.jsonl"),
+        _json_section("Run config", run_dir / "config.json"),
+    ]
+    title = f"fedfields run {run_dir.name}"
+    page = (
+        "<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
+        f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">\n"
+        f"<title>{_text(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+        f"<h1>{_text(title)}</h1>\n<p class='note'>{_text(run_dir.resolve())}</p>\n"
+        + "".join(sections)
+        + "</body>\n</html>\n"
+    )
+    path = run_dir / REPORT_FILE
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(page, encoding="utf-8")
+    partial.replace(path)
+    return path
+
+
+def _text(value: object) -> str:
+    """`value` as HTML text: every string from a file goes through here."""
+    return html.escape(str(value), quote=True)
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """(content, None), or (None, why) when the file is not valid JSON: a report of a run
+    cut short still shows the rest."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return None, f"{path.name} is unreadable: {error}"
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; a line a crash cut short is left out."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _section(title: str, body: str) -> str:
+    return f"<section>\n<h2>{_text(title)}</h2>\n{body}</section>\n"
+
+
+def _json_section(title: str, path: Path) -> str:
+    """One file's JSON as tables (`_json_tables`); empty when the file does not exist."""
+    if not path.is_file():
+        return ""
+    content, problem = _read_json(path)
+    if problem is not None:
+        return _section(title, f"<p class='note'>{_text(problem)}</p>\n")
+    return _section(title, _json_tables(content))
+
+
+def _json_tables(content: Any) -> str:
+    """Any JSON as tables: the top level's plain values in one key/value table, then each
+    nested object under its key, as a grid when it maps names to objects (run -> metrics,
+    step -> qualities), else as a key/value table with dotted keys."""
+    if not isinstance(content, Mapping):
+        return f"<pre>{_text(json.dumps(content, indent=2))}</pre>\n"
+    plain = [(key, value) for key, value in content.items() if not isinstance(value, Mapping)]
+    parts = [_key_value_table(plain)] if plain else []
+    for key, value in content.items():
+        if isinstance(value, Mapping):
+            parts.append(f"<h3>{_text(key)}</h3>\n{_mapping_table(value)}")
+    return "".join(parts)
+
+
+def _mapping_table(mapping: Mapping[str, Any]) -> str:
+    """A grid (rows: keys, columns: their objects' flattened keys) when every value is an
+    object, else a key/value table of the flattened mapping."""
+    if not mapping:
+        return "<p class='note'>none</p>\n"
+    if all(isinstance(value, Mapping) for value in mapping.values()):
+        return _grid_table({key: dict(_flatten(value)) for key, value in mapping.items()})
+    return _key_value_table(_flatten(mapping))
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested objects as (dotted key, plain value) pairs."""
+    pairs: list[tuple[str, Any]] = []
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            pairs += _flatten(value, f"{name}.")
+        else:
+            pairs.append((name, value))
+    return pairs
+
+
+def _key_value_table(pairs: Iterable[tuple[str, Any]]) -> str:
+    rows = "".join(f"<tr><th>{_text(key)}</th>{_cell(value)}</tr>\n" for key, value in pairs)
+    return f"<table>\n{rows}</table>\n"
+
+
+def _grid_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """Rows by name, one column per key any row has (in order of first appearance)."""
+    columns = list(dict.fromkeys(key for row in rows.values() for key in row))
+    head = "".join(f"<th>{_text(column)}</th>" for column in columns)
+    body = "".join(
+        f"<tr><th>{_text(name)}</th>"
+        + "".join(_cell(row.get(column)) for column in columns)
+        + "</tr>\n"
+        for name, row in rows.items()
+    )
+    return f"<table>\n<tr><th></th>{head}</tr>\n{body}</table>\n"
+
+
+def _cell(value: Any) -> str:
+    """A table cell: numbers to 4 significant digits and right-aligned, a list of records
+    counted (metrics.jsonl's curves show them), anything else as escaped text."""
+    if isinstance(value, bool) or value is None:
+        return f"<td>{'-' if value is None else str(value).lower()}</td>"
+    if isinstance(value, int | float):
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return f"<td class='number'>{shown}</td>"
+    if isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
+        return f"<td class='note'>{len(value)} records</td>"
+    if isinstance(value, list | Mapping):
+        value = json.dumps(value)
+    return f"<td>{_text(value)}</td>"
+
+
+def _curves_section(path: Path) -> str:
+    """metrics.jsonl drawn: one small plot per numeric metric against the round (or step)."""
+    if not path.is_file():
+        return ""
+    records = _read_lines(path)
+    x_key = next((key for key in CURVE_X_KEYS if records and all(key in r for r in records)), None)
+    metrics = list(
+        dict.fromkeys(
+            key
+            for record in records
+            for key, value in record.items()
+            if key != x_key and isinstance(value, int | float) and not isinstance(value, bool)
+        )
+    )
+    if not metrics:
+        return _section("Curves", "<p class='note'>metrics.jsonl holds no numeric metric</p>\n")
+    rows = math.ceil(len(metrics) / CURVE_COLUMNS)
+    figure = Figure(figsize=(4 * CURVE_COLUMNS, 2.6 * rows))
+    axes = figure.subplots(rows, CURVE_COLUMNS, squeeze=False).ravel()
+    for axis, metric in zip(axes, metrics, strict=False):
+        points = [
+            (record[x_key] if x_key else index + 1, record[metric])
+            for index, record in enumerate(records)
+            if isinstance(record.get(metric), int | float)
+        ]
+        axis.plot(*zip(*points, strict=True), marker="o", markersize=3)
+        axis.set_title(metric, fontsize=9)
+        axis.set_xlabel(x_key or "line", fontsize=8)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3)
+    for axis in axes[len(metrics) :]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80)
+    image = _image(buffer.getvalue(), "per-round curves from metrics.jsonl")
+    return _section("Curves", f"<figure>{image}<figcaption>metrics.jsonl</figcaption></figure>\n")
+
+
+def _figures_section(run_dir: Path) -> str:
+    """Every PNG under the run directory (hidden folders aside), grouped by folder."""
+    pngs = sorted(
+        (path.relative_to(run_dir) for path in run_dir.rglob("*.png") if path.is_file()),
+        key=lambda relative: (len(relative.parts) > 1, str(relative)),
+    )
+    pngs = [relative for relative in pngs if not any(p.startswith(".") for p in relative.parts)]
+    if not pngs:
+        return ""
+    body, folder = "", None
+    for relative in pngs:
+        if relative.parent != folder:
+            folder = relative.parent
+            if str(folder) != ".":
+                body += f"<h3>{_text(folder)}/</h3>\n"
+        image = _image((run_dir / relative).read_bytes(), str(relative))
+        body += f"<figure>{image}<figcaption>{_text(relative)}</figcaption></figure>\n"
+    return _section("Figures", body)
+
+
+def _image(png: bytes, alt: str) -> str:
+    """An <img> holding the PNG bytes as a data: URI."""
+    data = base64.b64encode(png).decode("ascii")
+    return f"<img src='data:image/png;base64,{data}' alt='{_text(alt)}'>"
+
+
+def _alphas_section(path: Path) -> str:
+    """alphas.jsonl (DecentNeRF's learned federation weights) as a round x user grid."""
+    if not path.is_file():
+        return ""
+    grid: dict[str, dict[str, Any]] = {}
+    for record in _read_lines(path):
+        if {"round", "user", "alpha"} <= record.keys():
+            grid.setdefault(f"round {record['round']}", {})[f"user {record['user']}"] = record[
+                "alpha"
+            ]
+    return _section("Federation weights (alphas.jsonl)", _mapping_table(grid))

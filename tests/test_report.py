@@ -1,0 +1,152 @@
+"""report.html (`fedfields.report`): a run's self-contained page, written at the end of a run,
+and checked in a real headless browser (Debian's chromium; skipped where none is installed)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from test_meta_job import run_in_process, tiny
+
+from fedfields.report import REPORT_FILE, write_report
+
+BROWSER_SECONDS = 60
+DATA_PNG = re.compile(r"data:image/png;base64,([A-Za-z0-9+/=]*)")
+# Runs before the page's Content-Security-Policy (which forbids scripts) takes effect, so the
+# page is checked as written: on load it records every <img> that failed to decode.
+IMAGE_PROBE = """<script>
+window.addEventListener('load', () => {
+  const images = Array.from(document.images);
+  const broken = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.alt);
+  const out = document.createElement('pre');
+  out.id = 'image-check';
+  out.textContent = JSON.stringify({total: images.length, broken: broken});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def png(color: str) -> bytes:
+    """A small PNG of one colour."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (6, 4), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def synthetic_run(run_dir: Path) -> dict[str, bytes]:
+    """A finished run's files (a hostile string in its config); returns its PNGs by path."""
+    run_dir.mkdir()
+    config = {"strategy": "<script>alert('x')</script>", "num-server-rounds": 3, "seed": 0}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    rounds = [{"round": r, "train-psnr": 10.0 + r, "num-failures": 0} for r in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    summary = {"final": {"clean-psnr": 13.5}, "rounds": rounds, "seconds": 4.2}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    audit = {"pipeline": "scene", "leakage": {"personal-psnr": 5.6}}
+    (run_dir / "audit.json").write_text(json.dumps(audit))
+    alphas = [{"round": 1, "user": u, "alpha": 0.5} for u in (0, 1)]
+    (run_dir / "alphas.jsonl").write_text("".join(json.dumps(a) + "\n" for a in alphas))
+    (run_dir / "renders").mkdir()
+    pngs = {"leakage.png": png("red"), "renders/user_00.png": png("blue")}
+    for name, data in pngs.items():
+        (run_dir / name).write_bytes(data)
+    return pngs
+
+
+def test_the_report_shows_the_run_escaped_and_self_contained(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    pngs = synthetic_run(run_dir)
+    path = write_report(run_dir)
+    assert path == run_dir / REPORT_FILE and not list(run_dir.glob("*.partial"))
+    page = path.read_text()
+    for key in ("strategy", "num-server-rounds", "seed", "clean-psnr", "personal-psnr"):
+        assert f"<th>{key}</th>" in page
+    assert "<script" not in page and html.escape("<script>alert('x')</script>") in page
+    embedded = [base64.b64decode(data) for data in DATA_PNG.findall(page)]
+    assert len(embedded) == len(pngs) + 1  # and the curves drawn from metrics.jsonl
+    assert set(pngs.values()) <= set(embedded)
+    assert not re.search(r"""(?:src|href)=['"](?!data:)""", page)  # nothing to fetch
+    assert "<th>user 1</th>" in page  # alphas.jsonl as a round x user grid
+    (run_dir / "extra.png").write_bytes(png("green"))  # written again whole, e.g. by an audit
+    assert write_report(run_dir).read_text().count("data:image/png") == len(pngs) + 2
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cheapest real run: FedMeNF on faces, in process, without the simulation audit."""
+    run_dir = tmp_path_factory.mktemp("report") / "faces"
+    return run_in_process(tiny(run_dir, **{"simulation-audit": False}))[0]
+
+
+def test_a_run_ends_with_its_report(real_run: Path) -> None:
+    page = (real_run / REPORT_FILE).read_text()
+    pngs = list(real_run.rglob("*.png"))
+    assert pngs and page.count("data:image/png") == len(pngs) + 1
+    assert "<th>tto-steps</th>" in page and "tto.png" in page
+    assert not list(real_run.glob("*.partial"))
+
+
+@pytest.fixture
+def chromium() -> str:
+    """The headless browser's path, or a skip: chromium is optional (apt install chromium)."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("no chromium on PATH: the browser check of report.html is optional")
+    return path
+
+
+def images_in_browser(chromium: str, page: Path, work: Path) -> dict:
+    """Open a copy of `page` (with `IMAGE_PROBE`) in headless chromium; returns the probe's
+    {"total": images, "broken": [alt of each image that did not load]}."""
+    text = page.read_text()
+    assert "<head>" in text
+    probe = work / "probed.html"
+    probe.write_text(text.replace("<head>", "<head>\n" + IMAGE_PROBE, 1))
+    command = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu"]
+    command += [f"--user-data-dir={work / 'profile'}", "--dump-dom", probe.as_uri()]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        dom, errors = process.communicate(timeout=BROWSER_SECONDS)
+    finally:  # the browser and its helper processes, on success, failure or timeout
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    found = re.search(r'<pre id="image-check">(.*?)</pre>', dom.decode())
+    assert found, f"the probe did not report; chromium said: {errors.decode()[-2000:]}"
+    return json.loads(html.unescape(found.group(1)))
+
+
+def test_every_image_of_a_real_report_loads_in_a_browser(
+    chromium: str, real_run: Path, tmp_path: Path
+) -> None:
+    page = real_run / REPORT_FILE
+    result = images_in_browser(chromium, page, tmp_path)
+    assert result["broken"] == []
+    assert result["total"] == page.read_text().count("data:image/png") > 1
+
+
+def test_the_browser_check_finds_a_broken_image(chromium: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    synthetic_run(run_dir)
+    page = write_report(run_dir)
+    text = page.read_text()
+    image = DATA_PNG.search(text)
+    assert image
+    broken = text[: image.start(1)] + base64.b64encode(b"not a png").decode() + text[image.end(1) :]
+    page.write_text(broken)
+    result = images_in_browser(chromium, page, tmp_path)
+    assert result["total"] == text.count("data:image/png") and len(result["broken"]) == 1
