@@ -60,6 +60,7 @@ from fedfields.train.builders import (
     tto_qualities,
     tto_schedule,
 )
+from fedfields.train.checkpoint import META_CHECKPOINT_FORMAT
 from fedfields.train.federated import federated_state
 from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
@@ -172,7 +173,7 @@ class MetaReport:
         report.html."""
         state = arrays_to_state(arrays)
         payload = {
-            "format": "fedfields-meta-checkpoint-1",
+            "format": META_CHECKPOINT_FORMAT,
             "model": {"kind": type(self.model).__name__, **asdict(self.model.config)},
             "state_dict": state,
             "settings": asdict(self.settings),

@@ -39,10 +39,10 @@ from fedfields.train.builders import (
     tto_qualities,
     tto_schedule,
 )
+from fedfields.train.checkpoint import META_CHECKPOINT_FORMAT
 from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
 
-META_CHECKPOINT_FORMAT = "fedfields-meta-checkpoint-1"
 RECORDED = (
     "psnr_p",
     "ssim_p",

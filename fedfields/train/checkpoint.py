@@ -11,6 +11,8 @@ import torch
 from fedfields.fields import Field, build_field
 from fedfields.render import OccupancyGrid, RenderConfig
 
+META_CHECKPOINT_FORMAT = "fedfields-meta-checkpoint-1"  # theta of a meta run (meta job)
+
 
 def save_checkpoint(
     path: str | Path,
