@@ -47,7 +47,12 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.privacy.attacks.inference import membership_pairs, train_attack
+from fedfields.privacy.attacks.inference import (
+    membership_pairs,
+    similarity_pairs,
+    threshold_attack,
+    train_attack,
+)
 from fedfields.report import write_report
 from fedfields.train.builders import (
     Quality,
@@ -281,10 +286,20 @@ class PrivacyAudit:
         order = random.Random(self.config.common.seed).sample(clients, len(clients))
         cut = max(1, len(order) // 5)
         target, shadow = order[:cut], order[cut:]
-        membership = train_attack(*self.membership_pairs(shadow), *self.membership_pairs(target))
+        clamped = [self.membership_triples(group, clamp=True) for group in (shadow, target)]
+        membership = train_attack(*membership_pairs(*clamped[0]), *membership_pairs(*clamped[1]))
         found = {"mia-accuracy": membership.accuracy, "mia-chance": membership.chance}
         if membership.auc is not None:
             found["mia-auc"] = membership.auc
+        raw = [self.membership_triples(group, clamp=False) for group in (shadow, target)]
+        for similarity, triples in (("mse", clamped), ("correlation", raw)):
+            threshold = threshold_attack(
+                *similarity_pairs(*triples[0], similarity),
+                *similarity_pairs(*triples[1], similarity),
+            )
+            found[f"mia-{similarity}-accuracy"] = threshold.accuracy
+            if threshold.auc is not None:
+                found[f"mia-{similarity}-auc"] = threshold.auc
         if self.config.common.task == "objects":
             kinds = sorted({self.object_kind(c) for c in clients})
             train, test = (self.property_samples(group, kinds) for group in (shadow, target))
@@ -292,12 +307,17 @@ class PrivacyAudit:
             found |= {"pia-accuracy": prop.accuracy, "pia-chance": prop.chance}
         return found
 
-    def rendered(self, client: int, task: MetaTask) -> list[Tensor]:
-        """`task`'s query images as rendered by `client`'s last upload, [H, W, C] each."""
-        values = task.render_query(self.model, self.latest[client]).clamp(0.0, 1.0)
+    def rendered(self, client: int, task: MetaTask, clamp: bool = True) -> list[Tensor]:
+        """`task`'s query images as rendered by `client`'s last upload, [H, W, C] each;
+        clamped to [0, 1] as PSNR_p scores them, or the raw outputs."""
+        values = task.render_query(self.model, self.latest[client])
+        if clamp:
+            values = values.clamp(0.0, 1.0)
         return list(as_image_batch(task.query_images(values)))
 
-    def membership_pairs(self, group: Sequence[int]) -> tuple[Tensor, Tensor]:
+    def membership_triples(
+        self, group: Sequence[int], clamp: bool
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """Each client's query images with its own and a random other client's renders."""
         rng = random.Random(self.config.common.seed + len(group))
         images, own, other = [], [], []
@@ -306,9 +326,9 @@ class PrivacyAudit:
             for task in self.client_tasks(client):
                 truth = list(as_image_batch(task.query_images(task.query_targets)))
                 images += truth
-                own += self.rendered(client, task)
-                other += self.rendered(stranger, task)
-        return membership_pairs(images, own, other)
+                own += self.rendered(client, task, clamp)
+                other += self.rendered(stranger, task, clamp)
+        return images, own, other
 
     def object_folder(self, client: int) -> Path:
         """Client `client`'s object folder under `data-dir`, as its node finds it."""

@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,14 @@ from fedfields.data.scene import Scene
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.geometry import Rays
 from fedfields.privacy.attacks import surrogate
-from fedfields.privacy.attacks.inference import AttackConfig, membership_pairs, train_attack
+from fedfields.privacy.attacks.inference import (
+    AttackConfig,
+    membership_pairs,
+    pair_similarity,
+    similarity_pairs,
+    threshold_attack,
+    train_attack,
+)
 from fedfields.privacy.attacks.scene_aided import (
     SceneAidedConfig,
     pose_error,
@@ -459,3 +467,49 @@ def test_property_attack_reads_a_property_that_renders_show() -> None:
     inputs = images.permute(0, 3, 1, 2)
     result = train_attack(inputs[:60], labels[:60], inputs[60:], labels[60:], AttackConfig())
     assert result.auc is None and result.accuracy >= 0.9 > result.chance
+
+
+def test_pair_similarity_against_numpy_and_blind_to_rescaling() -> None:
+    gen = torch.Generator().manual_seed(11)
+    image, render = torch.rand(2, 6, 7, 3, generator=gen)
+    expected_mse = float(np.mean((image.numpy() - render.numpy()) ** 2))
+    assert pair_similarity(image, render, "mse") == pytest.approx(-expected_mse)
+    expected_r = np.corrcoef(image.numpy().ravel(), render.numpy().ravel())[0, 1]
+    assert pair_similarity(image, render, "correlation") == pytest.approx(expected_r)
+    rescaled = 0.2 * render - 3.0
+    assert pair_similarity(image, rescaled, "correlation") == pytest.approx(expected_r)
+    assert pair_similarity(image, torch.zeros_like(image), "correlation") == 0.0
+    with pytest.raises(ValueError, match="similarity must be one of"):
+        pair_similarity(image, render, "ssim")
+
+
+def test_threshold_attack_by_hand() -> None:
+    train = torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([0, 0, 1, 1])
+    test = torch.tensor([0.4, 0.6, 0.7, 0.3]), torch.tensor([1, 0, 1, 0])
+    result = threshold_attack(*train, *test)
+    # threshold 0.5: predictions 0, 1, 1, 0; AUC: 3 of the 4 (member, non-member) pairs ordered
+    assert result.accuracy == 0.5 and result.train_accuracy == 1.0
+    assert result.auc == pytest.approx(0.75) and result.chance == 0.5
+
+
+def test_correlation_attack_sees_through_an_output_offset_that_clamping_hides() -> None:
+    gen = torch.Generator().manual_seed(4)
+
+    def triples(images: list[torch.Tensor]) -> tuple[list, list, list]:
+        """Uploads that memorise their images behind a scale and an offset below 0."""
+        own = [
+            0.3 * image - 0.5 + 0.01 * torch.randn(image.shape, generator=gen) for image in images
+        ]
+        return images, own, [own[(i + 1) % len(own)] for i in range(len(own))]
+
+    shadow, target = triples(_blobs(40, 1)), triples(_blobs(20, 2))
+    raw = [similarity_pairs(*group, "correlation") for group in (shadow, target)]
+    seen = threshold_attack(*raw[0], *raw[1])
+    assert seen.accuracy >= 0.9 and seen.auc >= 0.95
+    clamped = [
+        (images, [r.clamp(0, 1) for r in own], [r.clamp(0, 1) for r in other])
+        for images, own, other in (shadow, target)
+    ]
+    hidden = [similarity_pairs(*group, "mse") for group in clamped]
+    blind = threshold_attack(*hidden[0], *hidden[1])
+    assert blind.accuracy <= 0.6  # every clamped render is black: nothing to threshold

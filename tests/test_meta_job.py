@@ -386,4 +386,7 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
     final = json.loads((run_dir / "summary.json").read_text())["final"]
     assert final["mia-chance"] == 0.5  # balanced pairs: own upload vs another client's
     assert 0.0 <= final["mia-accuracy"] <= 1.0 and 0.0 <= final["mia-auc"] <= 1.0
+    for similarity in ("mse", "correlation"):  # threshold attacks on the same pairs
+        assert 0.0 <= final[f"mia-{similarity}-accuracy"] <= 1.0
+        assert 0.0 <= final[f"mia-{similarity}-auc"] <= 1.0
     assert "pia-accuracy" not in final  # faces carry no property to infer

@@ -4,7 +4,8 @@ Each run goes through Flower's simulation engine (Ray) with the task's preset
 (`fedfields.train.builders.META_PRESETS`, one virtual SuperNode per client) and reports the
 final round's held-out PSNR after test-time optimisation (TTO), PSNR_p of the round's
 uploads, their difference Delta, PSNR_p averaged over all rounds, and the accuracy of FedMeNF
-App. C's membership and property inference attacks on every client's last upload. A "Local
+App. C's membership (its CNN, and threshold attacks on the pairs' MSE and on the raw outputs'
+correlation) and property inference attacks on every client's last upload. A "Local
 (no federation)" row gives the TTO from a random initialisation (summary.json's "initial",
 at the last TTO step): each client fits its own support set from scratch and shares nothing,
 so it has no PSNR_p. Prints a markdown table; run directories land in runs/bench_fedmenf/.
@@ -60,6 +61,8 @@ class Row:
     local_psnr: float  # TTO from a random initialisation, at the last TTO step
     local_steps: int
     mia: float | None  # membership-inference accuracy on the last uploads (chance 0.5)
+    mia_mse: float | None  # the loss-threshold attack on the same pairs
+    mia_correlation: float | None  # the correlation-threshold attack on the raw outputs
     pia: float | None  # property-inference accuracy (objects: the kind; chance pia_chance)
     pia_chance: float | None
 
@@ -93,6 +96,8 @@ def read_row(run_dir: Path) -> Row:
         local_psnr=summary["initial"][str(steps)]["psnr"],
         local_steps=steps,
         mia=summary["final"].get("mia-accuracy"),
+        mia_mse=summary["final"].get("mia-mse-accuracy"),
+        mia_correlation=summary["final"].get("mia-correlation-accuracy"),
         pia=summary["final"].get("pia-accuracy"),
         pia_chance=summary["final"].get("pia-chance"),
     )
@@ -163,11 +168,15 @@ def table(rows: list[Row]) -> str:
     )
     lines = [
         "| task | strategy | meta-learner | PSNR after TTO | PSNR_p | Delta "
-        "| PSNR_p, mean of rounds | MIA acc (chance 50%) | PIA acc (chance) | job s |",
+        "| PSNR_p, mean of rounds | MIA acc, CNN / MSE / correlation threshold (chance 50%) "
+        "| PIA acc (chance) | job s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        mia = "-" if row.mia is None else f"{row.mia:.1%}"
+        mia = " / ".join(
+            "-" if value is None else f"{value:.1%}"
+            for value in (row.mia, row.mia_mse, row.mia_correlation)
+        )
         pia = "-" if row.pia is None else f"{row.pia:.1%} ({row.pia_chance:.0%})"
         lines.append(
             f"| {row.task} | {row.strategy} | {row.learner} | {row.psnr:.2f} | "

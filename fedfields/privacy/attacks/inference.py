@@ -11,6 +11,13 @@ scores it on held-out target clients:
 - property (Ganju et al. 2018): the input is the render of a client's upload, the label a
   property of the client's data (e.g. the object's kind). Chance is the majority class.
 
+Beside the paper's CNN, two threshold attacks on the same pairs need no network: a score
+per pair, member when it reaches the threshold most accurate on the shadow pairs. "mse" is
+minus the pair's mean squared error (the loss-threshold attack of Yeom et al. 2018); and
+"correlation" is the Pearson correlation over pixels, blind to any affine rescaling of the
+render, so an upload that hides its client's images only behind an output offset and
+scale does not fool it.
+
 Accuracy near chance means the uploads tell the attacker nothing it can learn from the
 shadow clients. Pure PyTorch; `simulations.bench.fedmenf_table` builds the inputs.
 """
@@ -84,6 +91,72 @@ def membership_pairs(
             pairs.append(torch.cat([image, render], dim=-1).permute(2, 0, 1))
             labels.append(label)
     return torch.stack(pairs).float(), torch.tensor(labels)
+
+
+SIMILARITIES = ("mse", "correlation")
+
+
+def pair_similarity(image: Tensor, render: Tensor, similarity: str) -> float:
+    """Threshold attacks' score of one (image, render) pair: minus their MSE, or the
+    Pearson correlation of their pixels (0 where either is constant)."""
+    if render.shape != image.shape:
+        raise ValueError(f"render shape {tuple(render.shape)} != {tuple(image.shape)}")
+    if similarity == "mse":
+        return -float((image - render).square().mean())
+    if similarity == "correlation":
+        x = image.flatten().double() - image.double().mean()
+        y = render.flatten().double() - render.double().mean()
+        norm = float(x.norm() * y.norm())
+        return float(x @ y) / norm if norm > 0 else 0.0
+    raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+
+
+def similarity_pairs(
+    images: Sequence[Tensor],
+    own_renders: Sequence[Tensor],
+    other_renders: Sequence[Tensor],
+    similarity: str,
+) -> tuple[Tensor, Tensor]:
+    """`membership_pairs`'s pairs as scores [2N] (same order) and labels [2N]."""
+    if not len(images) == len(own_renders) == len(other_renders) > 0:
+        raise ValueError(
+            f"{len(images)} images, {len(own_renders)} own and {len(other_renders)} other renders"
+        )
+    scores, labels = [], []
+    for image, own, other in zip(images, own_renders, other_renders, strict=True):
+        scores += [
+            pair_similarity(image, own, similarity),
+            pair_similarity(image, other, similarity),
+        ]
+        labels += [1, 0]
+    return torch.tensor(scores, dtype=torch.float64), torch.tensor(labels)
+
+
+def threshold_attack(
+    train_scores: Tensor, train_labels: Tensor, test_scores: Tensor, test_labels: Tensor
+) -> AttackResult:
+    """Member (1) when a score reaches the threshold most accurate on the shadow scores
+    (midpoints between sorted scores); AUC ranks the target scores themselves."""
+    if len(train_scores) != len(train_labels) or len(test_scores) != len(test_labels):
+        raise ValueError("each score needs one label")
+    if len(train_scores) == 0 or len(test_scores) == 0:
+        raise ValueError("the threshold attack needs shadow and target scores")
+    ordered = torch.sort(train_scores.double()).values
+    candidates = torch.cat(
+        [ordered[:1] - 1.0, (ordered[1:] + ordered[:-1]) / 2, ordered[-1:] + 1.0]
+    )
+    truth = train_labels.bool()
+    correct = ((train_scores.double()[None, :] >= candidates[:, None]) == truth).sum(dim=1)
+    threshold = candidates[int(correct.argmax())]
+    predicted = test_scores.double() >= threshold
+    accuracy = float((predicted == test_labels.bool()).float().mean())
+    auc = None
+    if len(set(test_labels.tolist())) == 2:
+        auc = float(roc_auc_score(test_labels.numpy(), test_scores.numpy()))
+    counts = np.bincount(test_labels.numpy(), minlength=2)
+    return AttackResult(
+        accuracy, auc, float(counts.max() / counts.sum()), float(correct.max()) / len(truth)
+    )
 
 
 def train_attack(
