@@ -196,6 +196,15 @@ def _add_data_commands(commands: argparse._SubParsersAction) -> None:
         help="novel-blender: passers-by in every view (default 5)",
     )
     crowd.add_argument(
+        "--person-scale",
+        type=float,
+        default=CrowdConfig.person_scale,
+        help=(
+            "novel-blender: a person's height as a share of the object's height above the "
+            f"ground (default {CrowdConfig.person_scale})"
+        ),
+    )
+    crowd.add_argument(
         "--transients",
         type=float,
         default=0.0,
@@ -363,6 +372,7 @@ def run_crowd(args: argparse.Namespace) -> int:
         layout=args.layout,
         seed=args.seed,
         transients_per_view=args.transients_per_view,
+        person_scale=args.person_scale,
         transient_probability=args.transients,
     )
     crowd = crowd_from_scene_dir(

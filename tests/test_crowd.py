@@ -439,3 +439,44 @@ def test_config_errors_name_the_key_and_value() -> None:
     assert (
         CrowdConfig().partition == "yaw" and CrowdConfig(layout="front").partition == "directions"
     )
+
+
+def test_cli_person_scale_sets_person_heights(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "crowd"
+    code = main(
+        ["data", "crowd", "--scene", str(LEGO), "--users", "1", "--views-per-user", "2"]
+        + ["--downscale", "4", "--person-scale", "0.65", "--out", str(out), "--no-progress"]
+    )
+    assert code == 0
+    record = json.loads((out / "crowd.json").read_text())
+    object_height = record["ground"]["object_height"]
+    assert record["source"]["config"]["person_scale"] == 0.65
+    assert [person["height"] for person in record["persons"]] == pytest.approx(
+        [0.65 * object_height] * len(record["persons"])
+    )
+    code = main(
+        ["data", "crowd", "--scene", str(LEGO), "--person-scale", "0"]
+        + ["--out", str(tmp_path / "bad"), "--no-progress"]
+    )
+    assert code == 2
+    assert "person_scale must be > 0, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_passers_by_without_room_stop_with_one_error(lego_black, monkeypatch) -> None:
+    import fedfields.data.crowd as crowd_module
+
+    draw = crowd_module._draw_standing
+    passer_by_draws = []
+
+    def no_room_for_passers_by(world, height, rng, others):
+        if others:  # only passers-by are drawn beside someone already standing
+            passer_by_draws.append(1)
+            return None
+        return draw(world, height, rng, others)
+
+    monkeypatch.setattr(crowd_module, "_draw_standing", no_room_for_passers_by)
+    config = CrowdConfig(users=1, views_per_user=1, seed=1, hull_resolution=HULL)
+    with pytest.raises(CrowdError, match=r"user 0: view \d+ has no room for 5 passers-by"):
+        build_crowd(lego_black, config, progress=False)
+    assert len(passer_by_draws) == crowd_module.CROWDED_ATTEMPTS * 5 * 200

@@ -404,6 +404,10 @@ class _PlacementWorld:
         return max(1, round(self.config.min_person_pixels * cameras.width * cameras.height / 1e4))
 
 
+# Attempts at placing a view's passers-by that may all run out of room before giving up.
+CROWDED_ATTEMPTS = 3
+
+
 def _novel_blender_user(
     world: _PlacementWorld,
     user: int,
@@ -473,6 +477,7 @@ def _compose_view(
     """
     static_figure = static.build()
     standing = [(static, _footprint(static, static_figure.bounds()))]
+    crowded = 0
     for _ in range(max(1, world.config.max_tries // 40)):
         placed: list[tuple[PersonSpec, SurfaceObject]] = []
         for _ in range(count * 200):
@@ -483,6 +488,13 @@ def _compose_view(
             if drawn is not None:
                 placed.append(drawn)
         if len(placed) < count:
+            crowded += 1
+            if crowded == CROWDED_ATTEMPTS:
+                raise CrowdError(
+                    f"user {user}: view {view} has no room for {count} passers-by of height "
+                    f"{static.height:.2f} within {world.config.spot_radius} of the object; "
+                    "lower person_scale or transients_per_view"
+                )
             continue
         passers_by = [spec for spec, _ in placed]
         figures = [static_figure, *(figure for _, figure in placed)]
