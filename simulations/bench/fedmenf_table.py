@@ -13,6 +13,7 @@ The objects collection is built on first use, as `simulations.launch` does.
 
     python -m simulations.bench.fedmenf_table --task faces --strategies fedavg fedprox scaffold
     python -m simulations.bench.fedmenf_table --task objects --strategies fedavg fedprox scaffold
+    python -m simulations.bench.fedmenf_table --task objects --object-resolution 64 --rounds 20
 
 `--report RUN_DIR ...` prints the table of existing run directories without training.
 """
@@ -110,6 +111,7 @@ def run_one(
     rounds: int,
     out: Path,
     overrides: dict[str, Any] | None = None,
+    object_resolution: int = 32,
 ) -> Path:
     """One federated run of `task` through Ray; returns its run directory.
 
@@ -129,7 +131,8 @@ def run_one(
         **(overrides or {}),
     }
     if task == "objects":  # the same collection `simulations.launch` builds
-        collection = object_collection(launch_args([]), settings, dict(os.environ))
+        launch = launch_args(["--object-resolution", str(object_resolution)])
+        collection = object_collection(launch, settings, dict(os.environ))
         data_dir = run_dir.with_suffix(".data")
         run_config["data-dir"] = str(data_dir)
         run_config["eval-scene-dir"] = str(simulation_objects(collection, settings, data_dir))
@@ -206,6 +209,12 @@ def main() -> None:
         "--run-config", default="", help="extra run-config for every run, e.g. 'tto-steps=128'"
     )
     parser.add_argument(
+        "--object-resolution",
+        type=int,
+        default=32,
+        help="objects: rendered view size (the collection is built once per size)",
+    )
+    parser.add_argument(
         "--report", nargs="+", type=Path, default=None, help="only tabulate these run dirs"
     )
     args = parser.parse_args()
@@ -217,7 +226,15 @@ def main() -> None:
     for strategy in args.strategies:
         for learner in args.learners:
             started = time.perf_counter()
-            run_dir = run_one(args.task, strategy, learner, args.rounds, args.out, overrides)
+            run_dir = run_one(
+                args.task,
+                strategy,
+                learner,
+                args.rounds,
+                args.out,
+                overrides,
+                args.object_resolution,
+            )
             row = read_row(run_dir)
             rows.append(row)
             print(
