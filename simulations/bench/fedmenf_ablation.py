@@ -5,9 +5,10 @@ uploads weighted by |D|) run with the library's `local_meta_update`; each varian
 theta is scored by test-time optimisation on the held-out faces under several TTO recipes,
 beside the final round's PSNR_p of the uploads. Variants: MAML, FedMeNF (gamma 0.75) with the
 paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
-(run-config `memorising-bound`).
+(run-config `memorising-bound`), for each of `--gammas`.
 
     python -m simulations.bench.fedmenf_ablation --rounds 20 --bounds 0.25 0.15 0.1
+    python -m simulations.bench.fedmenf_ablation --rounds 20 --gammas 0.25 1 --bounds 0.15
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ TTO_RECIPES = (("adam", 1e-4, 32), ("adam", 1e-3, 128), ("sgd", 0.005, 32))
 """(optimiser, rate, steps): the preset's, a longer faster Adam, SGD at the inner-loop rate."""
 
 
-def federate(learner: str, rounds: int, bound: float | None) -> dict:
+def federate(learner: str, rounds: int, bound: float | None, gamma: float = 0.75) -> dict:
     """`rounds` of FedAvg over the faces clients' local meta-updates; theta and PSNR_p."""
     run_config = {"task": "faces", "meta-learner": learner, "num-server-rounds": rounds}
     if learner == "fedmenf":
-        run_config["gamma"] = 0.75
+        run_config["gamma"] = gamma
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
     torch.manual_seed(config.common.seed)
@@ -102,14 +103,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bounds", type=float, nargs="*", default=[0.25, 0.15, 0.1])
+    parser.add_argument(
+        "--gammas", type=float, nargs="+", default=[0.75], help="FedMeNF's gamma, each x bounds"
+    )
+    parser.add_argument(
+        "--no-unbounded", action="store_true", help="skip FedMeNF's unbounded (paper's) L_pp"
+    )
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    variants = [("MAML", "maml", None), ("FedMeNF gamma 0.75 (paper)", "fedmenf", None)]
-    variants += [(f"FedMeNF gamma 0.75, bound {b:g}", "fedmenf", b) for b in args.bounds]
+    variants: list[tuple[str, str, float | None, float]] = [("MAML", "maml", None, 0.0)]
+    for gamma in args.gammas:
+        if not args.no_unbounded:
+            variants.append((f"FedMeNF gamma {gamma:g} (paper)", "fedmenf", None, gamma))
+        variants += [
+            (f"FedMeNF gamma {gamma:g}, bound {b:g}", "fedmenf", b, gamma) for b in args.bounds
+        ]
     rows = []
-    for name, learner, bound in variants:
+    for name, learner, bound, gamma in variants:
         started = time.perf_counter()
-        run = federate(learner, args.rounds, bound)
+        run = federate(learner, args.rounds, bound, gamma)
         rows.append(
             {
                 "variant": name,
