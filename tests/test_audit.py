@@ -17,8 +17,7 @@ from PIL import Image
 
 from fedfields.cli import main as fedfields_main
 from fedfields.config import FederatedConfig, meta_settings
-from fedfields.data import load_scene
-from fedfields.data.crowd import CrowdConfig, CrowdData, build_crowd, write_crowd
+from fedfields.data.crowd import CrowdData
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import UPLOAD_LEAK
 from fedfields.privacy.split import TRANSCRIPT_FILE, load_transcript
@@ -40,18 +39,12 @@ LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 SMALL_GRID = {"hash-log2-size": 12, "hash-levels": 4, "hash-max-resolution": 64}  # a fast field
 
 
-def scene_run(root: Path) -> Path:
-    """FedAvg (FedNeRF), 3 users x 2 views of lego at 25x25, one round of 3 steps (as
-    test_federated_nerf); the observer records each plaintext upload's personal PSNR."""
-    lego = load_scene(LEGO, downscale=8, background=(0.0, 0.0, 0.0))
-    crowd = build_crowd(
-        lego, CrowdConfig(users=3, views_per_user=2, hull_resolution=48), progress=False
-    )
-    write_crowd(crowd, root / "crowd")
-    shutil.rmtree(root / "crowd" / "heldout", ignore_errors=True)
+def scene_run(root: Path, crowd: Path) -> Path:
+    """FedAvg (FedNeRF) on the shared 3-user crowd (conftest) at 25x25, one round of 3 steps
+    (as test_federated_nerf); the observer records each plaintext upload's personal PSNR."""
     run_dir = root / "scene"
     config = {
-        "data-dir": str(root / "crowd"),
+        "data-dir": str(crowd),
         "simulation-audit": True,
         "state-dir": str(root / "scene.nodes"),
         "run-dir": str(run_dir),
@@ -60,6 +53,7 @@ def scene_run(root: Path) -> Path:
         "local-steps": 3,
         "fraction-train": 1.0,
         "eval-views-per-round": 1,
+        "client-eval-views": 0,  # nodes train on every view; the audit scores them all
         "target-samples": 4096,
         **SMALL_GRID,
     }
@@ -84,19 +78,31 @@ def meta_run(root: Path) -> Path:
     return run_meta_job(InProcessGrid([client_app(config)] * 4, raise_errors=True), config)
 
 
+def first_views(scene: Path, count: int, out: Path) -> Path:
+    """`scene` cut to its first `count` views (images linked, not copied)."""
+    out.mkdir()
+    meta = json.loads((scene / "transforms_train.json").read_text())
+    meta["frames"] = meta["frames"][:count]
+    (out / "transforms_train.json").write_text(json.dumps(meta))
+    (out / "train").symlink_to(scene / "train", target_is_directory=True)
+    return out
+
+
 def split_run(root: Path) -> Path:
-    """SplitNeRF on lego at 25x25, 20 steps, every 10th exchange recorded (test_split_job)."""
+    """SplitNeRF at 25x25 on lego's first 16 views (every 8th held out: 2, which the run and
+    the audit score every attack on), 20 steps of 32 rays x 16 samples, every 10th exchange
+    recorded (test_split_job)."""
     run_dir = root / "split"
     config = {
         "mode": "split",
-        "data-dir": str(LEGO),
+        "data-dir": str(first_views(LEGO, 16, root / "lego16")),
         "state-dir": str(root / "split.nodes"),
         "simulation-audit": True,
         "downscale": 8.0,
         "run-dir": str(run_dir),
         "split-steps": 20,
-        "split-batch-rays": 64,
-        "split-samples": 24,
+        "split-batch-rays": 32,
+        "split-samples": 16,
         "split-record-every": 10,
         "split-attack": True,
         **SMALL_GRID,
@@ -116,9 +122,9 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(crowd_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("audit")
-    return {"scene": scene_run(root), "meta": meta_run(root), "split": split_run(root)}
+    return {"scene": scene_run(root, crowd_dir), "meta": meta_run(root), "split": split_run(root)}
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +230,7 @@ def test_split_audit_runs_every_attack_on_the_recorded_transcript(
             assert -1.0 <= report["leakage"][f"{attack}-{score}"] <= 1.0
     assert -1.0 <= report["reference"]["untrained-ssim_depth"] <= 1.0
     assert report["skipped"] == {} and report["settings"]["transcript-steps"] == 2
+    assert report["settings"]["heldout-views"] == 2  # views 0 and 8 of the 16
     # The offline attack is the one the run's observer ran, same seed and transcript.
     recorded = report["recorded-during-the-run"]["surrogate-ssim_depth"]
     assert report["leakage"]["surrogate-offline-ssim_depth"] == pytest.approx(recorded, abs=1e-6)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +26,8 @@ from simulations.deploy import (
 USERS = 3
 RUN_CONFIG = (
     "num-server-rounds=2 local-steps=2 min-train-nodes=2 min-available-nodes=3 fraction-train=1.0 "
-    "target-samples=512 hash-log2-size=12 eval-views-per-round=1"
+    "target-samples=512 hash-log2-size=12 hash-levels=4 hash-max-resolution=64 "
+    "eval-views-per-round=1"
 )
 
 
@@ -65,24 +64,15 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
     assert processes_with_home_under(directory) == [], "a deployed process outlived the test"
 
 
-@pytest.fixture
-def crowd(tmp_path: Path) -> Path:
-    """A tiny crowd: 3 users x 2 views of lego at 25x25 pixels."""
-    out = tmp_path / "crowd"
-    command = [sys.executable, "-m", "fedfields.cli", "data", "crowd"]
-    command += ["--scene", str(APP_DIR / "data" / "lego"), "--users", str(USERS)]
-    command += ["--views-per-user", "2", "--downscale", "8", "--out", str(out), "--no-progress"]
-    subprocess.run(command, check=True, capture_output=True)
-    return out
-
-
 @pytest.mark.slow  # about 2.5-3 minutes: a dead node is declared after 2 missed 30 s heartbeats
 def test_run_survives_a_supernode_killed_in_round_2(
-    deployment: Deployment, crowd: Path, tmp_path: Path
+    deployment: Deployment, crowd_dir: Path, tmp_path: Path
 ) -> None:
+    """Each SuperNode holds one user folder of the shared tiny crowd (conftest)."""
     deployment.start_superlink()
     nodes = [
-        deployment.start_supernode(user, USERS, crowd / f"user_{user:02d}") for user in range(USERS)
+        deployment.start_supernode(user, USERS, crowd_dir / f"user_{user:02d}")
+        for user in range(USERS)
     ]
     deployment.wait_for_nodes(USERS)
     victim = nodes[-1]

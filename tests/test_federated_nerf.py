@@ -16,33 +16,19 @@ from clients.client_app import PERSONAL
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
 from fedfields.config import FederatedConfig
-from fedfields.data import load_scene
-from fedfields.data.crowd import CrowdConfig, CrowdData, build_crowd, write_crowd
+from fedfields.data.crowd import CrowdData
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
 
 ROOT = Path(__file__).resolve().parents[1]
-LEGO = ROOT / "data" / "lego"
-
-
-@pytest.fixture(scope="module")
-def crowd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 users x 3 views of lego at 25x25, with 2 held-out views kept (the rest dropped)."""
-    lego = load_scene(LEGO, downscale=8, background=(0.0, 0.0, 0.0))
-    crowd = build_crowd(lego, CrowdConfig(users=3, views_per_user=3, seed=0), progress=False)
-    out = tmp_path_factory.mktemp("fed") / "crowd"
-    write_crowd(crowd, out)
-    heldout = out / "heldout" / "transforms.json"
-    meta = json.loads(heldout.read_text())
-    meta["frames"] = meta["frames"][:2]  # keeps the audit fast
-    heldout.write_text(json.dumps(meta))
-    return out
 
 
 def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> dict:
-    """A run-config small enough for a test: 2 rounds of 3 local steps on a 2^12 table.
+    """A run-config small enough for a test: 2 rounds of 3 local steps on a field of 4 levels
+    of 2^12 entries up to resolution 64 (its density is evaluated over the whole occupancy
+    grid at every refresh, the bulk of a tiny run's time).
 
     The nodes keep their state in directories next to the run directory.
     """
@@ -58,6 +44,8 @@ def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> 
         "eval-views-per-round": 1,
         "target-samples": 4096,
         "hash-log2-size": 12,
+        "hash-levels": 4,
+        "hash-max-resolution": 64,
         **overrides,
     }
 
@@ -67,8 +55,20 @@ def _run_in_process(config: dict, users: int = 3) -> tuple[Path, InProcessGrid]:
     return run_federated_nerf(grid, config, observe=True), grid
 
 
-def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsys) -> None:
-    run_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / "run", "decentnerf"))
+@pytest.fixture(scope="module")
+def decentnerf_run(
+    crowd_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, InProcessGrid]:
+    """One plaintext DecentNeRF run (`tiny`) that three tests read: its report, its replies
+    and its summary next to a secure run's."""
+    run_dir = tmp_path_factory.mktemp("decentnerf") / "run"
+    return _run_in_process(tiny(crowd_dir, run_dir, "decentnerf"))
+
+
+def test_decentnerf_run_writes_the_report(
+    decentnerf_run: tuple[Path, InProcessGrid], crowd_dir: Path, capsys
+) -> None:
+    run_dir, _ = decentnerf_run
     names = {p.name for p in run_dir.iterdir()}
     expected = {"config.json", "metrics.jsonl", "checkpoint.pt", "renders", "summary.json"}
     assert expected | {"alphas.jsonl", "alphas.png", "leakage.png"} <= names
@@ -102,14 +102,14 @@ def test_decentnerf_run_writes_the_report(crowd_dir: Path, tmp_path: Path, capsy
     assert reported["psnr"] == pytest.approx(summary["heldout-psnr"], abs=0.5)
 
 
-def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path: Path) -> None:
-    config = tiny(crowd_dir, tmp_path / "run", "decentnerf")
-    del config["state-dir"]  # the personal fields stay in Flower's per-node context
-    _, grid = _run_in_process(config)
-    personal = [
+def test_decentnerf_replies_carry_no_personal_content(
+    decentnerf_run: tuple[Path, InProcessGrid],
+) -> None:
+    run_dir, grid = decentnerf_run
+    personal = [  # what each node keeps in its state directory (`tiny`)
         tensor
-        for context in grid.contexts.values()
-        for tensor in arrays_to_state(context.state[PERSONAL]).values()
+        for node in sorted(run_dir.with_name(run_dir.name + ".nodes").glob("node_*"))
+        for tensor in torch.load(node / f"{PERSONAL}.pt", weights_only=True).values()
     ]
     assert personal, "clients kept no personal field"
     global_keys = None
@@ -132,8 +132,10 @@ def test_decentnerf_replies_carry_no_personal_content(crowd_dir: Path, tmp_path:
     assert any(t.shape == embedding_shape for t in personal)
 
 
-def test_secure_decentnerf_run_sends_only_masked_vectors(crowd_dir: Path, tmp_path: Path) -> None:
-    plain_dir, _ = _run_in_process(tiny(crowd_dir, tmp_path / "plain", "decentnerf"))
+def test_secure_decentnerf_run_sends_only_masked_vectors(
+    decentnerf_run: tuple[Path, InProcessGrid], crowd_dir: Path, tmp_path: Path
+) -> None:
+    plain_dir, _ = decentnerf_run
     secure = {"secure-aggregation": True, "min-train-nodes": 3}  # SecAgg+ needs 3 per round
     config = tiny(crowd_dir, tmp_path / "secure", "decentnerf", **secure)
     run_dir, grid = _run_in_process(config)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flower_harness import InProcessGrid
 from flwr.app import Message
-from test_federated_nerf import crowd_dir, tiny  # noqa: F401  (crowd_dir is a fixture)
+from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 
 from fedfields.config import FederatedConfig
@@ -87,7 +87,7 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
 
 
 def test_decentnerf_resume_continues_alpha_and_bookkeeping(
-    crowd_dir: Path,  # noqa: F811
+    crowd_dir: Path,
     tmp_path: Path,
 ) -> None:
     """DecentNeRF keeps state on both sides (the server's last aggregate, each node's alpha

@@ -25,7 +25,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from PIL import Image
-from test_federated_nerf import crowd_dir, tiny  # noqa: F401  (crowd_dir is a fixture)
+from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 from test_secure_aggregation import numbers_received as numbers_in_records
 
@@ -247,7 +247,7 @@ def test_value_free_refusals_and_error_replies_in_secure_mode() -> None:
 
 
 def test_the_repo_client_app_forwards_no_values_in_secure_mode(
-    crowd_dir: Path,  # noqa: F811
+    crowd_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -528,7 +528,7 @@ def decentnerf_run(
 
 
 def test_a_secure_decentnerf_run_shows_the_server_nothing_per_client(
-    crowd_dir: Path,  # noqa: F811
+    crowd_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -132,7 +132,11 @@ class SceneSection:
     personal_learning_rate: float = key(0.01, "DecentNeRF personal field and embeddings")
     target_samples: int = key(16384, "field samples per local step (sets the ray batch)")
     personal_density_weight: float = key(0.01, "NeRF-W lambda_u on personal density")
-    beta_min: float = key(0.03, "NeRF-W floor of the personal uncertainty beta")
+    beta_min: float = key(
+        0.3,
+        "NeRF-W floor of the personal uncertainty beta (NeRF-W's 0.03 starves the global "
+        "field at a CPU budget: docs/BENCHMARKS.md)",
+    )
     alpha_lr: float = key(1.0, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
     alpha_max: float = key(
         100.0, "DecentNeRF: a reply with alpha_k outside (0, alpha-max] is dropped"

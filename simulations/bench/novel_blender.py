@@ -44,6 +44,7 @@ from fedfields.aggregate import (
     state_sum,
 )
 from fedfields.config import FederatedConfig
+from fedfields.config.schema import SceneSection
 from fedfields.data import Scene
 from fedfields.data.crowd import CrowdData, CrowdUser
 from fedfields.fields import Field
@@ -99,7 +100,7 @@ class Settings:
     learning_rate: float = 1e-2
     personal_learning_rate: float = 1e-2
     target_samples: int = 1 << 14
-    beta_min: float = 0.03
+    beta_min: float = SceneSection.beta_min  # the App's default (NeRF-W's is 0.03)
     transient_density_weight: float = 0.01
     alpha_lr: float = 1.0
     gradient_rays: int = 4096

@@ -1,0 +1,36 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedfields.data import load_scene
+from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+
+LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
+HULL_RESOLUTION = 48
+"""Voxels per axis of the crowd's visual hull: at 25x25 pixels 48^3 gives the persons their
+depth as well as the default 128^3 does, at a fraction of its cost (tests/test_crowd.py tests
+the hull itself)."""
+
+
+@pytest.fixture(scope="session")
+def crowd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 users x 3 views of lego at 25x25, with 2 held-out views kept (the rest dropped).
+
+    Built once per session: every scene run only reads it (node state and run directories
+    go elsewhere).
+    """
+    lego = load_scene(LEGO, downscale=8, background=(0.0, 0.0, 0.0))
+    config = CrowdConfig(users=3, views_per_user=3, seed=0, hull_resolution=HULL_RESOLUTION)
+    crowd = build_crowd(lego, config, progress=False)
+    out = tmp_path_factory.mktemp("fed") / "crowd"
+    write_crowd(crowd, out)
+    heldout = out / "heldout" / "transforms.json"
+    meta = json.loads(heldout.read_text())
+    meta["frames"] = meta["frames"][:2]  # keeps the audit fast
+    heldout.write_text(json.dumps(meta))
+    return out
