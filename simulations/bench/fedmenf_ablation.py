@@ -9,6 +9,8 @@ paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
 
     python -m simulations.bench.fedmenf_ablation --rounds 20 --bounds 0.25 0.15 0.1
     python -m simulations.bench.fedmenf_ablation --rounds 20 --gammas 0.25 1 --bounds 0.15
+    python -m simulations.bench.fedmenf_ablation --bounds 0.15 --no-unbounded \\
+        --tto adam:1e-4:32 adam:1e-4:256 adam:3e-4:128
 """
 
 from __future__ import annotations
@@ -74,12 +76,29 @@ def federate(learner: str, rounds: int, bound: float | None, gamma: float = 0.75
     return {"theta": theta, "psnr_p": float(np.mean(psnr_p)), "model": model, "config": config}
 
 
-def tto_scores(model: nn.Module, theta: dict, config: FederatedConfig) -> dict[str, float]:
+def tto_recipe(text: str) -> tuple[str, float, int]:
+    """An `--tto` recipe "optimiser:rate:steps" (e.g. "adam:1e-4:32") as a TTO_RECIPES entry."""
+    try:
+        optimiser, rate, steps = text.split(":")
+        recipe = (optimiser, float(rate), int(steps))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tto {text!r}: expected optimiser:rate:steps") from None
+    if optimiser not in ("adam", "sgd") or recipe[1] <= 0 or recipe[2] < 1:
+        raise argparse.ArgumentTypeError(f"--tto {text!r}: adam|sgd, rate > 0, steps >= 1")
+    return recipe
+
+
+def tto_scores(
+    model: nn.Module,
+    theta: dict,
+    config: FederatedConfig,
+    recipes: tuple[tuple[str, float, int], ...] = TTO_RECIPES,
+) -> dict[str, float]:
     """Mean held-out PSNR after each TTO recipe from theta."""
     settings = meta_settings(config)
     heldout = heldout_meta_tasks(config, settings)
     scores = {}
-    for optimiser, rate, steps in TTO_RECIPES:
+    for optimiser, rate, steps in recipes:
         curves = [
             test_time_optimise(
                 model,
@@ -109,6 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-unbounded", action="store_true", help="skip FedMeNF's unbounded (paper's) L_pp"
     )
+    parser.add_argument(
+        "--tto",
+        type=tto_recipe,
+        nargs="+",
+        default=list(TTO_RECIPES),
+        help="TTO recipes optimiser:rate:steps (default: adam:1e-4:32 adam:1e-3:128 sgd:5e-3:32)",
+    )
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     variants: list[tuple[str, str, float | None, float]] = [("MAML", "maml", None, 0.0)]
@@ -126,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "variant": name,
                 "psnr_p": run["psnr_p"],
-                **tto_scores(run["model"], run["theta"], run["config"]),
+                **tto_scores(run["model"], run["theta"], run["config"], tuple(args.tto)),
                 "seconds": time.perf_counter() - started,
             }
         )
