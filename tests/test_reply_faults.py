@@ -41,6 +41,7 @@ from fedfields.flower import (
 from fedfields.flower.protocol import (
     ARRAYS,
     CONTROL_DELTA,
+    GRADIENT,
     METRICS,
     NUM_DROPPED,
     NUM_EXAMPLES,
@@ -325,6 +326,36 @@ def test_disabled_bounds_let_an_outlier_through() -> None:
     assert update_norm(arrays_to_state(arrays), global_state()) > 1e4
 
 
+def gradient_round(gradients: list[State], **options: object) -> tuple[State | None, dict]:
+    """Round 2 of DecentNeRF with nodes answering the gradient query with `gradients`: the G
+    its train messages carry (None if none) and the round's drop counts."""
+    strategy = DecentNeRF(min_available_nodes=len(gradients), **options)
+    grid = InProcessGrid([node({GRADIENT: g}, {}) for g in gradients])
+    messages = list(
+        strategy.configure_train(2, state_to_arrays(global_state()), ConfigRecord(), grid)
+    )
+    carried = [arrays_to_state(m.content[GRADIENT]) for m in messages if GRADIENT in m.content]
+    assert not carried or len(carried) == len(messages)
+    return (carried[0] if carried else None), dict(strategy.active_round.dropped)
+
+
+def test_an_oversized_gradient_reply_is_dropped_from_g() -> None:
+    """||G_k|| above max-gradient-norm (inclusive) is left out of G = sum_k G_k: G equals the
+    honest users' sum, computed here directly, and the drop is counted."""
+    honest = [honest_state(k, scale=1.0) for k in range(HONEST)]
+    expected = {key: sum(g[key] for g in honest) for key in honest[0]}
+    bound = max(update_norm(g) for g in honest)
+    poisoned = {key: 1e6 * value for key, value in honest[0].items()}
+    gradient, dropped = gradient_round([*honest, poisoned], max_gradient_norm=bound)
+    assert gradient is not None and dropped == {"gradient-norm": 1}
+    assert max_distance(gradient, expected) < 1e-12
+    gradient, dropped = gradient_round([*honest, poisoned], max_gradient_norm=0)  # no cap
+    assert gradient is not None and dropped == {}
+    assert max_distance(gradient, expected) > 1e5
+    _, dropped = gradient_round(honest, max_gradient_norm=bound * (1 - 1e-9))
+    assert dropped == {"gradient-norm": 1}  # the largest honest one, just above the cap
+
+
 # ------------------------------------------------------------------ robust aggregation
 
 
@@ -459,6 +490,9 @@ def test_run_config_keys_reach_the_strategies() -> None:
     scene = FederatedConfig.from_run_config({"alpha-max": 7.0})
     decentnerf = make_strategy("decentnerf", scene.to_run_config())
     assert isinstance(decentnerf, DecentNeRF) and decentnerf.alpha_max == 7.0
+    assert decentnerf.max_gradient_norm == 1e4
+    capped = FederatedConfig.from_run_config({"max-gradient-norm": 0.0})
+    assert make_strategy("decentnerf", capped.to_run_config()).max_gradient_norm is None
     assert decentnerf.max_update_norm == 1000.0 and decentnerf.max_num_examples == 1e9
     faces = FederatedConfig.from_run_config({"task": "faces", "aggregation-rule": "median"})
     fedmenf = make_meta_strategy(faces, meta_settings(faces))

@@ -141,6 +141,9 @@ class SceneSection:
     alpha_max: float = key(
         100.0, "DecentNeRF: a reply with alpha_k outside (0, alpha-max] is dropped"
     )
+    max_gradient_norm: float = key(
+        1e4, "DecentNeRF: a gradient reply with ||G_k|| above it is dropped (0: no cap)"
+    )
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
     hash_max_resolution: int = key(400, "finest hash-grid resolution")
@@ -160,6 +163,7 @@ class SceneSection:
         _check(self, ["scene_bound", "beta_min"], lambda v: math.isfinite(v) and v > 0,
                "finite and > 0")  # fmt: skip
         _check(self, ["alpha_max"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+        _check(self, ["max_gradient_norm"], _finite(0.0), "finite and >= 0")
         rates = ["learning_rate", "personal_learning_rate", "personal_density_weight", "alpha_lr"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 

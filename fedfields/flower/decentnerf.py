@@ -20,6 +20,7 @@ from fedfields.aggregate import (
     alpha_weighted_payload,
     decentnerf_aggregate,
 )
+from fedfields.aggregate.robust import update_norm
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -42,12 +43,18 @@ from fedfields.flower.strategy import (
     CheckedReply,
     ProtocolStrategy,
     StrategyOptions,
+    optional_cap,
     reply_metrics,
 )
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
 a hundred times an untouched one before its reply is dropped."""
+DEFAULT_MAX_GRADIENT_NORM = 1e4
+"""Largest ||G_k|| a plaintext gradient reply may have: honest users measured 0.9-1.2 at an
+untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
+up to 1/(2 beta_min^2)), and less once trained (docs/MODES.md); one oversized G_k would move
+every user's alpha."""
 
 
 class DecentNeRF(ProtocolStrategy):
@@ -67,8 +74,8 @@ class DecentNeRF(ProtocolStrategy):
     arrives, no GRADIENT is sent and clients keep their alpha. Without secure aggregation a
     bad reply is dropped before it reaches a sum (`ProtocolStrategy.checked_replies`): besides
     the shared checks, a payload's alpha_k must lie in (0, alpha_max] and its g_k =
-    payload / alpha_k obeys `max_update_norm`; gradient replies are checked for keys, shapes
-    and finite values only.
+    payload / alpha_k obeys `max_update_norm`; a gradient reply's ||G_k|| must not exceed
+    `max_gradient_norm`.
 
     Args:
         alpha_lr: eta in alpha_k <- alpha_k - eta dL/dalpha_k, sent as "alpha-lr". The paper
@@ -77,11 +84,17 @@ class DecentNeRF(ProtocolStrategy):
         query_timeout: seconds to wait for gradient replies; None takes `node_timeout`
             (None there too waits for all).
         alpha_max: a plaintext reply whose alpha_k is outside (0, alpha_max] is dropped.
+        max_gradient_norm: a plaintext gradient reply with ||G_k|| above it is dropped (0 or
+            None: no cap); raise it with beta-min far below NeRF-W's 0.03.
         **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
     """
 
     strategy_name = "decentnerf"
-    config_keys = {"alpha-lr": "alpha_lr", "alpha-max": "alpha_max"}
+    config_keys = {
+        "alpha-lr": "alpha_lr",
+        "alpha-max": "alpha_max",
+        "max-gradient-norm": "max_gradient_norm",
+    }
     cost_model = DECENTNERF_COST
 
     def __init__(
@@ -90,10 +103,12 @@ class DecentNeRF(ProtocolStrategy):
         alpha_lr: float = 1.0,
         query_timeout: float | None = None,
         alpha_max: float = DEFAULT_ALPHA_MAX,
+        max_gradient_norm: float | None = DEFAULT_MAX_GRADIENT_NORM,
         **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**options)
         self.alpha_max = check_scalar(alpha_max, "alpha_max")
+        self.max_gradient_norm = optional_cap(max_gradient_norm, "max_gradient_norm")
         self.last_aggregate: tuple[int, float] | None = None
         """(round, summed alpha) of the latest aggregate this strategy formed."""
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
@@ -157,9 +172,17 @@ class DecentNeRF(ProtocolStrategy):
 
     def check_update(self, reply: CheckedReply) -> None:
         """A payload's alpha_k in (0, alpha_max], then the update-norm bound on its g_k =
-        payload / alpha_k; gradient replies (no ARRAYS) pass."""
+        payload / alpha_k; a gradient reply's ||G_k|| at most `max_gradient_norm`."""
         payload = reply.states.get(ARRAYS)
         if payload is None:
+            gradient = reply.states.get(GRADIENT)
+            if gradient is not None and self.max_gradient_norm is not None:
+                if not update_norm(gradient) <= self.max_gradient_norm:
+                    raise BadReply(
+                        "gradient-norm",
+                        f"reply from node {reply.node_id}, record {GRADIENT!r}: ||G_k|| exceeds "
+                        f"max-gradient-norm = {self.max_gradient_norm:g}",
+                    )
             return
         alpha = float(payload[ALPHA_KEY].double().reshape(()))
         if not 0.0 < alpha <= self.alpha_max:

@@ -98,7 +98,7 @@ DEFAULT_MAX_UPDATE_NORM = 1e3
 its own norm; a scaled or exploded update does not."""
 
 
-def _optional_cap(value: float | None, name: str) -> float | None:
+def optional_cap(value: float | None, name: str) -> float | None:
     """A positive finite cap, or None for 0/None (no cap); ValueError otherwise."""
     if value is None or (not isinstance(value, bool) and value == 0):
         return None
@@ -219,8 +219,8 @@ class ProtocolStrategy(FlowerFedAvg):
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
         self.node_timeout = node_timeout
-        self.max_num_examples = _optional_cap(max_num_examples, "max_num_examples")
-        self.max_update_norm = _optional_cap(max_update_norm, "max_update_norm")
+        self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
+        self.max_update_norm = optional_cap(max_update_norm, "max_update_norm")
         self.current_round: TrainRound | None = None
         self.rounds_started = 0
         self.latest_train_metrics: dict[str, float] = {}
