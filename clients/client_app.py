@@ -1,7 +1,7 @@
 """The ClientApp: the NeRF scene job, or FedMeNF's meta-learning when run-config `task` says so.
 
-For `task` faces, video or objects the train handler is `clients.meta_client.train`; for mode
-split, `clients.split_client.train`. The scene job: one user's views (its own folder, from
+For `task` faces, photos, video or objects the train handler is `clients.meta_client.train`;
+for mode split, `clients.split_client.train`. The scene job: one user's views (its own folder, from
 node-config `data-dir`, `fedfields.flower.node`), a global field it shares and a personal field it
 keeps; handlers are thin glue over `fedfields.train.federated`. What stays on the node lives
 in its private state (`NodeState`: the node's state directory, or Flower's per-node context in

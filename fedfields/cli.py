@@ -102,10 +102,10 @@ table, one row per run, and writes audit.json and audit.png into each run direct
     the photo, rendered from that field (what the server reads), next to the floor (a field
     that renders no person); plus the observer's per-round figures (uploads' personal PSNR)
     as recorded during the run.
-  meta (faces, video, objects): utility = PSNR after test-time optimisation from theta on the
-    held-out tasks; leakage = PSNR_p of theta on the clients' query sets (blind and oracle
-    rescaled too) and membership inference against theta; plus summary.json's figures of
-    the clients' uploads as recorded during the run.
+  meta (faces, photos, video, objects): utility = PSNR after test-time optimisation from
+    theta on the held-out tasks; leakage = PSNR_p of theta on the clients' query sets (blind
+    and oracle rescaled too) and membership inference against theta; plus summary.json's
+    figures of the clients' uploads as recorded during the run.
   split: utility = held-out PSNR of the client's joint field; leakage = SSIM-depth/grey of the
     Surrogate Model Attack (offline and online), SDAR and its naive baseline against the
     client's renders, from transcript.pt (runs made with split-attack); reference = an

@@ -1,4 +1,5 @@
-"""The FedMeNF job a ServerApp runs for task faces, video or objects: strategy, rounds, report.
+"""The FedMeNF job a ServerApp runs for task faces, photos, video or objects: strategy, rounds,
+report.
 
 The server starts from run-config alone and holds no client's data. Each round it writes the
 clients' aggregated train metrics (loss, gamma, replies, failures, traffic) and scores the

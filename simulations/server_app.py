@@ -1,7 +1,7 @@
 """The fedfields ServerApp: runs the job named by the run-config's `task`.
 
 `flwr run .` starts it: task "scene" is the federated NeRF job
-(`simulations.federated_nerf.run_federated_nerf`), faces, video and objects the FedMeNF
+(`simulations.federated_nerf.run_federated_nerf`), faces, photos, video and objects the FedMeNF
 meta-learning job (`simulations.meta_job.run_meta_job`); mode "split" is split learning
 (`simulations.split_job.run_split_job`). The server starts from run-config alone; only when
 a simulation launcher sets run-config `simulation-audit` are the simulation-only observers

@@ -36,7 +36,12 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.scaffold import CLIENT_CONTROL
-from fedfields.train.builders import _object_task
+from fedfields.train.builders import (
+    _object_task,
+    client_meta_tasks,
+    heldout_meta_tasks,
+    meta_model,
+)
 from simulations.meta_job import meta_observers, run_meta_job, tto_schedule
 from simulations.observers import Observer
 from simulations.run import client_app
@@ -252,10 +257,13 @@ def test_meta_learners_under_other_strategies(strategy: str, tmp_path: Path) -> 
             assert CLIENT_CONTROL not in grid.contexts[101 + client].state
 
 
-def test_video_and_objects_run_in_process(tmp_path: Path) -> None:
+def test_video_photos_and_objects_run_in_process(tmp_path: Path) -> None:
     one_round = {"num-server-rounds": 1, "num-clients": 2, "outer-steps": 1, "tto-steps": 2}
     video, _ = run_in_process(tiny(tmp_path / "video", "video", **one_round))
     assert "psnr_p" in metric_lines(video)[0] and (video / "renders.png").is_file()
+    photos, _ = run_in_process(tiny(tmp_path / "photos", "photos", **one_round))
+    assert {"psnr_p", "psnr"} <= set(metric_lines(photos)[0])
+    assert (photos / "renders.png").is_file()
     collection = tmp_path / "objects"
     write_collection(TINY_OBJECTS, collection, progress=False)
     data_dir = simulation_root(collection, 2, tmp_path / "simulation")
@@ -265,6 +273,23 @@ def test_video_and_objects_run_in_process(tmp_path: Path) -> None:
     line = metric_lines(objects)[0]  # no eval-scene-dir: no server TTO, the audit still runs
     assert "psnr_p" in line and "psnr" not in line and line[NUM_REPLIES] == 2
     assert (objects / "renders.png").is_file() and not (objects / "tto.png").exists()
+
+
+def test_photos_clients_hold_two_crops_each_and_none_is_held_out() -> None:
+    """Task photos: 20 clients x 2 colour crops, 10 held-out crops no client holds; an RGB
+    SIREN (x, y) -> (r, g, b)."""
+    config = FederatedConfig.from_run_config({"task": "photos"})
+    settings = meta_settings(config)
+    held = {task.name for task in heldout_meta_tasks(config, settings)}
+    owned = [
+        [task.name for task in client_meta_tasks(config, settings, client)]
+        for client in range(settings.num_clients)
+    ]
+    assert len(held) == settings.heldout_tasks == 10 and all(len(own) == 2 for own in owned)
+    names = [name for own in owned for name in own]
+    assert len(set(names)) == 40 and not held & set(names)
+    model = meta_model(config, settings)
+    assert model(torch.zeros(5, 2)).shape == (5, 3)
 
 
 def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def test_an_unknown_key_is_refused_with_the_closest_one() -> None:
         (
             {"meta-learner": "maml"},
             "'meta-learner' belongs to the meta section, used by "
-            "task='faces' \\| 'video' \\| 'objects'; this run is task='scene'",
+            "task='faces' \\| 'photos' \\| 'video' \\| 'objects'; this run is task='scene'",
         ),
     ],
 )

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import skimage.data
+import skimage.transform
 import torch
 from PIL import Image, ImageSequence
 
 from fedfields.data.tasks import (
+    PHOTOS,
     SKIMAGE_GIF,
     ImageTask,
     VideoTask,
@@ -21,6 +23,7 @@ from fedfields.data.tasks import (
     gif_video,
     image_folder,
     lfw_faces,
+    photo_crops,
     skimage_images,
 )
 
@@ -83,6 +86,27 @@ def test_skimage_images_resize_and_channels() -> None:
     assert grey.shape == (8, 8, 1)
     with pytest.raises(ValueError, match="no image 'not_an_image'"):
         skimage_images(("not_an_image",))
+
+
+def test_photo_crops_are_disjoint_grid_cells_of_the_photos() -> None:
+    """Each crop is the resized photo region its name gives, on the crop grid; no two share a
+    pixel; photos take turns; more crops than the photos hold is refused."""
+    crops = photo_crops(12, size=16, crop=128, seed=3)
+    assert [c.name.rsplit("_", 2)[0] for c in crops[:5]] == list(PHOTOS)
+    regions = set()
+    for task in crops:
+        name, top, left = task.name.rsplit("_", 2)
+        top, left = int(top), int(left)
+        assert top % 128 == 0 and left % 128 == 0 and (name, top, left) not in regions
+        regions.add((name, top, left))
+        photo = getattr(skimage.data, name)()[top : top + 128, left : left + 128, :3] / 255.0
+        expected = skimage.transform.resize(photo, (16, 16), anti_aliasing=True)
+        assert task.shape == (16, 16, 3)
+        assert np.allclose(task.image().numpy(), expected, atol=1e-6)
+    assert [c.name for c in photo_crops(12, size=16, seed=3)] == [c.name for c in crops]
+    assert [c.name for c in photo_crops(12, size=16, seed=4)] != [c.name for c in crops]
+    with pytest.raises(ValueError, match="the photos hold"):
+        photo_crops(10_000)
 
 
 def test_image_folder_round_trips(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
-TASKS = ("scene", "faces", "video", "objects")
+TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]
 MODES = ("federated", "split")
 HASH_BACKENDS = ("torch", "tcnn")
@@ -74,7 +74,7 @@ class CommonSection:
     title: ClassVar[str] = "common"
     used_by: ClassVar[str] = "every task and mode"
 
-    task: str = key("scene", "scene (federated NeRF) | faces | video | objects (FedMeNF)")
+    task: str = key("scene", "scene (federated NeRF) | faces | photos | video | objects (FedMeNF)")
     mode: str = key("federated", "federated | split (SplitNeRF, task scene, one client)")
     strategy: str = key(
         "",
@@ -174,7 +174,7 @@ class MetaSection:
     (`fedfields.config.presets.META_PRESETS`, FedMeNF Table 7 where a CPU affords it)."""
 
     title: ClassVar[str] = "meta"
-    used_by: ClassVar[str] = "task='faces' | 'video' | 'objects'"
+    used_by: ClassVar[str] = "task='faces' | 'photos' | 'video' | 'objects'"
 
     meta_learner: str = key("fedmenf", "maml | fomaml | reptile | fedmenf")
     gamma: float = key(0.75, "FedMeNF's fixed gamma (Eq. 10)")

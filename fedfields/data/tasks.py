@@ -35,6 +35,8 @@ SKIMAGE_IMAGES = (
 )
 SKIMAGE_GIF = Path(skimage.data.__file__).parent / "no_time_for_that_tiny.gif"  # 24 RGB frames
 LFW_FACES = 100  # lfw_subset(): the first 100 of its 200 crops are faces, the rest background
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field")
+"""scikit-image's bundled colour photographs that `photo_crops` cuts its crops from."""
 
 Task = TypeVar("Task")
 
@@ -150,6 +152,43 @@ def skimage_images(
             image = skimage.color.rgb2gray(image).astype(np.float32) if grey else image
         image = image[..., None] if image.ndim == 2 else image
         tasks.append(ImageTask.from_array(name, _fit(image, size)))
+    return tasks
+
+
+def photo_crops(
+    count: int, size: int = 64, crop: int = 128, seed: int = 0, names: Sequence[str] = PHOTOS
+) -> list[ImageTask]:
+    """`count` colour crops of `crop` x `crop` photo pixels resized to `size` x `size`.
+
+    Crops are cells of a grid over each photo, so no two overlap (a held-out crop shares no
+    pixel with a client's); photos take turns, each giving its cells in a `seed`-shuffled
+    order until it runs out. Natural-image patches with more detail per pixel than the
+    25x25 LFW faces, so a SIREN cannot memorise one in a few dozen steps.
+    """
+    if count < 1 or size < 1 or crop < size:
+        raise ValueError(f"need count >= 1 and crop >= size >= 1, got {count}, {crop}, {size}")
+    rng = np.random.default_rng(seed)
+    photos, cells = [], []
+    for name in names:
+        photo = _as_float32(getattr(skimage.data, name)())
+        if photo.ndim != 3 or photo.shape[-1] < 3:
+            raise ValueError(f"skimage.data.{name} is not a colour photo")
+        photos.append(photo[..., :3])
+        grid = [(top, left) for top in range(0, photo.shape[0] - crop + 1, crop)
+                for left in range(0, photo.shape[1] - crop + 1, crop)]  # fmt: skip
+        cells.append([grid[i] for i in rng.permutation(len(grid))])
+    available = sum(len(grid) for grid in cells)
+    if count > available:
+        raise ValueError(f"{count} crops of {crop} px asked; the photos hold {available}")
+    tasks: list[ImageTask] = []
+    turn = 0
+    while len(tasks) < count:
+        index = turn % len(names)
+        turn += 1
+        if cells[index]:
+            top, left = cells[index].pop(0)
+            patch = photos[index][top : top + crop, left : left + crop]
+            tasks.append(ImageTask.from_array(f"{names[index]}_{top}_{left}", _fit(patch, size)))
     return tasks
 
 

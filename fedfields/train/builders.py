@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from fedfields.config import FederatedConfig, MetaSettings
 from fedfields.data.scene import Scene, holdout_indices, load_scene
-from fedfields.data.tasks import LFW_FACES, VideoTask, client_tasks, gif_video, lfw_faces
+from fedfields.data.tasks import (
+    LFW_FACES,
+    VideoTask,
+    client_tasks,
+    gif_video,
+    lfw_faces,
+    photo_crops,
+)
 from fedfields.fields import (
     HashGridConfig,
     HashGridField,
@@ -157,7 +164,8 @@ def meta_config(
 
 
 def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
-    """The meta-learned field: SIREN (x, y) -> grey or (t, x, y) -> RGB, or a NeRF MLP."""
+    """The meta-learned field: SIREN (x, y) -> grey (faces) or RGB (photos), (t, x, y) -> RGB
+    (video), or a NeRF MLP (objects)."""
     if config.common.task == "objects":
         nerf = NeRFFieldConfig(
             depth=settings.field_depth,
@@ -167,7 +175,7 @@ def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
             view_dependent=False,
         )
         return NeRFField(nerf)
-    in_features, out_features = (2, 1) if config.common.task == "faces" else (3, 3)
+    in_features, out_features = {"faces": (2, 1), "photos": (2, 3)}.get(config.common.task, (3, 3))
     return Siren(
         SirenConfig(
             in_features=in_features,
@@ -230,6 +238,10 @@ def video_clips(num_clips: int) -> list[VideoTask]:
     ]
 
 
+PHOTOS_PER_CLIENT = 2
+"""Task photos: crops each client holds (its D_train), as PetFace's few images per client."""
+
+
 @lru_cache(maxsize=8)
 def _coordinate_tasks(
     task: str, num_clients: int, heldout: int, seed: int
@@ -238,6 +250,10 @@ def _coordinate_tasks(
     if task == "video":
         clips = coordinate_tasks(video_clips(num_clients + heldout))
         return (*((clip,) for clip in clips[:num_clients]), tuple(clips[num_clients:]))
+    if task == "photos":
+        crops = coordinate_tasks(photo_crops(PHOTOS_PER_CLIENT * num_clients + heldout, seed=seed))
+        groups = client_tasks(crops[: len(crops) - heldout], num_clients, seed)
+        return (*(tuple(group) for group in groups), tuple(crops[len(crops) - heldout :]))
     if num_clients + heldout > LFW_FACES:
         raise ValueError(
             f"{num_clients} clients and {heldout} held-out faces exceed the {LFW_FACES} LFW faces"

@@ -1,8 +1,9 @@
 """Benchmark: where FedMeNF's utility goes, one change at a time, in process (no Flower).
 
-The faces preset's federation (N clients, M sampled per round by a seeded RNG, FedAvg of the
-uploads weighted by |D|) run with the library's `local_meta_update`; each variant's final
-theta is scored by test-time optimisation on the held-out faces under several TTO recipes,
+The `--task` preset's federation (faces or photos: N clients, M sampled per round by a seeded
+RNG, FedAvg of the uploads weighted by |D|) run with the library's `local_meta_update`; each
+variant's final theta is scored by test-time optimisation on the held-out tasks under several
+TTO recipes,
 beside the final round's PSNR_p of the uploads. Variants: MAML, FedMeNF (gamma 0.75) with the
 paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
 (run-config `memorising-bound`), for each of `--gammas`.
@@ -11,6 +12,7 @@ paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
     python -m simulations.bench.fedmenf_ablation --rounds 20 --gammas 0.25 1 --bounds 0.15
     python -m simulations.bench.fedmenf_ablation --bounds 0.15 --no-unbounded \\
         --tto adam:1e-4:32 adam:1e-4:256 adam:3e-4:128
+    python -m simulations.bench.fedmenf_ablation --task photos --bounds 0.15
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from fedfields.train.builders import (
 from fedfields.train.meta import local_meta_update, privacy_metrics, test_time_optimise
 from simulations import APP_DIR
 
-OUT = APP_DIR / "runs" / "bench_fedmenf_ablation"
+OUT = APP_DIR / "runs" / "bench_fedmenf_ablation"  # results-<task>.json
 TTO_RECIPES = (("adam", 1e-4, 32), ("adam", 1e-3, 128), ("sgd", 0.005, 32))
 """(optimiser, rate, steps): the preset's, a longer faster Adam, SGD at the inner-loop rate."""
 
 
-def federate(learner: str, rounds: int, bound: float | None, gamma: float = 0.75) -> dict:
-    """`rounds` of FedAvg over the faces clients' local meta-updates; theta and PSNR_p."""
-    run_config = {"task": "faces", "meta-learner": learner, "num-server-rounds": rounds}
+def federate(
+    learner: str, rounds: int, bound: float | None, gamma: float = 0.75, task: str = "faces"
+) -> dict:
+    """`rounds` of FedAvg over the `task` clients' local meta-updates; theta and PSNR_p."""
+    run_config = {"task": task, "meta-learner": learner, "num-server-rounds": rounds}
     if learner == "fedmenf":
         run_config["gamma"] = gamma
     config = FederatedConfig.from_run_config(run_config)
@@ -120,6 +124,7 @@ def tto_scores(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--task", choices=("faces", "photos"), default="faces")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bounds", type=float, nargs="*", default=[0.25, 0.15, 0.1])
     parser.add_argument(
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, learner, bound, gamma in variants:
         started = time.perf_counter()
-        run = federate(learner, args.rounds, bound, gamma)
+        run = federate(learner, args.rounds, bound, gamma, args.task)
         rows.append(
             {
                 "variant": name,
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-        (OUT / "results.json").write_text(json.dumps(rows, indent=2))
+        (OUT / f"results-{args.task}.json").write_text(json.dumps(rows, indent=2))
     recipes = [k for k in rows[0] if k not in ("variant", "psnr_p", "seconds")]
     print("| variant | PSNR_p | " + " | ".join(f"PSNR after TTO {r}" for r in recipes) + " |")
     print("|---" * (len(recipes) + 2) + "|")

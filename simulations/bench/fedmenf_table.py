@@ -200,7 +200,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--task", choices=("faces", "objects"), default="faces")
+    parser.add_argument("--task", choices=("faces", "photos", "objects"), default="faces")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedprox", "scaffold"])
     parser.add_argument("--learners", nargs="+", choices=list(LEARNERS), default=list(LEARNERS))
     parser.add_argument("--rounds", type=int, default=8)
