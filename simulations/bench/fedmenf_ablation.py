@@ -45,7 +45,7 @@ def federate(
     learner: str, rounds: int, bound: float | None, gamma: float = 0.75, task: str = "faces"
 ) -> dict:
     """`rounds` of FedAvg over the `task` clients' local meta-updates; theta and PSNR_p."""
-    run_config = {"task": task, "meta-learner": learner, "num-server-rounds": rounds}
+    run_config = {"task": task, "meta-learner": learner, "num-server-rounds": max(rounds, 1)}
     if learner == "fedmenf":
         run_config["gamma"] = gamma
     config = FederatedConfig.from_run_config(run_config)
@@ -77,7 +77,8 @@ def federate(
             name: sum(w / total * upload[name] for upload, w in zip(uploads, weights, strict=True))
             for name in theta
         }
-    return {"theta": theta, "psnr_p": float(np.mean(psnr_p)), "model": model, "config": config}
+    mean_psnr_p = float(np.mean(psnr_p)) if psnr_p else None  # None: no round, no upload
+    return {"theta": theta, "psnr_p": mean_psnr_p, "model": model, "config": config}
 
 
 def tto_recipe(text: str) -> tuple[str, float, int]:
@@ -140,9 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         default=list(TTO_RECIPES),
         help="TTO recipes optimiser:rate:steps (default: adam:1e-4:32 adam:1e-3:128 sgd:5e-3:32)",
     )
+    parser.add_argument(
+        "--local", action="store_true", help="add TTO from the random initialisation (no rounds)"
+    )
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     variants: list[tuple[str, str, float | None, float]] = [("MAML", "maml", None, 0.0)]
+    if args.local:
+        variants.insert(0, ("Local (random init, no federation)", "maml", None, 0.0))
     for gamma in args.gammas:
         if not args.no_unbounded:
             variants.append((f"FedMeNF gamma {gamma:g} (paper)", "fedmenf", None, gamma))
@@ -152,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, learner, bound, gamma in variants:
         started = time.perf_counter()
-        run = federate(learner, args.rounds, bound, gamma, args.task)
+        rounds = 0 if name.startswith("Local") else args.rounds
+        run = federate(learner, rounds, bound, gamma, args.task)
         rows.append(
             {
                 "variant": name,
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * (len(recipes) + 2) + "|")
     for row in rows:
         cells = [f"{row[r]:.2f}" for r in recipes]
-        print(f"| {row['variant']} | {row['psnr_p']:.2f} | " + " | ".join(cells) + " |")
+        leak = "-" if row["psnr_p"] is None else f"{row['psnr_p']:.2f}"
+        print(f"| {row['variant']} | {leak} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
