@@ -12,7 +12,8 @@ paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
     python -m simulations.bench.fedmenf_ablation --rounds 20 --gammas 0.25 1 --bounds 0.15
     python -m simulations.bench.fedmenf_ablation --bounds 0.15 --no-unbounded \\
         --tto adam:1e-4:32 adam:1e-4:256 adam:3e-4:128
-    python -m simulations.bench.fedmenf_ablation --task photos --bounds 0.15
+    python -m simulations.bench.fedmenf_ablation --task photos --bounds 0.15 --local \\
+        --run-config "outer-lr=0.01"
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from flwr.common.config import parse_config_args
 from torch import nn
 
 from fedfields.config import FederatedConfig, meta_settings
@@ -42,10 +44,17 @@ TTO_RECIPES = (("adam", 1e-4, 32), ("adam", 1e-3, 128), ("sgd", 0.005, 32))
 
 
 def federate(
-    learner: str, rounds: int, bound: float | None, gamma: float = 0.75, task: str = "faces"
+    learner: str,
+    rounds: int,
+    bound: float | None,
+    gamma: float = 0.75,
+    task: str = "faces",
+    overrides: dict | None = None,
 ) -> dict:
-    """`rounds` of FedAvg over the `task` clients' local meta-updates; theta and PSNR_p."""
+    """`rounds` of FedAvg over the `task` clients' local meta-updates (run-config `overrides`
+    on top of the preset, e.g. "outer-lr"); theta and PSNR_p."""
     run_config = {"task": task, "meta-learner": learner, "num-server-rounds": max(rounds, 1)}
+    run_config |= overrides or {}
     if learner == "fedmenf":
         run_config["gamma"] = gamma
     config = FederatedConfig.from_run_config(run_config)
@@ -142,9 +151,13 @@ def main(argv: list[str] | None = None) -> None:
         help="TTO recipes optimiser:rate:steps (default: adam:1e-4:32 adam:1e-3:128 sgd:5e-3:32)",
     )
     parser.add_argument(
+        "--run-config", default="", help="run-config on top of the preset, e.g. 'outer-lr=0.01'"
+    )
+    parser.add_argument(
         "--local", action="store_true", help="add TTO from the random initialisation (no rounds)"
     )
     args = parser.parse_args(argv)
+    overrides = parse_config_args([args.run_config]) if args.run_config.strip() else {}
     OUT.mkdir(parents=True, exist_ok=True)
     variants: list[tuple[str, str, float | None, float]] = [("MAML", "maml", None, 0.0)]
     if args.local:
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, learner, bound, gamma in variants:
         started = time.perf_counter()
         rounds = 0 if name.startswith("Local") else args.rounds
-        run = federate(learner, rounds, bound, gamma, args.task)
+        run = federate(learner, rounds, bound, gamma, args.task, overrides)
         rows.append(
             {
                 "variant": name,
