@@ -26,43 +26,32 @@ class MetaSettings:
     heldout_tasks: int  # tasks no client holds: the server's TTO evaluation
 
 
+# Table 7 PetFace: E=32, K=1, SGD, lambda_i=0.005, batch 1024; SIREN 6x128. lambda_o=0.001,
+# not 0.01: at 0.01 FedMeNF's theta drifts within 8 rounds until TTO from it is worse than
+# from a random SIREN. 25x25 grey LFW crops fit in 64 Adam steps, so TTO stops at 32.
+FACES = MetaSettings(
+    num_clients=20,
+    outer_steps=32,
+    inner_steps=1,
+    inner_lr=0.005,
+    outer_lr=0.001,
+    outer_optimizer="sgd",
+    tto_steps=32,
+    tto_lr=1e-4,
+    field_width=128,
+    field_depth=6,
+    support_batch=1024,
+    query_batch=1024,
+    heldout_tasks=10,
+)
+
+
 META_PRESETS = {
-    # Table 7 PetFace: E=32, K=1, SGD, lambda_i=0.005, batch 1024; SIREN 6x128. lambda_o=0.001,
-    # not 0.01: at 0.01 FedMeNF's theta drifts within 8 rounds until TTO from it is worse than
-    # from a random SIREN. 25x25 grey LFW crops fit in 64 Adam steps, so TTO stops at 32.
-    "faces": MetaSettings(
-        num_clients=20,
-        outer_steps=32,
-        inner_steps=1,
-        inner_lr=0.005,
-        outer_lr=0.001,
-        outer_optimizer="sgd",
-        tto_steps=32,
-        tto_lr=1e-4,
-        field_width=128,
-        field_depth=6,
-        support_batch=1024,
-        query_batch=1024,
-        heldout_tasks=10,
-    ),
+    "faces": FACES,
     # The faces preset on 64x64 colour crops of scikit-image's photos (`photo_crops`), two per
     # client: images a 6x128 SIREN cannot memorise within the TTO's 32 steps, closer to the
     # paper's PetFace than 25x25 grey faces (which any TTO of 128+ steps fits to 70+ dB).
-    "photos": MetaSettings(
-        num_clients=20,
-        outer_steps=32,
-        inner_steps=1,
-        inner_lr=0.005,
-        outer_lr=0.001,
-        outer_optimizer="sgd",
-        tto_steps=32,
-        tto_lr=1e-4,
-        field_width=128,
-        field_depth=6,
-        support_batch=1024,
-        query_batch=1024,
-        heldout_tasks=10,
-    ),
+    "photos": FACES,
     # Table 7 GolfDB: E=64, K=1, SGD, lambda_i=0.01, batch 2048; lambda_o=0.001 as for faces
     # (0.05 drifts the same way). One clip of the 24-frame 25x14 GIF per client
     # (`video_clips`), so N is small.
