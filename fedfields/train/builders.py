@@ -189,9 +189,10 @@ def meta_model(config: FederatedConfig, settings: MetaSettings) -> nn.Module:
 def client_meta_tasks(
     config: FederatedConfig, settings: MetaSettings, client: int, object_dir: Path | None = None
 ) -> list[MetaTask]:
-    """Client `client`'s private tasks (its D_train): faces, one video clip, or one object.
+    """Client `client`'s private tasks (its D_train): faces, photo crops, a clip, or an object.
 
     faces: the LFW faces outside the held-out ones, dealt IID to the N clients by `seed`;
+    photos: `PHOTOS_PER_CLIENT` crops of `photo_crops`, dealt the same way;
     video: clip `client` of `video_clips` (both scikit-image's, picked by the client's index);
     objects: the object in `object_dir`, the client's own folder (its node's data-dir).
     """
@@ -211,9 +212,9 @@ def client_meta_tasks(
 def heldout_meta_tasks(config: FederatedConfig, settings: MetaSettings) -> list[MetaTask]:
     """The public tasks no client holds, for the server's test-time optimisation.
 
-    faces and video: the last LFW faces or clips (scikit-image's data); objects: the first
-    `heldout_tasks` object_* folders of run-config `eval-scene-dir`, none when it is empty
-    (never `data-dir`, the clients' root: the server holds no client's object).
+    faces, photos and video: the last faces, crops or clips (scikit-image's data); objects:
+    the first `heldout_tasks` object_* folders of run-config `eval-scene-dir`, none when it
+    is empty (never `data-dir`, the clients' root: the server holds no client's object).
     """
     if config.common.task == "objects":
         folders = _eval_objects(config, settings)
@@ -246,7 +247,8 @@ PHOTOS_PER_CLIENT = 2
 def _coordinate_tasks(
     task: str, num_clients: int, heldout: int, seed: int
 ) -> tuple[tuple[CoordinateTask, ...], ...]:
-    """Each client's faces or clip, then the held-out ones last (built once per process)."""
+    """Each client's faces, crops or clip, then the held-out ones last (built once per
+    process)."""
     if task == "video":
         clips = coordinate_tasks(video_clips(num_clients + heldout))
         return (*((clip,) for clip in clips[:num_clients]), tuple(clips[num_clients:]))
