@@ -3,10 +3,10 @@
 The `--task` preset's federation (faces or photos: N clients, M sampled per round by a seeded
 RNG, FedAvg of the uploads weighted by |D|) run with the library's `local_meta_update`; each
 variant's final theta is scored by test-time optimisation on the held-out tasks under several
-TTO recipes,
-beside the final round's PSNR_p of the uploads. Variants: MAML, FedMeNF (gamma 0.75) with the
-paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
-(run-config `memorising-bound`), for each of `--gammas`.
+TTO recipes, beside the final round's PSNR_p of the uploads. Variants: MAML, FedMeNF (gamma
+0.75) with the paper's unbounded L_pp, and FedMeNF with L(w) clamped at each `--bounds` MSE
+(run-config `memorising-bound`), for each of `--gammas`; `--local` adds TTO from the random
+initialisation.
 
     python -m simulations.bench.fedmenf_ablation --rounds 20 --bounds 0.25 0.15 0.1
     python -m simulations.bench.fedmenf_ablation --rounds 20 --gammas 0.25 1 --bounds 0.15
@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     overrides = parse_config_args([args.run_config]) if args.run_config.strip() else {}
     OUT.mkdir(parents=True, exist_ok=True)
     variants: list[tuple[str, str, float | None, float]] = [("MAML", "maml", None, 0.0)]
+    local = "Local (random init, no federation)"  # TTO from theta before any round
     if args.local:
-        variants.insert(0, ("Local (random init, no federation)", "maml", None, 0.0))
+        variants.insert(0, (local, "maml", None, 0.0))
     for gamma in args.gammas:
         if not args.no_unbounded:
             variants.append((f"FedMeNF gamma {gamma:g} (paper)", "fedmenf", None, gamma))
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, learner, bound, gamma in variants:
         started = time.perf_counter()
-        rounds = 0 if name.startswith("Local") else args.rounds
+        rounds = 0 if name == local else args.rounds
         run = federate(learner, rounds, bound, gamma, args.task, overrides)
         rows.append(
             {
