@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+from fedfields.flower.forwarding import ForwardingGrid
 
 
 class Observer(Protocol):
@@ -43,43 +44,15 @@ def simulation_observed(run_config: dict[str, Any]) -> bool:
     return run_config.get("simulation-audit", False) is True
 
 
-class ReplyTap(Grid):
+class ReplyTap(ForwardingGrid):
     """A Grid that forwards everything to `grid` and shows every reply to `on_replies`.
 
     The strategy gets the replies unchanged; the observer sees what the server received.
     """
 
     def __init__(self, grid: Grid, on_replies: Callable[[list[Message]], None]) -> None:
-        self.grid = grid
+        super().__init__(grid)
         self.on_replies = on_replies
-
-    def set_run(self, run: Run) -> None:
-        """Set the run of the wrapped grid."""
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """The wrapped grid's run."""
-        return self.grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """A message built by the wrapped grid."""
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """The wrapped grid's node ids."""
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push through the wrapped grid."""
-        return self.grid.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Pull through the wrapped grid, showing the replies to the observer."""

@@ -18,6 +18,7 @@ from flower_harness import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.supercore.run import Run
 from torch import Tensor
 
 from fedfields.aggregate import (
@@ -44,6 +45,7 @@ from fedfields.flower import (
     Scaffold,
 )
 from fedfields.flower.fedexp import SERVER_STEP
+from fedfields.flower.forwarding import ForwardingGrid
 from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
@@ -564,6 +566,23 @@ def reference_aggregate(name: str, specs: list, start: State) -> State:
         num_clients_total=len(specs),
     )
     return new_global
+
+
+def test_a_forwarding_grid_is_the_wrapped_grid_call_for_call() -> None:
+    """Every Grid member reaches the wrapped grid: the same nodes, run and replies."""
+    inner = InProcessGrid([fixed_reply_node({ARRAYS: random_state(k)}, {}) for k in range(3)])
+    grid = ForwardingGrid(inner)
+    assert list(grid.get_node_ids()) == list(inner.get_node_ids()) and grid.run is inner.run
+    run = Run.create_empty(7)
+    grid.set_run(run)
+    assert inner.run is run
+    node_ids = list(grid.get_node_ids())
+    messages = [grid.create_message(RecordDict(), "train", node, "1") for node in node_ids]
+    assert [m.metadata.dst_node_id for m in messages] == node_ids
+    pushed = list(grid.push_messages(messages[:2]))
+    assert len(inner.sent) == 2 and len(list(grid.pull_messages(pushed))) == 2
+    (reply,) = grid.send_and_receive(messages[2:])
+    assert reply.metadata.src_node_id == node_ids[2] and len(inner.received) == 3
 
 
 @pytest.mark.parametrize("name", ["fedavg", "decentnerf", "scaffold"])

@@ -12,58 +12,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from flwr.app import Message, RecordDict
-from flwr.proto.node_pb2 import NodeInfo
+from flwr.app import Message
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+from fedfields.flower.forwarding import ForwardingGrid
 
 DEFAULT_PULL_INTERVAL = 0.1
 """Seconds between pulls when the wrapped grid names none (Flower's in-memory grid: 0.1)."""
 
 
-class StreamingGrid(Grid):
+class StreamingGrid(ForwardingGrid):
     """`grid` with a lazy `send_and_receive`: messages are pushed at once, replies yielded
     as they are pulled until all arrived or `timeout` passed (Flower's semantics)."""
 
     def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+        super().__init__(grid)
         self.pull_interval = float(getattr(grid, "pull_interval", DEFAULT_PULL_INTERVAL))
-
-    def set_run(self, run: Run) -> None:
-        """Set the run of the wrapped grid."""
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """The wrapped grid's run."""
-        return self.grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """A message built by the wrapped grid."""
-        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """The wrapped grid's connected nodes."""
-        return self.grid.get_node_ids()
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        """The wrapped grid's connected nodes with their details."""
-        return self.grid.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push through the wrapped grid."""
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull through the wrapped grid."""
-        return self.grid.pull_messages(message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
