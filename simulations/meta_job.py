@@ -49,7 +49,10 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.privacy.attacks.inference import (
+    AttackResult,
+    attack_folds,
     membership_pairs,
+    pooled,
     similarity_pairs,
     threshold_attack,
     train_attack,
@@ -81,6 +84,7 @@ from strategies import strategy_class
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
+ATTACK_FOLDS = 5  # every client a target once; each attacker trains on the other 4/5
 
 
 @dataclass
@@ -279,33 +283,44 @@ class PrivacyAudit:
 
     def inference_attacks(self) -> dict[str, float]:
         """FedMeNF App. C against each client's last upload: membership inference (shadow
-        clients train the attacker, the other fifth are its targets) and, for objects,
-        property inference of the object's kind. Empty with fewer than 5 clients."""
+        clients train the attacker, the others are its targets) and, for objects, property
+        inference of the object's kind. The clients are cut into up to five folds of at
+        least two and each fold is the targets once, so every client's upload is attacked;
+        the figures pool all folds' targets. Empty with fewer than 5 clients."""
         clients = sorted(self.latest)
         if len(clients) < MIN_ATTACK_CLIENTS:
             return {}
         order = random.Random(self.config.common.seed).sample(clients, len(clients))
-        cut = max(1, len(order) // 5)
-        target, shadow = order[:cut], order[cut:]
+        splits = attack_folds(order, min(ATTACK_FOLDS, len(order) // 2))
+        attacks: dict[str, list[tuple[AttackResult, int]]] = {}
+        for shadow, target in splits:
+            for name, scored in self.fold_attacks(shadow, target).items():
+                attacks.setdefault(name, []).append(scored)
+        found: dict[str, float] = {}
+        for name, scored in attacks.items():
+            result = pooled(*zip(*scored, strict=True))
+            found[f"{name}-accuracy"], found[f"{name}-chance"] = result.accuracy, result.chance
+            if result.auc is not None:
+                found[f"{name}-auc"] = result.auc
+        found["attack-folds"] = len(splits)
+        return found
+
+    def fold_attacks(
+        self, shadow: Sequence[int], target: Sequence[int]
+    ) -> dict[str, tuple[AttackResult, int]]:
+        """The attacks of one fold, trained on `shadow`'s uploads and scored on `target`'s,
+        each with its number of target samples."""
         clamped = [self.membership_triples(group, clamp=True) for group in (shadow, target)]
-        membership = train_attack(*membership_pairs(*clamped[0]), *membership_pairs(*clamped[1]))
-        found = {"mia-accuracy": membership.accuracy, "mia-chance": membership.chance}
-        if membership.auc is not None:
-            found["mia-auc"] = membership.auc
         raw = [self.membership_triples(group, clamp=False) for group in (shadow, target)]
+        train, test = (membership_pairs(*triples) for triples in clamped)
+        found = {"mia": (train_attack(*train, *test), len(test[1]))}
         for similarity, triples in (("mse", clamped), ("correlation", raw)):
-            threshold = threshold_attack(
-                *similarity_pairs(*triples[0], similarity),
-                *similarity_pairs(*triples[1], similarity),
-            )
-            found[f"mia-{similarity}-accuracy"] = threshold.accuracy
-            if threshold.auc is not None:
-                found[f"mia-{similarity}-auc"] = threshold.auc
+            train, test = (similarity_pairs(*group, similarity) for group in triples)
+            found[f"mia-{similarity}"] = (threshold_attack(*train, *test), len(test[1]))
         if self.config.common.task == "objects":
-            kinds = sorted({self.object_kind(c) for c in clients})
+            kinds = sorted({self.object_kind(c) for c in self.latest})
             train, test = (self.property_samples(group, kinds) for group in (shadow, target))
-            prop = train_attack(*train, *test)
-            found |= {"pia-accuracy": prop.accuracy, "pia-chance": prop.chance}
+            found["pia"] = (train_attack(*train, *test), len(test[1]))
         return found
 
     def rendered(self, client: int, task: MetaTask, clamp: bool = True) -> list[Tensor]:

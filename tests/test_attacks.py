@@ -21,8 +21,11 @@ from fedfields.geometry import Rays
 from fedfields.privacy.attacks import surrogate
 from fedfields.privacy.attacks.inference import (
     AttackConfig,
+    AttackResult,
+    attack_folds,
     membership_pairs,
     pair_similarity,
+    pooled,
     similarity_pairs,
     threshold_attack,
     train_attack,
@@ -490,6 +493,39 @@ def test_threshold_attack_by_hand() -> None:
     # threshold 0.5: predictions 0, 1, 1, 0; AUC: 3 of the 4 (member, non-member) pairs ordered
     assert result.accuracy == 0.5 and result.train_accuracy == 1.0
     assert result.auc == pytest.approx(0.75) and result.chance == 0.5
+
+
+def test_threshold_attack_learns_the_side_on_the_shadow_scores() -> None:
+    """Members scoring lower (an upload pushed away from its own data) are found too."""
+    train = torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([0, 0, 1, 1])
+    test = torch.tensor([0.3, 0.6, 0.7, 0.35]), torch.tensor([1, 0, 0, 1])
+    result = threshold_attack(*train, *test)
+    # member below 0.5: predictions 1, 0, 0, 1, all right; AUC of the negated scores
+    assert result.accuracy == 1.0 and result.train_accuracy == 1.0 and result.auc == 1.0
+    # a tie between the two sides keeps "at or above": 0.5 between 2 and 3 of the 4 shadows
+    tied = threshold_attack(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0, 1, 0, 1]), *test)
+    assert tied.train_accuracy == 0.75
+    assert tied.accuracy == float(((test[0] >= 1.5) == test[1].bool()).float().mean())
+
+
+def test_attack_folds_make_every_client_a_target_once() -> None:
+    clients = [7, 3, 9, 1, 4, 8, 2]
+    splits = attack_folds(clients, 3)
+    assert [target for _, target in splits] == [[7, 3], [9, 1, 4], [8, 2]]
+    for shadow, target in splits:
+        assert sorted(shadow + target) == sorted(clients) and not set(shadow) & set(target)
+    with pytest.raises(ValueError, match="folds"):
+        attack_folds(clients, 1)
+
+
+def test_pooled_accuracy_counts_every_target_once() -> None:
+    results = [AttackResult(0.5, 0.6, 0.5, 1.0), AttackResult(1.0, None, 0.5, 0.8)]
+    result = pooled(results, [4, 12])
+    assert result.accuracy == pytest.approx((0.5 * 4 + 1.0 * 12) / 16)
+    assert result.auc == pytest.approx(0.6) and result.chance == 0.5
+    assert result.train_accuracy == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="2 results for 1 target sets"):
+        pooled(results, [4])
 
 
 def test_correlation_attack_sees_through_an_output_offset_that_clamping_hides() -> None:

@@ -415,3 +415,4 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
         assert 0.0 <= final[f"mia-{similarity}-accuracy"] <= 1.0
         assert 0.0 <= final[f"mia-{similarity}-auc"] <= 1.0
     assert "pia-accuracy" not in final  # faces carry no property to infer
+    assert final["attack-folds"] == 3  # 6 clients: 3 folds of 2 targets, each a target once

@@ -12,7 +12,7 @@ scores it on held-out target clients:
   property of the client's data (e.g. the object's kind). Chance is the majority class.
 
 Beside the paper's CNN, two threshold attacks on the same pairs need no network: a score
-per pair, member when it reaches the threshold most accurate on the shadow pairs. "mse" is
+per pair, member on the side of the threshold most accurate on the shadow pairs. "mse" is
 minus the pair's mean squared error (the loss-threshold attack of Yeom et al. 2018); and
 "correlation" is the Pearson correlation over pixels, blind to any affine rescaling of the
 render, so an upload that hides its client's images only behind an output offset and
@@ -135,8 +135,10 @@ def similarity_pairs(
 def threshold_attack(
     train_scores: Tensor, train_labels: Tensor, test_scores: Tensor, test_labels: Tensor
 ) -> AttackResult:
-    """Member (1) when a score reaches the threshold most accurate on the shadow scores
-    (midpoints between sorted scores); AUC ranks the target scores themselves."""
+    """Member (1) on one side of the threshold most accurate on the shadow scores (midpoints
+    between sorted scores), the side chosen on the shadow scores too: an upload pushed away
+    from its own data (a lower score for members) is as telling as one that memorises it.
+    Ties keep "at or above". AUC ranks the target scores oriented by that side."""
     if len(train_scores) != len(train_labels) or len(test_scores) != len(test_labels):
         raise ValueError("each score needs one label")
     if len(train_scores) == 0 or len(test_scores) == 0:
@@ -146,16 +148,46 @@ def threshold_attack(
         [ordered[:1] - 1.0, (ordered[1:] + ordered[:-1]) / 2, ordered[-1:] + 1.0]
     )
     truth = train_labels.bool()
-    correct = ((train_scores.double()[None, :] >= candidates[:, None]) == truth).sum(dim=1)
-    threshold = candidates[int(correct.argmax())]
-    predicted = test_scores.double() >= threshold
+    above = train_scores.double()[None, :] >= candidates[:, None]
+    correct = torch.cat([(above == truth).sum(dim=1), (~above == truth).sum(dim=1)])
+    best = int(correct.argmax())
+    sign = 1.0 if best < len(candidates) else -1.0
+    threshold = candidates[best % len(candidates)]
+    predicted = (
+        (test_scores.double() >= threshold) if sign > 0 else (test_scores.double() < threshold)
+    )
     accuracy = float((predicted == test_labels.bool()).float().mean())
     auc = None
     if len(set(test_labels.tolist())) == 2:
-        auc = float(roc_auc_score(test_labels.numpy(), test_scores.numpy()))
+        auc = float(roc_auc_score(test_labels.numpy(), sign * test_scores.numpy()))
     counts = np.bincount(test_labels.numpy(), minlength=2)
     return AttackResult(
         accuracy, auc, float(counts.max() / counts.sum()), float(correct.max()) / len(truth)
+    )
+
+
+def attack_folds(clients: Sequence[int], folds: int) -> list[tuple[list[int], list[int]]]:
+    """(shadow, target) splits in which every client is a target exactly once: `clients` cut
+    into `folds` contiguous parts of near-equal size, each the targets of one split."""
+    if not 2 <= folds <= len(clients):
+        raise ValueError(f"need 2 <= folds <= {len(clients)} clients, got {folds}")
+    bounds = [round(i * len(clients) / folds) for i in range(folds + 1)]
+    parts = [list(clients[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [([c for other in parts if other is not part for c in other], part) for part in parts]
+
+
+def pooled(results: Sequence[AttackResult], sizes: Sequence[int]) -> AttackResult:
+    """One figure for attacks scored on disjoint target sets of `sizes`: accuracy and chance
+    over all targets together, AUC and shadow accuracy averaged over the attacks."""
+    if not results or len(results) != len(sizes):
+        raise ValueError(f"{len(results)} results for {len(sizes)} target sets")
+    total = sum(sizes)
+    aucs = [r.auc for r in results if r.auc is not None]
+    return AttackResult(
+        accuracy=sum(r.accuracy * n for r, n in zip(results, sizes, strict=True)) / total,
+        auc=float(np.mean(aucs)) if aucs else None,
+        chance=sum(r.chance * n for r, n in zip(results, sizes, strict=True)) / total,
+        train_accuracy=float(np.mean([r.train_accuracy for r in results])),
     )
 
 
