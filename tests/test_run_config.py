@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fedfields.config import FederatedConfig, meta_settings
+from fedfields.config import META_PRESETS, FederatedConfig, MetaSettings, meta_settings
 from fedfields.config.reference import reference
+from fedfields.config.schema import META_TASKS, MetaSection
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "RUN_CONFIG.md"
 
@@ -16,6 +17,22 @@ def test_the_reference_in_docs_is_current() -> None:
     assert DOCS.read_text() == reference(), (
         "docs/RUN_CONFIG.md is stale: run python -m fedfields.config.reference docs/RUN_CONFIG.md"
     )
+
+
+def test_the_documented_presets_are_the_presets() -> None:
+    """Each meta key's "(a, b, c, d)" lists the presets of META_TASKS in order."""
+    preset_keys = set(MetaSettings.__dataclass_fields__)
+    documented = 0
+    for name, spec in MetaSection.__dataclass_fields__.items():
+        if name not in preset_keys:
+            continue
+        doc = spec.metadata["doc"]
+        documented += 1
+        listed = [part.split()[-1] for part in doc[doc.rindex("(") + 1 : -1].split(", ")]
+        presets = [getattr(META_PRESETS[task], name) for task in META_TASKS]
+        assert len(listed) == len(META_TASKS), (name, doc)
+        assert [type(p)(v) for p, v in zip(presets, listed, strict=True)] == presets, name
+    assert documented == 8  # N, E, K, lambda_i, lambda_o, outer optimiser, TTO steps and rate
 
 
 def test_every_key_is_in_the_reference_once() -> None:

@@ -183,14 +183,16 @@ class MetaSection:
         0.0, "> 0: FedMeNF's L(w) in Eq. 10 clamped at this MSE (0: unbounded, the paper's)"
     )
     clients_per_round: int = key(5, "M, clients sampled per round")
-    num_clients: int = key(0, "N (faces 20, video 6, objects 20)")
-    outer_steps: int = key(0, "E (faces 32, video 64, objects 8)")
-    inner_steps: int = key(0, "K (1, 1, 8)")
-    inner_lr: float = key(0.0, "lambda_i (0.005, 0.01, 0.001)")
-    outer_lr: float = key(0.0, "lambda_o (0.001, 0.001, 0.001)")
-    outer_optimizer: str = key("", "sgd | adamw (sgd, sgd, adamw)")
-    tto_steps: int = key(0, "test-time optimisation steps, scored at 0, 1, 2, 4, ... (32, 64, 64)")
-    tto_lr: float = key(0.0, "its Adam learning rate (0.0001, 0.0001, 0.001)")
+    num_clients: int = key(0, "N (faces 20, photos 20, video 6, objects 20)")
+    outer_steps: int = key(0, "E (faces 32, photos 32, video 64, objects 8)")
+    inner_steps: int = key(0, "K (1, 1, 1, 8)")
+    inner_lr: float = key(0.0, "lambda_i (0.005, 0.005, 0.01, 0.001)")
+    outer_lr: float = key(0.0, "lambda_o (0.001, 0.01, 0.001, 0.001)")
+    outer_optimizer: str = key("", "sgd | adamw (sgd, sgd, sgd, adamw)")
+    tto_steps: int = key(
+        0, "test-time optimisation steps, scored at 0, 1, 2, 4, ... (32, 64, 64, 64)"
+    )
+    tto_lr: float = key(0.0, "its Adam learning rate (0.0001, 0.0001, 0.0001, 0.001)")
     privacy_audit: bool = key(True, "simulation only: PSNR_p of each upload against its data")
 
     def __post_init__(self) -> None:
