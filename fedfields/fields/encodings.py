@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 # Instant-NGP's spatial hash primes (Muller et al. 2022, Eq. 4); the first is 1.
 _HASH_PRIMES = (1, 2654435761, 805459861)
+_CORNERS = [(i, j, k) for i in (0, 1) for j in (0, 1) for k in (0, 1)]  # x, y, z bits
 
 
 class PositionalEncoding(nn.Module):
@@ -208,37 +209,34 @@ class HashGridEncoding(nn.Module):
         """Table rows and trilinear weights of the 8 corners per level: [N * levels, 8] each.
 
         Corner indices are separable (sum of per-axis terms on dense levels, xor on hashed
-        ones), so they are built from [N, L, 3, 2] terms without materialising 8x3 corners.
+        ones) and so are the weights (product of per-axis weights), so each corner is built
+        from contiguous [N, levels] per-axis terms: a size-2 corner axis in the broadcast
+        made every elementwise op two to three times slower on CPU.
         """
         resolution = self.resolutions
         scaled = points.clamp(0.0, 1.0)[:, None, :] * resolution[None, :, None]  # [N, L, 3]
         lower = torch.minimum(scaled.floor(), (resolution - 1)[None, :, None])
         frac = scaled - lower
-        lower = lower.int()
-        terms = torch.stack([lower, lower + 1], dim=-1) * self.strides[None, :, :, None]
-        tx, ty, tz = terms.unbind(2)  # [N, L, 2] each
-        split = self.num_dense_levels
-        index = torch.empty(
-            points.shape[0],
-            self.config.num_levels,
-            2,
-            2,
-            2,
-            dtype=torch.int32,
-            device=points.device,
-        )
-        dense, hashed = index[:, :split], index[:, split:]
-        dense_xy = tx[:, :split, :, None] + ty[:, :split, None, :]
-        torch.add(dense_xy[..., None], tz[:, :split, None, None, :], out=dense)
-        hashed_xy = tx[:, split:, :, None] ^ ty[:, split:, None, :]
-        torch.bitwise_xor(hashed_xy[..., None], tz[:, split:, None, None, :], out=hashed)
-        hashed &= self.hash_mask
-        index += self.level_offsets[None, :, None, None, None]
-        axis_weights = torch.stack([1.0 - frac, frac], dim=-1)  # [N, L, 3, 2]
-        wx, wy, wz = axis_weights.unbind(2)
-        weight = wx[..., :, None, None] * wy[..., None, :, None] * wz[..., None, None, :]
-        num_rows = points.shape[0] * self.config.num_levels
-        return index.reshape(num_rows, 8), weight.reshape(num_rows, 8)
+        lower_terms = lower.int() * self.strides  # int32, wrapping as the hash wants
+        # per axis: (lower, upper) corner's index term and weight, [N, L] each
+        terms = [(t := lower_terms[..., a].contiguous(), t + self.strides[:, a]) for a in range(3)]
+        weights = [(1.0 - (f := frac[..., a].contiguous()), f) for a in range(3)]
+        split, count, levels = self.num_dense_levels, points.shape[0], self.config.num_levels
+        index = torch.empty(8, count, levels, dtype=torch.int32, device=points.device)
+        weight = torch.empty(8, count, levels, dtype=frac.dtype, device=points.device)
+        for corner, (i, j, k) in enumerate(_CORNERS):
+            x, y, z = terms[0][i], terms[1][j], terms[2][k]
+            dense, hashed = index[corner, :, :split], index[corner, :, split:]
+            torch.add(x[:, :split], y[:, :split], out=dense)
+            dense += z[:, :split]
+            torch.bitwise_xor(x[:, split:], y[:, split:], out=hashed)
+            hashed ^= z[:, split:]
+            torch.mul(weights[0][i], weights[1][j], out=weight[corner])
+            weight[corner] *= weights[2][k]
+        index[:, :, split:] &= self.hash_mask
+        index += self.level_offsets
+        rows = count * levels
+        return index.view(8, rows).t().contiguous(), weight.view(8, rows).t().contiguous()
 
 
 def _make_tcnn_encoding(config: HashGridConfig) -> nn.Module:
