@@ -292,9 +292,12 @@ class PrivacyAudit:
             return {}
         order = random.Random(self.config.common.seed).sample(clients, len(clients))
         splits = attack_folds(order, min(ATTACK_FOLDS, len(order) // 2))
+        kinds = None  # objects: the property the PIA infers, read once for every fold
+        if self.config.common.task == "objects":
+            kinds = sorted({self.object_kind(c) for c in clients})
         attacks: dict[str, list[tuple[AttackResult, int]]] = {}
         for shadow, target in splits:
-            for name, scored in self.fold_attacks(shadow, target).items():
+            for name, scored in self.fold_attacks(shadow, target, kinds).items():
                 attacks.setdefault(name, []).append(scored)
         found: dict[str, float] = {}
         for name, scored in attacks.items():
@@ -306,10 +309,10 @@ class PrivacyAudit:
         return found
 
     def fold_attacks(
-        self, shadow: Sequence[int], target: Sequence[int]
+        self, shadow: Sequence[int], target: Sequence[int], kinds: list[str] | None
     ) -> dict[str, tuple[AttackResult, int]]:
         """The attacks of one fold, trained on `shadow`'s uploads and scored on `target`'s,
-        each with its number of target samples."""
+        each with its number of target samples; property inference when `kinds` is given."""
         clamped = [self.membership_triples(group, clamp=True) for group in (shadow, target)]
         raw = [self.membership_triples(group, clamp=False) for group in (shadow, target)]
         train, test = (membership_pairs(*triples) for triples in clamped)
@@ -317,8 +320,7 @@ class PrivacyAudit:
         for similarity, triples in (("mse", clamped), ("correlation", raw)):
             train, test = (similarity_pairs(*group, similarity) for group in triples)
             found[f"mia-{similarity}"] = (threshold_attack(*train, *test), len(test[1]))
-        if self.config.common.task == "objects":
-            kinds = sorted({self.object_kind(c) for c in self.latest})
+        if kinds is not None:
             train, test = (self.property_samples(group, kinds) for group in (shadow, target))
             found["pia"] = (train_attack(*train, *test), len(test[1]))
         return found

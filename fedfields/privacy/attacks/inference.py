@@ -151,11 +151,10 @@ def threshold_attack(
     above = train_scores.double()[None, :] >= candidates[:, None]
     correct = torch.cat([(above == truth).sum(dim=1), (~above == truth).sum(dim=1)])
     best = int(correct.argmax())
-    sign = 1.0 if best < len(candidates) else -1.0
-    threshold = candidates[best % len(candidates)]
-    predicted = (
-        (test_scores.double() >= threshold) if sign > 0 else (test_scores.double() < threshold)
-    )
+    members_above = best < len(candidates)  # else members score below the threshold
+    at_or_above = test_scores.double() >= candidates[best % len(candidates)]
+    predicted = at_or_above if members_above else ~at_or_above
+    sign = 1.0 if members_above else -1.0
     accuracy = float((predicted == test_labels.bool()).float().mean())
     auc = None
     if len(set(test_labels.tolist())) == 2:
