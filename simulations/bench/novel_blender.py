@@ -75,10 +75,11 @@ STEP_SCALE = {"value": 1.0}
 """Marching step relative to the App's default, set once from --step-scale for every method."""
 
 
-def personal_field(num_images: int, aabb: Tensor) -> PersonalField:
+def personal_field(num_images: int, aabb: Tensor, log2_hashmap_size: int = 13) -> PersonalField:
     """A user's personal field, lighter than the App's (6 levels up to 128, 2^13 entries):
     persons span 10-20 pixels of the 50x50 views this benchmark affords."""
-    encoding = HashGridConfig(num_levels=6, log2_hashmap_size=13, max_resolution=128)
+    encoding = HashGridConfig(num_levels=6, log2_hashmap_size=log2_hashmap_size,
+                              max_resolution=128)  # fmt: skip
     config = PersonalFieldConfig(num_images=num_images, encoding=encoding,
                                  aabb=tuple(aabb.flatten().tolist()))  # fmt: skip
     return PersonalField(config)
@@ -104,6 +105,7 @@ class Settings:
     transient_density_weight: float = 0.01
     alpha_lr: float = 1.0
     gradient_rays: int = 4096
+    central_transient_log2_hashmap: int = 13  # 17: the hash entries of sixteen users' fields
     seed: int = 0
     run_config: dict[str, Any] = field(default_factory=dict)
 
@@ -310,7 +312,7 @@ def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings
     torch.manual_seed(settings.seed)
     photos = all_photos(data)
     model = global_field(config)
-    personal = personal_field(len(photos), model.aabb)
+    personal = personal_field(len(photos), model.aabb, settings.central_transient_log2_hashmap)
     grid = OccupancyGrid(model.aabb)
     per_round_views = eval_views(data)
     history: list[dict[str, Any]] = []
@@ -342,6 +344,7 @@ def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings
         "server-flops-per-round": 0,
         "bytes-per-round": 0,
         "alphas": [],
+        "transient-parameters": sum(p.numel() for p in personal.parameters()),
         "state": federated_state(model),
     }
 
@@ -435,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
     )
+    parser.add_argument(
+        "--central-transient-hashmap",
+        type=int,
+        default=Settings.central_transient_log2_hashmap,
+        help="log2 hash entries per level of centralised NeRF-W's transient field (13: one user's)",
+    )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("runs/bench_novel_blender"))
     parser.add_argument("--run-config", default="", help="extra run-config, e.g. 'hash-levels=12'")
@@ -461,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
-                        beta_min=args.beta_min, run_config=run_config)  # fmt: skip
+                        beta_min=args.beta_min, run_config=run_config,
+                        central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)
     args.out.mkdir(parents=True, exist_ok=True)
