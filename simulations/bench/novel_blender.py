@@ -436,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha-lr", type=float, default=Settings.alpha_lr)
     parser.add_argument("--beta-min", type=float, default=Settings.beta_min)
     parser.add_argument(
+        "--personal-lr",
+        type=float,
+        default=Settings.personal_learning_rate,
+        help="Adam rate of the personal (transient) fields",
+    )
+    parser.add_argument(
         "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
     )
     parser.add_argument(
@@ -471,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
                         beta_min=args.beta_min, run_config=run_config,
+                        personal_learning_rate=args.personal_lr,
                         central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)
