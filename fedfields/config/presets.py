@@ -51,7 +51,8 @@ META_PRESETS = {
     # Table 7 PetFace as it stands (E=32, K=1, SGD, lambda_i=0.005, lambda_o=0.01, batch 1024,
     # 64 TTO steps) on 64x64 colour crops of scikit-image's photos (`photo_crops`), two per
     # client: images a 6x128 SIREN does not memorise within 64 steps, unlike 25x25 grey faces.
-    # 20 clients, not 50 (the photos give 30 disjoint crops); TTO with Adam at 1e-4 as faces
+    # 20 clients, not 50 (the photos hold 91 disjoint crops; 50 clients of two and 10 held-out
+    # crops would need 110); TTO with Adam at 1e-4 as faces
     # (Table 7 names no TTO optimiser; SGD at the inner rate adapts worse, docs/BENCHMARKS.md).
     # FedMeNF's unbounded loss drifts at this outer rate: see run-config memorising-bound.
     "photos": replace(FACES, outer_lr=0.01, tto_steps=64),
