@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 # The default federated run: `flwr run .` with DecentNeRF on crowdsourced lego (16 users x 5
-# views, 100x100) through Ray, ~5 minutes; the report lands in runs/<time>-<strategy>/.
+# views, 100x100) through Ray, ~6-16 minutes on 2 cores; the report lands in
+# runs/<time>-<strategy>/.
 # Extra run-config: make demo RUN_CONFIG="strategy='fedavg' num-server-rounds=3"
 RUN_CONFIG ?=
 demo: install

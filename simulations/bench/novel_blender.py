@@ -76,8 +76,8 @@ STEP_SCALE = {"value": 1.0}
 
 
 def personal_field(num_images: int, aabb: Tensor, log2_hashmap_size: int = 13) -> PersonalField:
-    """A user's personal field, lighter than the App's (6 levels up to 128, 2^13 entries):
-    persons span 10-20 pixels of the 50x50 views this benchmark affords."""
+    """A user's personal field, lighter than the App's (6 levels up to 128, 2^13 entries per
+    level by default): persons span 10-20 pixels of the 50x50 views this benchmark affords."""
     encoding = HashGridConfig(num_levels=6, log2_hashmap_size=log2_hashmap_size,
                               max_resolution=128)  # fmt: skip
     config = PersonalFieldConfig(num_images=num_images, encoding=encoding,
@@ -99,7 +99,7 @@ class Settings:
     epochs: float = 1.0  # local passes over a user's pixels per round
     max_steps: int = 400  # cap on local steps per round
     learning_rate: float = 1e-2
-    personal_learning_rate: float = 1e-2
+    personal_learning_rate: float = SceneSection.personal_learning_rate  # the App's default
     target_samples: int = 1 << 14
     beta_min: float = SceneSection.beta_min  # the App's default (NeRF-W's is 0.03)
     transient_density_weight: float = 0.01
