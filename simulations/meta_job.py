@@ -49,10 +49,12 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.privacy.attacks.inference import (
+    AttackConfig,
     AttackResult,
     attack_folds,
     membership_pairs,
     pooled,
+    shadow_membership_pairs,
     similarity_pairs,
     threshold_attack,
     train_attack,
@@ -232,6 +234,7 @@ class PrivacyAudit:
         self.uploads: list[Upload] = []
         self.last_uploads: list[Upload] = []
         self.latest: dict[int, dict[str, Tensor]] = {}  # each client's last upload (App. C)
+        self.shadow_renders: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
 
     def wrap_grid(self, grid: Grid) -> Grid:
         """A `ReplyTap` keeping a copy of each successful train reply's upload."""
@@ -306,6 +309,7 @@ class PrivacyAudit:
             if result.auc is not None:
                 found[f"{name}-auc"] = result.auc
         found["attack-folds"] = len(splits)
+        self.shadow_renders.clear()
         return found
 
     def fold_attacks(
@@ -315,8 +319,9 @@ class PrivacyAudit:
         each with its number of target samples; property inference when `kinds` is given."""
         clamped = [self.membership_triples(group, clamp=True) for group in (shadow, target)]
         raw = [self.membership_triples(group, clamp=False) for group in (shadow, target)]
-        train, test = (membership_pairs(*triples) for triples in clamped)
-        found = {"mia": (train_attack(*train, *test), len(test[1]))}
+        train, test = self.shadow_pairs(shadow), membership_pairs(*clamped[1])
+        attacker = AttackConfig(balance_classes=True)
+        found = {"mia": (train_attack(*train, *test, attacker), len(test[1]))}
         for similarity, triples in (("mse", clamped), ("correlation", raw)):
             train, test = (similarity_pairs(*group, similarity) for group in triples)
             found[f"mia-{similarity}"] = (threshold_attack(*train, *test), len(test[1]))
@@ -332,6 +337,31 @@ class PrivacyAudit:
         if clamp:
             values = values.clamp(0.0, 1.0)
         return list(as_image_batch(task.query_images(values)))
+
+    def shadow_pairs(self, shadow: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """The CNN attacker's training pairs: each shadow client's query images with every
+        shadow upload's clamped render of them (`shadow_membership_pairs`)."""
+        images, owners = [], []
+        for owner, client in enumerate(shadow):
+            truth = self.shadow_views(client, client)[0]
+            images += truth
+            owners += [owner] * len(truth)
+        renders = [
+            [view for client in shadow for view in self.shadow_views(upload, client)[1]]
+            for upload in shadow
+        ]
+        return shadow_membership_pairs(images, owners, renders)
+
+    def shadow_views(self, upload: int, client: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Client `client`'s query images and `upload`'s clamped renders of them, kept for
+        the run's attacks: the folds pair the same shadow clients again and again."""
+        if (upload, client) not in self.shadow_renders:
+            images, views = [], []
+            for task in self.client_tasks(client):
+                images += list(as_image_batch(task.query_images(task.query_targets)))
+                views += self.rendered(upload, task)
+            self.shadow_renders[upload, client] = images, views
+        return self.shadow_renders[upload, client]
 
     def membership_triples(
         self, group: Sequence[int], clamp: bool

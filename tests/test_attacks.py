@@ -23,9 +23,11 @@ from fedfields.privacy.attacks.inference import (
     AttackConfig,
     AttackResult,
     attack_folds,
+    class_weights,
     membership_pairs,
     pair_similarity,
     pooled,
+    shadow_membership_pairs,
     similarity_pairs,
     threshold_attack,
     train_attack,
@@ -460,6 +462,44 @@ def test_membership_attack_finds_memorised_uploads_and_only_those(memorised: boo
         assert result.accuracy >= 0.85 and result.auc >= 0.9
     else:
         assert 0.3 <= result.accuracy <= 0.7 and result.train_accuracy > result.accuracy
+
+
+def test_shadow_pairs_pair_every_image_with_every_upload() -> None:
+    images = [torch.full((2, 2, 1), float(i)) for i in range(3)]  # image i: value i
+    owners = [0, 0, 1]  # images 0 and 1 from upload 0's client, image 2 from upload 1's
+    renders = [[torch.full((2, 2, 1), 10.0 * u + i) for i in range(3)] for u in range(2)]
+    inputs, labels = shadow_membership_pairs(images, owners, renders)
+    assert inputs.shape == (6, 2, 2, 2) and labels.tolist() == [1, 1, 0, 0, 0, 1]
+    pairs = {(int(x[0, 0, 0]), int(x[1, 0, 0])) for x in inputs}
+    assert pairs == {(i, 10 * u + i) for i in range(3) for u in range(2)}
+    with pytest.raises(ValueError, match="must index 2 >= 2 uploads"):
+        shadow_membership_pairs(images, [0, 0, 2], renders)
+    with pytest.raises(ValueError, match="renders per upload \\[3, 2\\]"):
+        shadow_membership_pairs(images, owners, [renders[0], renders[1][:2]])
+
+
+def test_class_weights_by_hand() -> None:
+    weights = class_weights(torch.tensor([0, 0, 0, 1]), 3)
+    torch.testing.assert_close(weights, torch.tensor([4 / 6, 4 / 2, 0.0]))  # n / (2 * count)
+    torch.testing.assert_close(class_weights(torch.tensor([1, 0, 1, 0]), 2), torch.ones(2))
+
+
+def test_attacker_trained_on_every_outsider_finds_memorising_uploads() -> None:
+    """Shadow pairs with every other upload (1 member to 5 outsiders), classes balanced:
+    the attacker still calls members on the balanced target pairs, as with one outsider."""
+    gen = torch.Generator().manual_seed(7)
+    shadow, target = _blobs(36, 3), _blobs(20, 4)
+    noisy = [image + 0.05 * torch.randn(image.shape, generator=gen) for image in shadow]
+    owners = [i % 6 for i in range(36)]  # six shadow uploads, each memorising its images
+    renders = [
+        [noisy[i] if owners[i] == u else shadow[(i + 1 + u) % 36] for i in range(36)]
+        for u in range(6)
+    ]
+    train = shadow_membership_pairs(shadow, owners, renders)
+    own = [image + 0.05 * torch.randn(image.shape, generator=gen) for image in target]
+    test = membership_pairs(target, own, [own[(i + 1) % 20] for i in range(20)])
+    result = train_attack(*train, *test, AttackConfig(epochs=150, balance_classes=True))
+    assert result.accuracy >= 0.85 and result.auc is not None and result.auc >= 0.9
 
 
 def test_property_attack_reads_a_property_that_renders_show() -> None:

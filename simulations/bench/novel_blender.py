@@ -442,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         help="Adam rate of the personal (transient) fields",
     )
     parser.add_argument(
+        "--transient-density-weight",
+        type=float,
+        default=Settings.transient_density_weight,
+        help="NeRF-W's lambda_u on the personal (transient) density (NeRF-W: 0.01)",
+    )
+    parser.add_argument(
         "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
     )
     parser.add_argument(
@@ -478,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
                         beta_min=args.beta_min, run_config=run_config,
                         personal_learning_rate=args.personal_lr,
+                        transient_density_weight=args.transient_density_weight,
                         central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)

@@ -7,7 +7,9 @@ scores it on held-out target clients:
 - membership (Shokri et al. 2017, as FedMeNF builds it): the input is a pair (an image, the
   render of one client's upload at that image's coordinates); label 1 when the image is in
   that client's training data (paired with its owner's upload), 0 when paired with another
-  client's upload. Chance is 50% on the balanced pairs.
+  client's upload. Chance is 50% on the balanced pairs. The attacker trains on every shadow
+  image paired with every shadow upload (`shadow_membership_pairs`, classes weighed even):
+  one outsider per image would leave 16 shadow clients of two images each 64 pairs.
 - property (Ganju et al. 2018): the input is the render of a client's upload, the label a
   property of the client's data (e.g. the object's kind). Chance is the majority class.
 
@@ -41,6 +43,7 @@ class AttackConfig:
     learning_rate: float = 1e-3
     hidden: int = 64
     seed: int = 0
+    balance_classes: bool = False  # weigh the loss by inverse class frequency
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.hidden < 1 or not self.learning_rate > 0:
@@ -91,6 +94,42 @@ def membership_pairs(
             pairs.append(torch.cat([image, render], dim=-1).permute(2, 0, 1))
             labels.append(label)
     return torch.stack(pairs).float(), torch.tensor(labels)
+
+
+def shadow_membership_pairs(
+    images: Sequence[Tensor], owners: Sequence[int], renders: Sequence[Sequence[Tensor]]
+) -> tuple[Tensor, Tensor]:
+    """The attacker's training pairs from its shadow clients: every image with every shadow
+    upload's render of it, labelled 1 with its owner's upload and 0 with each other one.
+
+    `owners[i]` indexes the upload that image i's client sent; `renders[u][i]` is upload u's
+    render at image i's coordinates; all [H, W, C] in [0, 1]. Returns inputs [N*U, 2C, H, W]
+    and labels [N*U], one member per U-1 outsiders (`balance_classes` weighs them even).
+    """
+    if len(images) != len(owners) or not images or any(len(r) != len(images) for r in renders):
+        raise ValueError(
+            f"{len(images)} images, {len(owners)} owners, renders per upload "
+            f"{[len(r) for r in renders]}"
+        )
+    if len(renders) < 2 or not all(0 <= owner < len(renders) for owner in owners):
+        raise ValueError(f"owners {sorted(set(owners))} must index {len(renders)} >= 2 uploads")
+    pairs, labels = [], []
+    for upload, views in enumerate(renders):
+        for image, owner, render in zip(images, owners, views, strict=True):
+            if render.shape != image.shape:
+                raise ValueError(f"render shape {tuple(render.shape)} != {tuple(image.shape)}")
+            pairs.append(torch.cat([image, render], dim=-1).permute(2, 0, 1))
+            labels.append(int(owner == upload))
+    return torch.stack(pairs).float(), torch.tensor(labels)
+
+
+def class_weights(labels: Tensor, classes: int) -> Tensor:
+    """Inverse-frequency loss weights [classes] that make every present class count alike
+    (all ones on balanced labels; 0 for a class absent from `labels`)."""
+    counts = torch.bincount(labels, minlength=classes).double()
+    present = int((counts > 0).sum())
+    weights = torch.where(counts > 0, counts.sum() / (present * counts.clamp(min=1)), 0.0)
+    return weights.float()
 
 
 SIMILARITIES = ("mse", "correlation")
@@ -204,13 +243,15 @@ def train_attack(
     if len(train_inputs) != len(train_labels) or len(test_inputs) != len(test_labels):
         raise ValueError("each input needs one label")
     classes = int(max(train_labels.max(), test_labels.max())) + 1
+    weights = class_weights(train_labels, max(classes, 2)) if config.balance_classes else None
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
         network = attacker_network(train_inputs.shape[1], max(classes, 2), config.hidden)
         optimiser = torch.optim.Adam(network.parameters(), lr=config.learning_rate)
         for _ in range(config.epochs):
             optimiser.zero_grad()
-            loss = nn.functional.cross_entropy(network(train_inputs), train_labels)
+            logits = network(train_inputs)
+            loss = nn.functional.cross_entropy(logits, train_labels, weight=weights)
             loss.backward()
             optimiser.step()
     network.eval()
