@@ -106,6 +106,7 @@ class Settings:
     alpha_lr: float = 1.0
     gradient_rays: int = 4096
     central_transient_log2_hashmap: int = 13  # 17: the hash entries of sixteen users' fields
+    fixed_alphas: tuple[float, ...] | None = None  # DecentNeRF(-L)'s weights; None: all 1
     seed: int = 0
     run_config: dict[str, Any] = field(default_factory=dict)
 
@@ -206,6 +207,9 @@ def run_federated(
         )
         for user in data.users
     ]
+    if method == "decentnerf-l" and settings.fixed_alphas is not None:
+        for state, alpha in zip(users, settings.fixed_alphas, strict=True):
+            state.alpha = alpha
     per_round_views = eval_views(data)
     history: list[dict[str, Any]] = []
     alpha_sum: float | None = None
@@ -448,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         help="NeRF-W's lambda_u on the personal (transient) density (NeRF-W: 0.01)",
     )
     parser.add_argument(
+        "--heavy-user-weight",
+        type=float,
+        default=None,
+        help="DecentNeRF(-L) with this fixed weight on the heavily occluded users (others 1; "
+        "0 leaves them out): the weighting learned alpha would have to find (Fig. 4)",
+    )
+    parser.add_argument(
         "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
     )
     parser.add_argument(
@@ -485,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                         beta_min=args.beta_min, run_config=run_config,
                         personal_learning_rate=args.personal_lr,
                         transient_density_weight=args.transient_density_weight,
+                        fixed_alphas=heavy_weighted(args.crowd, args.heavy_user_weight),
                         central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)
@@ -508,10 +520,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def occlusion_groups(crowd: Path) -> dict[int, str]:
+    """Each user's occlusion group from crowd.json ("heavy", "light"; "uniform" otherwise)."""
+    persons = json.loads((crowd / "crowd.json").read_text()).get("persons", [])
+    return {person["user"]: person.get("occlusion", "uniform") for person in persons}
+
+
 def occlusion_alphas(crowd: Path, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Final alpha per occlusion group ("heavy", "light") of each learned run (paper Fig. 4)."""
-    persons = json.loads((crowd / "crowd.json").read_text()).get("persons", [])
-    groups = {person["user"]: person.get("occlusion", "uniform") for person in persons}
+    groups = occlusion_groups(crowd)
     summary: dict[str, Any] = {}
     for result in results:
         if not result["alphas"]:
@@ -524,6 +541,18 @@ def occlusion_alphas(crowd: Path, results: list[dict[str, Any]]) -> dict[str, An
             group: round(float(np.mean(values)), 4) for group, values in by_group.items()
         }
     return summary
+
+
+def heavy_weighted(crowd: Path, heavy_weight: float | None) -> tuple[float, ...] | None:
+    """Per-user weights: `heavy_weight` for the crowd's heavily occluded users, 1 for the
+    others (None: no fixed weights)."""
+    if heavy_weight is None:
+        return None
+    groups = occlusion_groups(crowd)
+    if "heavy" not in groups.values() or heavy_weight < 0:
+        raise SystemExit(f"--heavy-user-weight {heavy_weight}: needs >= 0 and a crowd with "
+                         f"heavily occluded users ({crowd / 'crowd.json'} has none)")  # fmt: skip
+    return tuple(heavy_weight if groups[user] == "heavy" else 1.0 for user in sorted(groups))
 
 
 def parse_run_config(text: str) -> dict[str, Any]:
