@@ -250,8 +250,7 @@ def train_attack(
         optimiser = torch.optim.Adam(network.parameters(), lr=config.learning_rate)
         for _ in range(config.epochs):
             optimiser.zero_grad()
-            logits = network(train_inputs)
-            loss = nn.functional.cross_entropy(logits, train_labels, weight=weights)
+            loss = nn.functional.cross_entropy(network(train_inputs), train_labels, weight=weights)
             loss.backward()
             optimiser.step()
     network.eval()
