@@ -548,10 +548,12 @@ def heavy_weighted(crowd: Path, heavy_weight: float | None) -> tuple[float, ...]
     others (None: no fixed weights)."""
     if heavy_weight is None:
         return None
+    if heavy_weight < 0:
+        raise SystemExit(f"--heavy-user-weight must be >= 0, got {heavy_weight}")
     groups = occlusion_groups(crowd)
-    if "heavy" not in groups.values() or heavy_weight < 0:
-        raise SystemExit(f"--heavy-user-weight {heavy_weight}: needs >= 0 and a crowd with "
-                         f"heavily occluded users ({crowd / 'crowd.json'} has none)")  # fmt: skip
+    if "heavy" not in groups.values():
+        raise SystemExit(f"--heavy-user-weight: {crowd / 'crowd.json'} has no heavily occluded "
+                         "users (build the crowd with --preset heterogeneous)")  # fmt: skip
     return tuple(heavy_weight if groups[user] == "heavy" else 1.0 for user in sorted(groups))
 
 
