@@ -180,7 +180,9 @@ class MetaSection:
     gamma: float = key(0.75, "FedMeNF's fixed gamma (Eq. 10)")
     privacy_budget: float = key(0.0, "zeta > 0: adaptive gamma (Eq. 13-14) instead of gamma")
     memorising_bound: float = key(
-        0.0, "> 0: FedMeNF's L(w) in Eq. 10 clamped at this MSE (0: unbounded, the paper's)"
+        0.15,
+        "FedMeNF's L(w) in Eq. 10 clamped at this MSE, the measured best (0: unbounded, the "
+        "paper's Eq. 10)",
     )
     clients_per_round: int = key(5, "M, clients sampled per round")
     num_clients: int = key(0, "N (faces 20, photos 20, video 6, objects 20)")
