@@ -36,21 +36,27 @@ from typing import IO
 
 from flwr.common.config import parse_config_args
 
-from fedfields.config import meta_settings
+from fedfields.config.schema import META_TASKS
 from simulations import APP_DIR
 from simulations.certificates import TlsFiles, write_tls_files
-from simulations.launch import (
+from simulations.planner import (
     ENVIRONMENT,
-    _run_status,
-    crowd_dataset,
-    heldout_objects,
+    DataOptions,
+    NodePlan,
+    as_run_config,
+    failure_line,
     job_config,
-    object_collection,
+    plan_nodes,
+    process_tree,
+    processes_with_home_under,
+    run_id_of,
+    run_status,
+    signal_pids,
+    stop_pids,
 )
 
 FEDERATION = "fedfields-deploy"
 LOCAL_HOST = "127.0.0.1"
-STOP_GRACE_SECONDS = 10.0
 # Run-config keys that name a node's files: a deployed node gets them from --node-config.
 NODE_KEYS = ("data-dir", "state-dir")
 
@@ -74,70 +80,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it, parents first (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # gone meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(proc.name))
-    tree, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop(0)
-        tree.append(current)
-        frontier.extend(children.get(current, []))
-    return tree
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def signal_pids(pids: list[int], signum: int) -> None:
-    """Send `signum` to each of `pids` that still exists."""
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def stop_pids(pids: list[int], grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM `pids` (children first), SIGKILL those still running after `grace` seconds."""
-    signal_pids(list(reversed(pids)), signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.1)
-    signal_pids([pid for pid in pids if _alive(pid)], signal.SIGKILL)
-
-
-def processes_with_home_under(directory: Path) -> list[int]:
-    """PIDs of this user's processes whose FLWR_HOME lies inside `directory`."""
-    prefix = f"FLWR_HOME={directory.resolve()}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            environment = (proc / "environ").read_bytes()
-        except OSError:  # gone, or another user's
-            continue
-        if any(entry.startswith(prefix) for entry in environment.split(b"\0")) and _alive(
-            int(proc.name)
-        ):
-            found.append(int(proc.name))
-    return found
 
 
 def node_config_text(
@@ -325,8 +267,7 @@ class Deployment:
                 output.append(line)
                 on_line(line)
         text = "".join(output)
-        found = re.search(r"run (\d+)", text)
-        run_id = int(found[1]) if found else None
+        run_id = run_id_of(text)
         env = self.environment(self.cli_home)
         if timed_out:
             if run_id is not None:
@@ -338,7 +279,7 @@ class Deployment:
         process.wait()
         if run_id is None:
             return RunOutcome(None, "not-started", text)
-        return RunOutcome(run_id, _run_status(self.flwr, str(run_id), env), text)
+        return RunOutcome(run_id, run_status(self.flwr, run_id, env), text)
 
     def kill_node(self, name: str) -> None:
         """SIGKILL SuperNode `name` and its process tree at once (a node that goes away)."""
@@ -406,14 +347,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to deploy: each node's data folder (None: its data comes with the code), the
-    ServerApp's run-config without its run directory, that directory if the user named it in
-    run-config, and the job's name."""
+    """What to deploy: the nodes and their folders, the ServerApp's run-config without its
+    run directory, and that directory if the user named it in run-config."""
 
-    node_data: list[Path | None]
+    nodes: NodePlan
     run_config: str
     run_dir: Path | None
-    name: str
 
 
 def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
@@ -436,38 +375,19 @@ def plan(args: argparse.Namespace, env: dict[str, str]) -> Plan:
         raise ValueError(f"--users {args.users}: a deployment needs at least one SuperNode")
     run_dir = str(overrides.pop("run-dir", ""))
     config = job_config(args.run_config)
-    users = args.users
-    if config.mode == "split":  # one client holding the scene
-        node_data: list[Path | None] = [args.scene.resolve()]
-        name = "split"
-    elif config.task == "scene":
-        crowd = crowd_dataset(args, env)
-        folders = sorted(crowd.glob("user_*"))
-        if len(folders) < users:
-            raise ValueError(f"crowd {crowd} has {len(folders)} user folders, not --users {users}")
-        node_data, name = list(folders[:users]), config.strategy_name
-    else:
-        given = overrides.setdefault("num-clients", users)
-        if given != users:
-            raise ValueError(f"--run-config num-clients={given} differs from --users {users}")
+    if config.common.mode == "federated" and config.common.task in META_TASKS:
+        given = overrides.setdefault("num-clients", args.users)
+        if given != args.users:
+            raise ValueError(f"--run-config num-clients={given} differs from --users {args.users}")
         if "clients-per-round" not in overrides:
-            overrides["clients-per-round"] = min(config.clients_per_round, users)
-        config = job_config(_as_run_config(overrides))
-        settings = meta_settings(config)  # checks clients-per-round <= num-clients
-        node_data = [None] * users
-        if config.task == "objects":
-            collection = object_collection(args, settings, env)
-            node_data = list(sorted(collection.glob("object_*"))[:users])
-            # the server's public test objects: the held-out ones, never the clients'
-            overrides.setdefault("eval-scene-dir", str(heldout_objects(collection, settings)))
-        name = f"{config.task}-{config.strategy_name}-{config.meta_learner}"
-    overrides.setdefault("min-available-nodes", len(node_data))  # round 1 waits for all nodes
-    return Plan(node_data, _as_run_config(overrides), Path(run_dir) if run_dir else None, name)
-
-
-def _as_run_config(values: dict[str, object]) -> str:
-    """`key=value ...` with TOML-typed values (strings quoted)."""
-    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+            overrides["clients-per-round"] = min(config.meta.clients_per_round, args.users)
+        config = job_config(as_run_config(overrides))
+    nodes = plan_nodes(config, DataOptions.from_args(args), env, users=args.users)
+    config.check_node_count(nodes.count, f"--users {args.users}")
+    if nodes.eval_scene_dir is not None:  # the server's public held-out objects
+        overrides.setdefault("eval-scene-dir", str(nodes.eval_scene_dir))
+    overrides.setdefault("min-available-nodes", nodes.count)  # round 1 waits for all nodes
+    return Plan(nodes, as_run_config(overrides), Path(run_dir) if run_dir else None)
 
 
 class Interrupted(Exception):
@@ -493,10 +413,10 @@ def deploy(job: Plan, deploy_dir: Path, run_config: str, timeout: float) -> RunO
             flush=True,
         )
         deployment.start_superlink()
-        for index, data_dir in enumerate(job.node_data):
-            deployment.start_supernode(index, len(job.node_data), data_dir)
-        deployment.wait_for_nodes(len(job.node_data))
-        print(f"fedfields deploy: {len(job.node_data)} SuperNodes online", flush=True)
+        for index, data_dir in enumerate(job.nodes.folders):
+            deployment.start_supernode(index, job.nodes.count, data_dir)
+        deployment.wait_for_nodes(job.nodes.count)
+        print(f"fedfields deploy: {job.nodes.count} SuperNodes online", flush=True)
         return deployment.run(
             APP_DIR, run_config, timeout, lambda line: print(line, end="", flush=True)
         )
@@ -511,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"fedfields deploy: {error}", file=sys.stderr)
         return 2
-    run_dir = (args.run_dir or job.run_dir or APP_DIR / "runs" / f"{stamp}-{job.name}").resolve()
+    default_run_dir = APP_DIR / "runs" / f"{stamp}-{job.nodes.name}"
+    run_dir = (args.run_dir or job.run_dir or default_run_dir).resolve()
     run_config = f"run-dir={json.dumps(str(run_dir))} {job.run_config}".strip()
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -528,12 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedfields deploy: {error}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - started
-    if outcome.status != "finished:completed":
+    if outcome.run_id is None:
         print(
-            f"fedfields deploy: run {outcome.run_id} ended as {outcome.status!r} after "
-            f"{seconds:.0f} s; logs in {deploy_dir}/logs",
+            f"fedfields deploy: no run started ({outcome.status}); logs in {deploy_dir}/logs",
             file=sys.stderr,
         )
+        return 1
+    if outcome.status != "finished:completed":
+        print(failure_line(outcome.run_id, outcome.status, outcome.output), file=sys.stderr)
         return 1
     print(
         f"fedfields deploy: run {outcome.run_id} completed in {seconds:.0f} s; report in {run_dir}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from simulations import APP_DIR
-from simulations.launch import our_superlinks, stop_tree
+from simulations.planner import stop_tree, superlinks_with_home
 
 NODES = 3
 ROUNDS = 2
@@ -231,7 +231,7 @@ def test_a_separate_flower_app_runs_fedfields_strategies_from_the_wheel(
             command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )
     finally:
-        for pid in our_superlinks(str(flwr_home)):
+        for pid in superlinks_with_home(str(flwr_home)):
             stop_tree(pid)
     assert out_file.is_file(), f"the app wrote no report:\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
     report = json.loads(out_file.read_text())

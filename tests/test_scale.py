@@ -22,7 +22,7 @@ from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.train import load_checkpoint
 from simulations.federated_nerf import run_federated_nerf
-from simulations.launch import replicated_crowd
+from simulations.planner import replicated_crowd
 from simulations.run import client_app
 
 ROOT = Path(__file__).resolve().parents[1]

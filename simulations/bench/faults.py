@@ -33,7 +33,7 @@ from flwr.app import Array, Context, Message
 
 from fedfields.flower.protocol import ARRAYS, METRICS, NUM_EXAMPLES
 from simulations import APP_DIR
-from simulations.launch import ENVIRONMENT
+from simulations.planner import ENVIRONMENT
 from simulations.run import run_with_ray
 
 OUT = APP_DIR / "runs" / "bench_faults"

@@ -32,8 +32,7 @@ from flwr.common.config import parse_config_args
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
-from simulations.launch import object_collection
-from simulations.launch import parse_args as launch_args
+from simulations.planner import DataOptions, object_collection
 from simulations.run import run_with_ray
 from strategies import STRATEGIES
 
@@ -131,8 +130,8 @@ def run_one(
         **(overrides or {}),
     }
     if task == "objects":  # the same collection `simulations.launch` builds
-        launch = launch_args(["--object-resolution", str(object_resolution)])
-        collection = object_collection(launch, settings, dict(os.environ))
+        data = DataOptions(object_resolution=object_resolution)
+        collection = object_collection(data, settings, dict(os.environ))
         data_dir = run_dir.with_suffix(".data")
         run_config["data-dir"] = str(data_dir)
         run_config["eval-scene-dir"] = str(simulation_objects(collection, settings, data_dir))

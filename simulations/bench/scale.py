@@ -40,7 +40,7 @@ import torch
 from fedfields.aggregate import RunningSum
 from fedfields.flower.protocol import arrays_to_state, checked_state, state_to_arrays
 from simulations import APP_DIR
-from simulations.launch import our_superlinks
+from simulations.planner import superlinks_with_home
 
 CPUS = psutil.cpu_count(logical=True) or 1
 
@@ -66,7 +66,7 @@ class TreeMemory:
     def processes(self) -> list[psutil.Process]:
         """The root, its descendants and our SuperLinks' trees (flwr may detach them)."""
         found: dict[int, psutil.Process] = {}
-        for pid in [self.root, *our_superlinks()]:
+        for pid in [self.root, *superlinks_with_home()]:
             try:
                 top = psutil.Process(pid)
                 for proc in [top, *top.children(recursive=True)]:
