@@ -1,8 +1,8 @@
 """Programmatic runs of the fedfields jobs, for tests and benchmarks (no `flwr run` CLI).
 
-Flower's `run_simulation` takes no run-config and a ClientApp may not change its Context's
-run-config, so both apps are wrapped to see `run_config` through a new Context that shares
-the node's persistent state (FLOWER_1_41_NOTES section 2).
+Flower's `run_simulation` takes no run-config, and a ClientApp may not change its Context's
+run-config (Flower raises ValueError), so both apps are wrapped to see `run_config` through a
+new Context that shares the node's id, node-config and persistent state.
 """
 
 from __future__ import annotations

@@ -496,3 +496,26 @@ def test_collection_joins_continued_lines_and_reads_prompts_only_in_console_bloc
     assert argv_of("OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m x --y") == [
         "python", "-m", "x", "--y",
     ]  # fmt: skip
+
+
+def repository_texts() -> Iterator[Path]:
+    """The checkout's sources and documents (no hidden folder, no runs/)."""
+    for path in sorted(APP_DIR.rglob("*")):
+        parts = path.relative_to(APP_DIR).parts
+        if path.suffix in (".py", ".md", ".toml") and not any(
+            part.startswith(".") or part == "runs" for part in parts
+        ):
+            yield path
+
+
+def test_sources_and_docs_cite_only_documents_in_the_repository() -> None:
+    """A citation of notes outside the checkout (the shared folder beside it, a notes file, a
+    markdown file the repository lacks) leaves the reader with nothing to open."""
+    documents = {path.name for path in repository_texts() if path.suffix == ".md"}
+    outside = re.compile("|".join([r"\.\./" + "shared", r"\b\w*_" + "NOTES\\b"]))
+    for path in repository_texts():
+        text = path.read_text(errors="replace")
+        where = path.relative_to(APP_DIR)
+        assert not outside.search(text), f"{where} cites notes outside the repository"
+        for cited in re.findall(r"\b[A-Z][A-Z0-9_]+\.md\b", text):
+            assert cited in documents, f"{where} cites {cited}, which the repository lacks"

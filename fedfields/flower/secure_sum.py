@@ -1,7 +1,8 @@
 """One secure sum of named tensors over chosen nodes with Flower's SecAggPlusWorkflow.
 
-Flower's workflow drives a legacy strategy; `_OneShotSum` is the smallest legacy strategy it
-accepts (FLOWER_1_41_NOTES.md section 3). Every client sends weight 1 (= max_weight), so the
+Flower's workflow drives a legacy (`flwr.server.strategy`) strategy inside a `LegacyContext`;
+`_OneShotSum` is the smallest one it accepts: fixed nodes, one fit config, no evaluation, and
+`aggregate_fit` keeping the unmasked result. Every client sends weight 1 (= max_weight), so the
 workflow's weighted mean times the number of survivors is the exact sum; anything a client
 wants weighted it multiplies into its masked vector itself. Clipping, quantisation and
 scales come from `fedfields.privacy.secure_sum`.
