@@ -10,7 +10,9 @@ under the deployment directory (certificates, homes, node state and logs), runti
 dependency installation is off everywhere (a SuperLink would `uv sync` a CUDA torch), and
 the launcher stops exactly the processes it started, by PID and with their whole process
 trees, also on Ctrl-C, SIGTERM and failure. `flwr run` exits 0 even when the ServerApp
-fails, so the exit status comes from the SuperLink's record of the run.
+fails, so the exit status comes from the SuperLink's record of the run. Which node holds
+which folder, the run's status and the process trees come from `simulations.planner`, which
+`simulations.launch` shares.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`python -m simulations.launch`: a federated run, by `flwr run .` through Ray.
 
-It does what a careful user of Flower 1.41 does by hand (see README): keeps Flower's home
+It does what a careful user of Flower 1.41 does by hand (docs/SIMULATION.md): keeps Flower's home
 and state inside the project, forbids run-time dependency installation (which would pull a
 CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
 object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
@@ -9,7 +9,8 @@ client, streams the logs, then asks the SuperLink whether the run completed, sin
 `flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
 As the experimenter it attaches the simulation-only observers (`simulation-audit`), which
 read the data root's ground truth, and gives virtual node i its private state directory
-`<run-dir>.nodes/node_NN` (`state-dir`), outside the server's run directory.
+`<run-dir>.nodes/node_NN` (`state-dir`), outside the server's run directory. The nodes and
+their data come from `simulations.planner`, which `simulations.deploy` shares.
 """
 
 from __future__ import annotations
