@@ -385,7 +385,7 @@ def check_command(text: str) -> None:
     program's parser accepts every word of it."""
     argv = argv_of(text)
     form = form_of(argv)
-    assert form, f"unknown command form {argv[:3]}: add it to CHECKED_ONLY or RUN_AS_PRINTED"
+    assert form, f"unknown command form {argv[:3]}: add it to CHECKED_ONLY or EXTERNAL"
     if form in EXTERNAL:
         return
     CHECKERS[argv[0]](argv)
