@@ -29,6 +29,7 @@ RUN_CONFIG ?=
 demo: install
 	$(BIN)/python -m simulations.launch --run-config "$(RUN_CONFIG)"
 
+# report.html's browser test skips without chromium; CI (.ci/run) installs it and requires it.
 test: install
 	$(BIN)/python -m pytest
 

@@ -13,7 +13,6 @@ directory (which a simulation's attack observer reads as ground truth; the serve
 from __future__ import annotations
 
 import dataclasses
-import json
 from logging import WARNING
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import Tensor
 
+from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.data.pixels import PixelSampler
@@ -215,7 +215,7 @@ def _finish(
         write_renders(state.directory / RENDERS, heldout, result, settings)
         metadata = {"mode": "split", "heldout-every": HOLDOUT_EVERY}
         save_checkpoint(state.directory / CHECKPOINT, field, settings, None, metadata)
-        (state.directory / CLIENT_REPORT).write_text(json.dumps(summary, indent=2))
+        atomic.write_json(state.directory / CLIENT_REPORT, summary)
     metrics = {key: value for key, value in summary.items() if value is not None}
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 

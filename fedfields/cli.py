@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from fedfields import atomic
 from fedfields.data import Scene, SceneError, holdout_indices, load_scene
 from fedfields.data.crowd import (
     LAYOUTS,
@@ -335,7 +336,7 @@ def run_train(args: argparse.Namespace) -> int:
             "field": field.config_dict(),
         },
     }
-    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    atomic.write_json(args.out / "metrics.json", metrics)
     summary = {**evaluation.summary(), "rays_per_second": result.rays_per_second}
     print(json.dumps(summary))
     return 0

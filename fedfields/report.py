@@ -23,6 +23,8 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fedfields import atomic
+
 REPORT_FILE = "report.html"
 CURVE_COLUMNS = 3
 CURVE_X_KEYS = ("round", "step")  # the first one every metrics line has is the x axis
@@ -69,9 +71,7 @@ def write_report(run_dir: Path) -> Path:
         + "</body>\n</html>\n"
     )
     path = run_dir / REPORT_FILE
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(page, encoding="utf-8")
-    partial.replace(path)
+    atomic.write_text(path, page)
     return path
 
 

@@ -26,6 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdData
@@ -36,6 +37,8 @@ from fedfields.flower.resume import (
     ResumeError,
     RoundCheckpoint,
     load_round_checkpoint,
+    read_run_config,
+    resumed_history,
     save_round_checkpoint,
 )
 from fedfields.report import write_report
@@ -99,8 +102,7 @@ class RoundReport:
             metrics |= observer.observe_round(server_round, arrays)
         metrics["seconds"] = time.perf_counter() - self.started
         self.history.append(metrics)
-        with (self.run_dir / "metrics.jsonl").open("a") as out:
-            out.write(json.dumps(metrics) + "\n")
+        atomic.append_json_line(self.run_dir / "metrics.jsonl", metrics)
         log(INFO, "fedfields round %d: %s", server_round, _headline(metrics))
         return MetricRecord({k: float(v) for k, v in metrics.items()})
 
@@ -132,7 +134,7 @@ class RoundReport:
             summary["final"] |= observed.pop("final", {})
             summary |= observed
         summary["seconds"] = time.perf_counter() - self.started
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic.write_json(self.run_dir / "summary.json", summary)
         write_report(self.run_dir)
         return summary
 
@@ -200,13 +202,10 @@ def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]
     """
     if not config.common.resume:
         run_dir = make_run_dir(config)
-        (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+        atomic.write_json(run_dir / "config.json", config.to_run_config())
         return run_dir, None
     run_dir = Path(config.common.run_dir)
-    saved_path = run_dir / "config.json"
-    if not saved_path.is_file():
-        raise ResumeError(f"cannot resume: {saved_path} does not exist (not a fedfields run)")
-    saved, current = json.loads(saved_path.read_text()), config.to_run_config()
+    saved, current = read_run_config(run_dir), config.to_run_config()
     free = {"resume", "num-server-rounds"}
     differing = sorted(k for k in current.keys() - free if saved.get(k, current[k]) != current[k])
     if differing:
@@ -219,18 +218,6 @@ def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]
             f"num-server-rounds = {config.common.num_server_rounds}"
         )
     return run_dir, checkpoint
-
-
-def resumed_history(run_dir: Path, last_round: int) -> list[dict[str, Any]]:
-    """metrics.jsonl's lines of rounds 1..`last_round`, the file rewritten to hold only them."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    history = [json.loads(line) for line in lines if line.strip()]
-    history = [line for line in history if line["round"] <= last_round]
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(json.dumps(line) + "\n" for line in history))
-    partial.replace(path)
-    return history
 
 
 def round_checkpointer(

@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields import atomic
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
@@ -48,6 +49,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.resume import resumed_history
 from fedfields.privacy.attacks.inference import (
     AttackConfig,
     AttackResult,
@@ -77,7 +79,6 @@ from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
 from simulations.federated_nerf import (
     open_run_dir,
-    resumed_history,
     round_checkpointer,
     secure_aggregation_report,
 )
@@ -167,8 +168,7 @@ class MetaReport:
             metrics["delta"] = metrics["psnr"] - metrics["psnr_p"]
         metrics["seconds"] = time.perf_counter() - self.started
         self.history.append(metrics)
-        with (self.run_dir / "metrics.jsonl").open("a") as out:
-            out.write(json.dumps(metrics) + "\n")
+        atomic.append_json_line(self.run_dir / "metrics.jsonl", metrics)
         log(INFO, "fedfields round %d: %s", server_round, _headline(metrics, self.steps[-1]))
         return _metric_record(metrics)
 
@@ -191,9 +191,7 @@ class MetaReport:
             "settings": asdict(self.settings),
             "run-config": self.config.to_run_config(),
         }
-        partial = self.run_dir / "checkpoint.pt.partial"
-        torch.save(payload, partial)
-        partial.replace(self.run_dir / "checkpoint.pt")
+        atomic.save_torch(self.run_dir / "checkpoint.pt", payload)
         if self.initial:
             _plot_tto(self.run_dir / "tto.png", self.steps, self.initial, self.history)
         summary: dict[str, Any] = {
@@ -211,7 +209,7 @@ class MetaReport:
             summary["final"] |= observed.pop("final", {})
             summary |= observed
         summary["seconds"] = time.perf_counter() - self.started
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic.write_json(self.run_dir / "summary.json", summary)
         write_report(self.run_dir)
         return summary
 
@@ -419,7 +417,7 @@ class PrivacyAudit:
                 axis.set_title(title, fontsize=8)
                 axis.set_axis_off()
         figure.tight_layout()
-        figure.savefig(self.run_dir / "renders.png", dpi=120)
+        atomic.save_figure(self.run_dir / "renders.png", figure, dpi=120)
 
 
 def meta_observers(run_config: Mapping[str, Any], run_dir: Path | None = None) -> list[Observer]:
@@ -493,7 +491,7 @@ def _plot_tto(
     axes.set(xlabel="TTO steps", ylabel="held-out PSNR (dB)", title="TTO (grey: earlier rounds)")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    atomic.save_figure(path, figure, dpi=120)
 
 
 def _plot_privacy(path: Path, history: Sequence[dict[str, Any]]) -> None:
@@ -509,7 +507,7 @@ def _plot_privacy(path: Path, history: Sequence[dict[str, Any]]) -> None:
     axes.set(xlabel="round", ylabel="PSNR (dB)", title="reconstruction and privacy leakage")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    atomic.save_figure(path, figure, dpi=120)
 
 
 def _headline(metrics: dict[str, Any], tto_steps: int) -> str:

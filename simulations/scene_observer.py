@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from clients.meta_client import CLIENT, CLIENT_INDEX
+from fedfields import atomic
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
@@ -114,8 +115,7 @@ class CrowdObserver:
         self._write_renders()
         alphas = node_alphas(self.config.deployment.state_dir)
         if alphas:
-            lines = "".join(json.dumps(line) + "\n" for line in alphas)
-            (self.per_user_dir / "alphas.jsonl").write_text(lines)
+            atomic.write_json_lines(self.per_user_dir / "alphas.jsonl", alphas)
             plot_alphas(self.per_user_dir / "alphas.png", alphas)
         plot_leakage(self.run_dir / "leakage.png", history)
         return {"final": final}
@@ -129,9 +129,8 @@ class CrowdObserver:
             photo = user.scene.images[0].clone()
             photo[_outline(user.personal_masks[0])] = torch.tensor([1.0, 0.0, 1.0])
             strip = torch.cat([user.clean_images[0], render, photo], dim=1).numpy()
-            Image.fromarray((strip * 255 + 0.5).astype(np.uint8)).save(
-                out / f"user_{index:02d}.png"
-            )
+            image = Image.fromarray((strip * 255 + 0.5).astype(np.uint8))
+            atomic.save_image(out / f"user_{index:02d}.png", image)
 
 
 def node_alphas(state_root: str) -> list[dict[str, Any]]:
@@ -163,7 +162,7 @@ def plot_alphas(path: Path, records: list[dict[str, Any]]) -> None:
     axes.set(xlabel="round", ylabel="alpha", title="DecentNeRF learned federation weights")
     axes.legend(fontsize=6, ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    atomic.save_figure(path, figure, dpi=120)
 
 
 def plot_leakage(path: Path, history: list[dict[str, Any]]) -> None:
@@ -185,4 +184,4 @@ def plot_leakage(path: Path, history: list[dict[str, Any]]) -> None:
     axes.set(xlabel="round", ylabel="PSNR (dB)", title="server global field")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    atomic.save_figure(path, figure, dpi=120)

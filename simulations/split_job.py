@@ -30,6 +30,7 @@ from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 
 from clients.split_client import CHECKPOINT, CLIENT_REPORT, LEARNING_RATE, RENDERS, WEIGHT_DECAY
+from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.flower.protocol import (
@@ -82,7 +83,7 @@ def run_split_job(
     """
     config = FederatedConfig.from_run_config(run_config)
     run_dir = make_run_dir(config)
-    (run_dir / "config.json").write_text(json.dumps(config.to_run_config(), indent=2))
+    atomic.write_json(run_dir / "config.json", config.to_run_config())
     if observers is None:
         observers = split_observers(run_config, run_dir)
     for observer in observers:
@@ -122,7 +123,7 @@ def run_split_job(
                 for observer in observers:
                     line |= observer.observe_round(step + 1, arrays)
             history.append(line)
-            _append_line(run_dir / "metrics.jsonl", line)
+            atomic.append_json_line(run_dir / "metrics.jsonl", line)
             log(INFO, "split step %d: loss %.4f, psnr %.2f dB", step + 1, *_last(history))
     finish = RecordDict(
         {
@@ -142,7 +143,7 @@ def run_split_job(
         arrays = state_to_arrays(server.state_dict())
         for observer in observers:
             summary |= observer.finish(arrays, history)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic.write_json(run_dir / "summary.json", summary)
     write_report(run_dir)
     log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
@@ -201,11 +202,6 @@ def _block(step: int, window: list[dict], seconds: float) -> dict[str, Any]:
 
 def _last(history: list[dict[str, Any]]) -> tuple[float, float]:
     return history[-1]["loss"], history[-1]["psnr"]
-
-
-def _append_line(path: Path, line: dict[str, Any]) -> None:
-    with path.open("a") as file:
-        file.write(json.dumps(line) + "\n")
 
 
 def split_observers(run_config: dict[str, Any], run_dir: Path | None = None) -> list[Observer]:
@@ -398,4 +394,4 @@ def _plot_attack(
             axis.set_title(title, fontsize=8)
             axis.axis("off")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    atomic.save_figure(path, figure, dpi=100)

@@ -198,7 +198,7 @@ def test_meta_audit_scores_theta_as_the_meta_jobs_evaluation(
     config = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
     settings = meta_settings(config)
     model = meta_model(config, settings)
-    theta = torch.load(run_dir / "checkpoint.pt", weights_only=False)["state_dict"]
+    theta = torch.load(run_dir / "checkpoint.pt", weights_only=True)["state_dict"]
     last = tto_schedule(settings.tto_steps)[-1]
     tto = [
         tto_qualities(model, theta, task, config, settings)[last]["psnr"]

@@ -1,5 +1,8 @@
 """report.html (`fedfields.report`): a run's self-contained page, written at the end of a run,
-and checked in a real headless browser (Debian's chromium; skipped where none is installed)."""
+and checked in a real headless browser: every image decodes, the sections and settings show as
+text, a hostile string shows as text. The browser is Debian's chromium: .ci/run installs it and
+sets FEDFIELDS_REQUIRE_CHROMIUM=1, so CI never skips; elsewhere the browser tests skip without
+it."""
 
 from __future__ import annotations
 
@@ -22,15 +25,20 @@ from fedfields.report import REPORT_FILE, write_report
 
 BROWSER_SECONDS = 60
 DATA_PNG = re.compile(r"data:image/png;base64,([A-Za-z0-9+/=]*)")
+REQUIRE_BROWSER = "FEDFIELDS_REQUIRE_CHROMIUM"  # set by .ci/run: no chromium fails, not skips
 # Runs before the page's Content-Security-Policy (which forbids scripts) takes effect, so the
-# page is checked as written: on load it records every <img> that failed to decode.
-IMAGE_PROBE = """<script>
+# page is checked as written: on load it records every <img> that failed to decode, the
+# headings and the text a person sees (innerText: rendered text only, no markup).
+PAGE_PROBE = """<script>
 window.addEventListener('load', () => {
   const images = Array.from(document.images);
   const broken = images.filter((i) => !(i.complete && i.naturalWidth > 0)).map((i) => i.alt);
+  const headings = Array.from(document.querySelectorAll('h1, h2')).map((h) => h.innerText);
+  const seen = {total: images.length, broken: broken, headings: headings,
+                text: document.body.innerText};
   const out = document.createElement('pre');
-  out.id = 'image-check';
-  out.textContent = JSON.stringify({total: images.length, broken: broken});
+  out.id = 'page-check';
+  out.textContent = JSON.stringify(seen);
   document.body.appendChild(out);
 });
 </script>"""
@@ -98,20 +106,24 @@ def test_a_run_ends_with_its_report(real_run: Path) -> None:
 
 @pytest.fixture
 def chromium() -> str:
-    """The headless browser's path, or a skip: chromium is optional (apt install chromium)."""
+    """The headless browser's path; without one a skip (chromium is optional: apt install
+    chromium), or a failure where `REQUIRE_BROWSER` is set (CI)."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None and os.environ.get(REQUIRE_BROWSER) == "1":
+        pytest.fail(f"no chromium on PATH although {REQUIRE_BROWSER}=1 (.ci/run installs it)")
     if path is None:
         pytest.skip("no chromium on PATH: the browser check of report.html is optional")
     return path
 
 
-def images_in_browser(chromium: str, page: Path, work: Path) -> dict:
-    """Open a copy of `page` (with `IMAGE_PROBE`) in headless chromium; returns the probe's
-    {"total": images, "broken": [alt of each image that did not load]}."""
+def page_in_browser(chromium: str, page: Path, work: Path) -> dict:
+    """Open a copy of `page` (with `PAGE_PROBE`) in headless chromium; returns what the probe
+    saw: {"total": images, "broken": [alt of each image that did not load], "headings": [h1
+    and h2 texts], "text": the page's rendered text}."""
     text = page.read_text()
     assert "<head>" in text
     probe = work / "probed.html"
-    probe.write_text(text.replace("<head>", "<head>\n" + IMAGE_PROBE, 1))
+    probe.write_text(text.replace("<head>", "<head>\n" + PAGE_PROBE, 1))
     command = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu"]
     command += [f"--user-data-dir={work / 'profile'}", "--dump-dom", probe.as_uri()]
     process = subprocess.Popen(
@@ -125,7 +137,7 @@ def images_in_browser(chromium: str, page: Path, work: Path) -> dict:
         except ProcessLookupError:
             pass
         process.wait()
-    found = re.search(r'<pre id="image-check">(.*?)</pre>', dom.decode())
+    found = re.search(r'<pre id="page-check">(.*?)</pre>', dom.decode(), re.DOTALL)
     assert found, f"the probe did not report; chromium said: {errors.decode()[-2000:]}"
     return json.loads(html.unescape(found.group(1)))
 
@@ -134,9 +146,25 @@ def test_every_image_of_a_real_report_loads_in_a_browser(
     chromium: str, real_run: Path, tmp_path: Path
 ) -> None:
     page = real_run / REPORT_FILE
-    result = images_in_browser(chromium, page, tmp_path)
+    result = page_in_browser(chromium, page, tmp_path)
     assert result["broken"] == []
     assert result["total"] == page.read_text().count("data:image/png") > 1
+    title = f"fedfields run {real_run.name}"
+    assert result["headings"] == [title, "Summary", "Curves", "Figures", "Run config"]
+    settings = json.loads((real_run / "config.json").read_text())
+    shown = result["text"]
+    assert all(key in shown for key in settings), "a run-config key is not on the page"
+    assert f"task\t{settings['task']}" in shown  # a table row: key and value side by side
+    assert "tto.png" in shown
+
+
+def test_a_hostile_string_shows_as_text_in_a_browser(chromium: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    synthetic_run(run_dir)
+    result = page_in_browser(chromium, write_report(run_dir), tmp_path)
+    assert "strategy\t<script>alert('x')</script>" in result["text"]
+    assert result["broken"] == [] and result["total"] == 3
+    assert "Federation weights (alphas.jsonl)" in result["headings"]
 
 
 def test_the_browser_check_finds_a_broken_image(chromium: str, tmp_path: Path) -> None:
@@ -148,5 +176,55 @@ def test_the_browser_check_finds_a_broken_image(chromium: str, tmp_path: Path) -
     assert image
     broken = text[: image.start(1)] + base64.b64encode(b"not a png").decode() + text[image.end(1) :]
     page.write_text(broken)
-    result = images_in_browser(chromium, page, tmp_path)
+    result = page_in_browser(chromium, page, tmp_path)
     assert result["total"] == text.count("data:image/png") and len(result["broken"]) == 1
+
+
+def fake_tool(directory: Path, name: str, script: str) -> None:
+    """An executable `name` in `directory` running the bash `script`."""
+    path = directory / name
+    path.write_text(f"#!/bin/bash\n{script}\n")
+    path.chmod(0o755)
+
+
+def run_ci(tmp_path: Path, apt_get: str, chromium: bool) -> tuple[subprocess.CompletedProcess, str]:
+    """.ci/run with PATH holding only fakes (apt-get, sudo, make) and the few tools it needs;
+    returns the process and the log the fakes wrote."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "env", "id"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
+    fake_tool(bin_dir, "sudo", '"$@"')
+    fake_tool(bin_dir, "apt-get", f'echo "apt-get $* $DEBIAN_FRONTEND" >> {log}\n{apt_get}')
+    fake_tool(bin_dir, "make", f'echo "make $* $FEDFIELDS_REQUIRE_CHROMIUM" >> {log}')
+    if chromium:
+        fake_tool(bin_dir, "chromium", "exit 0")
+    environment = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    ci = Path(__file__).resolve().parents[1] / ".ci" / "run"
+    process = subprocess.run([str(ci)], env=environment, capture_output=True, text=True, timeout=60)
+    return process, log.read_text() if log.is_file() else ""
+
+
+def test_ci_installs_chromium_when_missing_then_requires_the_browser_test(tmp_path: Path) -> None:
+    installs = f'[ "$1" = install ] && printf "#!/bin/bash\\n" > {tmp_path}/bin/chromium'
+    installs += f" && chmod +x {tmp_path}/bin/chromium; exit 0"
+    process, log = run_ci(tmp_path, installs, chromium=False)
+    assert process.returncode == 0, process.stderr
+    assert log.splitlines() == [
+        "apt-get update -q noninteractive",
+        "apt-get install -y -q chromium noninteractive",
+        "make test 1",
+    ]
+
+
+def test_ci_fails_loudly_when_chromium_cannot_be_installed(tmp_path: Path) -> None:
+    process, log = run_ci(tmp_path, "exit 100", chromium=False)
+    assert process.returncode == 1
+    assert "ci: ERROR: could not install chromium" in process.stderr
+    assert log.splitlines() == ["apt-get update -q noninteractive"]  # and make never ran
+
+
+def test_ci_leaves_an_installed_chromium_alone(tmp_path: Path) -> None:
+    process, log = run_ci(tmp_path, "exit 100", chromium=True)
+    assert process.returncode == 0, process.stderr
+    assert log.splitlines() == ["make test 1"]

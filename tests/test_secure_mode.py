@@ -348,7 +348,7 @@ def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor
             for line in path.read_text().splitlines():
                 walk(json.loads(line))
         elif path.suffix in (".pt", ".partial"):
-            walk(torch.load(path, map_location="cpu", weights_only=False))
+            walk(torch.load(path, map_location="cpu", weights_only=True))
         elif path.suffix == ".png":
             images.append(path)
         elif path.name == REPORT_FILE:  # the page the run ends with

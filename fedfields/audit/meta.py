@@ -58,7 +58,7 @@ RECORDED = (
 
 def load_theta(path: Path) -> dict[str, Tensor]:
     """theta's parameters from a meta run's checkpoint.pt; ValueError for anything else."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != META_CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a meta-learning checkpoint (missing format tag)")
     return payload["state_dict"]

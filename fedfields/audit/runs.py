@@ -2,17 +2,17 @@
 
 Every run directory is checked before any attack starts, and every audit finishes before
 any file is written, so a bad path or a failing attack leaves no run half-audited; each
-file is written as `<name>.partial` and renamed into place.
+file is written atomically (`fedfields.atomic`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from fedfields import atomic
 from fedfields.audit.common import AuditConfig, AuditResult, RunInfo, open_run
 from fedfields.report import write_report
 
@@ -149,13 +149,6 @@ def plot_audit(results: Sequence[AuditResult]) -> Figure:
     return figure
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write `text` via `<path>.partial`, renamed into place."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
-
-
 def write_audit(results: Sequence[AuditResult]) -> list[Path]:
     """audit.json (that run's numbers and settings, and the runs it was compared with) and
     audit.png (every run) into each run directory, then each run's report.html
@@ -164,10 +157,8 @@ def write_audit(results: Sequence[AuditResult]) -> list[Path]:
     written = []
     for result in results:
         payload = result.to_json() | {"compared-with": [str(r.run_dir) for r in results]}
-        _write_text(result.run_dir / AUDIT_JSON, json.dumps(payload, indent=2))
+        atomic.write_json(result.run_dir / AUDIT_JSON, payload)
         png = result.run_dir / AUDIT_PNG
-        partial = png.with_name(png.name + ".partial")
-        figure.savefig(partial, dpi=120, format="png")
-        partial.replace(png)
+        atomic.save_figure(png, figure, dpi=120)
         written += [result.run_dir / AUDIT_JSON, png]
     return written + [write_report(result.run_dir) for result in results]

@@ -13,7 +13,6 @@ or `_<i:03d>` (`<root>/node_<i:02d>`). The run-config roots are never read by th
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from flwr.app import ConfigRecord, Context
 from torch import Tensor
 
+from fedfields import atomic
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 
 PARTITION_ID = "partition-id"
@@ -101,10 +101,8 @@ class NodeState:
         if self.directory is None:
             self.context.state[name] = state_to_arrays(dict(tensors))
             return
-        path = self.directory / f"{name}.pt"
-        partial = path.with_suffix(".pt.partial")
-        torch.save({key: value.detach().cpu() for key, value in tensors.items()}, partial)
-        os.replace(partial, path)
+        tensors = {key: value.detach().cpu() for key, value in tensors.items()}
+        atomic.save_torch(self.directory / f"{name}.pt", tensors)
 
     def values(self, name: str) -> dict[str, Any] | None:
         """The JSON-able dict saved under `name`, or None."""
@@ -120,7 +118,4 @@ class NodeState:
         if self.directory is None:
             self.context.state[name] = ConfigRecord({"json": text})
             return
-        path = self.directory / f"{name}.json"
-        partial = path.with_suffix(".json.partial")
-        partial.write_text(text)
-        os.replace(partial, path)
+        atomic.write_text(self.directory / f"{name}.json", text)

@@ -5,21 +5,28 @@ global state, the strategy's own state (`ProtocolStrategy.resumable_state`: Scaf
 control, FedACG's momentum, DecentNeRF's bookkeeping), the sampling RNG (Flower's strategies
 sample nodes with Python's `random`) and torch's RNG. `ProtocolStrategy.start(first_round=k+1)`
 then continues from round k; the clients continue from their own node state.
+
+Resuming also reads what the crash may have damaged: config.json must be a whole JSON object,
+and metrics.jsonl (appended a line per round, `fedfields.atomic.append_json_line`) loses a
+cut-short last line, while a damaged line before it stops the resume naming the line.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from logging import WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import ArrayRecord
+from flwr.common.logger import log
 from torch import Tensor
 
+from fedfields import atomic
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 
 if TYPE_CHECKING:
@@ -27,6 +34,8 @@ if TYPE_CHECKING:
 
 RESUME_FILE = "resume.pt"
 """The round checkpoint's file name inside a run directory."""
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
 FORMAT = 1
 
 
@@ -76,7 +85,6 @@ class RoundCheckpoint:
 
 def save_round_checkpoint(path: Path, checkpoint: RoundCheckpoint) -> None:
     """Write `checkpoint` to `path` atomically: a crash leaves the previous file whole."""
-    partial = path.with_name(path.name + ".partial")
     payload = {
         "format": FORMAT,
         "server-round": checkpoint.server_round,
@@ -86,11 +94,7 @@ def save_round_checkpoint(path: Path, checkpoint: RoundCheckpoint) -> None:
         "torch-rng": checkpoint.torch_rng,
         "extra": checkpoint.extra,
     }
-    with partial.open("wb") as out:
-        torch.save(payload, out)
-        out.flush()
-        os.fsync(out.fileno())
-    partial.replace(path)
+    atomic.save_torch(path, payload)
 
 
 def load_round_checkpoint(path: Path) -> RoundCheckpoint:
@@ -114,3 +118,45 @@ def load_round_checkpoint(path: Path) -> RoundCheckpoint:
     except Exception as error:  # torch.load raises many kinds on a damaged file
         reason = type(error).__name__
         raise ResumeError(f"cannot resume: {path} is unreadable ({reason})") from error
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The run-config a run saved in `run_dir`/config.json; ResumeError naming the file when
+    it is missing, not JSON (e.g. cut short) or not a JSON object."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ResumeError(f"cannot resume: {path} does not exist (not a fedfields run)")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ResumeError(f"cannot resume: {path} is damaged, not JSON ({error})") from error
+    if not isinstance(saved, dict):
+        kind = type(saved).__name__
+        raise ResumeError(f"cannot resume: {path} holds a JSON {kind}, not the run-config object")
+    return saved
+
+
+def resumed_history(run_dir: Path, last_round: int) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines of rounds 1..`last_round`, the file rewritten atomically to hold
+    only them: a cut-short last line (the crash's) is dropped with a log line, a damaged line
+    before it is a ResumeError naming the file and line."""
+    path = Path(run_dir) / METRICS_FILE
+    lines = path.read_bytes().split(b"\n") if path.is_file() else []
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    history = []
+    for number, line in numbered:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+                raise ValueError("not an object with an integer 'round'")
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if number == numbered[-1][0]:
+                log(WARNING, "fedfields: dropping %s line %d, cut short by the crash", path, number)
+                break
+            raise ResumeError(
+                f"cannot resume: {path} line {number} is damaged ({error})"
+            ) from error
+        if record["round"] <= last_round:
+            history.append(record)
+    atomic.write_json_lines(path, history)
+    return history

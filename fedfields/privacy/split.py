@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedfields import atomic
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.fields.base import FieldOutputs, normalise_to_box, trunc_exp
@@ -267,7 +268,7 @@ TRANSCRIPT_FILE = "transcript.pt"  # a split run directory's record of the wire 
 
 def save_transcript(path: Path, transcript: list[SplitExchange]) -> None:
     """Write the exchanges a split server saw (rays, embeddings, returned gradients) to `path`,
-    via `<path>.partial` so a crash leaves no half-written file; `load_transcript` reads it."""
+    atomically so a crash leaves no half-written file; `load_transcript` reads it."""
     exchanges = [
         {
             "step": exchange.step,
@@ -279,9 +280,7 @@ def save_transcript(path: Path, transcript: list[SplitExchange]) -> None:
         }
         for exchange in transcript
     ]
-    partial = path.with_name(path.name + ".partial")
-    torch.save({"format": TRANSCRIPT_FORMAT, "exchanges": exchanges}, partial)
-    partial.replace(path)
+    atomic.save_torch(path, {"format": TRANSCRIPT_FORMAT, "exchanges": exchanges})
 
 
 def load_transcript(path: Path) -> list[SplitExchange]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fedfields import atomic
 from fedfields.fields import Field, build_field
 from fedfields.render import OccupancyGrid, RenderConfig
 
@@ -23,7 +24,7 @@ def save_checkpoint(
 ) -> None:
     """Write field configuration and weights, render settings and occupancy grid to `path`.
 
-    Written to a temporary file first and renamed, so a crash never leaves half a checkpoint.
+    Written atomically (`fedfields.atomic`), so a crash never leaves half a checkpoint.
     """
     path = Path(path)
     payload = {
@@ -34,9 +35,7 @@ def save_checkpoint(
         "occupancy": occupancy.state_dict() if occupancy is not None else None,
         "metadata": metadata or {},
     }
-    partial = path.with_name(path.name + ".partial")
-    torch.save(payload, partial)
-    partial.replace(path)
+    atomic.save_torch(path, payload)
 
 
 def load_checkpoint(

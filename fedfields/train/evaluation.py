@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data.scene import Scene
 from fedfields.fields import Field
@@ -97,7 +98,7 @@ def write_renders(
         ]
         strip = (np.concatenate(panels, axis=1) * 255.0 + 0.5).astype(np.uint8)
         path = out_dir / f"{scene.image_paths[view].stem}.png"
-        Image.fromarray(strip).save(path)
+        atomic.save_image(path, Image.fromarray(strip))
         written.append(path)
     return written
 

@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor, nn
 
+from fedfields import atomic
+
 
 @dataclass(frozen=True)
 class SDARConfig:
@@ -347,7 +349,7 @@ def save_reconstruction_png(originals: Tensor, reconstructions: Tensor, png: Pat
     pixels = (rows.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
     pixels = np.kron(pixels, np.ones((scale, scale, 1), dtype=np.uint8))
     png.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels.squeeze(-1) if pixels.shape[-1] == 1 else pixels).save(png)
+    atomic.save_image(png, Image.fromarray(pixels.squeeze(-1) if pixels.shape[-1] == 1 else pixels))
     return png
 
 
