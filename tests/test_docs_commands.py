@@ -467,6 +467,23 @@ def test_the_checker_refuses_a_renamed_flag_key_or_program(broken: str, reason: 
         check_command(broken)
 
 
+FLAGGED = [
+    command
+    for command in COMMANDS
+    if re.search(r"\s--[a-z]", command.text) and form_of(argv_of(command.text)) not in EXTERNAL
+]
+
+
+@pytest.mark.parametrize("command", FLAGGED, ids=str)
+def test_every_documented_command_with_a_flag_misspelt_is_refused(command: DocCommand) -> None:
+    """Its first `--flag` loses its last letter (an abbreviation argparse alone would take)."""
+    flag = re.search(r"(?<=\s)--[a-z][\w-]*", command.text)
+    assert flag is not None
+    broken = command.text[: flag.end() - 1] + command.text[flag.end() :]
+    with pytest.raises(AssertionError, match=re.escape(flag[0][:-1])):
+        check_command(broken)
+
+
 def test_renaming_a_documented_flag_in_the_code_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deploy parser with --users renamed (as a code change would) refuses the README."""
     check_command(DEPLOY)
