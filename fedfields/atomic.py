@@ -46,8 +46,9 @@ def replacing(path: str | Path) -> Iterator[IO[bytes]]:
     on an error the temporary file is removed and `path` keeps its old content (if any)."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}")
+    out = partial.open("xb")  # exclusive: never another writer's temporary file
     try:
-        with partial.open("xb") as out:
+        with out:
             yield out
             out.flush()
             os.fsync(out.fileno())
