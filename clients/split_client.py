@@ -26,7 +26,7 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import HashGridField
-from fedfields.flower.node import DATA_DIR, NodeState, node_data_dir
+from fedfields.flower.node import DATA_DIR, NodeState, is_simulated, node_data_dir
 from fedfields.flower.protocol import (
     CONFIG,
     EMBEDDINGS,
@@ -91,12 +91,12 @@ def split_defence(config: FederatedConfig) -> ClientDefence | None:
 def scene_dir(context: Context) -> Path:
     """This node's scene folder: node-config `data-dir` (a deployed SuperNode's own scene).
 
-    In simulation (no node-config `data-dir`) run-config `data-dir` is either the scene
-    itself, as the launcher gives its one virtual node, or a root of scene_NN folders
+    A simulation's virtual node (`is_simulated`) takes run-config `data-dir`: either the
+    scene itself, as the launcher gives its one virtual node, or a root of scene_NN folders
     (`fedfields.flower.node`).
     """
     root = Path(str(context.run_config.get(DATA_DIR, "")))
-    if DATA_DIR not in context.node_config and root.parts and is_scene(root):
+    if is_simulated(context) and root.parts and is_scene(root):
         return root
     return node_data_dir(context, SCENE_PREFIX)
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields import atomic
-from fedfields.config import FederatedConfig, MetaSettings, meta_settings
+from fedfields.config import FederatedConfig, MetaSettings, meta_round_sizes, meta_settings
 from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
@@ -525,9 +525,11 @@ def _headline(metrics: dict[str, Any], tto_steps: int) -> str:
 def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> ProtocolStrategy:
     """The run-config's strategy sampling M of the N clients per round; no federated eval.
 
-    The first round waits up to `round-timeout` for the N nodes, then goes on with those
+    M is clients-per-round raised to min-train-nodes. The first round waits up to
+    `round-timeout` for min-available-nodes (0: the N nodes), then goes on with those
     connected (at least M). FedMeNF takes M and N itself; the others take their sampling.
     """
+    clients, wanted = meta_round_sizes(config, settings)
     common: StrategyOptions = {
         "fraction_evaluate": 0.0,
         "secure_aggregation": config.secure.secure_aggregation_config(),
@@ -536,12 +538,13 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
     cls = strategy_class(config.strategy_name)
     if issubclass(cls, FedMeNF):
         return cls(
-            clients_per_round=config.meta.clients_per_round,
+            clients_per_round=clients,
             num_clients=settings.num_clients,
+            min_available_nodes=wanted,
             **cls.own_config(config.to_run_config()),  # reply bounds, aggregation-rule
             **common,
         )
-    sampling = m_of_n_sampling(config.meta.clients_per_round, settings.num_clients)
+    sampling = m_of_n_sampling(clients, settings.num_clients, wanted)
     return cls.from_config(config.to_run_config(), **common, **sampling)
 
 

@@ -70,7 +70,7 @@ from simulations.federated_nerf import make_run_dir
 from simulations.observers import Observer, ReplyTap, simulation_observed
 
 LOG_EVERY = 25
-NODE_WAIT_SECONDS = 120.0
+NODE_POLL_SECONDS = 0.2
 
 
 def run_split_job(
@@ -90,7 +90,8 @@ def run_split_job(
         grid = observer.wrap_grid(grid)
     server, _ = split_field(joint_field(config))
     optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)
-    exchange = _Exchange(grid, _the_node(grid))
+    timeout = config.deployment.round_timeout  # run-config round-timeout, per exchange
+    exchange = _Exchange(grid, _the_node(grid, timeout), timeout)
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
     started, history, window = time.perf_counter(), [], []
     for step in range(config.split.split_steps):
@@ -151,16 +152,19 @@ def run_split_job(
 
 
 class _Exchange:
-    """One message to the client and its checked reply, per call."""
+    """One message to the client and its checked reply within `timeout` seconds, per call."""
 
-    def __init__(self, grid: Grid, node_id: int) -> None:
-        self.grid, self.node_id = grid, node_id
+    def __init__(self, grid: Grid, node_id: int, timeout: float) -> None:
+        self.grid, self.node_id, self.timeout = grid, node_id, timeout
 
     def __call__(self, content: RecordDict, what: str) -> Message:
         message = Message(content, dst_node_id=self.node_id, message_type=MessageType.TRAIN)
-        replies = list(self.grid.send_and_receive([message], timeout=600.0))
+        replies = list(self.grid.send_and_receive([message], timeout=self.timeout))
         if not replies:
-            raise TimeoutError(f"split {what}: node {self.node_id} did not reply")
+            raise TimeoutError(
+                f"split {what}: node {self.node_id} did not reply within {self.timeout:g} s "
+                "(run-config 'round-timeout')"
+            )
         if replies[0].has_error():
             raise RuntimeError(
                 f"split {what}: node {self.node_id} failed: {replies[0].error.reason}"
@@ -168,13 +172,16 @@ class _Exchange:
         return replies[0]
 
 
-def _the_node(grid: Grid) -> int:
-    """The one client node (waits for it to connect; more than one is refused)."""
-    deadline = time.monotonic() + NODE_WAIT_SECONDS
+def _the_node(grid: Grid, timeout: float) -> int:
+    """The one client node (waits `timeout` seconds for it to connect; more than one is
+    refused)."""
+    deadline = time.monotonic() + timeout
     while not (node_ids := list(grid.get_node_ids())):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no client connected within {NODE_WAIT_SECONDS:.0f} s")
-        time.sleep(1.0)
+            raise TimeoutError(
+                f"no client connected within {timeout:g} s (run-config 'round-timeout')"
+            )
+        time.sleep(NODE_POLL_SECONDS)
     if len(node_ids) != 1:
         raise ValueError(f"mode 'split' trains with one client; {len(node_ids)} are connected")
     return node_ids[0]

@@ -242,7 +242,8 @@ def test_meta_learners_under_other_strategies(strategy: str, tmp_path: Path) -> 
     config = tiny(
         tmp_path / strategy,
         strategy=strategy,
-        **{"meta-learner": "fomaml", "num-server-rounds": 1, "proximal-mu": 0.1},
+        **{"meta-learner": "fomaml", "num-server-rounds": 1},
+        **({"proximal-mu": 0.1} if strategy == "fedprox" else {}),  # others refuse the key
         **{"state-dir": str(tmp_path / "state")},
     )
     run_dir, grid = run_in_process(config)
@@ -355,7 +356,7 @@ def test_bad_run_config_is_refused(tmp_path: Path) -> None:
     too_many = FederatedConfig.from_run_config({"task": "faces", "clients-per-round": 30})
     with pytest.raises(ValueError, match="'clients-per-round' \\(30\\) exceeds the 20 clients"):
         meta_settings(too_many)
-    with pytest.raises(ValueError, match="no data: give the SuperNode --node-config"):
+    with pytest.raises(ValueError, match="no data: a simulation's launcher names .*'data-dir'"):
         run_in_process(tiny(tmp_path / "objects", "objects", **{"simulation-audit": False}))
     with pytest.raises(ValueError, match="'data-dir' is empty: the objects privacy audit"):
         run_in_process(tiny(tmp_path / "audit", "objects"))

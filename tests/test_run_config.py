@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
+from flwr.app import Context, RecordDict
 
+from clients.split_client import scene_dir
 from fedfields.config import META_PRESETS, FederatedConfig, MetaSettings, meta_settings
 from fedfields.config.reference import reference
-from fedfields.config.schema import META_TASKS, MetaSection
+from fedfields.config.schema import META_TASKS, STRATEGY_KEYS, MetaSection
+from fedfields.flower.node import NodeState, is_simulated, node_data_dir, node_state_dir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "RUN_CONFIG.md"
 
@@ -50,13 +55,13 @@ def test_keys_land_in_their_sections() -> None:
             "round-timeout": 30.0,
             "seed": 3,
             "aggregation-rule": "mean",
-            "max-update-norm": 10.0,
+            "max-num-examples": 10.0,
         }
     )
     assert config.scene.local_steps == 7
     assert config.secure.secure_aggregation_config() is not None
     assert config.deployment.round_timeout == 30.0 and config.common.seed == 3
-    assert config.robust.max_update_norm == 10.0 and config.robust.aggregation_rule == "mean"
+    assert config.robust.max_num_examples == 10.0 and config.robust.aggregation_rule == "mean"
     assert FederatedConfig.from_run_config(config.to_run_config()) == config
 
 
@@ -93,10 +98,15 @@ def test_a_key_of_another_mode_names_that_mode(run_config: dict, message: str) -
 
 
 def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
-    faces = FederatedConfig.from_run_config({"task": "faces", "proximal-mu": 0.5, "outer-lr": 0.02})
+    faces = FederatedConfig.from_run_config(
+        {"task": "faces", "strategy": "fedprox", "proximal-mu": 0.5, "outer-lr": 0.02}
+    )
     assert faces.common.proximal_mu == 0.5 and meta_settings(faces).outer_lr == 0.02
-    split = FederatedConfig.from_run_config({"mode": "split", "split-steps": 5, "proximal-mu": 0.5})
-    assert split.split.split_steps == 5 and split.common.proximal_mu == 0.5
+    split = FederatedConfig.from_run_config(
+        {"mode": "split", "split-steps": 5, "seed": 2, "round-timeout": 9.0, "hash-levels": 8}
+    )
+    assert split.split.split_steps == 5 and split.common.seed == 2
+    assert split.deployment.round_timeout == 9.0 and split.scene.hash_levels == 8
     # the same key at its default never counts as "used", whatever the mode
     assert (
         FederatedConfig.from_run_config({"task": "video", "local-steps": 32}).common.task == "video"
@@ -221,3 +231,236 @@ def test_the_launchers_node_count_is_checked_before_anything_runs(tmp_path: Path
         ["--run-config", f"data-dir='{crowd}' min-train-nodes=3", "--run-dir", str(tmp_path / "r")]
     )
     assert code == 2 and not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ issue 33, item 4
+
+
+def test_the_measured_best_is_the_default_and_the_paper_one_key_away() -> None:
+    """memorising-bound 0.15 (docs/BENCHMARKS.md) by default; 0 is FedMeNF's Eq. 10 as
+    published, and reaches the clients' loss as no clamp at all."""
+    from fedfields.train.builders import meta_config
+
+    def clamp(run_config: dict) -> float | None:
+        config = FederatedConfig.from_run_config({"task": "faces", **run_config})
+        settings = meta_settings(config)
+        return meta_config(
+            config, settings, outer_steps=1, proximal_mu=0.0, seed=0
+        ).memorising_bound
+
+    assert clamp({}) == 0.15
+    assert clamp({"memorising-bound": 0.0}) is None
+    pyproject = tomllib.loads((DOCS.parents[1] / "pyproject.toml").read_text())
+    assert pyproject["tool"]["flwr"]["app"]["config"]["memorising-bound"] == 0.15
+
+
+@pytest.mark.parametrize(
+    ("run_config", "key", "mode"),
+    [
+        ({"mode": "split", "secure-aggregation": True}, "secure-aggregation", "mode='split'"),
+        ({"mode": "split", "aggregation-rule": "median"}, "aggregation-rule", "mode='split'"),
+        ({"mode": "split", "secagg-timeout": 5.0}, "secagg-timeout", "mode='split'"),
+        ({"mode": "split", "min-train-nodes": 3}, "min-train-nodes", "mode='split'"),
+        ({"mode": "split", "min-available-nodes": 2}, "min-available-nodes", "mode='split'"),
+        ({"mode": "split", "strategy": "fedavg"}, "strategy", "mode='split'"),
+        ({"mode": "split", "num-server-rounds": 3}, "num-server-rounds", "mode='split'"),
+        ({"mode": "split", "local-steps": 3}, "local-steps", "mode='split'"),
+        ({"mode": "split", "alpha-lr": 0.5}, "alpha-lr", "mode='split'"),
+        ({"mode": "split", "eval-scene-dir": "/x"}, "eval-scene-dir", "mode='split'"),
+        ({"field-depth": 3}, "field-depth", "mode='federated'"),
+        ({"task": "faces", "eval-scene-dir": "/x"}, "eval-scene-dir", "mode='federated'"),
+        (
+            {"task": "faces", "meta-learner": "maml", "gamma": 0.5},
+            "gamma",
+            "mode='federated' strategy='fedmenf' meta-learner='maml'",
+        ),
+        (
+            {"task": "faces", "meta-learner": "reptile", "memorising-bound": 0.3},
+            "memorising-bound",
+            "meta-learner='reptile'",
+        ),
+        ({"task": "faces", "privacy-budget": 1e-3, "gamma": 0.5}, "gamma", "mode='federated'"),
+        ({"strategy": "fedavg", "proximal-mu": 0.1}, "proximal-mu", "strategy='fedavg'"),
+        ({"task": "video", "scaffold-global-lr": 0.5}, "scaffold-global-lr", "strategy='fedmenf'"),
+        ({"strategy": "fedavg", "alpha-max": 5.0}, "alpha-max", "mode='federated'"),
+        ({"secagg-timeout": 5.0}, "secagg-timeout", "mode='federated'"),
+        ({"strategy": "fedavg", "trim-fraction": 0.1}, "trim-fraction", "mode='federated'"),
+        (
+            {"secure-aggregation": True, "min-train-nodes": 3, "max-update-norm": 5.0},
+            "max-update-norm",
+            "mode='federated'",
+        ),
+    ],
+)
+def test_a_changed_key_the_run_does_not_read_is_refused(
+    run_config: dict, key: str, mode: str
+) -> None:
+    """One error, naming the key and the run's task and mode (and, where they decide,
+    strategy and learner); the same key at its default passes."""
+    with pytest.raises(ValueError) as error:
+        FederatedConfig.from_run_config(run_config)
+    message = str(error.value)
+    assert f"'{key}'" in message and mode in message and "\n" not in message, message
+    default = FederatedConfig().to_run_config()[key]
+    FederatedConfig.from_run_config({**run_config, key: default})
+
+
+def test_the_strategy_keys_table_matches_the_strategies() -> None:
+    """STRATEGY_KEYS names, per strategy-specific key, exactly the strategies whose
+    `config_keys` read it, and covers every such key a registered strategy reads."""
+    from fedfields.flower import FedAvg, ProtocolStrategy
+    from strategies import STRATEGIES
+
+    def read_by(cls: type) -> set[str]:
+        return {key for klass in cls.__mro__ for key in vars(klass).get("config_keys", {})}
+
+    shared = read_by(FedAvg) | read_by(ProtocolStrategy)  # refused by the rules, not the table
+    specific = set().union(*(read_by(cls) for cls in STRATEGIES.values())) - shared
+    assert specific == set(STRATEGY_KEYS)
+    for run_key, readers in STRATEGY_KEYS.items():
+        assert {name for name, cls in STRATEGIES.items() if run_key in read_by(cls)} == set(
+            readers
+        ), run_key
+
+
+def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
+    """clients-per-round 2 of video's 6 with min-train-nodes 4: the round trains 4 clients."""
+    from flower_harness import InProcessGrid
+
+    from simulations.meta_job import run_meta_job
+    from simulations.run import client_app
+
+    config = {
+        "task": "video",
+        "run-dir": str(tmp_path / "run"),
+        "num-server-rounds": 1,
+        "clients-per-round": 2,
+        "min-train-nodes": 4,
+        "outer-steps": 1,
+        "field-width": 8,
+        "field-depth": 2,
+        "tto-steps": 1,
+    }
+    grid = InProcessGrid([client_app(config)] * 6, raise_errors=True)
+    run_meta_job(grid, config, observers=[])
+    trained = {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"}
+    assert len(trained) == 4
+
+
+def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
+    """3 of 6 clients connected: with min-available-nodes 3 the round starts at once; left
+    at 0 it waits round-timeout for all 6, then goes on with the 3."""
+    from flower_harness import InProcessGrid
+
+    from simulations.meta_job import make_meta_strategy
+
+    grid = InProcessGrid([lambda message, context: message] * 3)
+
+    def seconds_to_start(run_config: dict) -> float:
+        config = FederatedConfig.from_run_config(
+            {"task": "video", "clients-per-round": 2, **run_config}
+        )
+        strategy = make_meta_strategy(config, meta_settings(config))
+        started = time.monotonic()
+        assert len(strategy.connected_nodes(grid)) == 3
+        return time.monotonic() - started
+
+    assert seconds_to_start({"min-available-nodes": 3, "round-timeout": 30.0}) < 0.5
+    assert seconds_to_start({"round-timeout": 0.6}) >= 0.6
+
+
+class RecordingGrid:
+    """A grid of one silent node that records the timeout of each exchange."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes, self.timeouts = nodes, []
+
+    def get_node_ids(self) -> list[int]:
+        return self.nodes
+
+    def send_and_receive(self, messages: object, *, timeout: float | None = None) -> list:
+        self.timeouts.append(timeout)
+        return []
+
+
+def test_the_split_server_waits_round_timeout(tmp_path: Path) -> None:
+    """round-timeout bounds the split server's wait for its node and for each reply."""
+    from simulations.split_job import run_split_job
+
+    config = {"mode": "split", "round-timeout": 0.4, "hash-log2-size": 10, "hash-levels": 2}
+    silent = RecordingGrid([7])
+    with pytest.raises(TimeoutError, match=r"node 7 did not reply within 0.4 s .*round-timeout"):
+        run_split_job(silent, {**config, "run-dir": str(tmp_path / "a")}, observers=[])  # type: ignore[arg-type]
+    assert silent.timeouts == [0.4]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no client connected within 0.4 s"):
+        run_split_job(RecordingGrid([]), {**config, "run-dir": str(tmp_path / "b")}, observers=[])  # type: ignore[arg-type]
+    assert 0.4 <= time.monotonic() - started < 5.0
+
+
+# --------------------------------------------------- a node's data and state directories
+
+
+def _context(node_config: dict, run_config: dict) -> Context:
+    return Context(
+        run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config=run_config
+    )
+
+
+SIMULATED = {"partition-id": 1, "num-partitions": 2}  # what Flower's simulation engine gives
+
+
+def test_a_simulated_node_takes_the_launchers_roots(tmp_path: Path) -> None:
+    (tmp_path / "data" / "user_01").mkdir(parents=True)
+    roots = {"data-dir": str(tmp_path / "data"), "state-dir": str(tmp_path / "state")}
+    context = _context(SIMULATED, roots)
+    assert is_simulated(context)
+    assert node_data_dir(context, "user") == tmp_path / "data" / "user_01"
+    assert node_state_dir(context) == tmp_path / "state" / "node_01"
+
+
+@pytest.mark.parametrize(
+    "node_config",
+    [{}, {**SIMULATED, "state-dir": "/somewhere/own"}, {"partition-id": 1}],
+)
+def test_a_deployed_node_without_data_dir_refuses_naming_the_key(
+    node_config: dict, tmp_path: Path
+) -> None:
+    """The server's run-config roots are there and valid, and never read."""
+    (tmp_path / "data" / "user_01").mkdir(parents=True)
+    roots = {"data-dir": str(tmp_path / "data"), "state-dir": str(tmp_path / "state")}
+    context = _context(node_config, roots)
+    assert not is_simulated(context)
+    with pytest.raises(
+        ValueError,
+        match=r"^node 7: node-config has no 'data-dir': a deployed SuperNode must be started "
+        r"with --node-config \"data-dir='/path'\"",
+    ):
+        node_data_dir(context, "user")
+    assert node_state_dir(context) == (
+        Path("/somewhere/own") if node_config.get("state-dir") else None
+    )
+    NodeState(context)  # its state stays in Flower's context or its own folder
+    assert not (tmp_path / "state").exists()
+
+
+def test_a_deployed_node_reads_only_its_node_config(tmp_path: Path) -> None:
+    own, server = tmp_path / "own", tmp_path / "server"
+    (own / "data").mkdir(parents=True)
+    (server / "user_01").mkdir(parents=True)
+    node_config = {**SIMULATED, "data-dir": str(own / "data"), "state-dir": str(own / "state")}
+    context = _context(node_config, {"data-dir": str(server), "state-dir": str(server)})
+    assert node_data_dir(context, "user") == own / "data"
+    assert node_state_dir(context) == own / "state"
+
+
+def test_a_deployed_split_node_refuses_the_servers_scene() -> None:
+    """The split client's scene: run-config data-dir naming a scene is a virtual node's
+    only; a deployed node without node-config data-dir refuses, naming the key."""
+    lego = DOCS.parents[1] / "data" / "lego"
+    assert (
+        scene_dir(_context({"partition-id": 0, "num-partitions": 1}, {"data-dir": str(lego)}))
+        == lego
+    )
+    with pytest.raises(ValueError, match="node-config has no 'data-dir'"):
+        scene_dir(_context({"state-dir": "/tmp/own"}, {"data-dir": str(lego)}))

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fedfields.config.presets import META_PRESETS, MetaSettings, meta_settings
+from fedfields.config.presets import META_PRESETS, MetaSettings, meta_round_sizes, meta_settings
 from fedfields.config.schema import (
     SECTIONS,
     CommonSection,
@@ -26,5 +26,6 @@ __all__ = [
     "SceneSection",
     "SecureSection",
     "SplitSection",
+    "meta_round_sizes",
     "meta_settings",
 ]

@@ -104,9 +104,18 @@ def meta_settings(config: FederatedConfig) -> MetaSettings:
     names = {f.name for f in fields(MetaSettings)} & set(given)
     overrides = {name: given[name] for name in names if given[name]}
     settings = replace(META_PRESETS[task], **overrides)
-    if config.meta.clients_per_round > settings.num_clients:
+    key, least = config.clients_per_round_floor()
+    if least > settings.num_clients:
         raise ValueError(
-            f"run-config 'clients-per-round' ({config.meta.clients_per_round}) exceeds the "
-            f"{settings.num_clients} clients of task {task!r} ('num-clients')"
+            f"run-config {key!r} ({least}) exceeds the {settings.num_clients} clients of task "
+            f"{task!r} ('num-clients')"
         )
     return settings
+
+
+def meta_round_sizes(config: FederatedConfig, settings: MetaSettings) -> tuple[int, int]:
+    """(M, the nodes the first round waits for) of a meta task: clients-per-round raised to
+    min-train-nodes, and min-available-nodes (at least M) or, when it is 0, all N clients."""
+    clients = config.meta_clients_per_round
+    wanted = config.deployment.min_available_nodes
+    return clients, max(wanted, clients) if wanted else settings.num_clients

@@ -18,8 +18,12 @@ Generated from `fedfields/config/schema.py` by `python -m fedfields.config.refer
 docs/RUN_CONFIG.md`; `tests/test_run_config.py` fails when this file is stale. Every key is in
 `pyproject.toml`'s `[tool.flwr.app.config]` with its default; override keys with
 `flwr run . --run-config "local-steps=16 alpha-lr=0.05"` or
-`make demo RUN_CONFIG="local-steps=16"`. A key of a section the run does not use, changed
-from its default, is refused with the task or mode that uses it.
+`make demo RUN_CONFIG="local-steps=16"`. A key the run does not read, changed from its
+default, is refused with the setting that reads it and this run's task and mode: a key of a
+section the run does not use, a key split mode never reads, a strategy's own setting under
+another strategy, gamma, privacy-budget and memorising-bound under another meta-learner
+(gamma beside a privacy budget too), secagg-* without secure-aggregation, max-update-norm
+with it, trim-fraction beside another aggregation-rule (`FederatedConfig.unread_keys`).
 """
 
 

@@ -32,6 +32,46 @@ ROBUST_STRATEGIES = ("fedavg", "fedprox", "fedmenf", "fedacg")
 """Strategies whose server step starts from FedAvg's mean, which `aggregation-rule` replaces."""
 SECURE_MIN_CLIENTS = 3
 """SecAgg+ among two clients shows each the other's values (the sum minus its own)."""
+STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
+    "proximal-mu": ("fedprox",),
+    "scaffold-global-lr": ("scaffold",),
+    "fedexp-epsilon": ("fedexp",),
+    "fedacg-lambda": ("fedacg",),
+    "fedacg-beta": ("fedacg",),
+    "alpha-lr": ("decentnerf",),
+    "alpha-max": ("decentnerf",),
+    "max-gradient-norm": ("decentnerf",),
+}
+"""A strategy's own settings -> the strategies that read them (the classes' `config_keys`,
+which tests/test_run_config.py compares with this table)."""
+FEDERATED_ONLY = (
+    "strategy",
+    "num-server-rounds",
+    "eval-scene-dir",
+    "local-steps",
+    "fraction-train",
+    "learning-rate",
+    "personal-learning-rate",
+    "target-samples",
+    "personal-density-weight",
+    "beta-min",
+    "eval-views-per-round",
+    "client-eval-views",
+    "min-train-nodes",
+    *STRATEGY_KEYS,
+)
+"""Keys of the common, scene and deployment sections that split mode never reads: its one
+client trains `split-steps` exchanges with settings of its own (the secure and robust
+sections are unused there as a whole)."""
+FEDMENF_KEYS = ("gamma", "privacy-budget", "memorising-bound")
+"""Meta keys only FedMeNF's local loss reads (Eq. 10-14); MAML, FOMAML and Reptile have none."""
+SECAGG_KEYS = (
+    "secagg-num-shares",
+    "secagg-reconstruction-threshold",
+    "secagg-timeout",
+    "secagg-clipping-range",
+    "secagg-max-exponent",
+)
 
 
 def key(default: Any, doc: str) -> Any:
@@ -298,9 +338,17 @@ class DeploymentSection:
     title: ClassVar[str] = "deployment"
     used_by: ClassVar[str] = "every task and mode"
 
-    min_train_nodes: int = key(2, "a round samples at least this many nodes")
-    min_available_nodes: int = key(0, "the first round waits (round-timeout) for this many")
-    round_timeout: float = key(600.0, "seconds a round waits for replies and min-train-nodes")
+    min_train_nodes: int = key(
+        2, "a round samples at least this many nodes (meta tasks: max(it, clients-per-round))"
+    )
+    min_available_nodes: int = key(
+        0,
+        "the first round waits (round-timeout) for this many (0: min-train-nodes; meta tasks: "
+        "num-clients; split: its one node)",
+    )
+    round_timeout: float = key(
+        600.0, "seconds a round waits for replies and min-train-nodes (split: each exchange)"
+    )
     data_dir: str = key(
         "", "simulation only: root of the nodes' data (user_NN, object_NN); deployed: node-config"
     )
@@ -352,7 +400,8 @@ class FederatedConfig:
             )
 
     def _check_strategy_and_sections(self) -> None:
-        """The strategy fits the task; no key of an unused section changed."""
+        """The strategy fits the task; no key this run does not read changed: neither one of
+        an unused section nor one the task, mode, strategy or another key leaves unread."""
         task, strategy = self.common.task, self.common.strategy
         if task != "scene" and strategy == "decentnerf":
             raise ValueError(
@@ -368,6 +417,64 @@ class FederatedConfig:
                     f"run-config '{changed}' belongs to the {section.title} section, used by "
                     f"{used}; this run is task={task!r} mode={self.common.mode!r}"
                 )
+        changed = {dash(name): (name, value) for name, value in self._changed_values()}
+        for run_key, reader in self.unread_keys().items():
+            if run_key in changed:
+                raise ValueError(
+                    f"run-config '{run_key}' = {changed[run_key][1]!r} is read only with "
+                    f"{reader}; this run is {self.describe()}: leave it at its default"
+                )
+        if self.common.mode == "split" and self.deployment.min_available_nodes > 1:
+            raise ValueError(
+                f"run-config 'min-available-nodes' = {self.deployment.min_available_nodes}: "
+                "mode='split' trains with one node (0 or 1)"
+            )
+
+    def _changed_values(self) -> list[tuple[str, Any]]:
+        """(field name, value) of every key whose value differs from its default."""
+        return [
+            (spec.name, getattr(getattr(self, section), spec.name))
+            for section, cls in SECTIONS.items()
+            for spec in fields(cls)
+            if getattr(getattr(self, section), spec.name) != spec.default
+        ]
+
+    def unread_keys(self) -> dict[str, str]:
+        """Keys of the used sections that this run never reads -> the setting that reads
+        them: split mode's unread keys, a strategy's own settings under another strategy,
+        FedMeNF's under another learner, gamma beside a privacy budget (Eq. 13-14 set it),
+        SecAgg+ settings without secure aggregation, max-update-norm with it (the server
+        sees only the sum), trim-fraction beside another rule."""
+        unread: dict[str, str] = {}
+        if self.common.mode == "split":
+            unread |= dict.fromkeys(FEDERATED_ONLY, "mode='federated'")
+        if self.common.task == "scene":
+            unread.setdefault("field-depth", f"the meta tasks ({MetaSection.used_by})")
+        elif self.common.task != "objects":
+            unread.setdefault("eval-scene-dir", "task='scene' | 'objects'")
+        for run_key, readers in STRATEGY_KEYS.items():
+            if self.strategy_name not in readers:
+                unread.setdefault(run_key, " | ".join(f"strategy='{r}'" for r in readers))
+        if self.meta.meta_learner != "fedmenf":
+            unread |= {k: "meta-learner='fedmenf'" for k in FEDMENF_KEYS if k not in unread}
+        if self.meta.privacy_budget > 0:
+            unread.setdefault("gamma", "privacy-budget = 0 (a budget adapts gamma, Eq. 13-14)")
+        if not self.secure.secure_aggregation:
+            unread |= {k: "secure-aggregation=true" for k in SECAGG_KEYS if k not in unread}
+        else:
+            unread.setdefault("max-update-norm", "secure-aggregation=false (the server sees sums)")
+        if self.robust.aggregation_rule != "trimmed-mean":
+            unread.setdefault("trim-fraction", "aggregation-rule='trimmed-mean'")
+        return unread
+
+    def describe(self) -> str:
+        """This run's task, mode, strategy and, for the meta tasks, learner, as run-config."""
+        text = f"task={self.common.task!r} mode={self.common.mode!r}"
+        if self.common.mode == "federated":
+            text += f" strategy={self.strategy_name!r}"
+        if self.common.task != "scene":
+            text += f" meta-learner={self.meta.meta_learner!r}"
+        return text
 
     def _check_aggregation_rule(self) -> None:
         """A robust rule needs a strategy built on the mean and each client's state."""
@@ -397,21 +504,27 @@ class FederatedConfig:
                 f"clients per round (SecAgg+ among 2 shows each the other's values), but "
                 f"{key!r} = {least} lets a round have {least}: set {key} >= {SECURE_MIN_CLIENTS}"
             )
-        meta = self.meta
-        if self.common.task != "scene" and 0 < meta.num_clients < meta.clients_per_round:
+        if self.common.task != "scene" and 0 < self.meta.num_clients < least:
             raise ValueError(
-                f"run-config 'clients-per-round' = {meta.clients_per_round} is above "
-                f"'num-clients' = {meta.num_clients}"
+                f"run-config {key!r} = {least} is above 'num-clients' = {self.meta.num_clients}"
             )
 
     def clients_per_round_floor(self) -> tuple[str, int]:
         """The run-config key bounding a round's sampled clients from below, and its value:
-        the meta tasks sample exactly clients-per-round; the scene samples
+        the meta tasks sample `meta_clients_per_round`; the scene samples
         max(int(nodes x fraction-train), min-train-nodes) of the connected nodes, and a round
         may go on with only min-train-nodes connected."""
-        if self.common.task != "scene":
+        if self.common.task != "scene" and self.meta.clients_per_round >= (
+            self.deployment.min_train_nodes
+        ):
             return "clients-per-round", self.meta.clients_per_round
         return "min-train-nodes", self.deployment.min_train_nodes
+
+    @property
+    def meta_clients_per_round(self) -> int:
+        """M, the clients a meta task samples each round: clients-per-round, raised to
+        min-train-nodes as a floor (Flower's FedAvg sampling takes the larger as well)."""
+        return max(self.meta.clients_per_round, self.deployment.min_train_nodes)
 
     def check_node_count(self, num_nodes: int, source: str = "") -> None:
         """ValueError if a round cannot sample its clients from `num_nodes` nodes (the
@@ -437,6 +550,9 @@ class FederatedConfig:
             unused["meta"] = MetaSection.used_by
         if self.common.mode != "split":
             unused["split"] = SplitSection.used_by
+        else:  # one client, no aggregation
+            unused["secure"] = SecureSection.used_by
+            unused["robust"] = RobustSection.used_by
         return unused
 
     @property

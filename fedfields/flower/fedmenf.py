@@ -40,11 +40,14 @@ GAMMA = "gamma"
 """Reply metric: FedMeNF's mean gamma over the round's outer steps (adaptive or fixed)."""
 
 
-def m_of_n_sampling(clients_per_round: int, num_clients: int) -> StrategyOptions:
+def m_of_n_sampling(
+    clients_per_round: int, num_clients: int, min_available_nodes: int | None = None
+) -> StrategyOptions:
     """Flower sampling arguments that pick exactly M of N connected nodes each round.
 
     Flower's FedAvg samples max(int(N * fraction_train), min_train_nodes) nodes once
-    `min_available_nodes` are connected; fraction M/N with a floor of M gives M.
+    `min_available_nodes` are connected (default: all N); fraction M/N with a floor of M
+    gives M.
     """
     for name, value in (("clients_per_round", clients_per_round), ("num_clients", num_clients)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -56,7 +59,7 @@ def m_of_n_sampling(clients_per_round: int, num_clients: int) -> StrategyOptions
     return {
         "fraction_train": clients_per_round / num_clients,
         "min_train_nodes": clients_per_round,
-        "min_available_nodes": num_clients,
+        "min_available_nodes": num_clients if min_available_nodes is None else min_available_nodes,
     }
 
 
@@ -68,7 +71,8 @@ class FedMeNF(FedAvg):
 
     Args:
         clients_per_round: M, the clients sampled each round.
-        num_clients: N, the nodes sampling waits for.
+        num_clients: N, the nodes the first round waits for (unless `min_available_nodes`).
+        min_available_nodes: the nodes the first round waits for instead of N.
         fraction_evaluate, min_evaluate_nodes, local_steps, aggregation_rule, trim_fraction,
             max_num_examples, max_update_norm: as for `fedfields.flower.FedAvg` (a robust
             `aggregation_rule` replaces the size-weighted mean by an unweighted median or
@@ -82,11 +86,12 @@ class FedMeNF(FedAvg):
         *,
         clients_per_round: int,
         num_clients: int,
+        min_available_nodes: int | None = None,
         aggregation_rule: str = "mean",
         trim_fraction: float = DEFAULT_TRIM_FRACTION,
         **options: Unpack[StrategyOptions],
     ) -> None:
-        sampling = m_of_n_sampling(clients_per_round, num_clients)
+        sampling = m_of_n_sampling(clients_per_round, num_clients, min_available_nodes)
         if clashes := sorted(set(sampling) & set(options)):
             raise ValueError(f"FedMeNF sets {clashes} from clients_per_round and num_clients")
         super().__init__(

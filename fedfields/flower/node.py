@@ -8,6 +8,14 @@ Node-config (a deployed SuperNode's `--node-config`) names everything a node nee
 In simulation Flower passes only partition-id and num-partitions; the launcher then names a
 root in run-config `data-dir` (`state-dir`), and virtual node i takes `<root>/<prefix>_<i:02d>`
 or `_<i:03d>` (`<root>/node_<i:02d>`). The run-config roots are never read by the ServerApp.
+
+Simulated or deployed (`is_simulated`): Flower 1.41's simulation engine gives every virtual
+node exactly {partition-id, num-partitions} as node-config (`flwr.server.superlink.fleet.vce.
+vce_api`), so that node-config, and only that one, marks a virtual node. Any other node-config
+(empty, or naming anything else) is a deployed SuperNode's: its directories come from its
+node-config only, never from the server's run-config; without `data-dir` a node that needs
+data refuses, and without `state-dir` its state stays in Flower's context. A deployed node is
+therefore started with at least its own `state-dir` (docs/DEPLOY.md).
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from fedfields import atomic
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 
 PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+SIMULATION_NODE_CONFIG = frozenset({PARTITION_ID, NUM_PARTITIONS})
+"""The node-config keys Flower's simulation engine gives a virtual node, and all of them."""
 DATA_DIR = "data-dir"
 STATE_DIR = "state-dir"
 
@@ -40,19 +51,29 @@ def client_index(context: Context) -> int:
     )
 
 
+def is_simulated(context: Context) -> bool:
+    """Whether this node is a simulation's virtual node: its node-config is exactly what
+    Flower's simulation engine gives one (`SIMULATION_NODE_CONFIG`), else it is deployed."""
+    return set(context.node_config) == SIMULATION_NODE_CONFIG
+
+
 def node_data_dir(context: Context, prefix: str) -> Path:
-    """This node's own data folder: node-config `data-dir`, else run-config root/<prefix>_NN."""
-    if DATA_DIR in context.node_config:
+    """This node's own data folder: a deployed node's node-config `data-dir` (it refuses
+    without one), a virtual node's <run-config data-dir>/<prefix>_NN."""
+    if not is_simulated(context):
+        if DATA_DIR not in context.node_config:
+            raise ValueError(
+                f"node {context.node_id}: node-config has no '{DATA_DIR}': a deployed SuperNode "
+                f"must be started with --node-config \"{DATA_DIR}='/path'\" (its own folder; "
+                "the server's run-config never names it)"
+            )
         path = Path(str(context.node_config[DATA_DIR]))
-    elif "user-dir" in context.node_config:
-        path = Path(str(context.node_config["user-dir"]))
     else:
         root = str(context.run_config.get(DATA_DIR, ""))
         if not root:
             raise ValueError(
-                f"node {context.node_id}: no data: give the SuperNode --node-config "
-                f"\"{DATA_DIR}='/abs/its/own/folder'\" (or, in simulation, run-config "
-                f"'{DATA_DIR}' naming the root of the {prefix}_NN folders)"
+                f"node {context.node_id}: no data: a simulation's launcher names the root of "
+                f"the {prefix}_NN folders in run-config '{DATA_DIR}'"
             )
         index = client_index(context)
         names = (f"{prefix}_{index:02d}", f"{prefix}_{index:03d}")  # crowds NN, collections NNN
@@ -65,9 +86,12 @@ def node_data_dir(context: Context, prefix: str) -> Path:
 
 
 def node_state_dir(context: Context) -> Path | None:
-    """This node's state directory: node-config `state-dir`, else run-config root/node_NN."""
-    if STATE_DIR in context.node_config:
-        return Path(str(context.node_config[STATE_DIR]))
+    """This node's state directory: a deployed node's node-config `state-dir`, a virtual
+    node's <run-config state-dir>/node_NN; None (Flower's context) without one."""
+    if not is_simulated(context):
+        return (
+            Path(str(context.node_config[STATE_DIR])) if STATE_DIR in context.node_config else None
+        )
     root = str(context.run_config.get(STATE_DIR, ""))
     if root:
         return Path(root) / f"node_{client_index(context):02d}"

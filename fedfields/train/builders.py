@@ -155,7 +155,7 @@ def meta_config(
         else None,
         num_clients=settings.num_clients,
         rounds=config.common.num_server_rounds,
-        clients_per_round=config.meta.clients_per_round,
+        clients_per_round=config.meta_clients_per_round,  # what the server samples
         support_batch=settings.support_batch,
         query_batch=settings.query_batch,
         proximal_mu=proximal_mu,
