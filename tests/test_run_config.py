@@ -269,6 +269,7 @@ def test_the_measured_best_is_the_default_and_the_paper_one_key_away() -> None:
         ({"mode": "split", "eval-scene-dir": "/x"}, "eval-scene-dir", "mode='split'"),
         ({"field-depth": 3}, "field-depth", "mode='federated'"),
         ({"task": "faces", "eval-scene-dir": "/x"}, "eval-scene-dir", "mode='federated'"),
+        ({"task": "photos", "downscale": 2.0}, "downscale", "task='photos' mode='federated'"),
         (
             {"task": "faces", "meta-learner": "maml", "gamma": 0.5},
             "gamma",

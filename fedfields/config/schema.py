@@ -450,8 +450,9 @@ class FederatedConfig:
             unread |= dict.fromkeys(FEDERATED_ONLY, "mode='federated'")
         if self.common.task == "scene":
             unread.setdefault("field-depth", f"the meta tasks ({MetaSection.used_by})")
-        elif self.common.task != "objects":
-            unread.setdefault("eval-scene-dir", "task='scene' | 'objects'")
+        elif self.common.task != "objects":  # scikit-image's images, scored by the server
+            for run_key in ("downscale", "eval-scene-dir"):
+                unread.setdefault(run_key, "task='scene' | 'objects'")
         for run_key, readers in STRATEGY_KEYS.items():
             if self.strategy_name not in readers:
                 unread.setdefault(run_key, " | ".join(f"strategy='{r}'" for r in readers))
