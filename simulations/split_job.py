@@ -19,7 +19,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,10 @@ from clients.split_client import CHECKPOINT, CLIENT_REPORT, LEARNING_RATE, RENDE
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
+from fedfields.flower import EmptyRoundsError
 from fedfields.flower.protocol import (
     CONFIG,
+    DROPPED_PREFIX,
     EMBEDDINGS,
     GRADIENT,
     METRICS,
@@ -42,7 +44,9 @@ from fedfields.flower.protocol import (
     SERVER_PART,
     SPLIT_STAGE,
     SPLIT_STEP,
+    BadReply,
     arrays_to_state,
+    reply_state,
     state_to_arrays,
 )
 from fedfields.optim import make_optimizer
@@ -95,7 +99,7 @@ def run_split_job(
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
     started, history, window = time.perf_counter(), [], []
     for step in range(config.split.split_steps):
-        points = _samples(reply).points()
+        points = _samples(reply, config, step).points()
         embeddings = server_forward(server, points)
         content = RecordDict(
             {
@@ -191,10 +195,43 @@ def _config(stage: str, step: int | None = None) -> ConfigRecord:
     return ConfigRecord({SPLIT_STAGE: stage} | ({} if step is None else {SPLIT_STEP: step}))
 
 
-def _samples(reply: Message) -> RaySamples:
-    """The client's next batch of rays from its reply."""
-    rays = arrays_to_state(reply.content[SAMPLES])
+def _samples(reply: Message, config: FederatedConfig, step: int) -> RaySamples:
+    """The client's batch for `step`, checked like a strategy checks a reply's arrays: keys,
+    shapes (R rays, 1 <= R <= split-batch-rays, split-samples bins), float dtype, finite
+    values. A bad batch is logged and ends the run with one `EmptyRoundsError` naming the
+    check: the server must not embed it, and the next step needs exactly this batch."""
+    try:
+        rays = checked_samples(reply, config.split.split_batch_rays, config.split.split_samples)
+    except BadReply as bad:
+        node = reply.metadata.src_node_id
+        log(
+            WARNING,
+            "split step %d: sample reply of node %d dropped (check %r)",
+            step,
+            node,
+            bad.check,
+        )
+        raise EmptyRoundsError(
+            f"split step {step}: the client's sample reply was dropped ({DROPPED_PREFIX}"
+            f"{bad.check} 1): {bad}; split learning cannot go on without its batch"
+        ) from None
     return RaySamples(rays["origins"], rays["directions"], rays["edges"])
+
+
+def checked_samples(reply: Message, max_rays: int, samples: int) -> dict[str, torch.Tensor]:
+    """The SAMPLES record as float32 tensors, or `BadReply`: "origins" and "directions"
+    [R, 3], "edges" [R, samples + 1], 1 <= R <= max_rays, finite (`reply_state`)."""
+    record = reply.content.get(SAMPLES)
+    origins = record.get("origins") if isinstance(record, ArrayRecord) else None
+    count = origins.shape[0] if origins is not None and len(origins.shape) == 2 else 1
+    if not 1 <= count <= max_rays:
+        raise BadReply(
+            "batch-size",
+            f"reply from node {reply.metadata.src_node_id}, record {SAMPLES!r}: {count} rays, "
+            f"outside [1, split-batch-rays = {max_rays}]",
+        )
+    shapes = {"origins": (count, 3), "directions": (count, 3), "edges": (count, samples + 1)}
+    return reply_state(reply, SAMPLES, shapes, dict.fromkeys(shapes, "float32"))
 
 
 def _block(step: int, window: list[dict], seconds: float) -> dict[str, Any]:

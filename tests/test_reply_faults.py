@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
+from flower_harness import InProcessGrid, set_task_identity
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from scipy import stats
 from torch import Tensor
 
@@ -29,15 +31,19 @@ from fedfields.aggregate.robust import (
 )
 from fedfields.flower import (
     DecentNeRF,
+    DecentNeRFClient,
+    EmptyRoundsError,
     FedACG,
     FedAvg,
     FedExP,
     FedMeNF,
     FedNova,
     FedProx,
+    NodeState,
     ProtocolStrategy,
     Scaffold,
 )
+from fedfields.flower.decentnerf import ALPHA_FLOOR, DEFAULT_ALPHA_MAX
 from fedfields.flower.protocol import (
     ARRAYS,
     CONTROL_DELTA,
@@ -47,12 +53,17 @@ from fedfields.flower.protocol import (
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
+    SAMPLES,
     TRAIN_LOSS,
     TRAIN_STEPS,
+    BadReply,
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.flower.strategy import SECURE_FAILURES, SECURE_SUMS
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.split_job import checked_samples, run_split_job
 
 State = dict[str, Tensor]
 F64 = torch.float64
@@ -192,7 +203,24 @@ def _alpha(alpha: float) -> Callable:
     return corrupt
 
 
+def _as_dtype(dtype: torch.dtype) -> Callable:
+    """The right keys and shapes in an integer or bool dtype (alpha_k's entry included)."""
+
+    def corrupt(records: dict[str, State], metrics: dict[str, float]) -> None:
+        records[ARRAYS] = {key: value.to(dtype) for key, value in records[ARRAYS].items()}
+
+    return corrupt
+
+
+def _list_metric(records: dict[str, State], metrics: dict[str, object]) -> None:
+    metrics["loss-curve"] = [0.5, math.inf, 0.25]
+
+
 COMMON_KINDS: dict[str, tuple[Callable, str]] = {
+    "int8": (_as_dtype(torch.int8), "dtype"),
+    "bool": (_as_dtype(torch.bool), "dtype"),
+    "nan-loss": (_metric(TRAIN_LOSS, math.nan), "non-finite-metric"),
+    "inf-list-metric": (_list_metric, "non-finite-metric"),
     "nan": (_nan, "non-finite"),
     "inf": (_inf, "non-finite"),
     "wrong-shape": (_wide, "shape"),
@@ -204,7 +232,7 @@ COMMON_KINDS: dict[str, tuple[Callable, str]] = {
 WEIGHT_KINDS: dict[str, tuple[Callable, str]] = {
     "zero-examples": (_metric(NUM_EXAMPLES, 0.0), NUM_EXAMPLES),
     "negative-examples": (_metric(NUM_EXAMPLES, -4.0), NUM_EXAMPLES),
-    "nan-examples": (_metric(NUM_EXAMPLES, float("nan")), NUM_EXAMPLES),
+    "nan-examples": (_metric(NUM_EXAMPLES, float("nan")), "non-finite-metric"),
     "missing-examples": (_metric(NUM_EXAMPLES, None), NUM_EXAMPLES),
     "absurd-examples": (_metric(NUM_EXAMPLES, 1e12), NUM_EXAMPLES),
 }
@@ -497,3 +525,288 @@ def test_run_config_keys_reach_the_strategies() -> None:
     faces = FederatedConfig.from_run_config({"task": "faces", "aggregation-rule": "median"})
     fedmenf = make_meta_strategy(faces, meta_settings(faces))
     assert isinstance(fedmenf, FedMeNF) and fedmenf.aggregation_rule == "median"
+
+
+# ------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("name", [*WEIGHTED, "scaffold", "decentnerf"])
+@pytest.mark.parametrize("reply_dtype", [torch.float16, torch.float32])
+def test_float_replies_are_cast_to_the_globals_dtype(name: str, reply_dtype: torch.dtype) -> None:
+    """A narrower float reply first must not decide the global's dtype: every reply is cast
+    to the global's float64, so the round equals the one of the same values sent as float64."""
+    honest = [honest_reply(name, k) for k in range(HONEST)]
+    narrow = [
+        ({r: {k: v.to(reply_dtype) for k, v in st.items()} for r, st in records.items()}, metrics)
+        for records, metrics in honest
+    ]
+    widened = [
+        ({r: {k: v.double() for k, v in st.items()} for r, st in records.items()}, metrics)
+        for records, metrics in narrow
+    ]
+    arrays, metrics, _ = run_round(name, narrow)
+    expected, _, _ = run_round(name, widened)
+    assert metrics[NUM_DROPPED] == 0 and metrics[NUM_REPLIES] == HONEST
+    assert {a.dtype for a in arrays_to_state(arrays).values()} == {F64}
+    assert_same_arrays(arrays, expected)
+
+
+def test_a_float32_global_stays_float32_under_float64_replies() -> None:
+    strategy = FedAvg(min_available_nodes=2)
+    start = {k: v.float() for k, v in global_state().items()}
+    grid = InProcessGrid([node(*honest_reply("fedavg", k)) for k in range(2)])
+    messages = strategy.configure_train(1, state_to_arrays(start), ConfigRecord(), grid)
+    arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert arrays is not None
+    assert {a.dtype for a in arrays_to_state(arrays).values()} == {torch.float32}
+
+
+# ------------------------------------------------------------------ secure mode
+
+
+def secure_node(records: dict[str, State], metrics: dict[str, float]) -> ClientApp:
+    """A ClientApp behind fedfields' SecAgg+ mod answering every train message the same."""
+    app = ClientApp(mods=[secure_aggregation_mod])
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        return node(records, metrics)(message, context)
+
+    return app
+
+
+def secure_round(
+    name: str, replies: list[tuple[dict[str, State], dict[str, float]]], plain: int = 0
+) -> tuple[ArrayRecord | None, MetricRecord, ProtocolStrategy]:
+    """One secure round; the first `plain` nodes lack the SecAgg+ mod (hold nothing back)."""
+    strategy = make(name, len(replies), secure_aggregation=SecureAggregationConfig())
+    nodes = [node(*reply) if k < plain else secure_node(*reply) for k, reply in enumerate(replies)]
+    grid = InProcessGrid(nodes)
+    messages = strategy.configure_train(1, state_to_arrays(global_state()), ConfigRecord(), grid)
+    arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert metrics is not None
+    return arrays, metrics, strategy
+
+
+def test_a_secure_reply_that_holds_nothing_back_is_dropped_and_the_rest_aggregate() -> None:
+    honest = [honest_reply("fedavg", k) for k in range(HONEST)]
+    arrays, metrics, _ = secure_round("fedavg", [honest_reply("fedavg", 3), *honest], plain=1)
+    expected, _, _ = run_round("fedavg", honest)
+    assert metrics["dropped-held"] == 1 and metrics[SECURE_SUMS] == 1
+    assert arrays is not None and expected is not None
+    got, want = arrays_to_state(arrays), arrays_to_state(expected)
+    assert max_distance(got, want) < 1e-6  # SecAgg+ quantisation
+
+
+def test_a_secure_sum_of_zero_weight_skips_the_round_without_raising(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    replies = [honest_reply("fedavg", k) for k in range(HONEST)]
+    for _, metrics in replies:
+        metrics[NUM_EXAMPLES] = 0.0  # hidden from the server: only the sum shows it
+    arrays, metrics, _ = secure_round("fedavg", replies)
+    assert arrays is None and metrics[SECURE_FAILURES] == 1 and metrics[SECURE_SUMS] == 0
+    assert "summed weight is not positive" in caplog.text
+
+
+def test_a_secure_decentnerf_sum_of_non_positive_alpha_skips_the_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    replies = [({ARRAYS: alpha_weighted_payload(honest_state(k), -1.0)}, {}) for k in range(3)]
+    arrays, metrics, strategy = secure_round("decentnerf", replies)
+    assert arrays is None and metrics[SECURE_FAILURES] == 1
+    assert "summed alpha_k is not positive" in caplog.text
+    assert isinstance(strategy, DecentNeRF) and strategy.last_aggregate is None
+
+
+def test_secure_empty_rounds_end_the_run_with_the_secure_failure_named() -> None:
+    replies = [honest_reply("fedavg", k) for k in range(HONEST)]
+    for _, metrics in replies:
+        metrics[NUM_EXAMPLES] = 0.0
+    strategy = make("fedavg", HONEST, secure_aggregation=SecureAggregationConfig())
+    grid = InProcessGrid([secure_node(*reply) for reply in replies])
+    with pytest.raises(EmptyRoundsError, match="summed weight is not positive") as raised:
+        strategy.start(grid, state_to_arrays(global_state()), num_rounds=1)
+    assert "1 secure sums failed" in str(raised.value)
+
+
+# ------------------------------------------------------------------ empty rounds
+
+
+def quickstart_node(message: Message, context: Context) -> Message:
+    """A Flower quickstart-pytorch style client: its state back, "train_loss" and
+    "num-examples" only (no "train-steps")."""
+    state = arrays_to_state(message.content[ARRAYS])
+    metrics = MetricRecord({"train_loss": 0.5, NUM_EXAMPLES: 50})
+    return Message(RecordDict({ARRAYS: state_to_arrays(state), METRICS: metrics}), reply_to=message)
+
+
+def test_fednova_with_quickstart_clients_stops_after_max_empty_rounds() -> None:
+    strategy = FedNova(min_available_nodes=3, max_empty_rounds=3)
+    grid = InProcessGrid([quickstart_node] * 3)
+    rounds: list[int] = []
+    with pytest.raises(EmptyRoundsError) as raised:
+        strategy.start(
+            grid,
+            state_to_arrays(global_state()),
+            num_rounds=10,
+            evaluate_fn=lambda r, _: rounds.append(r),  # type: ignore[func-returns-value]
+        )
+    message = str(raised.value)
+    assert rounds == [0, 1, 2, 3]  # rounds 4-10 never ran
+    assert "3 consecutive rounds (1-3)" in message and "max-empty-rounds = 3" in message
+    assert "9 replies asked, 0 kept, 9 dropped (dropped-train-steps 9)" in message
+    assert "the clients must report 'train-steps'" in message
+
+
+def test_a_run_that_never_aggregated_fails_even_below_max_empty_rounds() -> None:
+    strategy = FedAvg(min_available_nodes=3, max_update_norm=1e-12, max_empty_rounds=3)
+    grid = InProcessGrid([node(*honest_reply("fedavg", k)) for k in range(3)])
+    with pytest.raises(EmptyRoundsError) as raised:
+        strategy.start(grid, state_to_arrays(global_state()), num_rounds=2)
+    message = str(raised.value)
+    assert "no round of this run formed an aggregate (rounds 1-2)" in message
+    assert "dropped-update-norm 6" in message
+    assert "updates exceeded max-update-norm = 1e-12" in message
+    unlimited = FedAvg(min_available_nodes=3, max_update_norm=1e-12, max_empty_rounds=0)
+    with pytest.raises(EmptyRoundsError, match="never changed"):
+        unlimited.start(grid, state_to_arrays(global_state()), num_rounds=4)
+    assert unlimited.rounds_started == 4  # 0: no early stop
+
+
+def test_empty_rounds_must_be_consecutive_to_end_a_run() -> None:
+    """Rounds 1, 3 and 5 drop everything (a NaN metric), 2 and 4 aggregate: never two empty
+    rounds in a row, so max-empty-rounds = 2 lets the run complete."""
+    honest = node(*honest_reply("fedavg", 0))
+
+    def flaky(message: Message, context: Context) -> Message:
+        reply = honest(message, context)
+        if int(message.content["config"]["server-round"]) % 2:
+            reply.content[METRICS][TRAIN_LOSS] = math.nan
+        return reply
+
+    strategy = FedAvg(min_available_nodes=2, max_empty_rounds=2)
+    result = strategy.start(
+        InProcessGrid([flaky, flaky]), state_to_arrays(global_state()), num_rounds=5
+    )
+    assert strategy.rounds_aggregated == 2
+    assert [result.train_metrics_clientapp[r]["dropped-non-finite-metric"] for r in (1, 3, 5)] == [
+        2,
+        2,
+        2,
+    ]
+
+
+def test_max_empty_rounds_reaches_the_strategies_from_run_config() -> None:
+    from fedfields.config import FederatedConfig
+    from strategies import make_strategy
+
+    config = FederatedConfig.from_run_config({"strategy": "fednova", "max-empty-rounds": 5})
+    assert make_strategy("fednova", config.to_run_config()).max_empty_rounds == 5
+    assert make_strategy("fedavg", FederatedConfig().to_run_config()).max_empty_rounds == 3
+    with pytest.raises(ValueError, match="'max-empty-rounds' must be >= 0"):
+        FederatedConfig.from_run_config({"max-empty-rounds": -1})
+    with pytest.raises(ValueError, match="max_empty_rounds must be >= 0"):
+        FedAvg(max_empty_rounds=-2)
+
+
+# ------------------------------------------------------------------ DecentNeRF alpha clamp
+
+
+def alpha_after(config: dict[str, float], gradient_scale: float) -> float:
+    """A DecentNeRF client's alpha after one update by G = gradient_scale * g_1."""
+    set_task_identity()
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    client = DecentNeRFClient(NodeState(context))
+    g_1 = {"w": torch.tensor([1.0, 2.0, 3.0])}
+
+    def message(server_round: int, gradient: State | None) -> Message:
+        base = {"server-round": server_round, "strategy": "decentnerf", "alpha-lr": 1.0}
+        records = {ARRAYS: state_to_arrays(g_1), "config": ConfigRecord({**base, **config})}
+        if gradient is not None:
+            records[GRADIENT] = state_to_arrays(gradient)
+        return Message(RecordDict(records), dst_node_id=7, message_type="train")
+
+    client.train_reply(message(1, None), g_1, {})
+    client.train_reply(message(2, {"w": gradient_scale * g_1["w"]}), g_1, {})
+    return client.alpha
+
+
+def test_clients_clamp_alpha_into_the_servers_range() -> None:
+    """<G, g_1> = 14 * scale: a large positive G drives alpha far below 0, a negative one
+    far above alpha-max; the client keeps it in [alpha-max * ALPHA_FLOOR, alpha-max]."""
+    assert alpha_after({"alpha-max": 50.0}, 10.0) == pytest.approx(50.0 * ALPHA_FLOOR)
+    assert alpha_after({"alpha-max": 50.0}, -10.0) == 50.0
+    assert alpha_after({"alpha-max": 50.0}, 0.01) == pytest.approx(1.0 - 0.14)  # inside
+    assert alpha_after({}, -100.0) == DEFAULT_ALPHA_MAX  # an older server: the default
+    sent = DecentNeRF(alpha_max=7.0).protocol_config()
+    assert sent["alpha-max"] == 7.0
+
+
+# ------------------------------------------------------------------ split sample replies
+
+SPLIT_RAYS, SPLIT_SAMPLES = 8, 6
+
+
+def split_samples(count: int = SPLIT_RAYS) -> State:
+    gen = torch.Generator().manual_seed(count)
+    edges = torch.linspace(2.0, 6.0, SPLIT_SAMPLES + 1).expand(count, -1).clone()
+    origins = torch.randn(count, 3, generator=gen)
+    return {"origins": origins, "directions": torch.randn(count, 3, generator=gen), "edges": edges}
+
+
+SPLIT_KINDS: dict[str, tuple[Callable[[State], State], str]] = {
+    "too-many-rays": (lambda s: split_samples(SPLIT_RAYS + 1), "batch-size"),
+    "missing-edges": (lambda s: {k: v for k, v in s.items() if k != "edges"}, "missing-key"),
+    "extra-key": (lambda s: {**s, "colors": torch.zeros(SPLIT_RAYS, 3)}, "extra-key"),
+    "wrong-samples": (lambda s: {**s, "edges": torch.ones(SPLIT_RAYS, SPLIT_SAMPLES)}, "shape"),
+    "ragged-directions": (lambda s: {**s, "directions": torch.ones(SPLIT_RAYS - 1, 3)}, "shape"),
+    "nan-origin": (
+        lambda s: {**s, "origins": s["origins"].index_fill(0, torch.tensor([2]), math.nan)},
+        "non-finite",
+    ),  # fmt: skip
+    "int-edges": (lambda s: {**s, "edges": s["edges"].to(torch.int32)}, "dtype"),
+}
+
+
+def split_reply(samples: State) -> Message:
+    set_task_identity()
+    sent = Message(RecordDict(), dst_node_id=7, message_type="train")
+    return Message(RecordDict({SAMPLES: state_to_arrays(samples)}), reply_to=sent)
+
+
+@pytest.mark.parametrize("kind", list(SPLIT_KINDS))
+def test_a_bad_split_sample_reply_is_refused_by_its_check(kind: str) -> None:
+    change, check = SPLIT_KINDS[kind]
+    with pytest.raises(BadReply) as raised:
+        checked_samples(split_reply(change(split_samples())), SPLIT_RAYS, SPLIT_SAMPLES)
+    assert raised.value.check == check
+
+
+def test_a_good_split_sample_reply_passes_cast_to_float32() -> None:
+    sent = {k: v.double() for k, v in split_samples(SPLIT_RAYS - 3).items()}  # a smaller batch
+    rays = checked_samples(split_reply(sent), SPLIT_RAYS, SPLIT_SAMPLES)
+    assert {v.dtype for v in rays.values()} == {torch.float32}
+    assert torch.equal(rays["edges"], sent["edges"].float())
+
+
+def test_the_split_server_stops_at_a_bad_sample_reply_with_one_error(tmp_path: Path) -> None:
+    """A client whose first batch holds 1000 rays, above split-batch-rays: the server never
+    embeds it; the run stops with one EmptyRoundsError naming the check and the cap."""
+    config = {
+        "mode": "split",
+        "run-dir": str(tmp_path / "run"),
+        "split-batch-rays": SPLIT_RAYS,
+        "split-samples": SPLIT_SAMPLES,
+        "hash-log2-size": 10,
+        "hash-levels": 2,
+    }
+
+    def flooding(message: Message, context: Context) -> Message:
+        content = RecordDict({SAMPLES: state_to_arrays(split_samples(1000))})
+        return Message(content, reply_to=message)
+
+    with pytest.raises(EmptyRoundsError, match="dropped-batch-size 1") as raised:
+        run_split_job(InProcessGrid([flooding]), config, observers=[])
+    assert f"split-batch-rays = {SPLIT_RAYS}" in str(raised.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained

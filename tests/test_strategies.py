@@ -7,9 +7,11 @@ Flower's own FedAvg is the oracle for ours.
 from __future__ import annotations
 
 import gc
+import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Unpack
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import torch
 from flower_harness import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import strategy as flower_strategy
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.run import Run
 from torch import Tensor
@@ -43,6 +46,7 @@ from fedfields.flower import (
     FedProx,
     ProtocolStrategy,
     Scaffold,
+    StrategyOptions,
 )
 from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.forwarding import ForwardingGrid
@@ -692,3 +696,82 @@ def test_fedacg_sends_the_lookahead_with_beta_and_keeps_momentum() -> None:
 def test_rules_that_need_each_update_refuse_secure_aggregation(kind: type) -> None:
     with pytest.raises(ValueError, match="secure aggregation hides"):
         kind(secure_aggregation=SecureAggregationConfig())
+
+
+# ------------------------------------------------------------------ Flower's defaults
+
+
+def _defaults(cls: type, package: str) -> dict[str, object]:
+    """Constructor argument -> default, over the class and the bases of `package` it
+    forwards to (fedfields' own signatures, not the Flower base they build on)."""
+    found: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        init = vars(klass).get("__init__")
+        if init is None or not klass.__module__.startswith(package):
+            continue
+        for name, parameter in inspect.signature(init).parameters.items():
+            if parameter.default is not inspect.Parameter.empty:
+                found[name] = parameter.default
+    return found
+
+
+@pytest.mark.parametrize(
+    ("ours", "flowers", "renamed"),
+    [
+        (FedAvg, flower_strategy.FedAvg, {}),
+        (FedProx, flower_strategy.FedProx, {}),
+        (FedAvg, flower_strategy.FedMedian, {}),  # FedAvg(aggregation_rule="median")
+        (FedAvg, flower_strategy.FedTrimmedAvg, {"beta": "trim_fraction"}),
+    ],
+    ids=["FedAvg", "FedProx", "FedMedian", "FedTrimmedAvg"],
+)
+def test_constructor_defaults_match_flowers_strategies(
+    ours: type, flowers: type, renamed: dict[str, str]
+) -> None:
+    """Every argument fedfields shares with Flower's strategy of the same rule (Flower's
+    name on the left of `renamed`) defaults as Flower's does, read from both signatures."""
+    theirs, mine = _defaults(flowers, "flwr"), _defaults(ours, "fedfields")
+    shared = {renamed.get(name, name): value for name, value in theirs.items()}
+    shared = {name: value for name, value in shared.items() if name in mine}
+    assert len(shared) >= 5  # sampling at least: the comparison is not vacuous
+    assert {name: mine[name] for name in shared} == shared
+    ours()  # constructible with no argument, as Flower's
+
+
+def test_fedprox_without_mu_is_fedavg() -> None:
+    assert FedProx().proximal_mu == 0.0 == flower_strategy.FedProx().proximal_mu
+
+
+# ------------------------------------------------------------------ docs/LIBRARY.md's recipe
+
+
+class FedMystery(FedAvg):
+    """docs/LIBRARY.md's example strategy, as printed there."""
+
+    strategy_name = "fedmystery"
+    config_keys = {"mystery-mu": "mu"}
+
+    def __init__(self, *, mu: float = 0.0, **options: Unpack[StrategyOptions]) -> None:
+        super().__init__(**options)
+        self.mu = mu
+
+    def protocol_config(self) -> dict[str, int | float | str]:
+        return {**super().protocol_config(), "mystery-mu": self.mu}
+
+
+def test_the_librarys_recipe_for_a_new_strategy_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry line makes the strategy runnable by name with the shared run-config keys;
+    its own key is refused until the schema has a field for it, as docs/LIBRARY.md says."""
+    import strategies
+    from fedfields.config import FederatedConfig
+
+    monkeypatch.setitem(strategies.STRATEGIES, FedMystery.strategy_name, FedMystery)
+    config = FederatedConfig.from_run_config({"strategy": "fedmystery", "max-empty-rounds": 4})
+    built = strategies.make_strategy("fedmystery", config.to_run_config())
+    assert isinstance(built, FedMystery) and built.max_empty_rounds == 4
+    assert built.protocol_config()["mystery-mu"] == 0.0
+    assert FedMystery.from_config({"mystery-mu": 0.5}).mu == 0.5  # your own app: no schema
+    with pytest.raises(ValueError, match="unknown run-config key 'mystery-mu'"):
+        FederatedConfig.from_run_config({"strategy": "fedmystery", "mystery-mu": 0.5})
+    with pytest.raises(ValueError, match="'aggregation-rule' 'median' is for strategies"):
+        FederatedConfig.from_run_config({"strategy": "fedmystery", "aggregation-rule": "median"})

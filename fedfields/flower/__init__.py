@@ -22,11 +22,17 @@ from fedfields.flower.fedprox import FedProx
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.scaffold import Scaffold, ScaffoldClient
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.strategy import InsufficientNodesError, ProtocolStrategy, StrategyOptions
+from fedfields.flower.strategy import (
+    EmptyRoundsError,
+    InsufficientNodesError,
+    ProtocolStrategy,
+    StrategyOptions,
+)
 
 __all__ = [
     "DecentNeRF",
     "DecentNeRFClient",
+    "EmptyRoundsError",
     "FedACG",
     "FedAvg",
     "FedExP",

@@ -3,6 +3,7 @@ the server strategy (`DecentNeRF`) and the client's half (`DecentNeRFClient`).""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import WARNING
 from typing import Any, Unpack
@@ -26,6 +27,7 @@ from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     AGGREGATE_ROUND,
     ALPHA_LR,
+    ALPHA_MAX,
     ALPHA_SUM,
     ARRAYS,
     CONFIG,
@@ -50,6 +52,9 @@ from fedfields.flower.strategy import (
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
 a hundred times an untouched one before its reply is dropped."""
+ALPHA_FLOOR = 1e-6
+"""A client's alpha_k never falls below alpha-max * ALPHA_FLOOR: a positive weight that
+leaves its user in the sum with a negligible share, where alpha_k <= 0 would break it."""
 DEFAULT_MAX_GRADIENT_NORM = 1e4
 """Largest ||G_k|| a plaintext gradient reply may have: honest users measured 0.9-1.2 at an
 untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
@@ -109,6 +114,8 @@ class DecentNeRF(ProtocolStrategy):
         super().__init__(**options)
         self.alpha_max = check_scalar(alpha_max, "alpha_max")
         self.max_gradient_norm = optional_cap(max_gradient_norm, "max_gradient_norm")
+        self.alpha_sum_resolution = 0.0
+        """The last secure sum's error bound on the summed alpha (0 for plain sums)."""
         self.last_aggregate: tuple[int, float] | None = None
         """(round, summed alpha) of the latest aggregate this strategy formed."""
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
@@ -117,8 +124,8 @@ class DecentNeRF(ProtocolStrategy):
         self.query_timeout = self.node_timeout if query_timeout is None else query_timeout
 
     def protocol_config(self) -> dict[str, int | float | str]:
-        """The shared entries plus "alpha-lr"."""
-        return {**super().protocol_config(), ALPHA_LR: self.alpha_lr}
+        """The shared entries plus "alpha-lr" and "alpha-max" (the clients' clamp)."""
+        return {**super().protocol_config(), ALPHA_LR: self.alpha_lr, ALPHA_MAX: self.alpha_max}
 
     def resumable_state(self) -> dict[str, Any]:
         """The shared state plus (round, summed alpha) of the latest aggregate."""
@@ -166,8 +173,12 @@ class DecentNeRF(ProtocolStrategy):
         )
         if payload_sum is None:
             return None, self.train_metrics(metrics)
+        alpha_sum = float(payload_sum[ALPHA_KEY].double().sum())
+        if not (math.isfinite(alpha_sum) and alpha_sum > self.alpha_sum_resolution):
+            self.secure_failure("the summed alpha_k is not positive: no aggregate this round")
+            return None, self.train_metrics(metrics)
         aggregate = decentnerf_aggregate(payload_sum)
-        self.last_aggregate = (server_round, float(payload_sum[ALPHA_KEY].double().sum()))
+        self.last_aggregate = (server_round, alpha_sum)
         return state_to_arrays(aggregate), self.train_metrics(metrics)
 
     def check_update(self, reply: CheckedReply) -> None:
@@ -229,7 +240,10 @@ class DecentNeRF(ProtocolStrategy):
             return None
         if self.secure_aggregation is not None:
             result = self.secure_sums(held, {record_name: expected_shapes})
-            return None if result is None else self.like_global(result.sums[record_name])
+            if result is None:
+                return None
+            self.alpha_sum_resolution = result.resolution[record_name].get(ALPHA_KEY, 0.0)
+            return self.like_global(result.sums[record_name])
         return total.sum()
 
 
@@ -303,7 +317,9 @@ class DecentNeRFClient:
         return self.state.values(ALPHA_STATE) or {"alpha": 1.0, "history": [], "uploaded": 0}
 
     def _updated_alpha(self, msg: Message) -> float:
-        """alpha_k <- alpha_k - eta dL/dalpha_k, stored with the round in the history.
+        """alpha_k <- alpha_k - eta dL/dalpha_k clamped into [alpha-max * ALPHA_FLOOR,
+        alpha-max] (the message's "alpha-max", else DEFAULT_ALPHA_MAX), stored with the
+        round in the history: a server takes no alpha_k outside (0, alpha-max].
 
         With "alpha-sum" the derivative is the normalised aggregation's <G, g_k - g> / A,
         else Eq. 2's <G, g_k>. A stale g_k (this user's last upload predates the aggregate's
@@ -324,9 +340,17 @@ class DecentNeRFClient:
                 aggregate = arrays_to_state(msg.content[ARRAYS])
                 alpha_sum = float(config[ALPHA_SUM])
             alpha = alpha_update(alpha, gradient_sum, previous, alpha_lr, aggregate, alpha_sum)
+        alpha = clamped_alpha(alpha, float(config.get(ALPHA_MAX, DEFAULT_ALPHA_MAX)))
         server_round = int(config[SERVER_ROUND])
         history = [*kept["history"], [server_round, alpha]]
         self.state.put_values(
             ALPHA_STATE, {"alpha": alpha, "history": history, "uploaded": server_round}
         )
         return alpha
+
+
+def clamped_alpha(alpha: float, alpha_max: float) -> float:
+    """`alpha` clamped into [alpha_max * ALPHA_FLOOR, alpha_max], inside (0, alpha-max]."""
+    if not (math.isfinite(alpha_max) and alpha_max > 0):
+        raise ValueError(f"train config {ALPHA_MAX!r} must be positive and finite")
+    return min(max(alpha, alpha_max * ALPHA_FLOOR), alpha_max)

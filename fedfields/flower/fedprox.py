@@ -16,7 +16,7 @@ class FedProx(FedAvg):
     with `fedfields.aggregate.proximal_term`. mu = 0 is FedAvg.
 
     Args:
-        proximal_mu: weight mu >= 0 of the proximal term.
+        proximal_mu: weight mu >= 0 of the proximal term (default 0.0, as Flower's FedProx).
         **options: sampling, "local-steps", reply bounds and `aggregation_rule`, as for
             `fedfields.flower.FedAvg`.
     """
@@ -24,7 +24,7 @@ class FedProx(FedAvg):
     strategy_name = "fedprox"
     config_keys = {"proximal-mu": "proximal_mu"}
 
-    def __init__(self, *, proximal_mu: float, **options: Unpack[FedAvgOptions]) -> None:
+    def __init__(self, *, proximal_mu: float = 0.0, **options: Unpack[FedAvgOptions]) -> None:
         super().__init__(**options)
         if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
             raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")

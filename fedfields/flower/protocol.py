@@ -6,8 +6,8 @@ config keys and metric keys through these constants only.
 Train message (server -> client), records by name:
   ARRAYS          global federated state g (x for Scaffold)
   CONFIG          "server-round", "strategy", "local-steps", "proximal-mu" (FedProx),
-                  "alpha-lr", "alpha-sum", "aggregate-round" (DecentNeRF), plus the user's
-                  train config
+                  "alpha-lr", "alpha-max", "alpha-sum", "aggregate-round" (DecentNeRF),
+                  plus the user's train config
   SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
   GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
 Train reply (client -> server):
@@ -58,6 +58,8 @@ ALPHA_SUM = "alpha-sum"
 """DecentNeRF: A^(m-1), the summed alpha that normalised the aggregate the message carries."""
 AGGREGATE_ROUND = "aggregate-round"
 """DecentNeRF: the round whose replies formed that aggregate (m - 1)."""
+ALPHA_MAX = "alpha-max"
+"""DecentNeRF: the largest alpha_k the server takes; clients clamp theirs into (0, alpha-max]."""
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""
@@ -197,12 +199,18 @@ class BadReply(ValueError):
         self.check = check
 
 
-def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> dict[str, Tensor]:
+def reply_state(
+    message: Message,
+    record_name: str,
+    expected_shapes: Shapes,
+    expected_dtypes: Mapping[str, str] | None = None,
+) -> dict[str, Tensor]:
     """The ArrayRecord `record_name` of a reply as read-only tensors (views of the message's
     bytes), or one `BadReply` naming the problem.
 
-    Missing or unexpected keys, shapes other than `expected_shapes` and non-finite floating
-    values are all reported together with the sender's node id and the record name.
+    Missing or unexpected keys, shapes other than `expected_shapes`, dtypes that break the
+    dtype rule (`checked_dtype`) and non-finite floating values are all reported together
+    with the sender's node id and the record name.
     """
     where = f"reply from node {message.metadata.src_node_id}, record {record_name!r}"
     if message.has_error():
@@ -211,12 +219,18 @@ def reply_state(message: Message, record_name: str, expected_shapes: Shapes) -> 
     if not isinstance(record, ArrayRecord):
         found = "nothing" if record is None else type(record).__name__
         raise BadReply("missing-record", f"{where}: expected an ArrayRecord, found {found}")
-    return checked_state(record, expected_shapes, where)
+    return checked_state(record, expected_shapes, where, expected_dtypes)
 
 
-def checked_state(record: ArrayRecord, expected_shapes: Shapes, where: str) -> dict[str, Tensor]:
-    """`record` as read-only tensors after checking keys, shapes and finiteness; one
-    `BadReply` starting with `where` lists every problem (its `check` is the first's)."""
+def checked_state(
+    record: ArrayRecord,
+    expected_shapes: Shapes,
+    where: str,
+    expected_dtypes: Mapping[str, str] | None = None,
+) -> dict[str, Tensor]:
+    """`record` as read-only tensors after checking keys, shapes, dtypes (`checked_dtype`,
+    against `expected_dtypes`, e.g. the global's; a float cast makes a copy) and finiteness;
+    one `BadReply` starting with `where` lists every problem (its `check` is the first's)."""
     problems: list[tuple[str, str]] = []
     missing = [key for key in expected_shapes if key not in record]
     extra = [key for key in record if key not in expected_shapes]
@@ -232,15 +246,39 @@ def checked_state(record: ArrayRecord, expected_shapes: Shapes, where: str) -> d
         if key not in expected_shapes:
             continue
         expected = tuple(expected_shapes[key])
+        dtype = checked_dtype(tensor.dtype, (expected_dtypes or {}).get(key))
         if tuple(tensor.shape) != expected:
             problems.append(
                 ("shape", f"key {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
             )
+        elif dtype is None:
+            wanted = (expected_dtypes or {}).get(key, "a float dtype")
+            problems.append(("dtype", f"key {key!r} has dtype {tensor.dtype}, expected {wanted}"))
         elif tensor.is_floating_point() and not _finite(tensor):
             problems.append(("non-finite", f"key {key!r} has non-finite values"))
+        elif dtype != tensor.dtype:
+            state[key] = tensor.to(dtype)
     if problems:
         raise BadReply(problems[0][0], f"{where}: " + "; ".join(text for _, text in problems))
     return state
+
+
+def checked_dtype(dtype: torch.dtype, expected: str | None) -> torch.dtype | None:
+    """The dtype a reply's array is used in, or None if the dtype rule drops it.
+
+    The rule: a floating array (float16, float32, float64) is cast to the expected floating
+    dtype (the global's); an integer, bool or complex array where a float is expected is
+    dropped, as is any array whose expected dtype is not floating and differs. With no
+    expected dtype (e.g. DecentNeRF's alpha entry) any floating dtype is taken as it is.
+    """
+    if expected is None:
+        return dtype if dtype.is_floating_point else None
+    wanted = getattr(torch, str(expected), None)
+    if not isinstance(wanted, torch.dtype):
+        return None
+    if wanted.is_floating_point:
+        return wanted if dtype.is_floating_point else None
+    return dtype if dtype == wanted else None
 
 
 def _finite(tensor: Tensor) -> bool:
@@ -248,6 +286,20 @@ def _finite(tensor: Tensor) -> bool:
     sum past the dtype's range (only possible with values near it) is checked element-wise."""
     total = float(tensor.sum())
     return math.isfinite(total) or bool(torch.isfinite(tensor).all())
+
+
+def check_metrics(message: Message) -> None:
+    """Raise `BadReply` ("non-finite-metric") if a value of the reply's METRICS record, a
+    scalar or an entry of a list, is NaN or infinite (it would poison the round's means)."""
+    record = message.content.metric_records.get(METRICS)
+    for key, value in (record or {}).items():
+        values = value if isinstance(value, list) else [value]
+        if not all(math.isfinite(entry) for entry in values):
+            raise BadReply(
+                "non-finite-metric",
+                f"reply from node {message.metadata.src_node_id}, record {METRICS!r}: metric "
+                f"{key!r} is not finite",
+            )
 
 
 def reply_metric(

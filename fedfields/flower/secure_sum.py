@@ -11,7 +11,7 @@ scales come from `fedfields.privacy.secure_sum`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 import numpy as np
@@ -51,13 +51,16 @@ class SecureSumResult:
     """Record -> key -> summed float64 tensor, the nodes in the sum and their masked bytes.
 
     `total_weight` is filled in by the strategy from the METRICS pseudo-record; `scales` are
-    the per-tensor scales of the payload (its quantisation step is 2 * C * scale / Q)."""
+    the per-tensor scales of the payload (its quantisation step is 2 * C * scale / Q);
+    `resolution` bounds each sum's error: a sum within it of 0 may be 0 (n clients times
+    one stochastic-rounding step each)."""
 
     sums: dict[str, dict[str, Tensor]]
     node_ids: list[int]
     bytes_up: int = 0
     total_weight: float = 0.0
     scales: list[float] | None = None
+    resolution: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class _NodeProxy:
@@ -149,7 +152,13 @@ class SecureSum:
         vectors, survivors = self._run(grid, node_ids, payload_config, clipping, server_round)
         bytes_up += _masked_bytes(vectors, len(survivors))
         sums = unpack_sum(vectors, layout, scales)
-        return SecureSumResult(sums, survivors, bytes_up, scales=list(scales))
+        step = 2 * clipping / self.config.quantization_range(len(node_ids))
+        resolution: dict[str, dict[str, float]] = {}
+        for (record, key, _), scale in zip(layout, scales, strict=True):
+            resolution.setdefault(record, {})[key] = len(node_ids) * step * scale
+        return SecureSumResult(
+            sums, survivors, bytes_up, scales=list(scales), resolution=resolution
+        )
 
     def _run(
         self,

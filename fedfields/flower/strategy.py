@@ -4,11 +4,18 @@ Built on Flower 1.41's message-API FedAvg, whose node sampling and federated eva
 strategies keep; records and keys follow `fedfields.flower.protocol`.
 
 Reply checks live here once (`ProtocolStrategy.checked_replies`): a plaintext reply with
-NaN/Inf, wrong shapes, missing or extra keys, a non-positive or absurd "num-examples"
-(above `max_num_examples`) or an update ||g_k - g|| above `max_update_norm` * max(||g||, 1)
-is dropped before it touches any sum, logged at WARNING with node and check, and counted in
-the round's "num-failures", "num-dropped" and "dropped-<check>" metrics; the round
-aggregates the rest, and with nothing left the global model stays as it was.
+NaN/Inf, wrong shapes, missing or extra keys, integer or bool arrays where the global's are
+float (float16/32/64 arrays are cast to the global's dtype: `protocol.checked_dtype`), a
+NaN/Inf metric, a non-positive or absurd "num-examples" (above `max_num_examples`) or an
+update ||g_k - g|| above `max_update_norm` * max(||g||, 1) is dropped before it touches any
+sum, logged at WARNING with node and check, and counted in the round's "num-failures",
+"num-dropped" and "dropped-<check>" metrics; the round aggregates the rest, and with nothing
+left the global model stays as it was. Under secure aggregation a reply that holds nothing
+back is dropped ("held"), and a halted or unusable secure sum (a summed weight that is not
+positive, a non-finite sum) is counted in "secure-sum-failures" and skips the round.
+`max_empty_rounds` consecutive rounds without an aggregate, or a run whose every round was
+empty, end `start` with one `EmptyRoundsError` naming the drop counts and the commonest
+reason.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
@@ -52,10 +60,12 @@ from fedfields.flower.protocol import (
     SECURE_WEIGHT,
     SERVER_ROUND,
     STRATEGY,
+    TRAIN_STEPS,
     WEIGHT_KEY,
     BadReply,
     Shapes,
     arrays_to_state,
+    check_metrics,
     content_bytes,
     reply_metric,
     reply_state,
@@ -88,6 +98,7 @@ class StrategyOptions(TypedDict, total=False):
     node_timeout: float | None
     max_num_examples: float | None
     max_update_norm: float | None
+    max_empty_rounds: int
 
 
 DEFAULT_MAX_NUM_EXAMPLES = 1e9
@@ -107,8 +118,19 @@ def optional_cap(value: float | None, name: str) -> float | None:
     return float(value)
 
 
+DEFAULT_MAX_EMPTY_ROUNDS = 3
+"""Consecutive rounds without an aggregate that end a run: one empty round is a bad moment,
+three in a row a federation that cannot train as configured."""
+
+
 class InsufficientNodesError(RuntimeError):
     """Too few nodes stayed connected to run a round."""
+
+
+class EmptyRoundsError(RuntimeError):
+    """Rounds ended without an aggregate: `max_empty_rounds` in a row, or every round of a
+    run (its global model never changed). The message names the drop counts and the
+    commonest reason in the user's words."""
 
 
 NODE_POLL_SECONDS = 1.0
@@ -141,10 +163,35 @@ class TrainRound:
     """Replies dropped by a check, per check ("non-finite", "shape", ...)."""
     secure_sums: int = 0
     secure_failures: int = 0
+    secure_error: str = ""
+    """Why the round's last secure sum failed (value-free), for `EmptyRoundsError`."""
     secure_metrics: dict[str, float] | None = None
     reference: dict[str, Tensor] = field(default_factory=dict)
     """The arrays sent (read-only views), for the update-norm check; {} when it is off."""
     reference_norm: float = 0.0
+
+
+@dataclass
+class EmptyTally:
+    """What went wrong in consecutive rounds that formed no aggregate."""
+
+    rounds: list[int] = field(default_factory=list)
+    sampled: int = 0
+    kept: int = 0
+    failures: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    secure_failures: int = 0
+    secure_error: str = ""
+
+    def add(self, train_round: TrainRound, kept: int) -> None:
+        """Count one empty round; `kept` replies passed the checks (yet nothing came of it)."""
+        self.rounds.append(train_round.server_round)
+        self.sampled += len(train_round.node_ids)
+        self.kept += kept
+        self.dropped.update(train_round.dropped)
+        self.failures += train_round.num_failures - sum(train_round.dropped.values())
+        self.secure_failures += train_round.secure_failures
+        self.secure_error = train_round.secure_error or self.secure_error
 
 
 @dataclass
@@ -186,6 +233,7 @@ class ProtocolStrategy(FlowerFedAvg):
     config_keys: ClassVar[dict[str, str]] = {
         "max-num-examples": "max_num_examples",
         "max-update-norm": "max_update_norm",
+        "max-empty-rounds": "max_empty_rounds",
     }
     """Flower run-config keys `from_config` reads, mapped to constructor arguments; the keys
     of the base classes are read too (`own_config`)."""
@@ -203,6 +251,7 @@ class ProtocolStrategy(FlowerFedAvg):
         node_timeout: float | None = None,
         max_num_examples: float | None = DEFAULT_MAX_NUM_EXAMPLES,
         max_update_norm: float | None = DEFAULT_MAX_UPDATE_NORM,
+        max_empty_rounds: int = DEFAULT_MAX_EMPTY_ROUNDS,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -221,8 +270,15 @@ class ProtocolStrategy(FlowerFedAvg):
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
         self.max_update_norm = optional_cap(max_update_norm, "max_update_norm")
+        if isinstance(max_empty_rounds, bool) or not isinstance(max_empty_rounds, int):
+            raise ValueError(f"max_empty_rounds must be an integer, got {max_empty_rounds!r}")
+        if max_empty_rounds < 0:
+            raise ValueError(f"max_empty_rounds must be >= 0 (0: no limit), got {max_empty_rounds}")
+        self.max_empty_rounds = max_empty_rounds
         self.current_round: TrainRound | None = None
         self.rounds_started = 0
+        self.rounds_aggregated = 0
+        """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
         self.latest_train_metrics: dict[str, float] = {}
         """The last round's aggregated train metrics (client means, failures, traffic)."""
 
@@ -422,7 +478,7 @@ class ProtocolStrategy(FlowerFedAvg):
         if evaluate_fn and first_round == 1:
             if (initial := evaluate_fn(0, initial_arrays)) is not None:
                 result.evaluate_metrics_serverapp[0] = initial
-        arrays = initial_arrays
+        arrays, empty = initial_arrays, EmptyTally()
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             messages = self.configure_train(server_round, arrays, train_config, grid)
@@ -430,6 +486,11 @@ class ProtocolStrategy(FlowerFedAvg):
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
+                self.rounds_aggregated += 1
+                empty = EmptyTally()
+            else:
+                kept = int((train_metrics or {}).get(NUM_REPLIES, 0))
+                empty.add(self.round_state(server_round), kept)
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             messages = self.configure_evaluate(server_round, arrays, evaluate_config, grid)
@@ -440,15 +501,92 @@ class ProtocolStrategy(FlowerFedAvg):
                 result.evaluate_metrics_serverapp[server_round] = scored
             if round_end_fn is not None:
                 round_end_fn(server_round, arrays)
+            if self.max_empty_rounds and len(empty.rounds) >= self.max_empty_rounds:
+                raise EmptyRoundsError(self.empty_rounds_message(empty, consecutive=True))
+        if empty.rounds and self.rounds_aggregated == 0:
+            raise EmptyRoundsError(self.empty_rounds_message(empty, consecutive=False))
         return result
+
+    def empty_rounds_message(self, empty: EmptyTally, *, consecutive: bool) -> str:
+        """One line: which rounds formed no aggregate, the drop counts, the commonest reason."""
+        first, last = empty.rounds[0], empty.rounds[-1]
+        span = f"{first}-{last}" if last != first else f"{first}"
+        if consecutive:
+            head = (
+                f"{len(empty.rounds)} consecutive rounds ({span}) formed no aggregate "
+                f"(max-empty-rounds = {self.max_empty_rounds}): the run stops"
+            )
+        else:
+            head = (
+                f"no round of this run formed an aggregate (rounds {span}): the global model "
+                "never changed, so the run did not complete"
+            )
+        drops = ", ".join(
+            f"{DROPPED_PREFIX}{check} {n}" for check, n in empty.dropped.most_common()
+        )
+        counts = (
+            f"{empty.sampled} replies asked, {empty.kept} kept, {sum(empty.dropped.values())} "
+            f"dropped{f' ({drops})' if drops else ''}, {empty.failures} failed"
+        )
+        if self.secure_aggregation is not None:
+            counts += f", {empty.secure_failures} secure sums failed"
+        return f"{head}; {counts}; commonest reason: {self.empty_reason(empty)}"
+
+    def empty_reason(self, empty: EmptyTally) -> str:
+        """The commonest cause of the empty rounds, in a user's words."""
+        causes = Counter(empty.dropped)
+        if empty.failures:
+            causes["failed"] = empty.failures
+        if empty.secure_failures:
+            causes["secure-sum"] = empty.secure_failures
+        if not causes:
+            return "no node replied with a usable update (check the nodes' logs)"
+        check = causes.most_common(1)[0][0]
+        if check == "failed":
+            return "the nodes' replies were errors (their ClientApps raised or they left)"
+        if check == "secure-sum":
+            return f"the secure sums failed ({empty.secure_error or 'see the errors above'})"
+        return self.drop_reason(check)
+
+    def drop_reason(self, check: str) -> str:
+        """What a reply dropped by `check` lacked, in a user's words."""
+        mismatch = "the replies' arrays did not match the global model's keys and shapes"
+        reasons = {
+            NUM_EXAMPLES: (
+                f"the clients must report a positive, finite {NUM_EXAMPLES!r} metric (at most "
+                f"max-num-examples = {self.max_num_examples or math.inf:g})"
+            ),
+            TRAIN_STEPS: (
+                f"the clients must report {TRAIN_STEPS!r} (the local steps each took, > 0) in "
+                f"their {METRICS!r} record: {type(self).__name__} normalises by it"
+            ),
+            "update-norm": (
+                f"updates exceeded max-update-norm = {self.max_update_norm or math.inf:g} "
+                "times max(||global||, 1)"
+            ),
+            "non-finite": "the replies' arrays held NaN or infinite values",
+            "non-finite-metric": "the replies' metrics held NaN or infinite values",
+            "dtype": "the replies' arrays were integer or bool where the global model's are float",
+            "held": "secure-mode replies held nothing back (is secure_aggregation_mod installed?)",
+            "missing-record": f"the replies lacked their {ARRAYS!r} record",
+            "shape": mismatch,
+            "missing-key": mismatch,
+            "extra-key": mismatch,
+            "decode": "the replies' arrays could not be decoded",
+            "alpha": "DecentNeRF replies carried an alpha_k outside (0, alpha-max]",
+            "gradient-norm": "gradient replies' ||G_k|| exceeded max-gradient-norm",
+        }
+        return reasons.get(check, f"the replies failed the {check!r} check")
 
     def resumable_state(self) -> dict[str, Any]:
         """The strategy's own state a resumed run needs (subclasses add theirs)."""
-        return {"rounds-started": self.rounds_started}
+        return {"rounds-started": self.rounds_started, "rounds-aggregated": self.rounds_aggregated}
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
-        """Take back what `resumable_state` returned."""
+        """Take back what `resumable_state` returned (a checkpoint from before
+        "rounds-aggregated" was kept counts as having aggregated)."""
         self.rounds_started = int(state["rounds-started"])
+        self.rounds_aggregated = int(state.get("rounds-aggregated", 1))
 
     def successful_replies(self, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
@@ -456,7 +594,8 @@ class ProtocolStrategy(FlowerFedAvg):
 
         An error reply (a ClientApp that raised, or the SuperLink answering for a node that
         went away, which names the SuperLink as its source) counts in "num-failures"; so
-        does a reply from a node that was not sampled or a second reply of one node.
+        does a reply from a node that was not sampled or a second reply of one node. A reply
+        with a NaN or infinite metric is dropped ("non-finite-metric", `check_metrics`).
         """
         train_round = self.active_round
         seen: set[int] = set()
@@ -484,6 +623,11 @@ class ProtocolStrategy(FlowerFedAvg):
                 continue
             seen.add(node_id)
             train_round.bytes_up += content_bytes(reply.content)
+            try:
+                check_metrics(reply)
+            except BadReply as bad:
+                self.drop(reply, bad)
+                continue
             yield reply
         if missing := sorted(set(train_round.node_ids) - seen):
             log(
@@ -504,17 +648,20 @@ class ProtocolStrategy(FlowerFedAvg):
         """The successful plaintext replies that pass every check, yielded as they come; a
         bad one is dropped (`drop`) before anything of it reaches the caller's sums.
 
-        Checks, in order: each of `records` present with exactly the expected keys and
-        shapes and finite values (`reply_state`); if `weighted`, a "num-examples" in
+        Checks, in order: finite metrics (`successful_replies`); each of `records` present
+        with exactly the expected keys, shapes and dtypes (the global's, floats cast) and
+        finite values (`reply_state`); if `weighted`, a "num-examples" in
         (0, `max_num_examples`] (the reply's `weight`, else 1); each metric in `scalars`
         positive and finite; then `check_update` (the update-norm bound).
         """
+        dtypes = self.active_round.dtypes
         for reply in self.successful_replies(replies):
             try:
-                checked = CheckedReply(
-                    reply.metadata.src_node_id,
-                    {name: reply_state(reply, name, shapes) for name, shapes in records.items()},
-                )
+                states = {
+                    name: reply_state(reply, name, shapes, dtypes)
+                    for name, shapes in records.items()
+                }
+                checked = CheckedReply(reply.metadata.src_node_id, states)
                 if weighted:
                     checked.weight = reply_metric(
                         reply, NUM_EXAMPLES, positive=True, at_most=self.max_num_examples
@@ -608,30 +755,65 @@ class ProtocolStrategy(FlowerFedAvg):
         """Secure sum of the `records` the replying clients hold, plus their metrics.
 
         Sets the round's train metrics to the held metrics' weighted means and counts the
-        masked upload in "bytes-up". A halted SecAgg+ run is logged as an ERROR, counted in
-        "secure-sum-failures" and returns None (the caller then leaves the global unchanged).
+        masked upload in "bytes-up". A reply that does not hold every record is dropped
+        ("held"). A halted SecAgg+ run, a summed weight that is not positive or a non-finite
+        sum is logged as an ERROR, counted in "secure-sum-failures" and returns None (the
+        caller then leaves the global unchanged); nothing raises.
         """
         if self.secure_aggregation is None:
             raise RuntimeError("secure_sums needs the strategy's secure_aggregation config")
         train_round = self.active_round
-        metric_keys = _held_metric_keys(replies, records)
+        holding = self.holding_replies(replies, records)
+        if not holding:
+            return None
+        metric_keys = _held_metric_keys(holding)
         layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
-        node_ids = [reply.metadata.src_node_id for reply in replies]
+        node_ids = [reply.metadata.src_node_id for reply in holding]
         try:
             result = SecureSum(self.secure_aggregation)(
                 train_round.grid, node_ids, layout, train_round.server_round
             )
         except SecureAggregationError as error:
-            train_round.secure_failures += 1
-            log(ERROR, "secure aggregation failed, nothing of it is used: %s", error)
-            return None
-        train_round.secure_sums += 1
+            return self.secure_failure(f"SecAgg+ halted: {error}")
         train_round.bytes_up += result.bytes_up
         held_metrics = result.sums.pop(METRICS)
         weight = float(held_metrics.pop(WEIGHT_KEY))
-        train_round.secure_metrics = {key: float(v) / weight for key, v in held_metrics.items()}
+        if not (math.isfinite(weight) and weight > result.resolution[METRICS][WEIGHT_KEY]):
+            return self.secure_failure(
+                "the summed weight is not positive (not above the secure sum's resolution)"
+            )
+        if not all(bool(torch.isfinite(v).all()) for s in result.sums.values() for v in s.values()):
+            return self.secure_failure("a summed record holds NaN or infinite values")
+        metric_means = {key: float(v) / weight for key, v in held_metrics.items()}
+        if not all(math.isfinite(value) for value in metric_means.values()):
+            return self.secure_failure("a summed metric is NaN or infinite")
+        train_round.secure_sums += 1
+        train_round.secure_metrics = metric_means
         result.total_weight = weight
         return result
+
+    def secure_failure(self, reason: str) -> None:
+        """Count a secure sum that cannot be used ("secure-sum-failures"), log it; None."""
+        train_round = self.active_round
+        train_round.secure_failures += 1
+        train_round.secure_error = reason
+        where = f"round {train_round.server_round}"
+        log(ERROR, "%s: secure aggregation failed, nothing of it is used: %s", where, reason)
+
+    def holding_replies(
+        self, replies: Sequence[Message], records: Mapping[str, Shapes]
+    ) -> list[Message]:
+        """The secure-mode replies that hold every one of `records` back; others dropped."""
+        holding = []
+        for reply in replies:
+            held = reply.content.config_records.get(HELD)
+            where = f"reply from node {reply.metadata.src_node_id}, record {HELD!r}"
+            missing = sorted(set(records) - set((held or {}).get(HELD_RECORDS, [])))
+            if held is None or missing:
+                self.drop(reply, BadReply("held", f"{where}: does not hold the records {missing}"))
+            else:
+                holding.append(reply)
+        return holding
 
     def like_global(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """`state` with the global arrays' dtypes (secure sums are float64); others as they are."""
@@ -647,17 +829,10 @@ def reply_metrics(reply: Message) -> dict[str, Any]:
     return dict(reply.content.metric_records.get(METRICS, {}))
 
 
-def _held_metric_keys(replies: Sequence[Message], records: Mapping[str, Shapes]) -> list[str]:
-    """Metrics held by every reply (the weight included); ValueError if a record is not held."""
+def _held_metric_keys(replies: Sequence[Message]) -> list[str]:
+    """Metrics held by every reply (`holding_replies`), the weight included."""
     common: set[str] | None = None
     for reply in replies:
-        held = reply.content.config_records.get(HELD)
-        where = f"reply from node {reply.metadata.src_node_id}"
-        if held is None:
-            raise ValueError(f"{where}: secure aggregation is on but the reply holds nothing back")
-        missing = sorted(set(records) - set(held.get(HELD_RECORDS, [])))
-        if missing:
-            raise ValueError(f"{where}: does not hold the records {missing}")
-        keys = set(held.get(HELD_METRICS, []))
+        keys = set(reply.content.config_records[HELD].get(HELD_METRICS, []))
         common = keys if common is None else common & keys
     return sorted((common or set()) | {WEIGHT_KEY})

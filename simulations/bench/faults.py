@@ -1,14 +1,17 @@
 """Benchmark: fault injection. A run survives a killed server, crashing nodes and poisoned
-replies; each row's final PSNR (after test-time optimisation) beside the clean run's.
+replies; each row's final PSNR (after test-time optimisation) beside the clean run's, or the
+error that ended the run.
 
 The job is the faces meta task (FedAvg over FedMeNF's local updates, 20 clients, 5 sampled per
 round) through Flower's simulation engine (Ray). Faults come from Flower client mods that wrap
 the real ClientApp: `Poison` corrupts a train reply of the nodes it names (NaN, a wrong shape,
-a missing key, an update scaled by 1e6, num-examples 1e12), `Crash` makes their ClientApp
+a missing key, an update scaled by 1e6, num-examples 1e12, int8 arrays, a NaN train-loss, and
+under secure aggregation a reply holding nothing back), `Crash` makes their ClientApp
 raise (the server sees what a node dying mid-round looks like: an error reply). The killed
 server is real: `simulations.launch` runs the job, the simulation process that hosts the
 ServerApp is killed (SIGKILL) once round `--kill-after` is in metrics.jsonl, and
-`simulations.launch --resume` finishes the run.
+`simulations.launch --resume` finishes the run. The all-empty row drops every reply
+(max-update-norm 1e-12): the run must end with EmptyRoundsError after max-empty-rounds rounds.
 
     python -m simulations.bench.faults --rounds 8
 """
@@ -31,7 +34,7 @@ import numpy as np
 import psutil
 from flwr.app import Array, Context, Message
 
-from fedfields.flower.protocol import ARRAYS, METRICS, NUM_EXAMPLES
+from fedfields.flower.protocol import ARRAYS, HELD, METRICS, NUM_EXAMPLES, TRAIN_LOSS
 from simulations import APP_DIR
 from simulations.planner import ENVIRONMENT
 from simulations.run import run_with_ray
@@ -39,7 +42,9 @@ from simulations.run import run_with_ray
 OUT = APP_DIR / "runs" / "bench_faults"
 NUM_CLIENTS = 20
 FAULTY = frozenset(range(4))  # partition ids: about 1 of the 5 nodes sampled per round
-POISONS = ("nan", "shape", "missing-key", "scaled-1e6", "num-examples-1e12")
+POISONS = ("nan", "shape", "missing-key", "scaled-1e6", "num-examples-1e12", "int8", "nan-metric")
+SECURE_POISONS = ("no-held",)
+"""Poisons of a secure-mode reply (which carries no arrays): `HELD` removed."""
 CallNext = Callable[[Message, Context], Message]
 
 
@@ -55,6 +60,12 @@ class Poison:
         faulty = int(context.node_config["partition-id"]) in self.nodes
         if msg.metadata.message_type != "train" or not faulty or reply.has_error():
             return reply
+        if self.kind == "no-held":
+            del reply.content[HELD]
+            return reply
+        if self.kind == "nan-metric":
+            reply.content.metric_records[METRICS][TRAIN_LOSS] = float("nan")
+            return reply
         arrays = reply.content.array_records[ARRAYS]
         first = next(iter(arrays))
         if self.kind == "nan":
@@ -68,6 +79,9 @@ class Poison:
                 arrays[key] = Array(arrays[key].numpy() * np.float32(1e6))
         elif self.kind == "num-examples-1e12":
             reply.content.metric_records[METRICS][NUM_EXAMPLES] = 1e12
+        elif self.kind == "int8":
+            for key in list(arrays):
+                arrays[key] = Array(arrays[key].numpy().astype(np.int8))
         else:
             raise ValueError(f"unknown poison {self.kind!r}; known: {POISONS}")
         return reply
@@ -100,13 +114,16 @@ def job_config(run_dir: Path, rounds: int, **extra: Any) -> dict[str, Any]:
 
 
 def outcome(run_dir: Path) -> dict[str, Any]:
-    """Final PSNR after TTO, the rounds in metrics.jsonl and the replies dropped or failed."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    """Final PSNR after TTO (None without summary.json: the run failed), the rounds in
+    metrics.jsonl, the replies dropped or failed and the secure sums that failed."""
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"final": {}}
+    lines = metrics_path.read_text().splitlines() if metrics_path.is_file() else []
     rounds = [json.loads(line) for line in lines]
     return {
         "psnr": summary["final"].get("psnr"),
         "rounds": [line["round"] for line in rounds],
+        "secure-sum-failures": sum(line.get("secure-sum-failures", 0) for line in rounds),
         "failures": sum(line.get("num-failures", 0) for line in rounds),
         "dropped": sum(line.get("num-dropped", 0) for line in rounds),
         "replies": sum(line.get("num-replies", 0) for line in rounds),
@@ -121,7 +138,7 @@ def simulated(name: str, rounds: int, mods: tuple[Any, ...] = (), **extra: Any) 
         run_with_ray(job_config(run_dir, rounds, **extra), NUM_CLIENTS, mods=mods)
         result = outcome(run_dir)
     except Exception as error:  # a fault that ends the run is a result, not a crash of ours
-        result = {"psnr": None, "error": f"{type(error).__name__}: {error}"[:200]}
+        result = {**outcome(run_dir), "error": f"{type(error).__name__}: {error}"[:200]}
     return {"name": name, **result, "wall": time.perf_counter() - started}
 
 
@@ -205,6 +222,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     for kind in POISONS:
         rows.append((kind, lambda k=kind: simulated(k, args.rounds, (Poison(k),))))
+    for kind in SECURE_POISONS:
+        name, secure = f"secure-{kind}", {"secure-aggregation": True}
+        rows.append(
+            (name, lambda n=name, k=kind, e=secure: simulated(n, args.rounds, (Poison(k),), **e))
+        )
+    empty = {"max-update-norm": 1e-12}  # every reply dropped: EmptyRoundsError
+    rows.append(("all-empty", lambda e=empty: simulated("all-empty", args.rounds, **e)))
     for rule in ("mean", "trimmed-mean", "median"):  # the norm check off: the rule alone
         name = f"scaled-1e6-unchecked-{rule}"
         extra = {"aggregation-rule": rule, "max-update-norm": 0.0}
