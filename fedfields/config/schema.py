@@ -313,7 +313,9 @@ class RobustSection:
     "num-dropped"), and the aggregation rule. "median" and "trimmed-mean" are coordinate-wise,
     ignore the clients' num-examples and hold all of a round's replies in memory (the mean
     folds them in one at a time); fedavg, fedprox, fedmenf and fedacg take them, and not
-    with secure aggregation (the server sees only the sum)."""
+    with secure aggregation (the server sees only the sum). A run whose rounds keep forming
+    no aggregate (every reply dropped) ends with an error naming the commonest drop reason;
+    so does one that never formed any. Split mode stops at its first unusable sample reply."""
 
     title: ClassVar[str] = "bad replies and robust aggregation"
     used_by: ClassVar[str] = "every task in mode='federated'"
@@ -324,9 +326,13 @@ class RobustSection:
     max_num_examples: float = key(1e9, "drop a reply whose num-examples exceeds this (0: no cap)")
     aggregation_rule: str = key("mean", "mean (weighted) | trimmed-mean | median (unweighted)")
     trim_fraction: float = key(0.2, "trimmed-mean: share of the replies cut at each end, [0, 0.5)")
+    max_empty_rounds: int = key(
+        3, "this many rounds in a row without an aggregate end the run with an error (0: no limit)"
+    )
 
     def __post_init__(self) -> None:
         _choice(self, "aggregation_rule", AGGREGATION_RULES)
+        _check(self, ["max_empty_rounds"], lambda v: v >= 0, ">= 0 (0: no limit)")
         _check(self, ["max_update_norm", "max_num_examples"], _finite(0.0), "finite and >= 0")
         _check(self, ["trim_fraction"], lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 
