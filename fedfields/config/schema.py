@@ -423,11 +423,11 @@ class FederatedConfig:
                     f"run-config '{changed}' belongs to the {section.title} section, used by "
                     f"{used}; this run is task={task!r} mode={self.common.mode!r}"
                 )
-        changed = {dash(name): (name, value) for name, value in self._changed_values()}
+        changed = {dash(name): value for name, value in self._changed_values()}
         for run_key, reader in self.unread_keys().items():
             if run_key in changed:
                 raise ValueError(
-                    f"run-config '{run_key}' = {changed[run_key][1]!r} is read only with "
+                    f"run-config '{run_key}' = {changed[run_key]!r} is read only with "
                     f"{reader}; this run is {self.describe()}: leave it at its default"
                 )
         if self.common.mode == "split" and self.deployment.min_available_nodes > 1:
