@@ -196,9 +196,10 @@ def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]
     """A new, empty run directory (config.json written), or with run-config `resume` the run
     in `run-dir` and its last round checkpoint.
 
-    Resuming checks that the saved config.json matches this run-config except `resume` and a
-    larger `num-server-rounds` (secure-aggregation settings included), then keeps the lines of
-    metrics.jsonl up to the checkpoint's round: a round the crash interrupted runs again.
+    Resuming checks that the saved config.json matches this run-config (secure-aggregation
+    settings included) except `resume`, a larger `num-server-rounds` and the keys the run
+    never reads, then keeps the lines of metrics.jsonl up to the checkpoint's round: a round
+    the crash interrupted runs again.
     """
     if not config.common.resume:
         run_dir = make_run_dir(config)
@@ -206,7 +207,7 @@ def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]
         return run_dir, None
     run_dir = Path(config.common.run_dir)
     saved, current = read_run_config(run_dir), config.to_run_config()
-    free = {"resume", "num-server-rounds"}
+    free = {"resume", "num-server-rounds"} | config.ignored_keys()
     differing = sorted(k for k in current.keys() - free if saved.get(k, current[k]) != current[k])
     if differing:
         changes = ", ".join(f"{k}: {saved[k]!r} -> {current[k]!r}" for k in differing)

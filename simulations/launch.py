@@ -26,6 +26,7 @@ from pathlib import Path
 
 from flwr.common.config import parse_config_args
 
+from fedfields.config import without_ignored_keys
 from fedfields.flower.resume import read_run_config
 from simulations import APP_DIR
 from simulations.planner import (
@@ -105,8 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def resumed_run_config(run_dir: Path, extra: str) -> str:
-    """The run-config of the run in `run_dir` (its config.json) with resume=true, then `extra`."""
-    saved = {**read_run_config(run_dir), "resume": True}  # ResumeError if missing or damaged
+    """The run-config of the run in `run_dir` (its config.json, less the keys it never read)
+    with resume=true, then `extra`."""
+    saved = {
+        **without_ignored_keys(read_run_config(run_dir)),
+        "resume": True,
+    }  # ResumeError if missing or damaged
     return f"{as_run_config(saved)} {extra}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import tomllib
 from pathlib import Path
@@ -12,7 +13,12 @@ from flwr.app import Context, RecordDict
 from clients.split_client import scene_dir
 from fedfields.config import META_PRESETS, FederatedConfig, MetaSettings, meta_settings
 from fedfields.config.reference import reference
-from fedfields.config.schema import META_TASKS, STRATEGY_KEYS, MetaSection
+from fedfields.config.schema import (
+    META_TASKS,
+    STRATEGY_KEYS,
+    MetaSection,
+    without_ignored_keys,
+)
 from fedfields.flower.node import NodeState, is_simulated, node_data_dir, node_state_dir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "RUN_CONFIG.md"
@@ -465,3 +471,30 @@ def test_a_deployed_split_node_refuses_the_servers_scene() -> None:
     )
     with pytest.raises(ValueError, match="node-config has no 'data-dir'"):
         scene_dir(_context({"state-dir": "/tmp/own"}, {"data-dir": str(lego)}))
+
+
+def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
+    """A config.json holds every key at the defaults of its day: a scene run saved with
+    memorising-bound 0 (before it defaulted to 0.15) is audited and resumed, since the run
+    never read the key; a FedMeNF run that read it keeps its 0."""
+    from fedfields.audit.common import RunError, open_run
+    from fedfields.flower.resume import ResumeError
+    from simulations.federated_nerf import open_run_dir
+
+    saved = {**FederatedConfig().to_run_config(), "memorising-bound": 0.0}
+    with pytest.raises(ValueError, match="'memorising-bound' belongs to the meta section"):
+        FederatedConfig.from_run_config(saved)
+    assert FederatedConfig.from_run_config(without_ignored_keys(saved)) == FederatedConfig()
+    fedmenf = {**saved, "task": "faces"}
+    assert without_ignored_keys(fedmenf)["memorising-bound"] == 0.0
+    maml = {**fedmenf, "meta-learner": "maml"}
+    assert "memorising-bound" not in without_ignored_keys(maml)
+    run = tmp_path / "old-run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({**saved, "run-dir": str(run)}))
+    with pytest.raises(RunError, match="no checkpoint.pt"):  # past the config
+        open_run(run)
+    resumed = FederatedConfig.from_run_config({"run-dir": str(run), "resume": True})
+    with pytest.raises(ResumeError) as refused:  # past the comparison, at the missing resume.pt
+        open_run_dir(resumed)
+    assert "differs" not in str(refused.value)

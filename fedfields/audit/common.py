@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fedfields.config import FederatedConfig
+from fedfields.config import FederatedConfig, without_ignored_keys
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -141,7 +141,7 @@ def open_run(path: Path) -> RunInfo:
         raise RunError(f"{path}: not a fedfields run (no {CONFIG_FILE})")
     try:
         run_config = json.loads((path / CONFIG_FILE).read_text())
-        config = FederatedConfig.from_run_config(run_config)
+        config = FederatedConfig.from_run_config(without_ignored_keys(run_config))
     except ValueError as error:
         raise RunError(f"{path / CONFIG_FILE}: not a fedfields run-config: {error}") from error
     if not (path / CHECKPOINT_FILE).is_file():

@@ -13,6 +13,7 @@ from fedfields.config.schema import (
     SceneSection,
     SecureSection,
     SplitSection,
+    without_ignored_keys,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "SplitSection",
     "meta_round_sizes",
     "meta_settings",
+    "without_ignored_keys",
 ]

@@ -474,6 +474,13 @@ class FederatedConfig:
             unread.setdefault("trim-fraction", "aggregation-rule='trimmed-mean'")
         return unread
 
+    def ignored_keys(self) -> set[str]:
+        """Every run-config key this run never reads: its unused sections' and `unread_keys`."""
+        unused = self.unused_sections()
+        return set(self.unread_keys()) | {
+            dash(spec.name) for name in unused for spec in fields(SECTIONS[name])
+        }
+
     def describe(self) -> str:
         """This run's task, mode, strategy and, for the meta tasks, learner, as run-config."""
         text = f"task={self.common.task!r} mode={self.common.mode!r}"
@@ -592,6 +599,33 @@ class FederatedConfig:
             section, spec = owners[run_key]
             values[section][spec.name] = _typed(run_key, value, spec)
         return cls(**{name: SECTIONS[name](**kwargs) for name, kwargs in values.items()})
+
+
+DECIDING_KEYS = (
+    "task",
+    "mode",
+    "strategy",
+    "meta-learner",
+    "privacy-budget",
+    "secure-aggregation",
+    "aggregation-rule",
+    "min-train-nodes",
+    "clients-per-round",
+    "num-clients",
+)
+"""The keys that decide which other keys a run reads (with those that make them consistent)."""
+
+
+def without_ignored_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved run-config (a run's config.json: every key, at the defaults of the day it ran)
+    without the keys that run never read, so a run saved before a default changed still
+    parses; unchanged when its deciding keys do not parse (the full parse names the fault)."""
+    try:
+        probe = FederatedConfig.from_run_config({k: saved[k] for k in DECIDING_KEYS if k in saved})
+    except ValueError:
+        return dict(saved)
+    ignored = probe.ignored_keys()
+    return {run_key: value for run_key, value in saved.items() if run_key not in ignored}
 
 
 def section_of_keys() -> dict[str, tuple[str, Field[Any]]]:
