@@ -1,5 +1,7 @@
 """Bad replies are dropped, never fatal; robust aggregation (median, trimmed mean) holds
-against a scaled update. Issue 18, item 2.
+against a scaled update (issue 18, item 2). Issue 33: dtypes, non-finite metrics, secure-mode
+bad sums, DecentNeRF's alpha clamp, split sample replies, and runs that keep forming no
+aggregate (`max-empty-rounds`, through the launcher too).
 
 Each bad reply kind is sent by one node next to honest ones; the round must give exactly
 what the honest nodes alone give (the bad reply never touches a sum), stay finite and count
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,6 +71,7 @@ from simulations.split_job import checked_samples, run_split_job
 
 State = dict[str, Tensor]
 F64 = torch.float64
+ROOT = Path(__file__).resolve().parents[1]
 HONEST = 3
 
 
@@ -593,6 +598,7 @@ def test_a_secure_reply_that_holds_nothing_back_is_dropped_and_the_rest_aggregat
     arrays, metrics, _ = secure_round("fedavg", [honest_reply("fedavg", 3), *honest], plain=1)
     expected, _, _ = run_round("fedavg", honest)
     assert metrics["dropped-held"] == 1 and metrics[SECURE_SUMS] == 1
+    assert metrics[NUM_REPLIES] == HONEST  # the plaintext reply's metrics are left out too
     assert arrays is not None and expected is not None
     got, want = arrays_to_state(arrays), arrays_to_state(expected)
     assert max_distance(got, want) < 1e-6  # SecAgg+ quantisation
@@ -810,3 +816,27 @@ def test_the_split_server_stops_at_a_bad_sample_reply_with_one_error(tmp_path: P
         run_split_job(InProcessGrid([flooding]), config, observers=[])
     assert f"split-batch-rays = {SPLIT_RAYS}" in str(raised.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def test_an_all_empty_run_through_the_launcher_exits_non_zero(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """The issue's command (every reply beyond max-update-norm 1e-12, 2 rounds, below
+    max-empty-rounds' 3) on the session's 3-user crowd with tiny documented settings: the
+    run fails with EmptyRoundsError's line, and the launcher exits non-zero (Ray: ~30-60 s)."""
+    run_config = (
+        "strategy='fedavg' max-update-norm=1e-12 num-server-rounds=2 local-steps=1 "
+        "target-samples=1024 hash-log2-size=10 hash-levels=4 client-eval-views=0"
+    )
+    command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--crowd", str(crowd_dir)]
+    command += ["--run-dir", str(tmp_path / "run"), "--run-config", run_config]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    line = "no round of this run formed an aggregate (rounds 1-2)"
+    assert line in output and "updates exceeded max-update-norm = 1e-12" in output, output[-3000:]
+    assert "4 replies asked, 0 kept, 4 dropped (dropped-update-norm 4)" in output  # 2 of 3 x 2
+    assert not (tmp_path / "run" / "summary.json").exists()  # never reported as completed

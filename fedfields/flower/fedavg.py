@@ -100,12 +100,12 @@ class FedAvg(ProtocolStrategy):
         train_round = self.round_state(server_round)
         if self.secure_aggregation is not None:
             held = list(self.successful_replies(replies))  # metrics only: payloads are held
-            metrics = [reply_metrics(reply) for reply in held]
             if not held:
-                return None, self.train_metrics(metrics)
+                return None, self.train_metrics([])
             result = self.secure_sums(held, {ARRAYS: train_round.shapes})
             if result is None:
                 return None, self.train_metrics([])
+            metrics = [reply_metrics(r) for r in held if r.metadata.src_node_id in result.node_ids]
             mean = {key: value / result.total_weight for key, value in result.sums[ARRAYS].items()}
             return state_to_arrays(self.like_global(mean)), self.train_metrics(metrics)
         total, kept, metrics, weights = RunningSum(), [], [], []

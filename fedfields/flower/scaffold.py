@@ -110,12 +110,12 @@ class Scaffold(ProtocolStrategy):
         shapes = train_round.shapes
         if self.secure_aggregation is not None:
             held = list(self.successful_replies(replies))  # metrics only: payloads are held
-            metrics = [reply_metrics(reply) for reply in held]
             if not held:
-                return None, self.train_metrics(metrics)
+                return None, self.train_metrics([])
             result = self.secure_sums(held, {ARRAYS: shapes, CONTROL_DELTA: shapes})
             if result is None:
                 return None, self.train_metrics([])
+            metrics = [reply_metrics(r) for r in held if r.metadata.src_node_id in result.node_ids]
             new_global, self.server_control = scaffold_server_update_from_sums(
                 self.global_state,
                 result.sums[ARRAYS],

@@ -405,13 +405,19 @@ class ProtocolStrategy(FlowerFedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Flower FedAvg's weighted metric mean over the replies without errors."""
+        """Flower FedAvg's weighted metric mean over the replies without errors or
+        non-finite metrics (`check_metrics`)."""
         kept = []
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "evaluation reply failed and is left out: %s", reply.error.reason)
-            else:
-                kept.append(reply)
+                continue
+            try:
+                check_metrics(reply)
+            except BadReply as bad:
+                log(WARNING, "evaluation reply left out (check %r): %s", bad.check, bad)
+                continue
+            kept.append(reply)
         return super().aggregate_evaluate(server_round, kept) if kept else None
 
     @property
