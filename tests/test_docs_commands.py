@@ -7,7 +7,11 @@ lines starting with "$ " do (the prompt is dropped, other lines are output or la
 ending in a backslash continues on the next. `# ...` comments are dropped; leading `VAR=value`
 assignments, `nice -n N` and a `.venv/bin/` before the program are not part of the command.
 Blocks tagged text hold usage synopses: their `--flags` must exist in the named command's
-parser. Other tags (python, toml) are not shell.
+parser. Other tags (python, toml) are not shell. In the prose, an inline code span is a
+command too when it starts with a program this test checks (python, fedfields, flwr, make,
+pip, ray, flower-superlink, flower-supernode), carries a flag (`--name`, `-e`) or a
+`VAR=value`, and has no synopsis mark (`[`, `|`, `<`, `>`, `...`, an upper-case placeholder
+such as N or DIR); a bare name like `make demo` in a sentence is not.
 
 What each command gets: the few in `RUN_AS_PRINTED` run, as printed, in a scratch folder
 holding links to the checkout's data/ and .venv/; every other command's form (its program and
@@ -131,6 +135,26 @@ def fenced_commands(markdown: str, doc: str) -> list[DocCommand]:
     return found
 
 
+INLINE_PROGRAMS = (
+    "python", "fedfields", "flwr", "make", "pip", "ray", "flower-superlink", "flower-supernode",
+)  # fmt: skip
+SYNOPSIS_MARK = re.compile(r"[\[|<>]|\.\.\.|(?<![\w'\"=/.-])[A-Z][A-Z_]*(?![\w'\"=])")
+INLINE_FLAG = re.compile(r"\s(?:--[a-z]|-e\b)|\s[A-Z_]+=")
+
+
+def inline_commands(markdown: str, doc: str) -> list[DocCommand]:
+    """The commands among `markdown`'s inline code spans, by the module docstring's rule."""
+    prose = FENCE.sub(lambda block: "\n" * block[0].count("\n"), markdown)
+    found = []
+    for span in re.finditer(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)?)`(?!`)", prose):
+        text = re.sub(r"\s+", " ", span[1]).strip()
+        if SYNOPSIS_MARK.search(text) or not INLINE_FLAG.search(text):
+            continue
+        if argv_of(text)[:1] and argv_of(text)[0] in INLINE_PROGRAMS:
+            found.append(DocCommand(doc, prose.count("\n", 0, span.start()) + 1, text))
+    return found
+
+
 def synopses(markdown: str, doc: str) -> list[DocCommand]:
     """The usage lines of `text` blocks (continuations joined) that start with `fedfields`."""
     found = []
@@ -146,11 +170,12 @@ def synopses(markdown: str, doc: str) -> list[DocCommand]:
 
 
 def all_commands() -> list[DocCommand]:
-    return [
-        command
-        for path in DOCS
-        for command in fenced_commands(path.read_text(), str(path.relative_to(APP_DIR)))
-    ]
+    """The fenced and inline commands of every document."""
+    found = []
+    for path in DOCS:
+        text, name = path.read_text(), str(path.relative_to(APP_DIR))
+        found += fenced_commands(text, name) + inline_commands(text, name)
+    return found
 
 
 def argv_of(text: str) -> list[str]:
@@ -510,6 +535,15 @@ def test_collection_joins_continued_lines_and_reads_prompts_only_in_console_bloc
         (7, "make test"),
     ]
     assert argv_of(found[0].text) == ["make", "demo", "RUN_CONFIG=local-steps=2"]
+    prose = (
+        'Try `make demo RUN_CONFIG="seed=1"`, not `make demo` alone,\n'
+        "`python -m simulations.launch --clients N` (a synopsis) or `fedfields eval\n"
+        "--checkpoint c.pt --scene s` (one span over two lines).\n"
+    )
+    assert [(c.line, c.text) for c in inline_commands(prose, "doc.md")] == [
+        (1, 'make demo RUN_CONFIG="seed=1"'),
+        (2, "fedfields eval --checkpoint c.pt --scene s"),
+    ]
     assert argv_of("OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python -m x --y") == [
         "python", "-m", "x", "--y",
     ]  # fmt: skip
