@@ -1,7 +1,9 @@
 """This app's one registry of strategy names: run-config `strategy` -> a fedfields.flower class.
 
 Adding a strategy: one module in `fedfields/flower/` (a `ProtocolStrategy` subclass with its
-`strategy_name` and `config_keys`) and one line here.
+`strategy_name` and `config_keys`) and one line here; its own run-config keys also need a
+field in `fedfields/config/schema.py` and a line in pyproject.toml, and a strategy taking the
+robust aggregation rules its name in the schema's ROBUST_STRATEGIES (docs/LIBRARY.md).
 """
 
 from __future__ import annotations
