@@ -11,7 +11,6 @@ observer (`simulations.scene_observer`) that the simulation attaches.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -176,6 +175,7 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
         fraction_evaluate=0.0,  # clients score the global field inside their train reply
         secure_aggregation=config.secure.secure_aggregation_config(),
         node_timeout=config.deployment.round_timeout,
+        sampling_seed=config.common.seed,
     )
 
 
@@ -243,7 +243,6 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
     if observe is None:
         observe = simulation_observed(run_config)
     crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
-    random.seed(config.common.seed)  # the strategies sample each round's nodes with `random`
     strategy = make_strategy(config)  # an unknown strategy fails before anything is written
     run_dir, checkpoint = open_run_dir(config)
     torch.manual_seed(config.common.seed)

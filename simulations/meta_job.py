@@ -534,6 +534,7 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
         "fraction_evaluate": 0.0,
         "secure_aggregation": config.secure.secure_aggregation_config(),
         "node_timeout": config.deployment.round_timeout,
+        "sampling_seed": config.common.seed,
     }
     cls = strategy_class(config.strategy_name)
     if issubclass(cls, FedMeNF):
@@ -558,7 +559,6 @@ def run_meta_job(
     """
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
-    random.seed(config.common.seed)  # Flower samples each round's nodes with `random`
     strategy = make_meta_strategy(config, settings)  # an unknown one fails before any write
     run_dir, checkpoint = open_run_dir(config)
     if observers is None:

@@ -175,7 +175,7 @@ def least_squares_app(
         problem, config = problem_of(context), message.content[CONFIG]
         x, steps = arrays_to_state(message.content[ARRAYS]), int(config[LOCAL_STEPS])
         n = len(problem.targets)
-        if config[STRATEGY] in ("fedavg", "fedprox"):
+        if config[STRATEGY] in ("fedavg", "fedprox", "fedacg"):  # FedACG: prox around x
             mu = float(config.get(PROXIMAL_MU, 0.0))
 
             def prox_gradient(p: LeastSquares, s: State) -> State:

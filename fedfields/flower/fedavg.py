@@ -48,6 +48,9 @@ class FedAvg(ProtocolStrategy):
         secure_aggregation: SecAgg+ settings; set, the server only learns
             sum_k n_k g_k and sum_k n_k (clients put n_k inside the masked vector).
         node_timeout: seconds a round waits for nodes to connect (None: forever).
+        sampling_seed: seeds the strategy's own node-sampling RNG (None: fresh entropy), so
+            a run samples the same nodes with or without SecAgg+, whose workflow shuffles
+            with Python's global `random`.
         max_num_examples: a reply whose "num-examples" exceeds it is dropped (0/None: no cap).
         max_update_norm: a reply with ||g_k - g|| > max_update_norm * max(||g||, 1) is dropped
             (g: the arrays sent; 0/None: no bound).

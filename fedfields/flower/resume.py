@@ -2,8 +2,8 @@
 
 After each completed round the ServerApp writes, atomically, what the next round needs: the
 global state, the strategy's own state (`ProtocolStrategy.resumable_state`: Scaffold's server
-control, FedACG's momentum, DecentNeRF's bookkeeping), the sampling RNG (Flower's strategies
-sample nodes with Python's `random`) and torch's RNG. `ProtocolStrategy.start(first_round=k+1)`
+control, FedACG's momentum, DecentNeRF's bookkeeping), the strategy's node-sampling RNG
+(`ProtocolStrategy.sampling_rng`) and torch's RNG. `ProtocolStrategy.start(first_round=k+1)`
 then continues from round k; the clients continue from their own node state.
 
 Resuming also reads what the crash may have damaged: config.json must be a whole JSON object,
@@ -14,7 +14,6 @@ cut-short last line, while a damaged line before it stops the resume naming the 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -67,7 +66,7 @@ class RoundCheckpoint:
             server_round=server_round,
             state=arrays_to_state(arrays),
             strategy_state=strategy.resumable_state(),
-            sampling_rng=random.getstate(),
+            sampling_rng=strategy.sampling_rng.getstate(),
             torch_rng=torch.get_rng_state(),
             extra=dict(extra or {}),
         )
@@ -79,7 +78,7 @@ class RoundCheckpoint:
     def restore(self, strategy: ProtocolStrategy) -> None:
         """Put the strategy's state and both RNGs back as they were after `server_round`."""
         strategy.restore_state(self.strategy_state)
-        random.setstate(self.sampling_rng)
+        strategy.sampling_rng.setstate(self.sampling_rng)
         torch.set_rng_state(self.torch_rng)
 
 

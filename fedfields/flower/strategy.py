@@ -99,6 +99,7 @@ class StrategyOptions(TypedDict, total=False):
     max_num_examples: float | None
     max_update_norm: float | None
     max_empty_rounds: int
+    sampling_seed: int | None
 
 
 DEFAULT_MAX_NUM_EXAMPLES = 1e9
@@ -252,6 +253,7 @@ class ProtocolStrategy(FlowerFedAvg):
         max_num_examples: float | None = DEFAULT_MAX_NUM_EXAMPLES,
         max_update_norm: float | None = DEFAULT_MAX_UPDATE_NORM,
         max_empty_rounds: int = DEFAULT_MAX_EMPTY_ROUNDS,
+        sampling_seed: int | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -275,6 +277,10 @@ class ProtocolStrategy(FlowerFedAvg):
         if max_empty_rounds < 0:
             raise ValueError(f"max_empty_rounds must be >= 0 (0: no limit), got {max_empty_rounds}")
         self.max_empty_rounds = max_empty_rounds
+        self.sampling_rng = random.Random(sampling_seed)
+        """Draws each round's nodes. The strategy's own, not Python's global `random`: Flower's
+        SecAgg+ workflow shuffles with the global one, and a secure run must sample the same
+        nodes as its plaintext twin."""
         self.current_round: TrainRound | None = None
         self.rounds_started = 0
         self.rounds_aggregated = 0
@@ -346,7 +352,7 @@ class ProtocolStrategy(FlowerFedAvg):
         if self.fraction_train != 0.0:
             connected = self.connected_nodes(grid)
             sample_size = max(int(len(connected) * self.fraction_train), self.min_train_nodes)
-            node_ids = random.sample(connected, min(sample_size, len(connected)))
+            node_ids = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
             log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
         self.rounds_started += 1
         dtypes = {key: str(array.dtype) for key, array in arrays.items()}
@@ -394,7 +400,7 @@ class ProtocolStrategy(FlowerFedAvg):
             return []
         connected = list(grid.get_node_ids())
         sample_size = max(int(len(connected) * self.fraction_evaluate), self.min_evaluate_nodes)
-        node_ids = random.sample(connected, min(sample_size, len(connected)))
+        node_ids = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
         config[SERVER_ROUND] = server_round
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         return [
