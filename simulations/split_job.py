@@ -323,7 +323,12 @@ class SplitAudit:
                 self.transcript.append(SplitExchange(step, self.samples, embeddings, gradient))
                 self.recorded = None
             if SAMPLES in reply.content:
-                self.samples = _samples(reply)
+                split = self.config.split
+                try:
+                    rays = checked_samples(reply, split.split_batch_rays, split.split_samples)
+                except BadReply:  # the server drops this batch and stops: nothing to record
+                    continue
+                self.samples = RaySamples(rays["origins"], rays["directions"], rays["edges"])
 
     def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
         """Nothing per block: the attack runs once, on the whole record."""

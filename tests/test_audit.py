@@ -170,6 +170,27 @@ def test_the_table_has_one_row_per_run_and_every_run_gets_its_files(
         assert not list(run_dir.glob("*.partial"))
 
 
+def test_every_file_of_fresh_runs_is_whole_and_loads_as_weights_only(
+    runs: dict[str, Path], audited: tuple[str, dict[str, dict]]
+) -> None:
+    """The runs' and their nodes' torch files (checkpoint.pt, resume.pt, transcript.pt, node
+    state) hold only tensors and plain containers: `weights_only=True` reads each; the JSON
+    files parse whole, and no temporary file of an atomic write is left anywhere."""
+    root = runs["scene"].parent
+    files = [path for path in root.rglob("*") if path.is_file()]
+    torch_files = [path for path in files if path.suffix == ".pt"]
+    kinds = {path.name for path in torch_files}
+    assert {"checkpoint.pt", "resume.pt", TRANSCRIPT_FILE} <= kinds and len(kinds) > 3
+    for path in torch_files:
+        torch.load(path, map_location="cpu", weights_only=True)
+    for path in files:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".jsonl":
+            assert all(json.loads(line) for line in path.read_text().splitlines())
+    assert [path for path in files if path.name.endswith(".partial")] == []
+
+
 def test_scene_leakage_is_the_personal_psnr_of_the_servers_field(
     runs: dict[str, Path], audited: tuple[str, dict[str, dict]]
 ) -> None:
