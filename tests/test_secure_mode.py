@@ -32,7 +32,7 @@ from test_secure_aggregation import numbers_received as numbers_in_records
 from clients.client_app import PERSONAL
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.crowd import CrowdData
-from fedfields.flower import secure_aggregation
+from fedfields.flower import EmptyRoundsError, secure_aggregation
 from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.flower.protocol import (
     CONFIG,
@@ -261,10 +261,11 @@ def test_the_repo_client_app_forwards_no_values_in_secure_mode(
         crowd_dir, tmp_path / "run", "fedavg", **{"secure-aggregation": True, "min-train-nodes": 3}
     ) | {"num-server-rounds": 1}
     grid = InProcessGrid([client_app(config)] * 3)
-    run_federated_nerf(grid, config, observe=False)  # the round fails, the run goes on
+    with pytest.raises(EmptyRoundsError, match="replies were errors") as raised:
+        run_federated_nerf(grid, config, observe=False)  # the only round failed: no model
     errors = [reply.error.reason for reply in grid.received if reply.has_error()]
     assert errors and all("FloatingPointError" in reason for reason in errors)
-    assert not any(str(SECRET) in reason for reason in errors)
+    assert not any(str(SECRET) in reason for reason in [*errors, str(raised.value)])
 
 
 # ------------------------------------------------------------------ nothing per client
