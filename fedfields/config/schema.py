@@ -122,7 +122,11 @@ class CommonSection:
         "fednova | fedexp | fedacg",
     )
     num_server_rounds: int = key(8, "federated rounds")
-    seed: int = key(0, "seeds the initial model, the nodes' sampling and local randomness")
+    seed: int = key(
+        0,
+        "seeds the initial model, the server's node sampling and local randomness (through "
+        "Ray node ids are random per run, so the users a seeded draw picks still vary)",
+    )
     run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
     resume: bool = key(False, "continue run-dir's run from its last completed round")
     downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
