@@ -49,15 +49,17 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 def write_report(run_dir: Path) -> Path:
     """Write `<run_dir>/report.html` from the files in `run_dir`; returns its path.
 
-    Sections appear for the files that exist: summary.json, audit.json, metrics.jsonl (drawn
-    as per-round curves), every PNG under the run directory, alphas.jsonl and config.json.
+    Sections appear for the files that exist: every PNG under the run directory, summary.json,
+    audit.json, metrics.jsonl (per-round curves of the metrics that change; the constant ones
+    in one line), alphas.jsonl and config.json. The page names the run, never its absolute
+    path (a report is shared).
     """
     run_dir = Path(run_dir)
-    sections = [
+    sections = [  # what a reader wants first: the renders and figures, then the numbers
+        _figures_section(run_dir),
         _json_section("Summary", run_dir / "summary.json"),
         _json_section("Audit", run_dir / "audit.json"),
         _curves_section(run_dir / "metrics.jsonl"),
-        _figures_section(run_dir),
         _alphas_section(run_dir / "alphas.jsonl"),
         _json_section("Run config", run_dir / "config.json"),
     ]
@@ -66,9 +68,7 @@ def write_report(run_dir: Path) -> Path:
         "<!DOCTYPE html>\n<html lang='en'>\n<head>\n<meta charset='utf-8'>\n"
         f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">\n"
         f"<title>{_text(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
-        f"<h1>{_text(title)}</h1>\n<p class='note'>{_text(run_dir.resolve())}</p>\n"
-        + "".join(sections)
-        + "</body>\n</html>\n"
+        f"<h1>{_text(title)}</h1>\n" + "".join(sections) + "</body>\n</html>\n"
     )
     path = run_dir / REPORT_FILE
     atomic.write_text(path, page)
@@ -201,6 +201,15 @@ def _curves_section(path: Path) -> str:
     )
     if not metrics:
         return _section("Curves", "<p class='note'>metrics.jsonl holds no numeric metric</p>\n")
+    constant = {metric: _constant_value(records, metric) for metric in metrics}
+    constant = {metric: value for metric, value in constant.items() if value is not None}
+    metrics = [metric for metric in metrics if metric not in constant]
+    note = ""
+    if constant:
+        listed = ", ".join(f"{metric} {value:.4g}" for metric, value in constant.items())
+        note = f"<p class='note'>constant over the run: {_text(listed)}</p>\n"
+    if not metrics:
+        return _section("Curves", note)
     rows = math.ceil(len(metrics) / CURVE_COLUMNS)
     figure = Figure(figsize=(4 * CURVE_COLUMNS, 2.6 * rows))
     axes = figure.subplots(rows, CURVE_COLUMNS, squeeze=False).ravel()
@@ -222,7 +231,17 @@ def _curves_section(path: Path) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=80)
     image = _image(buffer.getvalue(), "per-round curves from metrics.jsonl")
-    return _section("Curves", f"<figure>{image}<figcaption>metrics.jsonl</figcaption></figure>\n")
+    figure_html = f"<figure>{image}<figcaption>metrics.jsonl</figcaption></figure>\n"
+    return _section("Curves", figure_html + note)
+
+
+def _constant_value(records: list[dict[str, Any]], metric: str) -> Any:
+    """The metric's value when every record holding it has the same one (and more than one
+    record holds it), else None: a flat line is read better as a number."""
+    values = [record[metric] for record in records if metric in record]
+    if len(values) > 1 and all(value == values[0] for value in values):
+        return values[0]
+    return None
 
 
 def _figures_section(run_dir: Path) -> str:

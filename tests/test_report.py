@@ -85,6 +85,9 @@ def test_the_report_shows_the_run_escaped_and_self_contained(tmp_path: Path) -> 
     assert set(pngs.values()) <= set(embedded)
     assert not re.search(r"""(?:src|href)=['"](?!data:)""", page)  # nothing to fetch
     assert "<th>user 1</th>" in page  # alphas.jsonl as a round x user grid
+    # num-failures stays 0 over the rounds: one line, not a flat plot; train-psnr is drawn
+    assert "constant over the run: num-failures 0</p>" in page
+    assert str(tmp_path) not in page  # the run's name, never its absolute path
     (run_dir / "extra.png").write_bytes(png("green"))  # written again whole, e.g. by an audit
     assert write_report(run_dir).read_text().count("data:image/png") == len(pngs) + 2
 
@@ -150,7 +153,7 @@ def test_every_image_of_a_real_report_loads_in_a_browser(
     assert result["broken"] == []
     assert result["total"] == page.read_text().count("data:image/png") > 1
     title = f"fedfields run {real_run.name}"
-    assert result["headings"] == [title, "Summary", "Curves", "Figures", "Run config"]
+    assert result["headings"] == [title, "Figures", "Summary", "Curves", "Run config"]
     settings = json.loads((real_run / "config.json").read_text())
     shown = result["text"]
     assert all(key in shown for key in settings), "a run-config key is not on the page"
