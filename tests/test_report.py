@@ -81,7 +81,7 @@ def test_the_report_shows_the_run_escaped_and_self_contained(tmp_path: Path) -> 
         assert f"<th>{key}</th>" in page
     assert "<script" not in page and html.escape("<script>alert('x')</script>") in page
     embedded = [base64.b64decode(data) for data in DATA_PNG.findall(page)]
-    assert len(embedded) == len(pngs) + 1  # and the curves drawn from metrics.jsonl
+    assert len(embedded) == len(pngs) + 1  # and the quality curves drawn from metrics.jsonl
     assert set(pngs.values()) <= set(embedded)
     assert not re.search(r"""(?:src|href)=['"](?!data:)""", page)  # nothing to fetch
     assert "<th>user 1</th>" in page  # alphas.jsonl as a round x user grid
@@ -90,6 +90,37 @@ def test_the_report_shows_the_run_escaped_and_self_contained(tmp_path: Path) -> 
     assert str(tmp_path) not in page  # the run's name, never its absolute path
     (run_dir / "extra.png").write_bytes(png("green"))  # written again whole, e.g. by an audit
     assert write_report(run_dir).read_text().count("data:image/png") == len(pngs) + 2
+
+
+def test_a_reader_sees_what_ran_the_final_figures_renders_then_grouped_curves(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "scene-run"
+    synthetic_run(run_dir)
+    config = {"task": "scene", "mode": "federated", "strategy": "decentnerf"}
+    (run_dir / "config.json").write_text(json.dumps(config | {"num-server-rounds": 3, "seed": 1}))
+    final = {"clean-psnr": 21.5, "personal-psnr": 9.0, "personal-psnr-floor": 8.5}
+    rounds = [
+        {"round": r, "clean-psnr": 15.0 + r, "personal-psnr": 8.0 + r / 10, "bytes-up": 100 * r}
+        for r in (1, 2, 3)
+    ]
+    summary = {"secure-aggregation": {"enabled": True}, "final": final, "rounds": rounds}
+    (run_dir / "summary.json").write_text(json.dumps(summary | {"seconds": 61.0}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    gif = Image.new("RGB", (4, 4), "red")
+    gif.save(run_dir / "orbit.gif", save_all=True, append_images=[Image.new("RGB", (4, 4))])
+    page = write_report(run_dir).read_text()
+    assert "decentnerf on task scene (federated) · 3 of 3 rounds · seed 1 · secure " in page
+    order = [page.index(f"<h2>{name}</h2>") for name in ("Final figures", "Renders", "Figures")]
+    order += [page.index(f"<h3>{group}</h3>") for group in ("quality", "privacy", "cost")]
+    assert order == sorted(order)
+    assert "personal-psnr is +0.50 dB from its floor" in page  # within the margin: no leak
+    assert "scene quality" in page  # clean-psnr's meaning
+    assert page.count("data:image/gif;base64,") == 1 and "orbiting" in page
+    assert "health" not in page  # no health metric in this run's lines
+    final["personal-psnr"] = 12.0
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert "3.50 dB above its floor" in write_report(run_dir).read_text()
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +133,8 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_run_ends_with_its_report(real_run: Path) -> None:
     page = (real_run / REPORT_FILE).read_text()
     pngs = list(real_run.rglob("*.png"))
-    assert pngs and page.count("data:image/png") == len(pngs) + 1
+    curves = page.count("curves from metrics.jsonl")
+    assert pngs and curves >= 2 and page.count("data:image/png") == len(pngs) + curves
     assert "<th>tto-steps</th>" in page and "tto.png" in page
     assert not list(real_run.glob("*.partial"))
 
@@ -153,9 +185,18 @@ def test_every_image_of_a_real_report_loads_in_a_browser(
     assert result["broken"] == []
     assert result["total"] == page.read_text().count("data:image/png") > 1
     title = f"fedfields run {real_run.name}"
-    assert result["headings"] == [title, "Figures", "Summary", "Curves", "Run config"]
+    assert result["headings"] == [
+        title,
+        "Final figures",
+        "Figures",
+        "Curves",
+        "Summary",
+        "Run config",
+    ]
     settings = json.loads((real_run / "config.json").read_text())
     shown = result["text"]
+    assert "after test-time optimisation" in shown  # the final figure's meaning
+    assert "2 of 2 rounds" in shown and "faces" in shown  # the line of what ran
     assert all(key in shown for key in settings), "a run-config key is not on the page"
     assert f"task\t{settings['task']}" in shown  # a table row: key and value side by side
     assert "tto.png" in shown
