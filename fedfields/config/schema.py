@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 TASKS = ("scene", "faces", "photos", "video", "objects")
@@ -72,6 +73,8 @@ SECAGG_KEYS = (
     "secagg-clipping-range",
     "secagg-max-exponent",
 )
+DP_KEYS = ("dp-clip-norm", "dp-delta", "dp-target-epsilon")
+"""Keys only read beside dp-noise-multiplier > 0."""
 
 
 def key(default: Any, doc: str) -> Any:
@@ -312,6 +315,47 @@ class SecureSection:
 
 
 @dataclass(frozen=True)
+class DPSection:
+    """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018; docs/PRIVACY.md):
+    each sampled client's update clipped to dp-clip-norm over all its tensors, Gaussian noise
+    of std dp-noise-multiplier x dp-clip-norm on their sum, epsilon at dp-delta accounted per
+    round. Not wired into the strategies yet: a job with dp-noise-multiplier > 0 refuses to
+    start rather than train without the privacy it was asked for."""
+
+    title: ClassVar[str] = "differential privacy"
+    used_by: ClassVar[str] = "every task in mode='federated'"
+
+    dp_noise_multiplier: float = key(
+        0.0, "z: noise std z x dp-clip-norm on the sum of clipped updates (0: no DP)"
+    )
+    dp_clip_norm: float = key(
+        0.0, "C: L2 bound on each client's update, all tensors jointly (> 0 with noise)"
+    )
+    dp_delta: float = key(
+        1e-5, "delta of the reported (epsilon, delta), in (0, 1): keep it << 1 / clients"
+    )
+    dp_target_epsilon: float = key(
+        0.0, "stop before epsilon at dp-delta exceeds it; refuse plans that cannot (0: none)"
+    )
+
+    def __post_init__(self) -> None:
+        self.dp_config()  # validates the dp-* keys
+
+    def dp_config(self) -> DPConfig | None:
+        """The DP settings when `dp-noise-multiplier` > 0, else None."""
+        try:
+            config = DPConfig(
+                noise_multiplier=self.dp_noise_multiplier,
+                clip_norm=self.dp_clip_norm,
+                delta=self.dp_delta,
+                target_epsilon=self.dp_target_epsilon,
+            )
+        except ValueError as error:
+            raise ValueError(f"run-config {error}") from None
+        return config if config.enabled else None
+
+
+@dataclass(frozen=True)
 class RobustSection:
     """What a plaintext reply may carry before the server drops it (counted in the round's
     "num-dropped"), and the aggregation rule. "median" and "trimmed-mean" are coordinate-wise,
@@ -381,6 +425,7 @@ SECTIONS: dict[str, type] = {
     "meta": MetaSection,
     "split": SplitSection,
     "secure": SecureSection,
+    "dp": DPSection,
     "robust": RobustSection,
     "deployment": DeploymentSection,
 }
@@ -396,6 +441,7 @@ class FederatedConfig:
     meta: MetaSection = field(default_factory=MetaSection)
     split: SplitSection = field(default_factory=SplitSection)
     secure: SecureSection = field(default_factory=SecureSection)
+    dp: DPSection = field(default_factory=DPSection)
     robust: RobustSection = field(default_factory=RobustSection)
     deployment: DeploymentSection = field(default_factory=DeploymentSection)
 
@@ -454,7 +500,7 @@ class FederatedConfig:
         them: split mode's unread keys, a strategy's own settings under another strategy,
         FedMeNF's under another learner, gamma beside a privacy budget (Eq. 13-14 set it),
         SecAgg+ settings without secure aggregation, max-update-norm with it (the server
-        sees only the sum), trim-fraction beside another rule."""
+        sees only the sum), trim-fraction beside another rule, dp-* without DP noise."""
         unread: dict[str, str] = {}
         if self.common.mode == "split":
             unread |= dict.fromkeys(FEDERATED_ONLY, "mode='federated'")
@@ -476,6 +522,8 @@ class FederatedConfig:
             unread.setdefault("max-update-norm", "secure-aggregation=false (the server sees sums)")
         if self.robust.aggregation_rule != "trimmed-mean":
             unread.setdefault("trim-fraction", "aggregation-rule='trimmed-mean'")
+        if self.dp.dp_noise_multiplier == 0:
+            unread |= {k: "dp-noise-multiplier > 0" for k in DP_KEYS if k not in unread}
         return unread
 
     def ignored_keys(self) -> set[str]:
@@ -570,6 +618,7 @@ class FederatedConfig:
             unused["split"] = SplitSection.used_by
         else:  # one client, no aggregation
             unused["secure"] = SecureSection.used_by
+            unused["dp"] = DPSection.used_by
             unused["robust"] = RobustSection.used_by
         return unused
 
@@ -612,6 +661,7 @@ DECIDING_KEYS = (
     "meta-learner",
     "privacy-budget",
     "secure-aggregation",
+    "dp-noise-multiplier",
     "aggregation-rule",
     "min-train-nodes",
     "clients-per-round",

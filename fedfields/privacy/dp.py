@@ -1,0 +1,380 @@
+"""Client-level differential privacy for federated averaging (DP-FedAvg, McMahan et al. 2018).
+
+Each sampled client's update (its model minus the global, over all its tensors jointly) is
+clipped to L2 norm C, so adding or removing one client moves the sum of clipped updates by at
+most C. Gaussian noise of std z*C on that sum makes each round a sampled Gaussian mechanism
+with noise multiplier z:
+
+- central DP: the server adds N(0, (z C)^2) to the sum (`central_noise_std`). Divided by the
+  n sampled clients this is Flower's std z*C/n on the mean (`mean_noise_std`, Flower's
+  `compute_stdv`), the same mechanism when the mean is uniform over n clients.
+- distributed DP (secure aggregation): each of the n sampled clients adds N(0, z^2 C^2 / n)
+  to its clipped update before masking (`distributed_noise_std`), so only the noised sum ever
+  exists; with d dropouts the sum carries z*sqrt((n-d)/n) (`effective_noise_multiplier`),
+  which is what the accountant must charge.
+
+`DPAccountant` composes the rounds as Poisson-subsampled Gaussian mechanisms (add-or-remove-one
+client) in Renyi DP with Google's dp-accounting (what Flower's `RdpAccountant` wraps) and
+reports epsilon at delta. Pure PyTorch; updates are state dicts (`dict[str, Tensor]`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import secrets
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+State = Mapping[str, Tensor]
+
+NOISE_MULTIPLIER_KEY = "dp-noise-multiplier"
+CLIP_NORM_KEY = "dp-clip-norm"
+DELTA_KEY = "dp-delta"
+TARGET_EPSILON_KEY = "dp-target-epsilon"
+MAX_ROUNDS = 1 << 40
+"""`rounds_within` stops counting here: a plan this long is never the binding constraint."""
+
+
+class NonFiniteUpdateError(ValueError):
+    """An update holds NaN or infinite values: its norm, and so its clip, is undefined."""
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """Client-level DP settings, validated; each error names its run-config key.
+
+    noise_multiplier z (0: DP off), clip_norm C (> 0 when z > 0), delta of the reported
+    (epsilon, delta) in (0, 1), target_epsilon (0: no target) the run must not exceed.
+    """
+
+    noise_multiplier: float = 0.0
+    clip_norm: float = 0.0
+    delta: float = 1e-5
+    target_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.noise_multiplier, NOISE_MULTIPLIER_KEY, _finite_at_least(0.0), ">= 0")
+        _require(self.clip_norm, CLIP_NORM_KEY, _finite_at_least(0.0), ">= 0")
+        _require(self.delta, DELTA_KEY, lambda v: 0.0 < v < 1.0, "in (0, 1)")
+        _require(self.target_epsilon, TARGET_EPSILON_KEY, _finite_at_least(0.0), ">= 0")
+        if self.enabled and self.clip_norm == 0:
+            raise ValueError(
+                f"'{CLIP_NORM_KEY}' must be > 0 when '{NOISE_MULTIPLIER_KEY}' = "
+                f"{self.noise_multiplier} > 0: the noise is scaled to the clip norm C"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether updates are clipped and noised (noise multiplier > 0)."""
+        return self.noise_multiplier > 0
+
+
+def _finite_at_least(least: float) -> Any:
+    return lambda value: math.isfinite(value) and value >= least
+
+
+def _require(value: float, run_key: str, ok: Any, rule: str) -> None:
+    """ValueError naming the run-config key unless `ok(value)`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+        raise ValueError(f"'{run_key}' must be finite and {rule}, got {value!r}")
+
+
+def _check_update(update: State) -> None:
+    """ValueError unless `update` holds floating tensors only, all finite."""
+    if len(update) == 0:
+        raise ValueError("update has no tensors")
+    for key, tensor in update.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"update key {key!r}: {tensor.dtype} is not floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteUpdateError(f"update key {key!r}: NaN or infinite values")
+
+
+def update_norm(update: State) -> float:
+    """L2 norm over all tensors of `update` jointly, in float64, without overflow."""
+    _check_update(update)
+    values = [tensor.detach().double() for tensor in update.values()]
+    squares = math.fsum(float(value.square().sum()) for value in values)
+    if math.isfinite(squares):
+        return math.sqrt(squares)
+    largest = max(float(value.abs().max()) for value in values if value.numel())
+    scaled = math.fsum(float((value / largest).square().sum()) for value in values)
+    return largest * math.sqrt(scaled)
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def clip_update(update: State, clip_norm: float) -> tuple[dict[str, Tensor], float]:
+    """(update scaled to L2 norm <= clip_norm over all tensors jointly, its pre-clip norm).
+
+    Flower's FlatClip (`compute_clip_model_update`): factor min(1, C / norm). A clipped update
+    is shrunk by a few units of its dtype's roundoff more, so rounding back to float16 or
+    float32 cannot push its norm above C. Raises NonFiniteUpdateError on NaN or Inf.
+    """
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"clip norm must be finite and > 0, got {clip_norm!r}")
+    norm = update_norm(update)
+    if norm <= clip_norm:
+        return {key: tensor.detach().clone() for key, tensor in update.items()}, norm
+    margin = max(4 * max(_unit_roundoff(t.dtype) for t in update.values()), 1e-12)
+    factor = clip_norm / norm * (1 - margin)
+    clipped = {
+        key: (tensor.detach().double() * factor).to(tensor.dtype) for key, tensor in update.items()
+    }
+    return clipped, norm
+
+
+def clip_model_update(
+    local: State, reference: State, clip_norm: float
+) -> tuple[dict[str, Tensor], float]:
+    """A client's clipped update local - reference (reference's keys, local's dtypes) and its
+    pre-clip norm; the difference is taken in float64."""
+    missing = [key for key in reference if key not in local]
+    if missing:
+        raise ValueError(f"local state lacks keys {missing}")
+    difference = {
+        key: (local[key].detach().double() - value.detach().double()).to(local[key].dtype)
+        for key, value in reference.items()
+    }
+    return clip_update(difference, clip_norm)
+
+
+def central_noise_std(noise_multiplier: float, clip_norm: float) -> float:
+    """Std of the Gaussian noise the server adds to the SUM of clipped updates: z C."""
+    return noise_multiplier * clip_norm
+
+
+def mean_noise_std(noise_multiplier: float, clip_norm: float, num_sampled: int) -> float:
+    """The same noise on the uniform MEAN over the n sampled clients: z C / n (Flower's
+    `compute_stdv`, which Flower's DP wrappers add to the aggregated arrays)."""
+    return noise_multiplier * clip_norm / _positive_count(num_sampled, "sampled clients")
+
+
+def distributed_noise_std(noise_multiplier: float, clip_norm: float, num_sampled: int) -> float:
+    """Std each of n clients adds to its clipped update before secure aggregation, so that
+    the sum of n shares has std z C: z C / sqrt(n)."""
+    return noise_multiplier * clip_norm / math.sqrt(_positive_count(num_sampled, "sampled clients"))
+
+
+def effective_noise_multiplier(noise_multiplier: float, num_sampled: int, num_summed: int) -> float:
+    """The multiplier the secure sum really carries when only `num_summed` of the
+    `num_sampled` clients' noise shares arrived: z sqrt(num_summed / num_sampled)."""
+    sampled = _positive_count(num_sampled, "sampled clients")
+    if not 0 <= num_summed <= sampled:
+        raise ValueError(f"summed clients must be in [0, {sampled}], got {num_summed}")
+    return noise_multiplier * math.sqrt(num_summed / sampled)
+
+
+def _positive_count(count: int, what: str) -> int:
+    if count < 1:
+        raise ValueError(f"{what} must be >= 1, got {count}")
+    return count
+
+
+def noise_generator(seed: int | None = None) -> torch.Generator:
+    """A CPU generator for DP noise: seeded for tests, else from the OS's secret randomness.
+
+    Never seed real DP noise from run-config: whoever knows the seed can subtract the noise.
+    """
+    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def gaussian_noise(like: State, std: float, generator: torch.Generator) -> dict[str, Tensor]:
+    """N(0, std^2) per entry, float64 CPU tensors shaped like `like`'s, drawn in key order."""
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"noise std must be finite and >= 0, got {std!r}")
+    return {
+        key: torch.randn(tuple(tensor.shape), generator=generator, dtype=torch.float64) * std
+        for key, tensor in like.items()
+    }
+
+
+def add_gaussian_noise(state: State, std: float, generator: torch.Generator) -> dict[str, Tensor]:
+    """`state` + N(0, std^2) per entry, added in float64, each key back in its dtype."""
+    _check_update(state)
+    noise = gaussian_noise(state, std, generator)
+    return {
+        key: (tensor.detach().double() + noise[key].to(tensor.device)).to(tensor.dtype)
+        for key, tensor in state.items()
+    }
+
+
+@dataclass(frozen=True)
+class RoundCharge:
+    """One round as the accountant sees it: clients sampled with probability q, noise
+    multiplier z (the effective one where dropouts lowered it)."""
+
+    sampling_rate: float
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        q, z = self.sampling_rate, self.noise_multiplier
+        if isinstance(q, bool) or not (math.isfinite(q) and 0.0 <= q <= 1.0):
+            raise ValueError(f"sampling rate must be in [0, 1], got {q!r}")
+        if isinstance(z, bool) or not (math.isfinite(z) and z >= 0.0):
+            raise ValueError(f"noise multiplier must be finite and >= 0, got {z!r}")
+
+
+def _check_delta(delta: float) -> float:
+    if isinstance(delta, bool) or not (math.isfinite(delta) and 0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return float(delta)
+
+
+def _rdp_accountant(orders: Sequence[float] | None) -> Any:
+    """A fresh dp-accounting RDP accountant (add-or-remove-one neighbours)."""
+    from dp_accounting.rdp import RdpAccountant
+
+    return RdpAccountant(orders=None if orders is None else list(orders))
+
+
+def _compose(accountant: Any, charge: RoundCharge, count: int) -> None:
+    """Compose `count` rounds of `charge` as Poisson-subsampled Gaussian mechanisms.
+
+    dp-accounting logs a warning for each fractional order whose series does not converge
+    (q >= ~0.25) and leaves that order out, which can only raise epsilon; the warnings are
+    kept out of the run's log.
+    """
+    from dp_accounting import dp_event
+
+    gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier)
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        accountant.compose(dp_event.PoissonSampledDpEvent(charge.sampling_rate, gaussian), count)
+    finally:
+        absl_logger.setLevel(level)
+
+
+def epsilon_of(
+    charges: Iterable[RoundCharge], delta: float, orders: Sequence[float] | None = None
+) -> float:
+    """Epsilon at `delta` of the composed rounds (Renyi DP of Poisson-subsampled Gaussians,
+    add-or-remove-one client; dp-accounting's default orders unless `orders` is given).
+    inf when a sampled round had no noise; 0 for no rounds."""
+    accountant = _rdp_accountant(orders)
+    for charge, count in Counter(charges).items():
+        _compose(accountant, charge, count)
+    return float(accountant.get_epsilon(_check_delta(delta)))
+
+
+def rounds_within(
+    target_epsilon: float,
+    sampling_rate: float,
+    noise_multiplier: float,
+    delta: float,
+    spent: Iterable[RoundCharge] = (),
+    orders: Sequence[float] | None = None,
+) -> int:
+    """How many more rounds of (q, z) keep epsilon at `delta` <= `target_epsilon` after the
+    rounds already `spent` (at most MAX_ROUNDS). A plan of more rounds cannot meet it."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon!r}")
+    charge = RoundCharge(sampling_rate, noise_multiplier)
+    _check_delta(delta)
+    base = _rdp_accountant(orders)
+    for previous, count in Counter(spent).items():
+        _compose(base, previous, count)
+    return _rounds_within(base, target_epsilon, charge, delta)
+
+
+def _rounds_within(base: Any, target_epsilon: float, charge: RoundCharge, delta: float) -> int:
+    """Largest R <= MAX_ROUNDS with epsilon(base + R x charge) <= target (epsilon grows with
+    R): doubling, then bisection, each probe one composition with a count."""
+
+    def fits(rounds: int) -> bool:
+        probe = copy.deepcopy(base)
+        _compose(probe, charge, rounds)
+        return float(probe.get_epsilon(delta)) <= target_epsilon
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        if high == MAX_ROUNDS:
+            return MAX_ROUNDS
+        low, high = high, min(2 * high, MAX_ROUNDS)
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+class DPAccountant:
+    """The privacy loss of a run so far: one charge (q, z) per aggregated round, epsilon at
+    `delta` after each; `state_dict` / `from_state_dict` carry it across a resume."""
+
+    def __init__(
+        self,
+        delta: float,
+        charges: Iterable[RoundCharge] = (),
+        orders: Sequence[float] | None = None,
+    ) -> None:
+        self.delta = _check_delta(delta)
+        self.orders = None if orders is None else tuple(float(order) for order in orders)
+        self._charges = list(charges)
+        self._backend = _rdp_accountant(self.orders)
+        for charge, count in Counter(self._charges).items():
+            _compose(self._backend, charge, count)
+
+    @property
+    def charges(self) -> tuple[RoundCharge, ...]:
+        """The rounds charged so far, in order."""
+        return tuple(self._charges)
+
+    def charge(self, sampling_rate: float, noise_multiplier: float) -> float:
+        """Charge one round of sampling rate q and noise multiplier z; epsilon afterwards."""
+        charge = RoundCharge(sampling_rate, noise_multiplier)
+        _compose(self._backend, charge, 1)
+        self._charges.append(charge)
+        return self.epsilon()
+
+    def epsilon(self) -> float:
+        """Epsilon at `delta` spent by the rounds charged so far."""
+        return float(self._backend.get_epsilon(self.delta))
+
+    def epsilon_after(
+        self, sampling_rate: float, noise_multiplier: float, rounds: int = 1
+    ) -> float:
+        """Epsilon if `rounds` more rounds of (q, z) were charged; charges nothing."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        probe = copy.deepcopy(self._backend)
+        _compose(probe, RoundCharge(sampling_rate, noise_multiplier), rounds)
+        return float(probe.get_epsilon(self.delta))
+
+    def rounds_left(
+        self, target_epsilon: float, sampling_rate: float, noise_multiplier: float
+    ) -> int:
+        """How many more rounds of (q, z) keep epsilon <= `target_epsilon`."""
+        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+            raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon!r}")
+        charge = RoundCharge(sampling_rate, noise_multiplier)
+        return _rounds_within(self._backend, target_epsilon, charge, self.delta)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: delta, orders and the (q, z) of every charged round."""
+        return {
+            "delta": self.delta,
+            "orders": None if self.orders is None else list(self.orders),
+            "charges": [[c.sampling_rate, c.noise_multiplier] for c in self._charges],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> DPAccountant:
+        """The accountant `state_dict` saved; ValueError naming what is malformed."""
+        try:
+            charges = [RoundCharge(float(q), float(z)) for q, z in state["charges"]]
+            return cls(float(state["delta"]), charges, state.get("orders"))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"DP accountant state is malformed: {error}") from None

@@ -1,0 +1,392 @@
+"""Client-level DP (fedfields.privacy.dp) against independent references: Flower's own clipping
+and noise scale (flwr.supercore.differential_privacy), Flower's RdpAccountant, the sampled
+Gaussian's closed-form Renyi DP (Mironov, Talwar and Zhang 2019) and Abadi et al.'s published
+epsilon; the run-config's dp-* keys and the job's refusal while DP is not wired in."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, SamplingMethod
+from flwr.serverapp import RdpAccountant as FlowerRdpAccountant
+from flwr.supercore.differential_privacy import (
+    compute_clip_model_update,
+    compute_stdv,
+    get_norm,
+)
+
+from fedfields.config import FederatedConfig
+from fedfields.privacy.dp import (
+    MAX_ROUNDS,
+    DPAccountant,
+    DPConfig,
+    NonFiniteUpdateError,
+    RoundCharge,
+    add_gaussian_noise,
+    central_noise_std,
+    clip_model_update,
+    clip_update,
+    distributed_noise_std,
+    effective_noise_multiplier,
+    epsilon_of,
+    gaussian_noise,
+    mean_noise_std,
+    noise_generator,
+    rounds_within,
+)
+from simulations.server_app import run_job
+
+INTEGER_ORDERS = tuple(range(2, 65))
+"""Orders at which the sampled Gaussian's RDP has a closed form (and fast to compose)."""
+
+
+def independent_norm(state: dict[str, torch.Tensor]) -> float:
+    """||state|| from numpy float64 with exact summation (no code shared with the module)."""
+    flat = np.concatenate([t.double().numpy().ravel() for t in state.values()])
+    largest = float(np.abs(flat).max()) if flat.size else 0.0
+    if largest == 0.0:
+        return 0.0
+    return largest * math.sqrt(math.fsum((flat / largest) ** 2))
+
+
+def random_update(generator: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One to four tensors of random shapes at a random scale that dtype can hold."""
+    largest_exponent = {torch.float16: 3, torch.float32: 30, torch.float64: 200}[dtype]
+    exponent = int(torch.randint(-6, largest_exponent + 1, (1,), generator=generator))
+    update = {}
+    for index in range(int(torch.randint(1, 5, (1,), generator=generator))):
+        shape = tuple(
+            int(s) for s in torch.randint(1, 7, (int(index % 3) + 1,), generator=generator)
+        )
+        values = torch.randn(shape, generator=generator, dtype=torch.float64) * 10.0**exponent
+        update[f"layer{index}.weight"] = values.to(dtype)
+    return update
+
+
+def as_state(arrays: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Flower's list of arrays as a state dict keyed "0", "1", ... (ArrayRecord's keys)."""
+    return {str(index): torch.from_numpy(array.copy()) for index, array in enumerate(arrays)}
+
+
+# ---------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_clipping_never_lets_an_update_exceed_the_clip_norm(dtype: torch.dtype) -> None:
+    """Over many random updates (norms from 1e-6 to 1e200) and clip norms: the clipped update's
+    norm, measured independently, is <= C; one already inside is returned unchanged; one
+    outside keeps its direction and lands on C."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(150):
+        update = random_update(generator, dtype)
+        clip_norm = float(10.0 ** torch.empty(1).uniform_(-3, 3, generator=generator))
+        clipped, norm = clip_update(update, clip_norm)
+        assert norm == pytest.approx(independent_norm(update), rel=1e-12)
+        assert independent_norm(clipped) <= clip_norm * (1 + 1e-12)
+        assert [(t.dtype, t.shape) for t in clipped.values()] == [
+            (t.dtype, t.shape) for t in update.values()
+        ]
+        if norm <= clip_norm:
+            assert all(torch.equal(clipped[k], update[k]) for k in update)
+        else:
+            unit = max(4 * torch.finfo(dtype).eps, 2e-12)
+            assert independent_norm(clipped) >= clip_norm * (1 - unit)
+            for key, value in update.items():
+                torch.testing.assert_close(
+                    clipped[key].double(),
+                    value.double() * (clip_norm / norm),
+                    rtol=unit,
+                    atol=torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps,  # subnormals
+                )
+
+
+def test_hostile_updates_are_refused_or_clipped_without_overflow() -> None:
+    nan = {"a": torch.ones(3), "b": torch.tensor([1.0, math.nan])}
+    with pytest.raises(NonFiniteUpdateError, match="update key 'b': NaN or infinite"):
+        clip_update(nan, 1.0)
+    with pytest.raises(NonFiniteUpdateError, match="key 'a'"):
+        clip_update({"a": torch.tensor([math.inf], dtype=torch.float16)}, 1.0)
+    with pytest.raises(ValueError, match="update key 'steps': torch.int64 is not floating"):
+        clip_update({"steps": torch.tensor([3])}, 1.0)
+    with pytest.raises(ValueError, match="no tensors"):
+        clip_update({}, 1.0)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="clip norm must be finite and > 0"):
+            clip_update({"a": torch.ones(2)}, bad)
+    # a zero update (a client that did not move) is its own clip
+    zero = {"a": torch.zeros(4, dtype=torch.float16), "b": torch.zeros(2, 2)}
+    clipped, norm = clip_update(zero, 0.5)
+    assert norm == 0.0 and all(torch.equal(clipped[k], zero[k]) for k in zero)
+    # squares beyond float64's range: the norm is still exact, the clip lands on C
+    huge = {"a": torch.full((3,), 1e200, dtype=torch.float64), "b": torch.tensor([1e30])}
+    clipped, norm = clip_update(huge, 2.0)
+    assert norm == pytest.approx(math.sqrt(3) * 1e200, rel=1e-12)
+    assert independent_norm(clipped) == pytest.approx(2.0, rel=1e-6)  # float32's margin
+    # float16 whose squares overflow float16 itself
+    wide = {"a": torch.full((1000,), 6e4, dtype=torch.float16)}
+    clipped, norm = clip_update(wide, 1.0)
+    assert norm == pytest.approx(6e4 * math.sqrt(1000), rel=1e-3)
+    assert independent_norm(clipped) <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol"), [(np.float32, 1e-6), (np.float64, 1e-11)], ids=["float32", "float64"]
+)
+def test_the_clip_is_flowers_compute_clip_model_update(dtype: type, rtol: float) -> None:
+    """Flower's FlatClip (the fixed-clipping wrappers and fixedclipping_mod) as the oracle:
+    same norm, same clipped model reference + clip(local - reference), up to our safety margin
+    of a few units of roundoff."""
+    rng = np.random.default_rng(3)
+    for clip_norm in (0.1, 1.0, 5.0, 1e3):
+        shapes = [(4, 3), (3,), (2, 2, 2)]
+        reference = [rng.normal(size=s).astype(dtype) for s in shapes]
+        local = [r + rng.normal(scale=2.0, size=r.shape).astype(dtype) for r in reference]
+        flower = [a.copy() for a in local]
+        compute_clip_model_update(flower, reference, clip_norm)
+
+        clipped, norm = clip_model_update(as_state(local), as_state(reference), clip_norm)
+        difference = [l_ - r for l_, r in zip(local, reference, strict=True)]
+        assert norm == pytest.approx(
+            get_norm(difference), rel=1e-6 if dtype is np.float32 else 1e-12
+        )
+        for index, expected in enumerate(flower):
+            ours = reference[index].astype(np.float64) + clipped[str(index)].double().numpy()
+            np.testing.assert_allclose(ours, expected, rtol=rtol, atol=rtol * clip_norm)
+
+
+# ---------------------------------------------------------------- noise
+
+
+def test_central_noise_has_std_z_c_on_the_sum_and_flowers_z_c_over_n_on_the_mean() -> None:
+    z, clip_norm, clients = 1.3, 0.7, 8
+    assert central_noise_std(z, clip_norm) == pytest.approx(z * clip_norm)
+    assert mean_noise_std(z, clip_norm, clients) == pytest.approx(
+        compute_stdv(z, clip_norm, clients)
+    )
+    summed = {"w": torch.zeros(200_000), "b": torch.zeros(7)}
+    noised = add_gaussian_noise(summed, central_noise_std(z, clip_norm), noise_generator(11))
+    measured = float(noised["w"].double().std())
+    # the std of 200k draws is within 1% (about six standard errors) of the true one
+    assert measured == pytest.approx(z * clip_norm, rel=0.01)
+    assert abs(float(noised["w"].double().mean())) < 5 * z * clip_norm / math.sqrt(200_000)
+    assert measured / clients == pytest.approx(compute_stdv(z, clip_norm, clients), rel=0.01)
+
+
+def test_distributed_noise_shares_sum_to_z_c_and_dropouts_lower_it_as_charged() -> None:
+    """n clients each add N(0, z^2 C^2 / n); the secure sum of all n shares has std z C; with d
+    dropouts the surviving shares have std z C sqrt((n - d) / n) = effective multiplier x C."""
+    z, clip_norm, clients, size = 1.1, 2.0, 7, 100_000
+    share_std = distributed_noise_std(z, clip_norm, clients)
+    assert share_std == pytest.approx(z * clip_norm / math.sqrt(clients))
+    zero = {"w": torch.zeros(size)}
+    shares = [add_gaussian_noise(zero, share_std, noise_generator(100 + k))["w"] for k in range(7)]
+    assert float(torch.stack(shares).sum(0).std()) == pytest.approx(z * clip_norm, rel=0.015)
+    for dropped in (1, 3):
+        survivors = torch.stack(shares[dropped:]).sum(0)
+        effective = effective_noise_multiplier(z, clients, clients - dropped)
+        assert effective == pytest.approx(z * math.sqrt((clients - dropped) / clients))
+        assert float(survivors.std()) == pytest.approx(effective * clip_norm, rel=0.015)
+    assert effective_noise_multiplier(z, clients, clients) == z
+    with pytest.raises(ValueError, match="summed clients must be in \\[0, 7\\]"):
+        effective_noise_multiplier(z, clients, 8)
+
+
+def test_noise_is_reproducible_under_a_seed_and_secret_without_one() -> None:
+    like = {"a": torch.zeros(5), "b": torch.zeros(2, 3, dtype=torch.float16)}
+    first = gaussian_noise(like, 1.0, noise_generator(5))
+    again = gaussian_noise(like, 1.0, noise_generator(5))
+    assert all(torch.equal(first[k], again[k]) for k in like)
+    other = gaussian_noise(like, 1.0, noise_generator(6))
+    assert not torch.equal(first["a"], other["a"])
+    unseeded = [gaussian_noise(like, 1.0, noise_generator())["a"] for _ in range(2)]
+    assert not torch.equal(*unseeded)
+    noised = add_gaussian_noise(like, 1.0, noise_generator(5))
+    assert noised["b"].dtype == torch.float16 and noised["a"].dtype == torch.float32
+    with pytest.raises(NonFiniteUpdateError):
+        add_gaussian_noise({"a": torch.tensor([math.nan])}, 1.0, noise_generator(5))
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def sampled_gaussian_rdp(q: float, sigma: float, order: int) -> float:
+    """RDP at an integer order of one Poisson-subsampled Gaussian round, in closed form:
+    log(sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2-k) / (2 sigma^2))) / (a-1) (Mironov et al. 2019)."""
+    terms = [
+        math.log(math.comb(order, k))
+        + (order - k) * math.log1p(-q)
+        + k * math.log(q)
+        + (k * k - k) / (2 * sigma**2)
+        for k in range(order + 1)
+    ]
+    top = max(terms)
+    return (top + math.log(math.fsum(math.exp(t - top) for t in terms))) / (order - 1)
+
+
+def test_epsilon_reproduces_abadi_et_al_and_the_closed_form() -> None:
+    """Abadi et al. 2016 (Sec. 3.1): q = 0.01, sigma = 4, delta = 1e-5, T = 10000 steps gives
+    epsilon ~ 1.26 with the moments accountant's conversion. The closed-form RDP with that
+    conversion reproduces 1.26; with the tighter conversion dp-accounting uses (Canonne et al.
+    2020, Prop. 12) it must equal our accountant's epsilon; the default orders do no worse."""
+    q, sigma, steps, delta = 0.01, 4.0, 10_000, 1e-5
+    rdp = {a: steps * sampled_gaussian_rdp(q, sigma, a) for a in INTEGER_ORDERS}
+    moments = min(rdp[a] + math.log(1 / delta) / (a - 1) for a in range(2, 33))
+    assert round(moments, 2) == 1.26
+    tight = min(rdp[a] + math.log1p(-1 / a) - math.log(delta * a) / (a - 1) for a in rdp)
+    ours = epsilon_of([RoundCharge(q, sigma)] * steps, delta, INTEGER_ORDERS)
+    assert ours == pytest.approx(tight, rel=1e-10)
+    assert tight == pytest.approx(1.0354900660, rel=1e-9)
+    assert DPAccountant(delta, [RoundCharge(q, sigma)] * steps).epsilon() <= ours + 1e-12
+
+
+def test_epsilon_matches_dp_accountings_published_rdp() -> None:
+    """dp-accounting's own test values: q = 0.01, z = 2.5, 50 rounds have RDP 2.18075656e-03 at
+    order 5 and 2.38460375e-02 at order 50; with one order the epsilon is that RDP converted."""
+    delta = 1e-5
+    for order, published in ((5, 2.18075656e-03), (50, 2.38460375e-02)):
+        accountant = DPAccountant(delta, orders=[order])
+        for _ in range(50):
+            epsilon = accountant.charge(0.01, 2.5)
+        expected = published + math.log1p(-1 / order) - math.log(delta * order) / (order - 1)
+        assert epsilon == pytest.approx(expected, rel=1e-8)
+
+
+def test_the_accountant_equals_flowers_rdp_accountant_and_grows_with_rounds() -> None:
+    """5 of 20 clients per round (q = 0.25), z = 1.0, delta = 1e-5: after each round our epsilon
+    equals Flower's RdpAccountant (Poisson, add-or-remove-one) to 1e-12, and grows."""
+    delta, population, sampled, z = 1e-5, 20, 5, 1.0
+    flower = FlowerRdpAccountant(
+        PrivacyConfig(
+            target_delta=delta,
+            population_size=population,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.POISSON,
+        )
+    )
+    event = GaussianPrivacyEvent(
+        noise_multiplier=z, sample_size=sampled, population_size=population
+    )
+    ours = DPAccountant(delta)
+    epsilons = []
+    for _ in range(4):
+        flower.compose(event)
+        epsilons.append(ours.charge(sampled / population, z))
+        assert epsilons[-1] == pytest.approx(flower.get_epsilon(delta), rel=1e-12)
+    assert all(b > a > 0 for a, b in zip(epsilons, epsilons[1:], strict=False))
+    # a round whose dropouts lowered the noise costs more than a full one
+    full = DPAccountant(delta).charge(0.25, z)
+    short = DPAccountant(delta).charge(0.25, effective_noise_multiplier(z, 5, 3))
+    assert short > full
+    # no noise: unbounded; nobody sampled: free
+    assert DPAccountant(delta).charge(0.25, 0.0) == math.inf
+    assert DPAccountant(delta).charge(0.0, 1.0) == 0.0
+
+
+def test_rounds_within_is_the_largest_plan_that_meets_the_target() -> None:
+    q, z, delta, target = 0.05, 1.2, 1e-5, 3.0
+    rounds = rounds_within(target, q, z, delta, orders=INTEGER_ORDERS)
+    assert rounds > 1
+    charge = RoundCharge(q, z)
+    assert epsilon_of([charge] * rounds, delta, INTEGER_ORDERS) <= target
+    assert epsilon_of([charge] * (rounds + 1), delta, INTEGER_ORDERS) > target
+    # after some rounds are spent, the rest of the budget allows exactly the remainder
+    accountant = DPAccountant(delta, orders=INTEGER_ORDERS)
+    for _ in range(3):
+        accountant.charge(q, z)
+    left = accountant.rounds_left(target, q, z)
+    assert left == rounds - 3
+    assert accountant.epsilon_after(q, z, left) <= target < accountant.epsilon_after(q, z, left + 1)
+    assert len(accountant.charges) == 3  # looking ahead charged nothing
+    assert rounds_within(target, q, 0.0, delta, orders=INTEGER_ORDERS) == 0
+    assert rounds_within(target, 0.0, z, delta, orders=INTEGER_ORDERS) == MAX_ROUNDS
+    assert rounds_within(0.01, 1.0, 1.0, delta, orders=INTEGER_ORDERS) == 0
+    with pytest.raises(ValueError, match="target epsilon must be finite and > 0"):
+        rounds_within(0.0, q, z, delta)
+
+
+def test_the_accountant_state_survives_a_resume() -> None:
+    delta = 1e-6
+    uninterrupted = DPAccountant(delta, orders=INTEGER_ORDERS)
+    first = DPAccountant(delta, orders=INTEGER_ORDERS)
+    for q, z in ((0.25, 1.0), (0.2, 0.9), (0.25, 1.0)):
+        uninterrupted.charge(q, z)
+        first.charge(q, z)
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["charges"] == [[0.25, 1.0], [0.2, 0.9], [0.25, 1.0]]
+    resumed = DPAccountant.from_state_dict(saved)
+    assert resumed.epsilon() == first.epsilon()
+    assert resumed.charge(0.3, 1.1) == pytest.approx(uninterrupted.charge(0.3, 1.1), rel=1e-12)
+    for bad in ({"charges": [[0.2, 1.0]]}, {"delta": 1e-5, "charges": [[1.5, 1.0]]},
+                {"delta": 2.0, "charges": []}, {"delta": 1e-5, "charges": [[0.1]]}):  # fmt: skip
+        with pytest.raises(ValueError, match="DP accountant state is malformed"):
+            DPAccountant.from_state_dict(bad)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_dp_config_validation_names_the_run_config_key() -> None:
+    assert not DPConfig().enabled
+    assert DPConfig(noise_multiplier=1.0, clip_norm=0.5).enabled
+    with pytest.raises(ValueError, match="'dp-noise-multiplier' must be finite and >= 0"):
+        DPConfig(noise_multiplier=-1.0, clip_norm=1.0)
+    with pytest.raises(ValueError, match="'dp-clip-norm' must be > 0 when 'dp-noise-multiplier'"):
+        DPConfig(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="'dp-delta' must be finite and in \\(0, 1\\), got 1.0"):
+        DPConfig(noise_multiplier=1.0, clip_norm=1.0, delta=1.0)
+    with pytest.raises(ValueError, match="'dp-target-epsilon' must be finite and >= 0"):
+        DPConfig(noise_multiplier=1.0, clip_norm=1.0, target_epsilon=math.inf)
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"dp-noise-multiplier": -0.5}, "run-config 'dp-noise-multiplier' must be finite and >= 0"),
+        ({"dp-noise-multiplier": 1.0}, "run-config 'dp-clip-norm' must be > 0 when"),
+        (
+            {"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, "dp-delta": 0.0},
+            "run-config 'dp-delta' must be finite and in \\(0, 1\\), got 0.0",
+        ),
+        (
+            {"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, "dp-target-epsilon": -2.0},
+            "run-config 'dp-target-epsilon' must be finite and >= 0, got -2.0",
+        ),
+        ({"dp-delta": "small"}, "run-config 'dp-delta' must be float, got 'small'"),
+        (
+            {"dp-clip-norm": 1.0},
+            "run-config 'dp-clip-norm' = 1.0 is read only with dp-noise-multiplier > 0",
+        ),
+        (
+            {"mode": "split", "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0},
+            "'dp-noise-multiplier' belongs to the differential privacy section, used by every "
+            "task in mode='federated'",
+        ),
+    ],
+)
+def test_bad_dp_run_config_gets_one_error_naming_the_key(run_config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig.from_run_config(run_config)
+
+
+def test_a_dp_run_config_parses_and_the_job_refuses_to_train_without_it() -> None:
+    run_config = {
+        "dp-noise-multiplier": 1.1,
+        "dp-clip-norm": 0.5,
+        "dp-delta": 1e-6,
+        "dp-target-epsilon": 8,
+    }
+    config = FederatedConfig.from_run_config(run_config)
+    assert config.dp.dp_config() == DPConfig(1.1, 0.5, 1e-6, 8.0)
+    assert FederatedConfig.from_run_config({"task": "faces", **run_config}).dp.dp_config()
+    assert FederatedConfig().dp.dp_config() is None
+
+    class UntouchableGrid:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the job used the grid ({name}) before refusing")
+
+    with pytest.raises(NotImplementedError, match="'dp-noise-multiplier' = 1.1: client-level DP"):
+        run_job(UntouchableGrid(), run_config)  # type: ignore[arg-type]
