@@ -162,19 +162,31 @@ def test_tcnn_without_tinycudann_raises_a_clear_error(monkeypatch: pytest.Monkey
         HashGridEncoding(HashGridConfig(implementation="tcnn"))
 
 
-def test_auto_implementation_follows_tcnn_availability(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_implementation_picks_triton_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encodings, "tcnn_available", lambda: True)
-    assert resolve_implementation(HashGridConfig(implementation="auto")) == "tcnn"
-    assert resolve_implementation(HashGridConfig(implementation="torch")) == "torch"
-    monkeypatch.setattr(encodings, "tcnn_available", lambda: False)
-    assert resolve_implementation(HashGridConfig(implementation="auto")) == "torch"
+    monkeypatch.setattr(encodings, "triton_available", lambda: True)
+    auto = HashGridConfig(implementation="auto")
+    assert resolve_implementation(auto, "cuda") == "triton"
+    assert resolve_implementation(auto, "cpu") == "torch"  # never tcnn: other weights
+    assert resolve_implementation(HashGridConfig(implementation="torch"), "cuda") == "torch"
+    monkeypatch.setattr(encodings, "triton_available", lambda: False)
+    assert resolve_implementation(auto, "cuda") == "torch"
 
 
-@pytest.mark.skipif(tcnn_available(), reason="tinycudann is available here")
+def test_triton_where_it_cannot_run_raises_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="'triton' cannot run on cpu.*CUDA tensors"):
+        resolve_implementation(HashGridConfig(implementation="triton"), "cpu")
+    if not torch.cuda.is_available():  # a CPU machine refuses when the grid is built
+        with pytest.raises(RuntimeError, match="'triton' cannot run on cpu"):
+            HashGridEncoding(HashGridConfig(implementation="triton"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")
 def test_auto_builds_the_torch_grid_here() -> None:
     config = HashGridConfig(num_levels=2, log2_hashmap_size=8, base_resolution=2, max_resolution=4)
     assert config.implementation == "auto"
-    assert HashGridEncoding(config).implementation == "torch"
+    assert resolve_implementation(config, HashGridEncoding(config).table.device) == "torch"
 
 
 # ------------------------------------------------------------------ positional / SH encodings

@@ -126,7 +126,7 @@ def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
         ({"fraction-train": 1.5}, "'fraction-train' must be in \\(0, 1\\], got 1.5"),
         (
             {"hash-backend": "cuda"},
-            "'hash-backend' must be one of \\('torch', 'tcnn'\\), got 'cuda'",
+            "'hash-backend' must be one of \\('auto', 'torch', 'triton', 'tcnn'\\), got 'cuda'",
         ),
         ({"seed": "one"}, "'seed' must be int, got 'one'"),
         ({"task": "faces", "gamma": 2.0}, "'gamma' must be in \\[0, 1\\], got 2.0"),

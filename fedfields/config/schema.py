@@ -25,7 +25,7 @@ from fedfields.privacy.secure_sum import SecureAggregationConfig
 TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]
 MODES = ("federated", "split")
-HASH_BACKENDS = ("torch", "tcnn")
+HASH_BACKENDS = ("auto", "torch", "triton", "tcnn")
 LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 AGGREGATION_RULES = ("mean", "trimmed-mean", "median")
@@ -194,7 +194,11 @@ class SceneSection:
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
     hash_max_resolution: int = key(400, "finest hash-grid resolution")
-    hash_backend: str = key("torch", "torch | tcnn (a node without tinycudann+CUDA refuses)")
+    hash_backend: str = key(
+        "auto",
+        "auto (triton on a CUDA node, torch on CPU) | torch | triton (a node without CUDA "
+        "refuses) | tcnn (needs tinycudann+CUDA; federates only with tcnn nodes)",
+    )
     scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
     eval_views_per_round: int = key(4, "simulation observer: user views it scores per round")
     client_eval_views: int = key(1, "views each user holds out and scores the global field on")

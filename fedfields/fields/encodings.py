@@ -1,12 +1,21 @@
 """Input encodings: NeRF positional encoding, spherical harmonics, multi-resolution hash grid.
 
-The hash grid has a pure-PyTorch implementation (the default, fast on CPU) and a tinycudann
-backend with the same configuration, chosen automatically when tinycudann and CUDA are present.
+Hash-grid backends (`HashGridConfig.implementation`):
+- "torch": pure PyTorch, the reference and the CPU path;
+- "triton": Triton kernels (fedfields.fields.hashgrid_triton) for CUDA tensors, compiled at
+  run time (no nvcc); with TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests);
+- "auto" (default): triton when the table is on a CUDA device and triton imports, else torch,
+  decided at every forward, so a grid built on CPU and moved with .to("cuda") goes fast;
+- "tcnn": tinycudann, only when asked: its parameters are laid out its own way, so it
+  exchanges weights only with other tcnn grids.
+torch and triton share the `table` parameter and its indexing, so their state_dicts match and
+CPU and GPU nodes federate.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -80,7 +89,7 @@ class HashGridConfig:
     log2_hashmap_size: int = 19
     base_resolution: int = 16
     max_resolution: int = 2048
-    implementation: Literal["auto", "torch", "tcnn"] = "auto"
+    implementation: Literal["auto", "torch", "triton", "tcnn"] = "auto"
 
     @property
     def per_level_scale(self) -> float:
@@ -112,8 +121,33 @@ def tcnn_available() -> bool:
     return True
 
 
-def resolve_implementation(config: HashGridConfig) -> Literal["torch", "tcnn"]:
-    """Pick the backend: tcnn when asked or when 'auto' finds it, else pure PyTorch."""
+@cache
+def triton_available() -> bool:
+    """True when triton imports (it ships with PyTorch's CUDA wheels on Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """True when triton kernels can run on tensors of `device`: CUDA, or the interpreter."""
+    on_device = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and triton_available()
+
+
+def resolve_implementation(
+    config: HashGridConfig, device: torch.device | str | None = None
+) -> Literal["torch", "triton", "tcnn"]:
+    """The backend that runs a grid whose table is on `device` (default: CUDA when visible).
+
+    'auto' never picks tcnn (its weights do not federate with torch or triton grids). A
+    backend that cannot run there raises one clear error naming what is missing.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if config.implementation == "tcnn":
         if not tcnn_available():
             raise RuntimeError(
@@ -121,8 +155,16 @@ def resolve_implementation(config: HashGridConfig) -> Literal["torch", "tcnn"]:
                 "install the 'tcnn' extra on a CUDA machine or use implementation='torch'"
             )
         return "tcnn"
-    if config.implementation == "auto" and tcnn_available():
-        return "tcnn"
+    if config.implementation == "triton":
+        if not triton_runs_on(device):
+            raise RuntimeError(
+                f"hash grid implementation 'triton' cannot run on {device}: it needs triton "
+                f"(installed: {triton_available()}) and CUDA tensors (or TRITON_INTERPRET=1 "
+                "set before triton is imported); use implementation='auto' or 'torch'"
+            )
+        return "triton"
+    if config.implementation == "auto" and device.type == "cuda" and triton_available():
+        return "triton"
     return "torch"
 
 
@@ -168,8 +210,10 @@ class HashGridEncoding(nn.Module):
         super().__init__()
         self.config = config
         self.out_dim = config.num_levels * config.features_per_level
-        self.implementation = resolve_implementation(config)
-        if self.implementation == "tcnn":
+        # checked now for the machine (a node that cannot run it refuses before training);
+        # resolved again at each forward for the table's device
+        self.implementation = config.implementation
+        if resolve_implementation(config) == "tcnn":
             self.tcnn_encoding = _make_tcnn_encoding(config)
             return
         hashmap_size = 2**config.log2_hashmap_size
@@ -200,6 +244,13 @@ class HashGridEncoding(nn.Module):
     def forward(self, points: Tensor) -> Tensor:
         if self.implementation == "tcnn":
             return self.tcnn_encoding(points.clamp(0.0, 1.0)).float()
+        if resolve_implementation(self.config, self.table.device) == "triton":
+            from fedfields.fields.hashgrid_triton import HashGridTriton
+
+            return HashGridTriton.apply(
+                self.table, points, self.resolutions, self.strides, self.level_offsets,
+                self.num_dense_levels, self.hash_mask,
+            )  # fmt: skip
         indices, weights = self.corner_indices_and_weights(points)
         features = _EmbeddingBagSum.apply(self.table, indices, weights)
         return features.view(points.shape[0], self.out_dim)

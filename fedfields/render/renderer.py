@@ -13,11 +13,11 @@ from fedfields.geometry.rays import Rays, image_rays, intersect_aabb
 from fedfields.render.occupancy import OccupancyGrid
 from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import (
+    CompositeBackend,
     RenderOutputs,
     composite_dense,
-    composite_packed,
     dense_weights,
-    packed_weights,
+    render_packed,
 )
 
 
@@ -33,6 +33,7 @@ class RenderConfig:
     num_importance: int = 0  # hierarchical resamples per ray (0: off)
     step_size: float = 3.0 * 3**0.5 / 256  # marching step with an occupancy grid
     chunk: int = 8192  # rays per forward pass when rendering images
+    composite: CompositeBackend = "auto"  # packed samples: triton on CUDA if it imports, else torch
 
     @property
     def aabb_tensor(self) -> Tensor:
@@ -77,10 +78,10 @@ def render_rays(
         points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
         sample_images = None if image_index is None else image_index[samples.ray_index]
         outputs = _query(field, points, directions, sample_images)
-        weights = packed_weights(outputs.density, samples.deltas, samples.ray_index, len(rays))
-        rendered = composite_packed(
-            weights, outputs.rgb, samples.t_mid, samples.ray_index, len(rays), background
-        )
+        rendered, weights = render_packed(
+            outputs.density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index,
+            len(rays), background, config.composite,
+        )  # fmt: skip
         uncertainty = None
         if outputs.uncertainty is not None:
             uncertainty = weights.new_zeros(len(rays)).index_add(

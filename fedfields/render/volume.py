@@ -1,15 +1,22 @@
 """Volume rendering (emission-absorption quadrature, Max 1995 / NeRF Eq. 3).
 
 Two layouts of the same sum: dense [R, S] samples (stratified / hierarchical sampling) and
-packed samples with a ray index each (occupancy-grid marching skips empty space).
+packed samples with a ray index each (occupancy-grid marching skips empty space). Packed
+samples have two backends behind `render_packed`: the torch functions here (the reference and
+the CPU path) and Triton kernels (fedfields.render.composite_triton) for CUDA tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+from fedfields.fields.encodings import triton_available, triton_runs_on
+
+CompositeBackend = Literal["auto", "torch", "triton"]
 
 
 @dataclass
@@ -70,3 +77,50 @@ def composite_packed(
     depth = weights.new_zeros(num_rays).index_add(0, ray_index, weights * t_mid)
     color = color + (1.0 - opacity)[:, None] * background
     return RenderOutputs(rgb=color, depth=depth, opacity=opacity)
+
+
+def composite_backend(
+    backend: CompositeBackend, device: torch.device
+) -> Literal["torch", "triton"]:
+    """'auto': triton for CUDA tensors when it imports, else torch; 'triton' where it cannot
+    run raises one clear error."""
+    if backend == "triton":
+        if not triton_runs_on(device):
+            raise RuntimeError(
+                f"packed compositing backend 'triton' cannot run on {device}: it needs triton "
+                f"(installed: {triton_available()}) and CUDA tensors (or TRITON_INTERPRET=1 "
+                "set before triton is imported); use 'auto' or 'torch'"
+            )
+        return "triton"
+    if backend == "auto" and device.type == "cuda" and triton_available():
+        return "triton"
+    return "torch"
+
+
+def render_packed(
+    densities: Tensor,
+    deltas: Tensor,
+    rgb: Tensor,
+    t_mid: Tensor,
+    ray_index: Tensor,
+    num_rays: int,
+    background: Tensor,
+    backend: CompositeBackend = "auto",
+) -> tuple[RenderOutputs, Tensor]:
+    """Per-ray outputs and per-sample weights [S] of packed samples sorted by ray.
+
+    The same sums as `packed_weights` then `composite_packed`, differentiable in densities,
+    colours (and deltas, depths, background when they need gradients) on either backend.
+    """
+    if composite_backend(backend, densities.device) == "torch":
+        weights = packed_weights(densities, deltas, ray_index, num_rays)
+        rendered = composite_packed(weights, rgb, t_mid, ray_index, num_rays, background)
+        return rendered, weights
+    from fedfields.render.composite_triton import PackedComposite
+
+    # where each ray's samples start (and the last ends), without a host sync
+    rays = torch.arange(num_rays + 1, device=ray_index.device, dtype=ray_index.dtype)
+    starts = torch.searchsorted(ray_index, rays)
+    weights, color, depth, opacity = PackedComposite.apply(densities, deltas, t_mid, rgb, starts)
+    color = color + (1.0 - opacity)[:, None] * background
+    return RenderOutputs(rgb=color, depth=depth, opacity=opacity), weights
