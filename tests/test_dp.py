@@ -126,6 +126,19 @@ def test_hostile_updates_are_refused_or_clipped_without_overflow() -> None:
     clipped, norm = clip_update(huge, 2.0)
     assert norm == pytest.approx(math.sqrt(3) * 1e200, rel=1e-12)
     assert independent_norm(clipped) == pytest.approx(2.0, rel=1e-6)  # float32's margin
+    # a float16 model whose difference from the global is beyond float16's range
+    local = {"a": torch.full((2,), 6e4, dtype=torch.float16)}
+    reference = {"a": torch.full((2,), -6e4, dtype=torch.float16)}
+    clipped, norm = clip_model_update(local, reference, 1.0)
+    assert (
+        norm == pytest.approx(1.2e5 * math.sqrt(2), rel=1e-3)
+        and clipped["a"].dtype == torch.float16
+    )
+    assert independent_norm(clipped) <= 1.0
+    # the unclipped update is a copy, never the caller's tensors
+    small = {"a": torch.zeros(3, dtype=torch.float64)}
+    clip_update(small, 1.0)[0]["a"] += 1
+    assert not small["a"].any()
     # float16 whose squares overflow float16 itself
     wide = {"a": torch.full((1000,), 6e4, dtype=torch.float16)}
     clipped, norm = clip_update(wide, 1.0)

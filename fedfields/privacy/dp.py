@@ -25,7 +25,7 @@ import logging
 import math
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +76,11 @@ class DPConfig:
         return self.noise_multiplier > 0
 
 
-def _finite_at_least(least: float) -> Any:
+def _finite_at_least(least: float) -> Callable[[float], bool]:
     return lambda value: math.isfinite(value) and value >= least
 
 
-def _require(value: float, run_key: str, ok: Any, rule: str) -> None:
+def _require(value: float, run_key: str, ok: Callable[[float], bool], rule: str) -> None:
     """ValueError naming the run-config key unless `ok(value)`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
         raise ValueError(f"'{run_key}' must be finite and {rule}, got {value!r}")
@@ -120,32 +120,40 @@ def clip_update(update: State, clip_norm: float) -> tuple[dict[str, Tensor], flo
     is shrunk by a few units of its dtype's roundoff more, so rounding back to float16 or
     float32 cannot push its norm above C. Raises NonFiniteUpdateError on NaN or Inf.
     """
-    if not (math.isfinite(clip_norm) and clip_norm > 0):
-        raise ValueError(f"clip norm must be finite and > 0, got {clip_norm!r}")
-    norm = update_norm(update)
-    if norm <= clip_norm:
-        return {key: tensor.detach().clone() for key, tensor in update.items()}, norm
-    margin = max(4 * max(_unit_roundoff(t.dtype) for t in update.values()), 1e-12)
-    factor = clip_norm / norm * (1 - margin)
-    clipped = {
-        key: (tensor.detach().double() * factor).to(tensor.dtype) for key, tensor in update.items()
-    }
-    return clipped, norm
+    dtypes = {key: tensor.dtype for key, tensor in update.items()}
+    return _clip({key: t.detach().double() for key, t in update.items()}, dtypes, clip_norm)
 
 
 def clip_model_update(
     local: State, reference: State, clip_norm: float
 ) -> tuple[dict[str, Tensor], float]:
     """A client's clipped update local - reference (reference's keys, local's dtypes) and its
-    pre-clip norm; the difference is taken in float64."""
+    pre-clip norm; the difference and the clip are computed in float64."""
     missing = [key for key in reference if key not in local]
     if missing:
         raise ValueError(f"local state lacks keys {missing}")
     difference = {
-        key: (local[key].detach().double() - value.detach().double()).to(local[key].dtype)
+        key: local[key].detach().double() - value.detach().double()
         for key, value in reference.items()
     }
-    return clip_update(difference, clip_norm)
+    return _clip(difference, {key: local[key].dtype for key in reference}, clip_norm)
+
+
+def _clip(
+    update: dict[str, Tensor], dtypes: Mapping[str, torch.dtype], clip_norm: float
+) -> tuple[dict[str, Tensor], float]:
+    """`update` (float64) clipped to `clip_norm`, each key cast to its `dtypes` entry."""
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"clip norm must be finite and > 0, got {clip_norm!r}")
+    for key, dtype in dtypes.items():
+        if not dtype.is_floating_point:
+            raise ValueError(f"update key {key!r}: {dtype} is not floating point")
+    norm = update_norm(update)
+    if norm <= clip_norm:
+        return {key: value.to(dtypes[key], copy=True) for key, value in update.items()}, norm
+    margin = max(4 * max(_unit_roundoff(dtype) for dtype in dtypes.values()), 1e-12)
+    factor = clip_norm / norm * (1 - margin)
+    return {key: (value * factor).to(dtypes[key]) for key, value in update.items()}, norm
 
 
 def central_noise_std(noise_multiplier: float, clip_norm: float) -> float:
