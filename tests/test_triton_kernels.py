@@ -29,6 +29,7 @@ from fedfields.train.builders import global_field
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = torch.cuda.is_available()
+REFERENCE = "cuda" if ON_GPU else "cpu"  # where the torch backend runs for the comparisons
 TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not TRITON, reason="triton is not installed (dev extra, Linux)")
 
@@ -233,7 +234,7 @@ def _close(actual: Outputs, expected: Outputs, atol: float = 1e-5) -> None:
 @pytest.mark.parametrize("name", list(_hash_cases()))
 def test_triton_hash_grid_equals_torch(name: str, triton_results: dict) -> None:
     settings, points = _hash_cases()[name]
-    expected = _hash_grid(_encoding(settings, "torch"), points, "cpu")
+    expected = _hash_grid(_encoding(settings, "torch"), points, REFERENCE)
     _close(triton_results[f"hash/{name}"], expected, atol=1e-5)
     assert expected["features"].shape == (len(points), settings["num_levels"] * settings[
         "features_per_level"
@@ -247,10 +248,10 @@ def test_triton_packed_compositing_equals_torch(name: str, triton_results: dict)
     """Against the torch backend run in float64: in float32 its global cumulative sums lose
     more than the kernels' per-ray float64 sums (5e-5 on the opaque case's delta gradients)."""
     case, all_inputs = _composite_cases()[name]
-    expected = _composite(case, all_inputs, "torch", "cpu", torch.float64)
+    expected = _composite(case, all_inputs, "torch", REFERENCE, torch.float64)
     _close(triton_results[f"composite/{name}"], expected, atol=1e-5)
     torch.testing.assert_close(
-        _composite(case, all_inputs, "torch", "cpu"), expected, rtol=1e-4, atol=1e-4
+        _composite(case, all_inputs, "torch", REFERENCE), expected, rtol=1e-4, atol=1e-4
     )
     if name == "no-samples":  # rays without samples show the background only
         torch.testing.assert_close(expected["rgb"], case["background"])
@@ -261,7 +262,7 @@ def test_triton_and_torch_fields_exchange_weights(triton_results: dict) -> None:
     assert triton_results["field/state"] == {
         k: tuple(v.shape) for k, v in field.state_dict().items()
     }
-    expected = _exchanged_field(field.state_dict(), "torch", "cpu")
+    expected = _exchanged_field(field.state_dict(), "torch", REFERENCE)
     assert expected["opacity"].min() > 0.0  # every ray met samples
     _close(triton_results["field/render"], expected, atol=1e-5)
 
