@@ -40,6 +40,7 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
+from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.report import write_report
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
@@ -123,6 +124,7 @@ class RoundReport:
             self.renderer.occupancy,
             metadata,
         )
+        write_gif(self.run_dir / ORBIT_FILE, self.renderer.orbit())
         summary: dict[str, Any] = {
             "secure-aggregation": secure_aggregation_report(self.config),
             "final": final,

@@ -7,6 +7,7 @@ import shutil
 import tomllib
 from pathlib import Path
 
+import imageio.v3 as iio
 import pytest
 import torch
 from flower_harness import InProcessGrid
@@ -19,6 +20,8 @@ from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
+from fedfields.render.orbit import ORBIT_FILE
+from fedfields.report import REPORT_FILE
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
 
@@ -71,7 +74,13 @@ def test_decentnerf_run_writes_the_report(
     run_dir, _ = decentnerf_run
     names = {p.name for p in run_dir.iterdir()}
     expected = {"config.json", "metrics.jsonl", "checkpoint.pt", "renders", "summary.json"}
-    assert expected | {"alphas.jsonl", "alphas.png", "leakage.png"} <= names
+    assert expected | {"alphas.jsonl", "alphas.png", "leakage.png", ORBIT_FILE} <= names
+    orbit = iio.imread(run_dir / ORBIT_FILE, index=None)  # the server's field, orbiting
+    assert (
+        orbit.ndim == 4
+        and len(orbit) > 1
+        and "data:image/gif" in (run_dir / REPORT_FILE).read_text()
+    )
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(r["server-flops"] > 0 and 0 < r["clean-psnr"] < 60 for r in rounds)

@@ -19,6 +19,7 @@ from fedfields.data.scene import Scene
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
+from fedfields.render.orbit import render_orbit
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.federated import load_federated_state
@@ -138,6 +139,10 @@ class FieldRenderer:
         settings = render_config(self.config, scene)
         rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
         return rendered.rgb.clamp(0.0, 1.0)
+
+    def orbit(self) -> list[np.ndarray]:
+        """Frames of the field orbiting the scene box (the server has no user's cameras)."""
+        return render_orbit(self.field, render_config(self.config, None), self.occupancy)
 
     def score_scene(self, scene: Scene, views: range) -> tuple[float, float]:
         """Mean PSNR and SSIM of the renders of `views` against `scene`'s images."""
