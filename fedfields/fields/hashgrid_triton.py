@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 BLOCK = 128  # points per program; each program handles one level
 
@@ -110,6 +111,7 @@ class HashGridTriton(torch.autograd.Function):
         return out.to(table.dtype)
 
     @staticmethod
+    @once_differentiable  # the kernels are not recorded: a second derivative must fail
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         points, *levels = ctx.saved_tensors
         grad_table = torch.zeros(ctx.table_shape, device=grad_out.device)

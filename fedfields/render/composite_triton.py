@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 BLOCK = 64  # rays per program
 
@@ -150,6 +151,7 @@ class PackedComposite(torch.autograd.Function):
         return weights, color, depth, opacity
 
     @staticmethod
+    @once_differentiable  # the kernels are not recorded: a second derivative must fail
     def backward(ctx, grad_weights, grad_color, grad_depth, grad_opacity):  # type: ignore[override]
         densities, deltas, t_mid, rgb, starts, weights = ctx.saved_tensors
         num_rays = starts.numel() - 1
