@@ -21,6 +21,7 @@ from fedfields.geometry.cameras import CAMERA_ANGLE_X, Cameras, look_at
 from fedfields.render.occupancy import OccupancyGrid
 from fedfields.render.renderer import RenderConfig, render_image
 
+ORBIT_FILE = "orbit.gif"  # in a scene run's directory; report.html embeds it
 ORBIT_FRAMES = 24
 ORBIT_SIZE = 96  # pixels per side: a server-side render must stay cheap on a CPU
 ORBIT_ELEVATION = 30.0  # degrees above the horizon, as the NeRF-synthetic test orbits
