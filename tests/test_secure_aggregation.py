@@ -379,12 +379,9 @@ def test_decentnerf_alpha_travels_only_inside_the_masked_payload() -> None:
     messages = strategy.configure_train(1, state_to_arrays(initial_state()), ConfigRecord(), grid)
     replies = list(grid.send_and_receive(messages))
     assert all(set(reply.content.keys()) == {"held"} for reply in replies)
-    payload_sum = strategy.sum_states(
-        strategy.active_round.node_ids,
-        ARRAYS,
-        replies,
-        {"weight": (3,), "bias": (1,), ALPHA_KEY: (1,)},
-    )
+    payload = {"weight": (3,), "bias": (1,), ALPHA_KEY: (1,)}
+    summed = strategy.sum_replies(replies, {ARRAYS: payload})
+    payload_sum = summed.sums[ARRAYS]
     assert math.isclose(float(payload_sum[ALPHA_KEY]), sum(p.alpha for p in produced), rel_tol=1e-6)
     assert isinstance(grid.received[0].content["held"], ConfigRecord)
     assert not any(isinstance(r, ArrayRecord) for m in replies for r in m.content.values())

@@ -73,6 +73,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.sum_replies import RoundSum
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 State = dict[str, Tensor]
@@ -414,20 +415,14 @@ class SecureSumStandIn(DecentNeRF):
         self.summed = summed
         self.calls: list[tuple[str, int]] = []
 
-    def sum_states(
-        self,
-        node_ids: Sequence[int],
-        record_name: str,
-        replies: Iterable[Message],
-        expected_shapes: Mapping[str, tuple[int, ...]],
-        on_metrics: Callable[[dict], None] | None = None,
-    ) -> State:
+    def sum_replies(
+        self, replies: Iterable[Message], records: Mapping[str, Mapping[str, tuple[int, ...]]]
+    ) -> RoundSum:
         replies = list(replies)
-        for reply in replies:
-            if on_metrics is not None:
-                on_metrics(dict(reply.content[METRICS]))
+        metrics = [dict(reply.content[METRICS]) for reply in replies]
+        (record_name,) = records
         self.calls.append((record_name, len(replies)))
-        return self.summed
+        return RoundSum({record_name: self.summed}, len(replies), [], metrics)
 
 
 def test_decentnerf_reads_only_summed_payloads() -> None:

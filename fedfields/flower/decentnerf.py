@@ -4,19 +4,16 @@ the server strategy (`DecentNeRF`) and the client's half (`DecentNeRFClient`).""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from logging import WARNING
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedfields.aggregate import (
     ALPHA_KEY,
     DECENTNERF_COST,
-    RunningSum,
     alpha_update,
     alpha_weighted_payload,
     decentnerf_aggregate,
@@ -37,7 +34,6 @@ from fedfields.flower.protocol import (
     SERVER_ROUND,
     STRATEGY,
     BadReply,
-    Shapes,
     arrays_to_state,
     state_to_arrays,
 )
@@ -46,8 +42,8 @@ from fedfields.flower.strategy import (
     ProtocolStrategy,
     StrategyOptions,
     optional_cap,
-    reply_metrics,
 )
+from fedfields.flower.sum_replies import secure_failure
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
@@ -72,7 +68,7 @@ class DecentNeRF(ProtocolStrategy):
     the users sampled in round m, so L in dL/dalpha is theirs. Clients own alpha_k: they
     update it (`alpha_update`, exact through the normalised aggregation), train, and reply
     ARRAYS = alpha_k g_k plus alpha_k under `ALPHA_KEY` (`alpha_weighted_payload`). The
-    server only sums (`sum_states`, the seam for secure aggregation) and divides by the
+    server only sums (`sum_replies`, plaintext or SecAgg+) and divides by the
     summed alpha (`decentnerf_aggregate`): it never reads one client's alpha and ignores
     "num-examples". A failed or missing reply is left out of a sum; dividing by the
     remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
@@ -114,8 +110,6 @@ class DecentNeRF(ProtocolStrategy):
         super().__init__(**options)
         self.alpha_max = check_scalar(alpha_max, "alpha_max")
         self.max_gradient_norm = optional_cap(max_gradient_norm, "max_gradient_norm")
-        self.alpha_sum_resolution = 0.0
-        """The last secure sum's error bound on the summed alpha (0 for plain sums)."""
         self.last_aggregate: tuple[int, float] | None = None
         """(round, summed alpha) of the latest aggregate this strategy formed."""
         self.alpha_lr = check_scalar(alpha_lr, "alpha_lr", positive=False)
@@ -159,27 +153,29 @@ class DecentNeRF(ProtocolStrategy):
         train_round = self.active_round
         queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
-        return self.sum_states(train_round.node_ids, GRADIENT, replies, train_round.shapes)
+        summed = self.sum_replies(replies, {GRADIENT: train_round.shapes})
+        return None if summed is None else self.like_global(summed.sums[GRADIENT])
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """g^(m) from the summed payload alone (Algorithm 1, line 18); metrics unweighted."""
+        """g^(m) = sum_k alpha_k g_k / sum_k alpha_k from the summed payload alone (Algorithm 1,
+        line 18; `sum_replies`: under secure aggregation no alpha_k or g_k is ever seen);
+        metrics unweighted."""
         train_round = self.round_state(server_round)
-        metrics: list[dict[str, Any]] = []
         payload_shapes = {**train_round.shapes, ALPHA_KEY: (1,)}
-        payload_sum = self.sum_states(
-            train_round.node_ids, ARRAYS, replies, payload_shapes, on_metrics=metrics.append
-        )
-        if payload_sum is None:
-            return None, self.train_metrics(metrics)
+        summed = self.sum_replies(replies, {ARRAYS: payload_shapes})
+        if summed is None:
+            return None, self.summed_metrics(summed)
+        payload_sum = summed.sums[ARRAYS]
         alpha_sum = float(payload_sum[ALPHA_KEY].double().sum())
-        if not (math.isfinite(alpha_sum) and alpha_sum > self.alpha_sum_resolution):
-            self.secure_failure("the summed alpha_k is not positive: no aggregate this round")
-            return None, self.train_metrics(metrics)
-        aggregate = decentnerf_aggregate(payload_sum)
+        resolution = summed.resolution.get(ARRAYS, {}).get(ALPHA_KEY, 0.0)
+        if not (math.isfinite(alpha_sum) and alpha_sum > resolution):
+            secure_failure(train_round, "the summed alpha_k is not positive: no aggregate")
+            return None, self.summed_metrics(summed)
+        aggregate = self.like_global(decentnerf_aggregate(payload_sum))
         self.last_aggregate = (server_round, alpha_sum)
-        return state_to_arrays(aggregate), self.train_metrics(metrics)
+        return state_to_arrays(aggregate), self.summed_metrics(summed)
 
     def check_update(self, reply: CheckedReply) -> None:
         """A payload's alpha_k in (0, alpha_max], then the update-norm bound on its g_k =
@@ -203,48 +199,6 @@ class DecentNeRF(ProtocolStrategy):
                 f"(0, alpha-max = {self.alpha_max:g}]",
             )
         self.check_update_norm(reply.node_id, payload, scale=alpha)
-
-    def sum_states(
-        self,
-        node_ids: Sequence[int],
-        record_name: str,
-        replies: Iterable[Message],
-        expected_shapes: Shapes,
-        on_metrics: Callable[[dict[str, Any]], None] | None = None,
-    ) -> dict[str, Tensor] | None:
-        """Key-wise sum of the replies' `record_name` records, None if none was summed.
-
-        Plain sums fold each checked reply in as it arrives (`checked_replies`, a bad one is
-        dropped first; `RunningSum`: O(model) memory). With `secure_aggregation` set the sum
-        is Flower SecAgg+'s (`secure_sums`), so the server never sees one client's G_k,
-        alpha_k g_k or alpha_k; the strategy uses nothing else of the replies' ArrayRecords.
-        `on_metrics` gets each summed reply's METRICS; `node_ids` are the nodes asked, and
-        those not summed are logged.
-        """
-        total, held, answered = RunningSum(), [], set()
-        if self.secure_aggregation is not None:
-            for reply in self.successful_replies(replies):
-                answered.add(reply.metadata.src_node_id)
-                if on_metrics is not None:
-                    on_metrics(reply_metrics(reply))
-                held.append(reply)  # holds only metrics: the payload stays on the node
-        else:
-            for checked in self.checked_replies(replies, {record_name: expected_shapes}):
-                answered.add(checked.node_id)
-                if on_metrics is not None:
-                    on_metrics(checked.metrics)
-                total.add(checked.states[record_name], checked=True)
-        if missing := [node_id for node_id in node_ids if node_id not in answered]:
-            log(WARNING, "no %r from nodes %s: left out of the sum", record_name, missing)
-        if not answered:
-            return None
-        if self.secure_aggregation is not None:
-            result = self.secure_sums(held, {record_name: expected_shapes})
-            if result is None:
-                return None
-            self.alpha_sum_resolution = result.resolution[record_name].get(ALPHA_KEY, 0.0)
-            return self.like_global(result.sums[record_name])
-        return total.sum()
 
 
 ALPHA_STATE = "decentnerf-alpha"

@@ -8,17 +8,15 @@ from typing import Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from torch import Tensor
 
-from fedfields.aggregate import RunningSum
 from fedfields.aggregate.robust import (
     AGGREGATION_RULES,
     DEFAULT_TRIM_FRACTION,
     check_trim_fraction,
     robust_aggregate,
 )
-from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
+from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, Shapes, state_to_arrays
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
 
 
 class FedAvgOptions(StrategyOptions, total=False):
@@ -97,34 +95,27 @@ class FedAvg(ProtocolStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted mean of the checked replies' states, folded in as they arrive
-        (`RunningSum`: the same as `fedfields.aggregate.weighted_mean`, in O(model) memory),
-        or the robust rule over all of them."""
-        train_round = self.round_state(server_round)
-        if self.secure_aggregation is not None:
-            held = list(self.successful_replies(replies))  # metrics only: payloads are held
-            if not held:
-                return None, self.train_metrics([])
-            result = self.secure_sums(held, {ARRAYS: train_round.shapes})
-            if result is None:
-                return None, self.train_metrics([])
-            metrics = [reply_metrics(r) for r in held if r.metadata.src_node_id in result.node_ids]
-            mean = {key: value / result.total_weight for key, value in result.sums[ARRAYS].items()}
-            return state_to_arrays(self.like_global(mean)), self.train_metrics(metrics)
-        total, kept, metrics, weights = RunningSum(), [], [], []
-        checked = self.checked_replies(replies, {ARRAYS: train_round.shapes}, weighted=True)
-        for reply in checked:  # a reply is checked in full before it touches the sum
-            if self.aggregation_rule == "mean":  # folded in and dropped as it arrives
-                total.add(reply.states[ARRAYS], reply.weight, checked=True)
-            else:  # the robust rules need every state at once
-                kept.append(reply.states[ARRAYS])
+        """sum_k n_k x_k / sum_k n_k over the replies (`sum_replies`: checked and folded in
+        as they arrive, or SecAgg+'s sum), or the robust rule over all of them."""
+        shapes = {ARRAYS: self.round_state(server_round).shapes}
+        if self.aggregation_rule != "mean":
+            return self.robust_aggregate(replies, shapes)
+        summed = self.sum_replies(replies, shapes)
+        if summed is None:
+            return None, self.summed_metrics(summed)
+        mean = self.like_global(summed.mean(ARRAYS))
+        return state_to_arrays(mean), self.summed_metrics(summed)
+
+    def robust_aggregate(
+        self, replies: Iterable[Message], shapes: dict[str, Shapes]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The coordinate-wise robust rule over every checked reply (it needs all at once)."""
+        kept, metrics, weights = [], [], []
+        for reply in self.checked_replies(replies, shapes, weighted=True):
+            kept.append(reply.states[ARRAYS])
             metrics.append(reply.metrics)
             weights.append(reply.weight)
-        if not metrics:
+        if not kept:
             return None, self.train_metrics(metrics)
-        aggregate: dict[str, Tensor] = (
-            total.mean()
-            if self.aggregation_rule == "mean"
-            else robust_aggregate(self.aggregation_rule, kept, self.trim_fraction)
-        )
+        aggregate = robust_aggregate(self.aggregation_rule, kept, self.trim_fraction)
         return state_to_arrays(aggregate), self.train_metrics(metrics, weights)

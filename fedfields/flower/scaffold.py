@@ -16,7 +16,6 @@ from torch import Tensor
 
 from fedfields.aggregate import (
     SCAFFOLD_COST,
-    RunningSum,
     scaffold_server_update_from_sums,
 )
 from fedfields.aggregate.states import check_scalar
@@ -30,7 +29,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, reply_metrics
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
 
 
 class Scaffold(ProtocolStrategy):
@@ -104,47 +103,24 @@ class Scaffold(ProtocolStrategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """New x from the checked replies' y_i (a bad reply is dropped whole: neither its
-        y_i nor its delta c_i is used); x and c stay as they were if none is left."""
+        """x and c from the sums of y_i - x and delta c_i (Algorithm 1, lines 16-17) over the
+        replies (`sum_replies`: a bad reply is dropped whole, neither its y_i nor its delta
+        c_i is used); x and c stay as they were if nothing was summed."""
         train_round = self.round_state(server_round)
         shapes = train_round.shapes
-        if self.secure_aggregation is not None:
-            held = list(self.successful_replies(replies))  # metrics only: payloads are held
-            if not held:
-                return None, self.train_metrics([])
-            result = self.secure_sums(held, {ARRAYS: shapes, CONTROL_DELTA: shapes})
-            if result is None:
-                return None, self.train_metrics([])
-            metrics = [reply_metrics(r) for r in held if r.metadata.src_node_id in result.node_ids]
-            new_global, self.server_control = scaffold_server_update_from_sums(
-                self.global_state,
-                result.sums[ARRAYS],
-                result.sums[CONTROL_DELTA],
-                len(result.node_ids),
-                self.server_control,
-                num_clients_total=train_round.num_nodes_total,
-                global_lr=self.global_lr,
-            )
-            return state_to_arrays(new_global), self.train_metrics(metrics)
-        model_deltas, control_deltas, metrics = RunningSum(), RunningSum(), []
-        checked = self.checked_replies(replies, {ARRAYS: shapes, CONTROL_DELTA: shapes})
-        for reply in checked:  # checked in full, then folded in: O(model) memory
-            y, x = reply.states[ARRAYS], self.global_state
-            model_deltas.add({key: y[key].double() - x[key].double() for key in x}, checked=True)
-            control_deltas.add(reply.states[CONTROL_DELTA], checked=True)
-            metrics.append(reply.metrics)
-        if not metrics:
-            return None, self.train_metrics(metrics)
+        summed = self.sum_replies(replies, {ARRAYS: shapes, CONTROL_DELTA: shapes})
+        if summed is None:
+            return None, self.summed_metrics(summed)
         new_global, self.server_control = scaffold_server_update_from_sums(
             self.global_state,
-            model_deltas.accumulated(),
-            control_deltas.accumulated(),
-            len(metrics),
+            summed.sums[ARRAYS],
+            summed.sums[CONTROL_DELTA],
+            len(summed.node_ids),
             self.server_control,
             num_clients_total=train_round.num_nodes_total,
             global_lr=self.global_lr,
         )
-        return state_to_arrays(new_global), self.train_metrics(metrics)
+        return state_to_arrays(new_global), self.summed_metrics(summed)
 
 
 CLIENT_CONTROL = "scaffold-client-control"

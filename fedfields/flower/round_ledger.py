@@ -1,0 +1,145 @@
+"""The ledger of a federated round: who was asked, what came back, what it cost.
+
+A `TrainRound` is opened by the strategy's `begin_round` and filled by the reply gate (drops,
+failures, bytes up) and the sums (secure sums done or failed); `round_metrics` turns it and the
+clients' metrics into the round's train metrics. `EmptyTally` counts consecutive rounds that
+formed no aggregate, for `EmptyRoundsError`'s message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.serverapp import Grid
+from torch import Tensor
+
+from fedfields.flower.protocol import (
+    BYTES_DOWN,
+    BYTES_UP,
+    DROPPED_PREFIX,
+    NUM_DROPPED,
+    NUM_EXAMPLES,
+    NUM_FAILURES,
+    NUM_REPLIES,
+)
+
+SECURE_SUMS = "secure-sums"
+"""Train metric: secure sums completed this round (present when secure aggregation is on)."""
+SECURE_FAILURES = "secure-sum-failures"
+"""Train metric: secure sums that halted this round (the round's aggregate is then skipped)."""
+
+
+@dataclass
+class TrainRound:
+    """What `configure_train` fixed for one round, and what its replies did to it."""
+
+    server_round: int
+    node_ids: list[int]
+    num_nodes_total: int
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    grid: Grid
+    bytes_down: int = 0
+    bytes_up: int = 0
+    num_failures: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Replies dropped by a check, per check ("non-finite", "shape", ...)."""
+    secure_sums: int = 0
+    secure_failures: int = 0
+    secure_error: str = ""
+    """Why the round's last secure sum failed (value-free), for `EmptyRoundsError`."""
+    secure_metrics: dict[str, float] | None = None
+    reference: dict[str, Tensor] = field(default_factory=dict)
+    """The arrays sent (read-only views): the update-norm check's and the plaintext deltas'
+    reference; {} under secure aggregation."""
+    reference_norm: float = 0.0
+
+    def count_drop(self, check: str) -> None:
+        """One reply left out by `check`: a failure and a drop of that check."""
+        self.num_failures += 1
+        self.dropped[check] = self.dropped.get(check, 0) + 1
+
+
+def round_metrics(
+    train_round: TrainRound,
+    metrics: Sequence[Mapping[str, Any]],
+    weights: Sequence[float] | None,
+    secure: bool,
+) -> dict[str, float]:
+    """Mean of the clients' scalar metrics (weighted by `weights` if given; secure means
+    included) plus the round's counts and traffic.
+
+    Adds "num-replies", "num-failures" (error, unexpected and dropped replies), "num-dropped"
+    with a "dropped-<check>" count per check that dropped one, "bytes-up" and "bytes-down",
+    and under secure aggregation "secure-sums" and "secure-sum-failures"; "num-examples" itself
+    is not averaged.
+    """
+    weights = [1.0] * len(metrics) if weights is None else weights
+    totals: dict[str, float] = dict(train_round.secure_metrics or {})
+    norms: dict[str, float] = dict.fromkeys(totals, 1.0)
+    for values, weight in zip(metrics, weights, strict=True):
+        for key, value in values.items():
+            if key == NUM_EXAMPLES or isinstance(value, list):
+                continue
+            totals[key] = totals.get(key, 0.0) + weight * value
+            norms[key] = norms.get(key, 0.0) + weight
+    secure_counts = {}
+    if secure:
+        secure_counts = {
+            SECURE_SUMS: train_round.secure_sums,
+            SECURE_FAILURES: train_round.secure_failures,
+        }
+    return {
+        **{key: total / norms[key] for key, total in totals.items()},
+        NUM_REPLIES: len(metrics),
+        NUM_FAILURES: train_round.num_failures,
+        NUM_DROPPED: sum(train_round.dropped.values()),
+        **{DROPPED_PREFIX + check: count for check, count in train_round.dropped.items()},
+        BYTES_UP: train_round.bytes_up,
+        BYTES_DOWN: train_round.bytes_down,
+        **secure_counts,
+    }
+
+
+@dataclass
+class EmptyTally:
+    """What went wrong in consecutive rounds that formed no aggregate."""
+
+    rounds: list[int] = field(default_factory=list)
+    sampled: int = 0
+    kept: int = 0
+    failures: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    secure_failures: int = 0
+    secure_error: str = ""
+
+    def add(self, train_round: TrainRound, kept: int) -> None:
+        """Count one empty round; `kept` replies passed the checks (yet nothing came of it)."""
+        self.rounds.append(train_round.server_round)
+        self.sampled += len(train_round.node_ids)
+        self.kept += kept
+        self.dropped.update(train_round.dropped)
+        self.failures += train_round.num_failures - sum(train_round.dropped.values())
+        self.secure_failures += train_round.secure_failures
+        self.secure_error = train_round.secure_error or self.secure_error
+
+    def commonest_cause(self) -> str | None:
+        """The check that dropped most replies, "failed" (error replies) or "secure-sum"."""
+        causes = Counter(self.dropped)
+        if self.failures:
+            causes["failed"] = self.failures
+        if self.secure_failures:
+            causes["secure-sum"] = self.secure_failures
+        return causes.most_common(1)[0][0] if causes else None
+
+    def counts(self, secure: bool) -> str:
+        """Replies asked, kept, dropped (per check), failed, and secure sums failed."""
+        drops = ", ".join(f"{DROPPED_PREFIX}{check} {n}" for check, n in self.dropped.most_common())
+        line = (
+            f"{self.sampled} replies asked, {self.kept} kept, {sum(self.dropped.values())} "
+            f"dropped{f' ({drops})' if drops else ''}, {self.failures} failed"
+        )
+        return line + (f", {self.secure_failures} secure sums failed" if secure else "")

@@ -1,0 +1,124 @@
+"""Flower 1.41's `Strategy.start` loop, resumable, and the rule that stops a run that cannot train.
+
+Rounds `first_round`..`num_rounds` run as in Flower (train, federated evaluation, the
+server's `evaluate_fn`) over a `StreamingGrid`, so replies reach `aggregate_train` as they
+arrive and the running sums hold one model, not one per node. `round_end_fn` is where a
+resumable run writes its checkpoint. `max_empty_rounds` consecutive rounds without an
+aggregate, or a run whose every round was empty, raise one `EmptyRoundsError` naming the drop
+counts and the commonest reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from logging import INFO
+from typing import TYPE_CHECKING
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+
+from fedfields.flower.protocol import NUM_REPLIES
+from fedfields.flower.round_ledger import EmptyTally
+from fedfields.flower.streaming import StreamingGrid
+
+if TYPE_CHECKING:
+    from fedfields.flower.strategy import ProtocolStrategy
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class EmptyRoundsError(RuntimeError):
+    """Rounds ended without an aggregate: `max_empty_rounds` in a row, or every round of a
+    run (its global model never changed). The message names the drop counts and the
+    commonest reason in the user's words."""
+
+
+def run_rounds(
+    strategy: ProtocolStrategy,
+    grid: Grid,
+    initial_arrays: ArrayRecord,
+    num_rounds: int,
+    timeout: float,
+    train_config: ConfigRecord,
+    evaluate_config: ConfigRecord,
+    evaluate_fn: EvaluateFn | None,
+    first_round: int,
+    round_end_fn: Callable[[int, ArrayRecord], None] | None,
+) -> Result:
+    """`strategy`'s rounds `first_round`..`num_rounds`; `evaluate_fn(0, ...)` only when
+    starting at round 1, `round_end_fn(round, arrays)` last in each round."""
+    if not 1 <= first_round <= num_rounds + 1:
+        raise ValueError(f"first_round must lie in [1, {num_rounds + 1}], got {first_round}")
+    if not isinstance(grid, StreamingGrid):
+        grid = StreamingGrid(grid)
+    name = type(strategy).__name__
+    log(INFO, "Starting %s strategy (rounds %d-%d):", name, first_round, num_rounds)
+    log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+    strategy.summary()
+    result = Result(arrays=initial_arrays)
+    if evaluate_fn and first_round == 1:
+        if (initial := evaluate_fn(0, initial_arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = initial
+    arrays, empty = initial_arrays, EmptyTally()
+    for server_round in range(first_round, num_rounds + 1):
+        log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+        messages = strategy.configure_train(server_round, arrays, train_config, grid)
+        replies = grid.send_and_receive(messages=messages, timeout=timeout)
+        new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            arrays = result.arrays = new_arrays
+            strategy.rounds_aggregated += 1
+            empty = EmptyTally()
+        else:
+            kept = int((train_metrics or {}).get(NUM_REPLIES, 0))
+            empty.add(strategy.round_state(server_round), kept)
+        if train_metrics is not None:
+            result.train_metrics_clientapp[server_round] = train_metrics
+        messages = strategy.configure_evaluate(server_round, arrays, evaluate_config, grid)
+        replies = grid.send_and_receive(messages=messages, timeout=timeout)
+        if (evaluated := strategy.aggregate_evaluate(server_round, replies)) is not None:
+            result.evaluate_metrics_clientapp[server_round] = evaluated
+        if evaluate_fn and (scored := evaluate_fn(server_round, arrays)) is not None:
+            result.evaluate_metrics_serverapp[server_round] = scored
+        if round_end_fn is not None:
+            round_end_fn(server_round, arrays)
+        if strategy.max_empty_rounds and len(empty.rounds) >= strategy.max_empty_rounds:
+            raise EmptyRoundsError(empty_rounds_message(strategy, empty, consecutive=True))
+    if empty.rounds and strategy.rounds_aggregated == 0:
+        raise EmptyRoundsError(empty_rounds_message(strategy, empty, consecutive=False))
+    return result
+
+
+def empty_rounds_message(
+    strategy: ProtocolStrategy, empty: EmptyTally, *, consecutive: bool
+) -> str:
+    """One line: which rounds formed no aggregate, the drop counts, the commonest reason."""
+    first, last = empty.rounds[0], empty.rounds[-1]
+    span = f"{first}-{last}" if last != first else f"{first}"
+    if consecutive:
+        head = (
+            f"{len(empty.rounds)} consecutive rounds ({span}) formed no aggregate "
+            f"(max-empty-rounds = {strategy.max_empty_rounds}): the run stops"
+        )
+    else:
+        head = (
+            f"no round of this run formed an aggregate (rounds {span}): the global model "
+            "never changed, so the run did not complete"
+        )
+    counts = empty.counts(secure=strategy.secure_aggregation is not None)
+    return f"{head}; {counts}; commonest reason: {empty_reason(strategy, empty)}"
+
+
+def empty_reason(strategy: ProtocolStrategy, empty: EmptyTally) -> str:
+    """The commonest cause of the empty rounds, in a user's words."""
+    cause = empty.commonest_cause()
+    if cause is None:
+        return "no node replied with a usable update (check the nodes' logs)"
+    if cause == "failed":
+        return "the nodes' replies were errors (their ClientApps raised or they left)"
+    if cause == "secure-sum":
+        return f"the secure sums failed ({empty.secure_error or 'see the errors above'})"
+    return strategy.gate.drop_reason(cause, type(strategy).__name__)

@@ -1,0 +1,147 @@
+"""One sum of a round's replies, in plaintext or through Flower's SecAgg+.
+
+Every fedfields strategy whose server step is linear in the clients' records (FedAvg, FedProx,
+FedACG, FedMeNF, Scaffold, DecentNeRF) aggregates sum_k w_k x_k and sum_k w_k: the plaintext
+sum folds each checked reply in as it arrives (`RunningSum`, O(model) memory), the secure sum
+is SecAgg+'s over what the clients hold back, so the server never sees one client's record.
+Records the clients send as differences from what they received (`deltas`) are summed as
+such in both modes. A halted or unusable secure sum is logged, counted in the round's
+"secure-sum-failures" and gives None: nothing raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from logging import ERROR
+from typing import Any
+
+import torch
+from flwr.app import Message
+from flwr.common.logger import log
+from torch import Tensor
+
+from fedfields.aggregate.states import RunningSum
+from fedfields.flower.protocol import ARRAYS, HELD, HELD_METRICS, METRICS, WEIGHT_KEY, Shapes
+from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
+from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.secure_sum import SecureSum
+from fedfields.privacy.secure_sum import (
+    SecureAggregationConfig,
+    SecureAggregationError,
+    payload_layout,
+)
+
+
+@dataclass
+class RoundSum:
+    """sum_k w_k x_k per record (float64), sum_k w_k, and what the summed replies reported."""
+
+    sums: dict[str, dict[str, Tensor]]
+    weight: float
+    node_ids: list[int]
+    metrics: list[dict[str, Any]]
+    weights: list[float] | None = None
+    """Each summed reply's weight (plaintext); None under secure aggregation."""
+    resolution: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per record and key, the secure sum's error bound (a sum within it may be 0); {} plain."""
+
+    def mean(self, record: str) -> dict[str, Tensor]:
+        """sum_k w_k x_k / sum_k w_k of `record` (FedAvg's weighted mean), float64."""
+        return {key: value / self.weight for key, value in self.sums[record].items()}
+
+
+def plain_sum(
+    gate: ReplyGate,
+    train_round: TrainRound,
+    replies: Iterable[Message],
+    records: Mapping[str, Shapes],
+    check_update: Callable[[CheckedReply], None],
+    *,
+    weighted: bool,
+    deltas: Sequence[str] = (),
+) -> RoundSum | None:
+    """The checked replies' records summed as they arrive (a bad reply is dropped whole
+    first), weighted by "num-examples" if `weighted`; `deltas` records (ARRAYS only) are
+    summed as y_k - g with g the arrays sent. None when no reply passed."""
+    totals = {name: RunningSum() for name in records}
+    node_ids, metrics, weights = [], [], []
+    for reply in gate.checked(train_round, replies, records, check_update, weighted=weighted):
+        for name, total in totals.items():
+            total.add(reply.states[name], reply.weight, checked=True)
+        node_ids.append(reply.node_id)
+        metrics.append(reply.metrics)
+        weights.append(reply.weight)
+    if not node_ids:
+        return None
+    weight = sum(weights)
+    sums = {name: total.accumulated() for name, total in totals.items()}
+    for name in deltas:
+        if name != ARRAYS:
+            raise ValueError(f"only {ARRAYS!r} can be summed as a difference, not {name!r}")
+        sums[name] = {
+            key: value - weight * train_round.reference[key].double()
+            for key, value in sums[name].items()
+        }
+    return RoundSum(sums, weight, node_ids, metrics, weights)
+
+
+def secure_sum(
+    gate: ReplyGate,
+    train_round: TrainRound,
+    config: SecureAggregationConfig,
+    replies: Sequence[Message],
+    records: Mapping[str, Shapes],
+) -> RoundSum | None:
+    """SecAgg+'s sum of the `records` the replying clients hold (weighted on the clients),
+    with the weight and their held metrics' weighted means (the round's secure metrics).
+
+    A reply that does not hold every record is dropped ("held"). A halted SecAgg+ run, a
+    summed weight not above the sum's resolution or a non-finite sum is a secure-sum failure:
+    logged as an ERROR, counted, None.
+    """
+    holding = gate.holding(train_round, replies, records)
+    if not holding:
+        return None
+    metric_keys = held_metric_keys(holding)
+    layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
+    node_ids = [reply.metadata.src_node_id for reply in holding]
+    try:
+        result = SecureSum(config)(train_round.grid, node_ids, layout, train_round.server_round)
+    except SecureAggregationError as error:
+        return secure_failure(train_round, f"SecAgg+ halted: {error}")
+    train_round.bytes_up += result.bytes_up
+    held_metrics = result.sums.pop(METRICS)
+    weight = float(held_metrics.pop(WEIGHT_KEY))
+    if not (math.isfinite(weight) and weight > result.resolution[METRICS][WEIGHT_KEY]):
+        return secure_failure(
+            train_round, "the summed weight is not positive (not above the secure sum's resolution)"
+        )
+    if not all(bool(torch.isfinite(v).all()) for s in result.sums.values() for v in s.values()):
+        return secure_failure(train_round, "a summed record holds NaN or infinite values")
+    metric_means = {key: float(value) / weight for key, value in held_metrics.items()}
+    if not all(math.isfinite(value) for value in metric_means.values()):
+        return secure_failure(train_round, "a summed metric is NaN or infinite")
+    train_round.secure_sums += 1
+    train_round.secure_metrics = metric_means
+    summed = set(result.node_ids)
+    metrics = [reply_metrics(r) for r in holding if r.metadata.src_node_id in summed]
+    return RoundSum(result.sums, weight, list(result.node_ids), metrics, None, result.resolution)
+
+
+def secure_failure(train_round: TrainRound, reason: str) -> None:
+    """Count a secure sum that cannot be used ("secure-sum-failures") and log it; None."""
+    train_round.secure_failures += 1
+    train_round.secure_error = reason
+    where = f"round {train_round.server_round}"
+    log(ERROR, "%s: secure aggregation failed, nothing of it is used: %s", where, reason)
+
+
+def held_metric_keys(replies: Sequence[Message]) -> list[str]:
+    """Metrics held by every reply (`ReplyGate.holding`), the weight included."""
+    common: set[str] | None = None
+    for reply in replies:
+        keys = set(reply.content.config_records[HELD].get(HELD_METRICS, []))
+        common = keys if common is None else common & keys
+    return sorted((common or set()) | {WEIGHT_KEY})
