@@ -25,7 +25,7 @@ WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save"}
 IN_PLACE_ALLOWED = {
     "fedfields/atomic.py": "the one implementation",
     "fedfields/config/reference.py": "a developer tool regenerating docs/RUN_CONFIG.md",
-    "fedfields/data/crowd.py": "builds the crowd in a hidden staging folder, renamed whole",
+    "fedfields/data/crowd/writer.py": "builds the crowd in a hidden staging folder, renamed whole",
     "fedfields/data/objects.py": "builds the collection in a hidden staging folder, renamed whole",
     "fedfields/report.py:_curves_section": "draws into an in-memory buffer",
     "simulations/deploy.py": "SuperLink/SuperNode logs streamed as they run; the CLI's config",

@@ -464,7 +464,7 @@ def test_cli_person_scale_sets_person_heights(tmp_path: Path, capsys) -> None:
 
 
 def test_passers_by_without_room_stop_with_one_error(lego_black, monkeypatch) -> None:
-    import fedfields.data.crowd as crowd_module
+    import fedfields.data.crowd.novel_blender as crowd_module
 
     draw = crowd_module._draw_standing
     passer_by_draws = []
