@@ -57,7 +57,7 @@ from simulations.deploy import node_config_text
 from simulations.launch import federation_config
 from simulations.planner import ENVIRONMENT, job_config
 
-DOCS = [APP_DIR / "README.md", *sorted((APP_DIR / "docs").glob("*.md"))]
+DOCS = [APP_DIR / "README.md", *sorted((APP_DIR / "docs").rglob("*.md"))]
 SHELL_TAGS = ("bash", "sh", "shell")
 PROMPT_TAGS = ("console", "")
 PLACEHOLDER_VALUE = "1"  # `flwr ls --run-id <id>`: the reader's run id, a number
