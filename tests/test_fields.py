@@ -14,13 +14,17 @@ from skimage import data
 from torch import Tensor
 
 from fedfields.fields import (
+    FIELD_KINDS,
     Field,
+    GlobalPersonalField,
     HashGridConfig,
     HashGridEncoding,
     HashGridField,
     HashGridFieldConfig,
     NeRFField,
     NeRFFieldConfig,
+    PersonalField,
+    PersonalFieldConfig,
     Siren,
     SirenConfig,
     SirenField,
@@ -292,6 +296,24 @@ def test_build_field_round_trips(name: str, through_json: bool) -> None:
     expected, got = field(points, directions), rebuilt(points, directions)
     torch.testing.assert_close(got.density, expected.density, rtol=0, atol=0)
     torch.testing.assert_close(got.rgb, expected.rgb, rtol=0, atol=0)
+
+
+def test_every_field_kind_is_registered_and_takes_image_indices() -> None:
+    """The registry rebuilds every field the library has; every field takes the images'
+    indices through the declared `forward` (ignored without per-image appearance)."""
+    personal = PersonalField(PersonalFieldConfig(num_images=3, hidden=8))
+    composite = GlobalPersonalField(_small_fields()["siren"], personal)
+    fields = [*_small_fields().values(), personal, composite]
+    assert {type(field).kind for field in fields} == set(FIELD_KINDS)
+    points, directions = _field_inputs(16)
+    images = torch.arange(16) % 3
+    for field in fields:
+        assert type(build_field(field.config_dict())) is type(field)
+        seen = field(points, directions, images)
+        if type(field) in (PersonalField, GlobalPersonalField):  # per-image appearance
+            assert not torch.equal(seen.rgb, field(points, directions).rgb)
+        else:
+            torch.testing.assert_close(seen.rgb, field(points, directions).rgb, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("config", [{"kind": "voxels"}, {"width": 3}])

@@ -27,7 +27,9 @@ class Ball(Field):
     def density(self, points: Tensor) -> Tensor:
         return 50.0 * ((points - self.centre).norm(dim=-1) < 0.5).float()
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
         red = (points[:, 0] > self.centre[0]).float()
         rgb = torch.stack([red, 1.0 - red, torch.zeros_like(red)], dim=-1)
         return FieldOutputs(density=self.density(points), rgb=rgb)

@@ -31,7 +31,9 @@ class AnalyticField(Field):
     def density(self, points: Tensor) -> Tensor:
         return torch.where(self.inside(points), self.sigma, 0.0)
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
         rgb = torch.tensor(COLOUR).expand(points.shape[0], 3)
         return FieldOutputs(density=self.density(points), rgb=rgb)
 

@@ -191,7 +191,7 @@ class _NaNField(Field):
     def density(self, points):
         return self.scale * torch.full_like(points[:, 0], float("nan"))
 
-    def forward(self, points, directions):
+    def forward(self, points, directions, image_index=None):
         return FieldOutputs(self.density(points), torch.sigmoid(points) * self.scale)
 
 

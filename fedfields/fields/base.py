@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -23,30 +24,61 @@ class FieldOutputs:
     uncertainty: Tensor | None = None  # [N] NeRF-W's beta_i (personal share for a composite)
 
 
+FIELD_KINDS: dict[str, type[Field]] = {}
+"""Every field class by its `kind`: what `build_field` rebuilds from a checkpoint's config."""
+
+
 class Field(nn.Module, ABC):
     """A radiance field over world-space points (nerfstudio's get_density / get_outputs split).
 
     `density(points)` answers where matter is (used for occupancy grids and proposal passes);
-    `forward(points, directions)` gives density and view-dependent colour together. Fields
-    with per-image appearance (NeRF-W) take the images' indices [N] as a third argument.
+    `forward(points, directions, image_index)` gives density and view-dependent colour
+    together, as seen in the images `image_index` for fields with per-image appearance
+    (NeRF-W); the others ignore it. A subclass that sets `kind` is registered for
+    `build_field`, which calls its `from_options`.
     """
+
+    kind: ClassVar[str] = ""
+    config: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            FIELD_KINDS[cls.kind] = cls
 
     @abstractmethod
     def density(self, points: Tensor) -> Tensor:
         """Volume density at world points [N, 3] -> [N]."""
 
     @abstractmethod
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
-        """Density and colour at world points [N, 3] seen along unit directions [N, 3]."""
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        """Density and colour at world points [N, 3] seen along unit directions [N, 3] in
+        images `image_index` [N] (int64; None: the mean appearance, or no appearance)."""
 
     def config_dict(self) -> dict:
-        """Everything needed to rebuild this field with `fedfields.fields.build_field`."""
-        raise NotImplementedError
+        """Everything needed to rebuild this field with `build_field`: its kind and config."""
+        return {"kind": self.kind, **asdict(self.config)}
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> Field:
+        """The field from `config_dict()`'s entries other than "kind"."""
+        raise NotImplementedError(f"{cls.__name__} cannot be rebuilt from a config")
 
     @property
     def device(self) -> torch.device:
         """The device holding the field's parameters (CPU for parameter-free fields)."""
         return next(self.parameters(), torch.empty(0)).device
+
+
+def build_field(config: dict[str, Any]) -> Field:
+    """Rebuild a field from `Field.config_dict()` output (as stored in checkpoints)."""
+    options = dict(config)
+    kind = options.pop("kind", None)
+    if kind not in FIELD_KINDS:
+        raise ValueError(f"unknown field kind {kind!r}; expected one of {sorted(FIELD_KINDS)}")
+    return FIELD_KINDS[kind].from_options(options)
 
 
 class _TruncExp(torch.autograd.Function):

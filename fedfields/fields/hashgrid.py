@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,6 +26,8 @@ class HashGridFieldConfig:
 
 class HashGridField(Field):
     """Density from hashed features of the normalised point; colour from geometry + SH(dir)."""
+
+    kind = "hashgrid"
 
     def __init__(self, config: HashGridFieldConfig = HashGridFieldConfig()) -> None:
         super().__init__()
@@ -49,10 +52,17 @@ class HashGridField(Field):
     def density(self, points: Tensor) -> Tensor:
         return self._geometry(points)[0]
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        """Density and colour; no per-image appearance, so `image_index` is ignored."""
         density, geometry = self._geometry(points)
         color_input = torch.cat([geometry, self.direction_encoding(directions)], dim=-1)
         return FieldOutputs(density=density, rgb=torch.sigmoid(self.color_head(color_input)))
 
-    def config_dict(self) -> dict:
-        return {"kind": "hashgrid", **asdict(self.config)}
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> HashGridField:
+        options = dict(options)
+        encoding = HashGridConfig(**options.pop("encoding", {}))
+        options["aabb"] = tuple(options.get("aabb", HashGridFieldConfig.aabb))
+        return cls(HashGridFieldConfig(encoding=encoding, **options))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +27,8 @@ class NeRFFieldConfig:
 
 class NeRFField(Field):
     """sigma = ReLU(trunk(PE(x))); rgb = sigmoid(head(trunk features, PE(d)))."""
+
+    kind = "nerf"
 
     def __init__(self, config: NeRFFieldConfig = NeRFFieldConfig()) -> None:
         super().__init__()
@@ -61,7 +64,10 @@ class NeRFField(Field):
     def density(self, points: Tensor) -> Tensor:
         return torch.relu(self.density_out(self._trunk(points))[:, 0])
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        """Density and colour; no per-image appearance, so `image_index` is ignored."""
         hidden = self._trunk(points)
         density = torch.relu(self.density_out(hidden)[:, 0])
         if self.config.view_dependent:
@@ -73,5 +79,6 @@ class NeRFField(Field):
             rgb = torch.sigmoid(self.color_head(hidden))
         return FieldOutputs(density=density, rgb=rgb)
 
-    def config_dict(self) -> dict:
-        return {"kind": "nerf", **asdict(self.config)}
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> NeRFField:
+        return cls(NeRFFieldConfig(**{**options, "skips": tuple(options.get("skips", ()))}))

@@ -11,12 +11,20 @@ uses to keep what one photo alone shows out of the global field.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fedfields.fields.base import Field, FieldOutputs, mlp, normalise_to_box, trunc_exp
+from fedfields.fields.base import (
+    Field,
+    FieldOutputs,
+    build_field,
+    mlp,
+    normalise_to_box,
+    trunc_exp,
+)
 from fedfields.fields.encodings import HashGridConfig, HashGridEncoding
 
 
@@ -57,6 +65,8 @@ class PersonalField(Field):
     random `DENSITY_BOUND_IMAGES` of them when there are more), so an occupancy grid, which
     keeps a decaying maximum across refreshes, skips no sample any image needs.
     """
+
+    kind = "personal"
 
     def __init__(self, config: PersonalFieldConfig) -> None:
         super().__init__()
@@ -114,8 +124,12 @@ class PersonalField(Field):
         rgb = torch.sigmoid(self.color_head(torch.cat([geometry, appearance], dim=-1)))
         return FieldOutputs(density=density, rgb=rgb, uncertainty=uncertainty)
 
-    def config_dict(self) -> dict:
-        return {"kind": "personal", **asdict(self.config)}
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PersonalField:
+        options = dict(options)
+        encoding = HashGridConfig(**options.pop("encoding", {}))
+        options["aabb"] = tuple(options.get("aabb", PersonalFieldConfig.aabb))
+        return cls(PersonalFieldConfig(encoding=encoding, **options))
 
 
 class GlobalPersonalField(Field):
@@ -126,6 +140,8 @@ class GlobalPersonalField(Field):
     uncertainty beta_i weighted by the personal share of the density, whose volume rendering
     is NeRF-W's per-ray beta (Eq. 11, to first order in the step length).
     """
+
+    kind = "global_personal"
 
     def __init__(self, global_field: Field, personal_field: PersonalField) -> None:
         super().__init__()
@@ -153,9 +169,16 @@ class GlobalPersonalField(Field):
             uncertainty=uncertainty,
         )
 
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> GlobalPersonalField:
+        personal = build_field(options["personal_field"])
+        if not isinstance(personal, PersonalField):
+            raise ValueError("a global_personal field's personal_field must be of kind 'personal'")
+        return cls(build_field(options["global_field"]), personal)
+
     def config_dict(self) -> dict:
         return {
-            "kind": "global_personal",
+            "kind": self.kind,
             "global_field": self.global_field.config_dict(),
             "personal_field": self.personal_field.config_dict(),
         }

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +63,8 @@ class Siren(nn.Module):
 class SirenField(Field):
     """A radiance field from one SIREN over (x, y, z): outputs raw density and rgb."""
 
+    kind = "siren"
+
     def __init__(self, config: SirenConfig = SirenConfig(in_features=3, out_features=4)) -> None:
         super().__init__()
         if config.in_features != 3 or config.out_features != 4:
@@ -72,9 +75,13 @@ class SirenField(Field):
     def density(self, points: Tensor) -> Tensor:
         return torch.relu(self.network(points)[:, 0])
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        """Density and colour of (x, y, z) alone: directions and `image_index` are ignored."""
         raw = self.network(points)
         return FieldOutputs(density=torch.relu(raw[:, 0]), rgb=torch.sigmoid(raw[:, 1:]))
 
-    def config_dict(self) -> dict:
-        return {"kind": "siren", **asdict(self.config)}
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> SirenField:
+        return cls(SirenConfig(**options))

@@ -65,8 +65,8 @@ def render_rays(
     """Render a batch of rays; returns the outputs and the number of field samples used.
 
     `background` ([3] or per ray [R, 3]) overrides the config's background colour.
-    `image_index` ([R] int64), when given, is passed per sample as the field's third argument
-    (the image whose appearance embedding colours the ray, NeRF-W).
+    `image_index` ([R] int64), when given, is passed per sample to `Field.forward` (the image
+    whose appearance embedding colours the ray, NeRF-W).
     """
     device = rays.origins.device
     t_near, t_far = intersect_aabb(rays, config.aabb_tensor.to(device), config.near, config.far)
@@ -77,7 +77,7 @@ def render_rays(
         directions = rays.directions[samples.ray_index]
         points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
         sample_images = None if image_index is None else image_index[samples.ray_index]
-        outputs = _query(field, points, directions, sample_images)
+        outputs = field(points, directions, sample_images)
         rendered, weights = render_packed(
             outputs.density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index,
             len(rays), background, config.composite,
@@ -102,7 +102,7 @@ def render_rays(
     sample_images = None
     if image_index is not None:
         sample_images = image_index[:, None].expand(mids.shape).reshape(-1)
-    outputs = _query(field, points.reshape(-1, 3), directions.reshape(-1, 3), sample_images)
+    outputs = field(points.reshape(-1, 3), directions.reshape(-1, 3), sample_images)
     weights = dense_weights(outputs.density.view(mids.shape), edges[:, 1:] - edges[:, :-1])
     rendered = composite_dense(weights, outputs.rgb.view(*mids.shape, 3), mids, background)
     uncertainty = None
@@ -113,15 +113,6 @@ def render_rays(
 
 def _points(rays: Rays, t: Tensor) -> Tensor:
     return rays.origins[:, None, :] + t[..., None] * rays.directions[:, None, :]
-
-
-def _query(
-    field: Field, points: Tensor, directions: Tensor, image_index: Tensor | None
-) -> FieldOutputs:
-    """The field at samples; their image indices, when given, go in as its third argument."""
-    if image_index is None:
-        return field(points, directions)
-    return field(points, directions, image_index)
 
 
 def _with_samples(

@@ -142,8 +142,10 @@ class FunctionalField(Field):
         self.field = field
         self.params = dict(params)
 
-    def forward(self, points: Tensor, directions: Tensor) -> FieldOutputs:
-        return functional_call(self.field, self.params, (points, directions))
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        return functional_call(self.field, self.params, (points, directions, image_index))
 
     def density(self, points: Tensor) -> Tensor:
         return self.forward(points, torch.zeros_like(points)).density
