@@ -27,7 +27,7 @@ IN_PLACE_ALLOWED = {
     "fedfields/config/reference.py": "a developer tool regenerating docs/RUN_CONFIG.md",
     "fedfields/data/crowd/writer.py": "builds the crowd in a hidden staging folder, renamed whole",
     "fedfields/data/objects.py": "builds the collection in a hidden staging folder, renamed whole",
-    "fedfields/report.py:_curves_section": "draws into an in-memory buffer",
+    "fedfields/report.py:_curve_group": "draws into an in-memory buffer",
     "simulations/deploy.py": "SuperLink/SuperNode logs streamed as they run; the CLI's config",
     "simulations/certificates.py": "TLS files made once before anything starts",
 }
