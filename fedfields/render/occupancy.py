@@ -6,6 +6,7 @@ steps along each ray and keeps only the samples that fall in occupied cells.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,27 +97,33 @@ class OccupancyGrid:
         t_far: Tensor,
         step_size: float,
         perturb: bool,
+        max_length: float | None = None,
     ) -> PackedSamples:
         """Uniform steps of `step_size` inside [t_near, t_far], kept where the grid is occupied.
 
         Samples are not pruned by the grid's own transmittance estimate: the grid holds each
         cell's maximum density, so partly filled boundary cells look solid and pruning behind
         them cost 4-5 dB on held-out lego views (docs/BENCHMARKS.md).
+        `max_length`, a host-known bound on t_far - t_near (min(far - near, box diagonal) for
+        unit directions), fixes the step count without reading the batch; None reads it.
         """
         hit = t_far > t_near
-        ray_ids = torch.nonzero(hit).squeeze(-1)
-        if ray_ids.numel() == 0:
+        if len(rays) == 0:
             empty = rays.origins.new_zeros(0)
-            return PackedSamples(ray_ids, empty, empty)
-        near, far = t_near[ray_ids], t_far[ray_ids]
-        num_steps = int(torch.ceil((far - near).max() / step_size).item())
-        offset = torch.rand_like(near)[:, None] if perturb else torch.full_like(near, 0.5)[:, None]
-        steps = torch.arange(num_steps, device=near.device)
-        t = near[:, None] + (steps + offset) * step_size  # [R, K]
-        inside = t < far[:, None]
-        points = rays.origins[ray_ids, None, :] + t[..., None] * rays.directions[ray_ids, None, :]
+            return PackedSamples(empty.long(), empty, empty)
+        if max_length is None:  # the batch's longest interval: a host read (stalls a GPU)
+            longest = torch.where(hit, t_far - t_near, 0.0).max()
+            num_steps = int(torch.ceil(longest / step_size).item())
+        else:  # +1: float32 intervals may round past the bound; extra steps fall outside
+            num_steps = math.ceil(max_length / step_size) + 1
+        offset = torch.rand_like(t_near) if perturb else torch.full_like(t_near, 0.5)
+        steps = torch.arange(num_steps, device=t_near.device)
+        t = t_near[:, None] + (steps + offset[:, None]) * step_size  # [R, K]
+        inside = (t < t_far[:, None]) & hit[:, None]
+        points = rays.origins[:, None, :] + t[..., None] * rays.directions[:, None, :]
         cell = self.cell_index(points)
         occupied = self.occupied.view(-1)[cell] & inside
+        # The one host sync left per batch: the sample count sets every later shape.
         row, column = torch.nonzero(occupied, as_tuple=True)
         t_mid = t[row, column]
-        return PackedSamples(ray_ids[row], t_mid, torch.full_like(t_mid, step_size))
+        return PackedSamples(row, t_mid, torch.full_like(t_mid, step_size))

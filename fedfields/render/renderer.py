@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,11 @@ class RenderConfig:
     def aabb_tensor(self) -> Tensor:
         return torch.tensor(self.aabb, dtype=torch.float32).view(2, 3)
 
+    @property
+    def max_ray_length(self) -> float:
+        """Longest [t_near, t_far] of a unit-direction ray in the box: what marching covers."""
+        return min(self.far - self.near, math.dist(self.aabb[:3], self.aabb[3:]))
+
 
 @dataclass
 class RayOutputs(RenderOutputs):
@@ -73,7 +79,9 @@ def render_rays(
     if background is None:
         background = torch.tensor(config.background, dtype=torch.float32, device=device)
     if occupancy is not None:
-        samples = occupancy.march(rays, t_near, t_far, config.step_size, perturb)
+        samples = occupancy.march(
+            rays, t_near, t_far, config.step_size, perturb, config.max_ray_length
+        )
         directions = rays.directions[samples.ray_index]
         points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
         sample_images = None if image_index is None else image_index[samples.ray_index]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from fedfields.data.pixels import PixelSampler
@@ -24,6 +25,7 @@ from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 
 ModelName = Literal["hashgrid", "nerf"]
+HashImplementation = Literal["auto", "torch", "triton", "tcnn"]
 
 
 @dataclass
@@ -89,18 +91,25 @@ class Setup:
         return TrainConfig(**{**defaults, **overrides})
 
 
-def default_setup(model: ModelName, scene: Scene) -> Setup:
+def default_setup(
+    model: ModelName, scene: Scene, implementation: HashImplementation = "auto"
+) -> Setup:
     """The field, renderer and optimiser defaults of `model` for `scene`'s bounds and size.
 
     hashgrid: Instant-NGP field with occupancy-grid marching and a dynamic ray batch of about
-    2^16 samples; nerf: the original 8x256 MLP with 64 stratified + 64 hierarchical samples.
+    2^16 samples, its hash grid run by `implementation`; nerf: the original 8x256 MLP with
+    64 stratified + 64 hierarchical samples.
     """
     aabb = tuple(scene.aabb.reshape(-1).tolist())
     base = RenderConfig(near=scene.near, far=scene.far, aabb=aabb, background=scene.background)
     if model == "hashgrid":
         extent = max(scene.aabb[1] - scene.aabb[0]).item()
         resolution = max(scene.cameras.width, scene.cameras.height)
-        encoding = HashGridConfig(max_resolution=max(64, 4 * resolution), log2_hashmap_size=17)
+        encoding = HashGridConfig(
+            max_resolution=max(64, 4 * resolution),
+            log2_hashmap_size=17,
+            implementation=implementation,
+        )
         return Setup(
             field=HashGridField(HashGridFieldConfig(encoding=encoding, aabb=aabb)),
             render_config=replace(base, step_size=extent * math.sqrt(3) / 256),
@@ -127,6 +136,19 @@ def learning_rate_factor(progress: float) -> float:
     return warmup * 0.33 ** sum(progress >= mark for mark in (0.5, 0.75, 0.9))
 
 
+def checked_losses(losses: list[Tensor], first_step: int, what: str) -> list[float]:
+    """The scalar losses of steps `first_step`, `first_step` + 1, ... read in one host sync;
+    raises naming the first non-finite one (checking each step would stall a GPU each step)."""
+    values = torch.stack(losses).tolist() if losses else []
+    for offset, value in enumerate(values):
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"{what} diverged at step {first_step + offset}: loss is {value}; "
+                "try a lower learning rate"
+            )
+    return values
+
+
 def adapt_batch_rays(batch_rays: int, num_samples: int, target: int, maximum: int) -> int:
     """Next batch size so a step holds about `target` field samples (nerfacc's dynamic batch)."""
     proposed = batch_rays * target / max(num_samples, 1)
@@ -141,7 +163,11 @@ def train(
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None = None,
 ) -> TrainResult:
-    """Fit `field` to the views of `scene` with Adam on the photometric MSE."""
+    """Fit `field` to the views of `scene` with Adam on the photometric MSE.
+
+    A step's one host sync is marching's sample count; losses are checked for finiteness at
+    log steps and at the end, naming the first bad step.
+    """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     field.to(device).train()
@@ -161,6 +187,7 @@ def train(
         mininterval=1.0,
     )
     batch_rays = config.batch_rays
+    unchecked: list[Tensor] = []  # losses since the last finiteness check, still on the device
     start = time.perf_counter()
     while True:
         elapsed = time.perf_counter() - start
@@ -179,25 +206,23 @@ def train(
             field, batch.rays, render_config, occupancy, perturb=True, background=batch.background
         )
         loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(
-                f"training diverged at step {result.steps}: loss is {loss.item()}; "
-                "try a lower learning rate"
-            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        unchecked.append(loss.detach())
         result.steps += 1
         result.rays += batch_rays
         result.samples += num_samples
         ticks = result.steps if budget_seconds is None else int(time.perf_counter() - start)
         bar.update(min(ticks, bar.total) - bar.n)
         if result.steps % config.log_every == 0:
+            last = checked_losses(unchecked, result.steps - len(unchecked), "training")[-1]
+            unchecked.clear()
             record = {
                 "step": result.steps,
                 "seconds": time.perf_counter() - start,
-                "loss": loss.item(),
-                "psnr": -10.0 * math.log10(max(loss.item(), 1e-10)),
+                "loss": last,
+                "psnr": -10.0 * math.log10(max(last, 1e-10)),
                 "samples_per_ray": num_samples / batch_rays,
                 "batch_rays": batch_rays,
             }
@@ -211,6 +236,7 @@ def train(
             batch_rays = adapt_batch_rays(
                 batch_rays, num_samples, config.target_samples, config.max_batch_rays
             )
+    checked_losses(unchecked, result.steps - len(unchecked), "training")
     result.seconds = time.perf_counter() - start
     bar.close()
     return result

@@ -24,10 +24,11 @@ from fedfields.fields import Field, GlobalPersonalField, PersonalField
 from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.renderer import RayOutputs
-from fedfields.train.centralised import adapt_batch_rays
+from fedfields.train.centralised import adapt_batch_rays, checked_losses
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
 
 LOSS_WINDOW = 10
+FINITE_CHECK_EVERY = 16  # steps between reads of the losses (each read stalls a GPU's stream)
 """`LocalTrainResult.loss` averages the photometric loss of this many last steps."""
 
 
@@ -169,7 +170,8 @@ def local_train(
         for group in personal_groups:
             optimizer.add_param_group(group)
     sampler = PixelSampler(scene, config.random_background)
-    recent: deque[float] = deque(maxlen=LOSS_WINDOW)
+    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)  # photometric losses, on the device
+    unchecked: list[Tensor] = []  # losses since the last finiteness check
     batch_rays, total_rays, total_samples, steps = config.batch_rays, 0, 0, 0
     epoch_rays = config.epochs * scene.images.shape[:3].numel()
     start = time.perf_counter()
@@ -191,11 +193,6 @@ def local_train(
         photometric, loss = _local_loss(rendered, batch.colors, config)
         if reference is not None:
             loss = loss + proximal_term(parameters, reference, config.proximal_mu)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(
-                f"local training diverged at step {step}: loss is {loss.item()}; "
-                "try a lower learning rate"
-            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if correction is not None and gradient_sum is not None:
@@ -205,15 +202,21 @@ def local_train(
                 gradient_sum[name] += parameter.grad
                 parameter.grad += correction[name]
         optimizer.step()
-        recent.append(photometric.item())
+        recent.append(photometric.detach())
+        unchecked.append(loss.detach())
         steps += 1
+        if steps % FINITE_CHECK_EVERY == 0:
+            checked_losses(unchecked, steps - len(unchecked), "local training")
+            unchecked.clear()
         total_rays += batch_rays
         total_samples += num_samples
         batch_rays = adapt_batch_rays(
             batch_rays, num_samples, config.target_samples, config.max_batch_rays
         )
     optimizer.zero_grad(set_to_none=True)  # no stale gradients outlive the round
-    mean_loss = sum(recent) / len(recent)
+    checked_losses(unchecked, steps - len(unchecked), "local training")
+    window = torch.stack(list(recent)).tolist()
+    mean_loss = sum(window) / len(window)
     result = LocalTrainResult(
         steps=steps,
         rays=total_rays,

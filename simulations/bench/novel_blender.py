@@ -61,7 +61,6 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
-from simulations.bench.federated_lego import all_photos
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
 LABELS = {
@@ -313,6 +312,10 @@ def run_federated(
 def run_centralised(data: CrowdData, config: FederatedConfig, settings: Settings) -> dict[str, Any]:
     """NeRF-W on all photos: one global + personal (transient) field, `rounds` epochs, each
     one `local_train` call (Adam restarts per epoch, as a user's does per round)."""
+    # Imported here: federated_lego imports Flower, which this module's federated path (and
+    # simulations.bench.gpu, run where Flower is absent) does without.
+    from simulations.bench.federated_lego import all_photos
+
     torch.manual_seed(settings.seed)
     photos = all_photos(data)
     model = global_field(config)
