@@ -24,10 +24,12 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flwr.clientapp.typing import Mod
 from flwr.common.config import parse_config_args
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
@@ -111,14 +113,16 @@ def run_one(
     out: Path,
     overrides: dict[str, Any] | None = None,
     object_resolution: int = 32,
+    mods: Sequence[Mod] = (),
 ) -> Path:
     """One federated run of `task` through Ray; returns its run directory.
 
     A simulation: run-config `simulation-audit` attaches the privacy audit; for objects
-    `data-dir` is the clients' data root (`simulation_objects`).
+    `data-dir` is the clients' data root (`simulation_objects`). `mods` wrap the ClientApp
+    (e.g. a benchmark's recorder).
     """
-    config = FederatedConfig.from_run_config({"task": task})
-    settings = meta_settings(config)
+    config = FederatedConfig.from_run_config({"task": task, **(overrides or {})})
+    settings = meta_settings(config)  # one node per client, num-clients overridden or not
     run_dir = out / f"{time.strftime('%H%M%S')}-{task}-{strategy}-{learner.replace(' ', '_')}"
     run_config: dict[str, Any] = {
         "task": task,
@@ -135,7 +139,7 @@ def run_one(
         data_dir = run_dir.with_suffix(".data")
         run_config["data-dir"] = str(data_dir)
         run_config["eval-scene-dir"] = str(simulation_objects(collection, settings, data_dir))
-    run_with_ray(run_config, num_supernodes=settings.num_clients)
+    run_with_ray(run_config, num_supernodes=settings.num_clients, mods=mods)
     return run_dir
 
 

@@ -1,0 +1,135 @@
+"""The DP benchmark (issue 36, point 3) as a user types it: `python -m simulations.bench.dp`
+through Ray with tiny settings writes its table, rows and figure, C is the median update norm
+its z = 0 run recorded, and epsilon is Flower's RdpAccountant's for the run's sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flower_harness import set_task_identity
+from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, SamplingMethod
+from flwr.serverapp import RdpAccountant as FlowerRdpAccountant
+from PIL import Image
+
+from fedfields.aggregate import ALPHA_KEY
+from fedfields.flower.protocol import ARRAYS, state_to_arrays
+from simulations.bench.dp import NORMS_FILE, UpdateNorms, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENTS, PER_ROUND = 5, 2
+TINY_PHOTOS = (
+    f"outer-steps=1 tto-steps=2 field-width=16 field-depth=2 clients-per-round={PER_ROUND}"
+)
+
+
+def flower_epsilon(sampled: int, population: int, z: float, rounds: int, delta: float) -> float:
+    """Flower's RdpAccountant (Poisson, add-or-remove-one) after `rounds` rounds."""
+    accountant = FlowerRdpAccountant(
+        PrivacyConfig(
+            target_delta=delta,
+            population_size=population,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.POISSON,
+        )
+    )
+    event = GaussianPrivacyEvent(
+        noise_multiplier=z, sample_size=sampled, population_size=population
+    )
+    for _ in range(rounds):
+        accountant.compose(event)
+    return accountant.get_epsilon(delta)
+
+
+def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_figure(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "simulations.bench.dp", "--tasks", "photos"]
+    command += ["--methods", "MAML", "--noise-multipliers", "1", "0", "--rounds", "1"]
+    command += ["--clients", str(CLIENTS), "--photos-run-config", TINY_PHOTOS, "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    rows = json.loads((out / "dp.json").read_text())
+    assert [(r["method"], r["noise_multiplier"]) for r in rows] == [("MAML", 0.0), ("MAML", 1.0)]
+    plain, noised = rows
+    assert plain["error"] is None and noised["error"] is None
+    assert plain["epsilon"] is None and plain["clip_norm"] is None and plain["dp_form"] == "none"
+    # C: the median of the norms the z = 0 run's clients recorded, one per reply
+    norms = [json.loads(line)["norm"] for line in (out / "runs" / f"MAML-{NORMS_FILE}").open()]
+    assert len(norms) == PER_ROUND
+    assert noised["clip_norm"] == pytest.approx(float(np.median(norms)), rel=1e-12)
+    config = json.loads((Path(noised["run_dir"]) / "config.json").read_text())
+    assert config["dp-clip-norm"] == noised["clip_norm"]
+    assert config["dp-noise-multiplier"] == 1.0
+    # epsilon: one round of PER_ROUND of CLIENTS at z = 1, delta 1e-5, by Flower's accountant
+    expected = flower_epsilon(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])
+    assert noised["dp_form"] == "central"
+    assert noised["epsilon"] == pytest.approx(expected, rel=1e-9)
+    for row in rows:  # utility and PSNR_p read back from the runs' summaries
+        summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
+        assert row["utility"] == summary["final"]["psnr"]
+        assert row["server_reads"] == summary["final"]["psnr_p"]
+
+    table = (out / "dp.md").read_text().splitlines()
+    assert table[0].startswith("| task | method | z | C | DP | epsilon |")
+    assert table[2].startswith("| photos | MAML | 0 | - | none | - |")
+    assert table[3].startswith(f"| photos | MAML | 1 | {noised['clip_norm']:.3g} | central | ")
+    assert f"{expected:.3g}" in table[3]
+    with Image.open(out / "dp.png") as figure:
+        assert figure.format == "PNG" and figure.width > 300
+    assert not list(out.glob(".*"))  # atomic writes leave no temporary behind
+
+
+def message_pair(
+    sent: dict[str, torch.Tensor], replied: dict[str, torch.Tensor]
+) -> tuple[Message, Message]:
+    """A train message carrying `sent` and a reply to it carrying `replied`."""
+    set_task_identity()
+    msg = Message(RecordDict({ARRAYS: state_to_arrays(sent)}), dst_node_id=7, message_type="train")
+    reply = Message(RecordDict({ARRAYS: state_to_arrays(replied)}), reply_to=msg)
+    return msg, reply
+
+
+def test_the_recorder_measures_what_dp_fedavg_clips(tmp_path: Path) -> None:
+    """FedAvg's y_k - g; DecentNeRF's alpha_k g_k - alpha_k g together with alpha_k."""
+    g = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[0.5]])}
+    y = {"a": torch.tensor([4.0, 6.0]), "b": torch.tensor([[0.5]])}  # y - g = (3, 4, 0)
+    alpha = 2.0
+    scaled = {k: alpha * v for k, v in y.items()} | {ALPHA_KEY: torch.tensor([alpha])}
+    path = tmp_path / "norms.jsonl"
+    recorder = UpdateNorms(path)
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    for replied in (y, scaled):
+        msg, reply = message_pair(g, replied)
+        assert msg.metadata.message_type == MessageType.TRAIN
+        assert recorder(msg, context, lambda m, c, reply=reply: reply) is reply
+    norms = [json.loads(line)["norm"] for line in path.read_text().splitlines()]
+    assert norms == pytest.approx([5.0, math.hypot(alpha * 5.0, alpha)], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--noise-multipliers", "0", "-1"], "--noise-multipliers must be finite and >= 0"),
+        (["--noise-multipliers", "nan"], "--noise-multipliers must be finite and >= 0"),
+        (["--noise-multipliers", "1", "2"], "no run to measure C: --clip-norm"),
+        (["--clip-norm", "0"], "--clip-norm must be > 0 and finite"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--methods", "NeRF"], "invalid choice: 'NeRF'"),
+    ],
+)
+def test_bad_flags_get_one_error_naming_the_flag(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert complaint in capsys.readouterr().err
