@@ -3,16 +3,17 @@
 For `task` faces, photos, video or objects the train handler is `clients.meta_client.train`;
 for mode split, `clients.split_client.train`. The scene job: one user's views (its own folder, from
 node-config `data-dir`, `fedfields.flower.node`), a global field it shares and a personal field it
-keeps; handlers are thin glue over `fedfields.train.federated`. What stays on the node lives
-in its private state (`NodeState`: the node's state directory, or Flower's per-node context in
-a simulation without one): DecentNeRF's personal field and appearance embeddings, the user's
-alpha and its history, the last local global field, the occupancy grid, Scaffold's client
-control. Replies carry only what the strategy needs: the global field (or alpha * g_k and
-alpha for DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and scalar
-metrics, among them "client-eval-psnr": the received global field's PSNR on this user's
-held-out views (the last `client-eval-views`, never trained on). With run-config
-`secure-aggregation` on, `secure_aggregation_mod` holds all of it back for Flower's SecAgg+
-(`fedfields.flower.secure_aggregation`).
+keeps; handlers are thin glue over `fedfields.train.federated`. Training, the gradient query and the
+client's evaluation renders run on node-config `device` (`node_device`: auto picks CUDA when the
+node sees one); replies carry CPU float32 whatever the device. What stays on the node lives in its
+private state (`NodeState`: the node's state directory, or Flower's per-node context in a simulation
+without one): DecentNeRF's personal field and appearance embeddings, the user's alpha and its
+history, the last local global field, the occupancy grid, Scaffold's client control. Replies carry
+only what the strategy needs: the global field (or alpha * g_k and alpha for DecentNeRF), Scaffold's
+control delta, DecentNeRF's gradient G_k, and scalar metrics, among them "client-eval-psnr": the
+received global field's PSNR on this user's held-out views (the last `client-eval-views`, never
+trained on). With run-config `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
+for Flower's SecAgg+ (`fedfields.flower.secure_aggregation`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from fedfields.flower import (
     client_index,
     secure_aggregation_mod,
 )
-from fedfields.flower.node import node_data_dir
+from fedfields.flower.node import node_data_dir, node_device
 from fedfields.flower.protocol import (
     ARRAYS,
     CLIENT_SECONDS,
@@ -54,13 +55,13 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.metrics import psnr
-from fedfields.render import OccupancyGrid, render_image
+from fedfields.render import OccupancyGrid
 from fedfields.train.builders import check_scene_fits, global_field, render_config
 from fedfields.train.federated import (
     LocalTrainConfig,
     ScaffoldControls,
     federated_state,
+    heldout_psnr,
     load_federated_state,
     local_train,
 )
@@ -109,12 +110,16 @@ def _train_scene(msg: Message, context: Context) -> Message:
     config = FederatedConfig.from_run_config(context.run_config)
     round_config = msg.content[CONFIG]
     state = NodeState(context)
+    device = node_device(context)
     views = _user_views(context, config)
     scene = views.train
     field = _global_field(config, msg)
     metrics: dict[str, float] = {}
     if views.heldout is not None:
-        metrics[CLIENT_EVAL] = _score(field, views.heldout, config)
+        settings = render_config(config, views.heldout)
+        metrics[CLIENT_EVAL] = heldout_psnr(
+            field, views.heldout, settings, device, EVAL_OCCUPANCY_PASSES
+        )
     occupancy = _occupancy(state, field)
     decentnerf = (
         DecentNeRFClient(state, config.scene.alpha_lr) if DecentNeRFClient.wanted(msg) else None
@@ -133,6 +138,7 @@ def _train_scene(msg: Message, context: Context) -> Message:
         proximal_mu=float(round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.common.seed * 100_003 + server_round * 1009 + user,
+        device=device,
     )
     result = local_train(
         field,
@@ -178,6 +184,7 @@ def _gradient(msg: Message, context: Context) -> Message:
     """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
     config = FederatedConfig.from_run_config(context.run_config)
     state = NodeState(context)
+    device = node_device(context)
     scene = _user_views(context, config).train
     personal = _personal_field(state, config, scene, client_index(context))
     seed = config.common.seed + int(msg.content[CONFIG][SERVER_ROUND])
@@ -194,6 +201,7 @@ def _gradient(msg: Message, context: Context) -> Message:
             num_rays=GRADIENT_RAYS,
             seed=seed,
             beta_min=config.scene.beta_min,
+            device=device,
         )
 
     return DecentNeRFClient.answer_gradient_query(msg, loss_gradient)
@@ -227,31 +235,12 @@ def _global_field(config: FederatedConfig, msg: Message) -> HashGridField:
     return field
 
 
-def _score(field: HashGridField, views: Scene, config: FederatedConfig) -> float:
-    """Mean PSNR of the global field's renders of `views` against the user's photos.
-
-    Rendered through a fresh occupancy grid of the global field alone, as the server would.
-    """
-    settings = render_config(config, views)
-    field.eval()
-    occupancy = OccupancyGrid(field.aabb)
-    with torch.no_grad():
-        for _ in range(EVAL_OCCUPANCY_PASSES):
-            occupancy.update(field.density, settings.step_size)
-        values = [
-            psnr(render_image(field, views.cameras, i, settings, occupancy).rgb.clamp(0, 1), image)
-            for i, image in enumerate(views.images)
-        ]
-    field.train()
-    return float(sum(values) / len(values))
-
-
 def _personal_field(
     state: NodeState, config: FederatedConfig, scene: Scene, user: int
 ) -> PersonalField:
     """The personal field kept on this node (created on first use from a per-user seed)."""
     box = render_config(config, scene).aabb
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
         torch.manual_seed(config.common.seed * 100_003 + user)
         personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=box))
     saved = state.tensors(PERSONAL)

@@ -8,6 +8,8 @@ pending batch are private state (`NodeState`: the node's state directory, or Flo
 context). At "finish" the server sends its part so the client can assemble the joint field,
 score it on its held-out views and keep checkpoint.pt, renders/ and client.json in its state
 directory (which a simulation's attack observer reads as ground truth; the server never does).
+The head renders, steps and scores on node-config `device` (`node_device`); the gradient and rays
+it sends are CPU float32.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import HashGridField
-from fedfields.flower.node import DATA_DIR, NodeState, is_simulated, node_data_dir
+from fedfields.flower.node import DATA_DIR, NodeState, is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import (
     CONFIG,
     EMBEDDINGS,
@@ -54,6 +56,7 @@ from fedfields.train.builders import (
 )
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
+from fedfields.train.federated import to_wire
 
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"
@@ -115,7 +118,7 @@ def train(msg: Message, context: Context) -> Message:
     folder = scene_dir(context)
     scene, heldout = client_views(str(folder), config.common.downscale)
     check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
-    field = joint_field(config)
+    field = joint_field(config).to(node_device(context))  # before Adam's state is loaded into it
     server, head = split_field(field)
     optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)
     state = NodeState(context)
@@ -160,8 +163,10 @@ def _learn(
     pending = state.tensors(PENDING)
     if pending is None:
         raise RuntimeError(f"split step {step}: no pending batch in the node's state")
+    device = next(head.parameters()).device
+    pending = {key: value.to(device) for key, value in pending.items()}
     samples = RaySamples(pending["origins"], pending["directions"], pending["edges"])
-    embeddings = arrays_to_state(msg.content[EMBEDDINGS])["embeddings"]
+    embeddings = arrays_to_state(msg.content[EMBEDDINGS])["embeddings"].to(device)
     expected = (len(samples) * config.split.split_samples, embedding_dim)
     if tuple(embeddings.shape) != expected:
         raise ValueError(f"embeddings of shape {tuple(embeddings.shape)}, expected {expected}")
@@ -178,7 +183,7 @@ def _learn(
         step,
     )
     optimizer.step()
-    gradient = state_to_arrays({"embeddings": result.embedding_gradient})
+    gradient = state_to_arrays({"embeddings": to_wire(result.embedding_gradient)})
     return gradient, MetricRecord({"loss": result.loss, "psnr": result.psnr})
 
 

@@ -24,7 +24,7 @@ from fedfields.data.crowd import (
 )
 from fedfields.data.figures import OBJECT_KINDS
 from fedfields.data.objects import CollectionConfig, write_collection
-from fedfields.optim import resolve_device
+from fedfields.optim import DEVICE_CHOICES, parse_device, resolve_device
 from fedfields.train import (
     default_setup,
     evaluate,
@@ -122,13 +122,20 @@ table, one row per run, and writes audit.json and audit.png into each run direct
         default="car",
         help="split: the procedural object the SDAR attacker owns (default car)",
     )
+    audit.add_argument(
+        "--device",
+        default="auto",
+        help=f"scene and meta audits render on it: {DEVICE_CHOICES} (default auto: CUDA if any)",
+    )
     audit.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run_audit(args: argparse.Namespace) -> int:
     from fedfields.audit import AuditConfig, audit_runs, format_table, write_audit
 
+    parse_device(args.device, "--device")  # a bad device fails before any run is read
     config = AuditConfig(
+        device=args.device,
         seed=args.seed,
         max_views=args.max_views,
         max_clients=args.max_clients,

@@ -39,6 +39,7 @@ from typing import IO
 from flwr.common.config import parse_config_args
 
 from fedfields.config.schema import META_TASKS
+from fedfields.optim import DEVICE_CHOICES, parse_device
 from simulations import APP_DIR
 from simulations.certificates import TlsFiles, write_tls_files
 from simulations.planner import (
@@ -85,13 +86,19 @@ def free_ports(count: int) -> list[int]:
 
 
 def node_config_text(
-    partition_id: int, num_partitions: int, data_dir: Path | None, state_dir: Path
+    partition_id: int,
+    num_partitions: int,
+    data_dir: Path | None,
+    state_dir: Path,
+    device: str = "auto",
 ) -> str:
-    """A SuperNode's `--node-config`: which client it is, its own data and its state folder."""
+    """A SuperNode's `--node-config`: which client it is, its own data, its state folder and
+    the device it trains on (`fedfields.flower.node.node_device`)."""
     entries = [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
     if data_dir is not None:
         entries.append(f"data-dir={json.dumps(str(data_dir.resolve()))}")
     entries.append(f"state-dir={json.dumps(str(state_dir.resolve()))}")
+    entries.append(f"device={json.dumps(device)}")
     return " ".join(entries)
 
 
@@ -189,15 +196,19 @@ class Deployment:
                 time.sleep(0.2)
         raise TimeoutError(f"flower-superlink did not listen on {self.address} in {timeout:g} s")
 
-    def start_supernode(self, partition_id: int, num_partitions: int, data_dir: Path | None) -> str:
-        """Start SuperNode `partition_id` holding `data_dir`; returns its name (node_NN).
+    def start_supernode(
+        self, partition_id: int, num_partitions: int, data_dir: Path | None, device: str = "auto"
+    ) -> str:
+        """Start SuperNode `partition_id` holding `data_dir`, training on `device`; returns its
+        name (node_NN).
 
         Its state folder (`state-dir`) and FLWR_HOME live under nodes/node_NN; its ClientApp
         runtime API gets its own free port.
         """
         name = f"node_{partition_id:02d}"
         node_dir = self.directory / "nodes" / name
-        config = node_config_text(partition_id, num_partitions, data_dir, node_dir / "state")
+        state_dir = node_dir / "state"
+        config = node_config_text(partition_id, num_partitions, data_dir, state_dir, device)
         command = [str(Path(sys.executable).with_name("flower-supernode"))]
         command += ["--superlink", self.address]
         command += ["--root-certificates", str(self.tls.ca_certificate)]
@@ -344,7 +355,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--object-views", type=int, default=16, help="views per object")
     parser.add_argument("--object-resolution", type=int, default=32, help="object image size")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help=f"each SuperNode's node-config device: {DEVICE_CHOICES} (auto: CUDA when visible)",
+    )
+    args = parser.parse_args(argv)
+    try:  # the nodes run on this machine: a device they cannot see fails here, not per round
+        parse_device(args.device, "--device")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 @dataclass(frozen=True)
@@ -407,7 +428,9 @@ def _interrupt(signum: int, _: FrameType | None) -> None:
     raise Interrupted(signum)
 
 
-def deploy(job: Plan, deploy_dir: Path, run_config: str, timeout: float) -> RunOutcome:
+def deploy(
+    job: Plan, deploy_dir: Path, run_config: str, timeout: float, device: str = "auto"
+) -> RunOutcome:
     """Start the federation, run the job on it, stop everything; returns the run's outcome."""
     with Deployment(deploy_dir) as deployment:
         print(
@@ -416,7 +439,7 @@ def deploy(job: Plan, deploy_dir: Path, run_config: str, timeout: float) -> RunO
         )
         deployment.start_superlink()
         for index, data_dir in enumerate(job.nodes.folders):
-            deployment.start_supernode(index, job.nodes.count, data_dir)
+            deployment.start_supernode(index, job.nodes.count, data_dir, device)
         deployment.wait_for_nodes(job.nodes.count)
         print(f"fedfields deploy: {job.nodes.count} SuperNodes online", flush=True)
         return deployment.run(
@@ -440,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.perf_counter()
     try:
-        outcome = deploy(job, deploy_dir, run_config, args.timeout)
+        outcome = deploy(job, deploy_dir, run_config, args.timeout, args.device)
     except Interrupted as stop:
         print(
             f"fedfields deploy: {stop}: stopped all it started; logs in {deploy_dir}/logs",

@@ -11,6 +11,10 @@ As the experimenter it attaches the simulation-only observers (`simulation-audit
 read the data root's ground truth, and gives virtual node i its private state directory
 `<run-dir>.nodes/node_NN` (`state-dir`), outside the server's run directory. The nodes and
 their data come from `simulations.planner`, which `simulations.deploy` shares.
+Devices: with `--client-gpus F` Ray gives each virtual client an F share of a GPU and makes it
+visible to that client alone (CUDA_VISIBLE_DEVICES), and its node-config device auto picks it;
+without CUDA here the launcher refuses rather than train on the CPU. With no GPU share a client
+sees no GPU and trains on the CPU. The ServerApp uses run-config `server-device`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
 from flwr.common.config import parse_config_args
 
 from fedfields.config import without_ignored_keys
@@ -90,7 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--client-cpus", type=int, default=1, help="CPUs per virtual client (Ray actor)"
     )
     parser.add_argument(
-        "--client-gpus", type=float, default=0.0, help="GPUs per virtual client, e.g. 0.25"
+        "--client-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs per virtual client, e.g. 0.25: every client trains on CUDA (0: on the CPU)",
     )
     parser.add_argument(
         "--no-audit",
@@ -102,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--client-cpus must be a positive integer, got {args.client_cpus}")
     if args.client_gpus < 0:
         parser.error(f"--client-gpus must be >= 0, got {args.client_gpus}")
+    if args.client_gpus > 0 and not args.ray_address and not torch.cuda.is_available():
+        parser.error(
+            f"--client-gpus {args.client_gpus:g}: no CUDA device is visible on this machine "
+            "(torch.cuda.is_available() is False), so the virtual clients would train on the "
+            "CPU; leave --client-gpus out, or run where a GPU is (or name a Ray cluster that "
+            "has one with --ray-address)"
+        )
     return args
 
 
@@ -126,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     # flwr starts `flower-superlink` by name: the venv's scripts must come first on PATH.
     scripts = str(Path(sys.executable).parent)
     env = {**os.environ, **ENVIRONMENT, "PATH": f"{scripts}:{os.environ.get('PATH', '')}"}
+    if args.client_gpus == 0 and torch.cuda.is_available():
+        env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # Ray hides the GPUs: clients on the CPU
     Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
     try:
         if args.resume is not None:

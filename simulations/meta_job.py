@@ -70,6 +70,7 @@ from fedfields.train.builders import (
     heldout_meta_tasks,
     mean_quality,
     meta_model,
+    server_device,
     tto_qualities,
     tto_schedule,
 )
@@ -135,7 +136,7 @@ class MetaReport:
         self.run_dir = run_dir
         self.strategy = strategy
         self.observers = observers
-        self.model = meta_model(config, settings)
+        self.model = meta_model(config, settings).to(server_device(config))
         self.heldout = heldout_meta_tasks(config, settings)
         if not self.heldout:
             log(
@@ -227,7 +228,7 @@ class PrivacyAudit:
         self.config = config
         self.settings = settings
         self.run_dir = run_dir
-        self.model = meta_model(config, settings)
+        self.model = meta_model(config, settings).to(server_device(config))
         self.steps = tto_schedule(settings.tto_steps)
         self.uploads: list[Upload] = []
         self.last_uploads: list[Upload] = []

@@ -68,7 +68,7 @@ from fedfields.privacy.attacks import (
 from fedfields.privacy.split import TRANSCRIPT_FILE, save_transcript
 from fedfields.render import RenderConfig
 from fedfields.report import write_report
-from fedfields.train.builders import client_views, joint_field, split_scene_dir
+from fedfields.train.builders import client_views, joint_field, server_device, split_scene_dir
 from fedfields.train.checkpoint import load_checkpoint
 from simulations.federated_nerf import make_run_dir
 from simulations.observers import Observer, ReplyTap, simulation_observed
@@ -92,14 +92,15 @@ def run_split_job(
         observers = split_observers(run_config, run_dir)
     for observer in observers:
         grid = observer.wrap_grid(grid)
-    server, _ = split_field(joint_field(config))
+    device = server_device(config)
+    server, _ = split_field(joint_field(config).to(device))
     optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)
     timeout = config.deployment.round_timeout  # run-config round-timeout, per exchange
     exchange = _Exchange(grid, _the_node(grid, timeout), timeout)
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
     started, history, window = time.perf_counter(), [], []
     for step in range(config.split.split_steps):
-        points = _samples(reply, config, step).points()
+        points = _samples(reply, config, step).points().to(device)
         embeddings = server_forward(server, points)
         content = RecordDict(
             {
@@ -108,7 +109,7 @@ def run_split_job(
             }
         )
         reply = exchange(content, f"step {step}")
-        gradient = arrays_to_state(reply.content[GRADIENT])["embeddings"]
+        gradient = arrays_to_state(reply.content[GRADIENT])["embeddings"].to(device)
         if tuple(gradient.shape) != tuple(embeddings.shape) or not torch.isfinite(gradient).all():
             raise ValueError(
                 f"step {step}: the client's gradient has shape {tuple(gradient.shape)} or "

@@ -154,8 +154,11 @@ def test_node_config_names_the_client_and_its_own_folders() -> None:
         "num-partitions": 4,
         "data-dir": "/data/my photos/user_01",
         "state-dir": "/state/node 1",
+        "device": "auto",
     }
     assert "data-dir" not in parse_config_args([node_config_text(0, 4, None, Path("/s"))])
+    on_gpu = node_config_text(0, 4, None, Path("/s"), device="cuda:1")
+    assert parse_config_args([on_gpu])["device"] == "cuda:1"
 
 
 def test_cli_config_is_a_default_tls_connection_for_flower(

@@ -34,7 +34,8 @@ class AuditConfig:
 
     `max_views` caps each scene user's views (None: all); `max_clients` caps the meta clients
     whose query sets are scored (None: all); `sdar_aux` is the procedural object the SDAR
-    attacker owns (its auxiliary scene).
+    attacker owns (its auxiliary scene). `device` renders and optimises the scene and meta
+    audits (auto: CUDA when visible); the split audit's attacks run on the CPU.
     """
 
     seed: int = 0
@@ -42,6 +43,7 @@ class AuditConfig:
     max_clients: int | None = None
     sdar_aux: str = "car"
     progress: bool = True
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_views", "max_clients"):

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
 from fedfields.config import meta_settings
+from fedfields.optim import resolve_device
 from fedfields.privacy.attacks.inference import AttackConfig, train_attack
 from fedfields.train.builders import (
     as_image_batch,
@@ -132,7 +133,7 @@ def audit_meta(run: RunInfo, settings: AuditConfig) -> AuditResult:
     """Utility (TTO) and leakage (PSNR_p, membership) of the run's theta (module docstring)."""
     config = run.config
     meta = meta_settings(config)
-    model = meta_model(config, meta)
+    model = meta_model(config, meta).to(resolve_device(settings.device))
     theta = load_theta(run.run_dir / CHECKPOINT_FILE)
     heldout = heldout_meta_tasks(config, meta)
     clients = range(min(meta.num_clients, settings.max_clients or meta.num_clients))

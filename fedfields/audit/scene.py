@@ -39,7 +39,8 @@ def audit_scene(run: RunInfo, settings: AuditConfig) -> AuditResult:
     """Utility and personal-content leakage of the run's global field (module docstring)."""
     config = run.config
     data = CrowdData.load(config.deployment.data_dir, config.common.downscale)
-    renderer = FieldRenderer.from_checkpoint(config, run.run_dir / CHECKPOINT_FILE)
+    path = run.run_dir / CHECKPOINT_FILE
+    renderer = FieldRenderer.from_checkpoint(config, path, settings.device)
     views = scored_views(data, settings.max_views)
     total = sum(len(views) if views is not None else len(u.scene) for u in data.users)
     render = counted(renderer, total, "scene audit: render users' views", settings)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fedfields.optim import DEVICE_CHOICES, is_device_text
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -143,9 +144,18 @@ class CommonSection:
     eval_scene_dir: str = key(
         "", "a public clean scene (objects: held-out object folders) the server scores on"
     )
+    server_device: str = key(
+        "auto",
+        "the ServerApp's device (its field's scores, eval-scene-dir, observers): auto (CUDA "
+        "when the server sees one) | cpu | cuda | cuda:N; each node's is its node-config device",
+    )
 
     def __post_init__(self) -> None:
         _choice(self, "task", TASKS)
+        if not is_device_text(self.server_device):
+            raise ValueError(
+                f"run-config 'server-device' must be {DEVICE_CHOICES}, got {self.server_device!r}"
+            )
         _choice(self, "mode", MODES)
         _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
         if self.resume and not self.run_dir:

@@ -5,17 +5,20 @@ Node-config (a deployed SuperNode's `--node-config`) names everything a node nee
   data-dir                      this node's own data: a crowd user folder, an object folder, or
                                 the split-learning scene
   state-dir                     a node-local directory for the client's private state
+  device                        where the node trains and renders: auto (CUDA when visible, the
+                                default), cpu, cuda or cuda:N (`node_device`)
 In simulation Flower passes only partition-id and num-partitions; the launcher then names a
 root in run-config `data-dir` (`state-dir`), and virtual node i takes `<root>/<prefix>_<i:02d>`
 or `_<i:03d>` (`<root>/node_<i:02d>`). The run-config roots are never read by the ServerApp.
 
 Simulated or deployed (`is_simulated`): Flower 1.41's simulation engine gives every virtual
-node exactly {partition-id, num-partitions} as node-config (`flwr.server.superlink.fleet.vce.
-vce_api`), so that node-config, and only that one, marks a virtual node. Any other node-config
-(empty, or naming anything else) is a deployed SuperNode's: its directories come from its
-node-config only, never from the server's run-config; without `data-dir` a node that needs
-data refuses, and without `state-dir` its state stays in Flower's context. A deployed node is
-therefore started with at least its own `state-dir` (docs/DEPLOY.md).
+node exactly {partition-id, num-partitions} as node-config
+(`flwr.server.superlink.fleet.vce.vce_api`), so that node-config, and only that one, marks a
+virtual node. Any other node-config (empty, or naming anything else, `device` included) is a
+deployed SuperNode's: its directories come from its node-config only, never from the server's
+run-config; without `data-dir` a node that needs data refuses, and without `state-dir` its
+state stays in Flower's context. A deployed node is therefore started with at least its own
+`state-dir` (docs/DEPLOY.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from fedfields import atomic
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.optim import parse_device
 
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
@@ -38,6 +42,7 @@ SIMULATION_NODE_CONFIG = frozenset({PARTITION_ID, NUM_PARTITIONS})
 """The node-config keys Flower's simulation engine gives a virtual node, and all of them."""
 DATA_DIR = "data-dir"
 STATE_DIR = "state-dir"
+DEVICE = "device"
 
 
 def client_index(context: Context) -> int:
@@ -55,6 +60,17 @@ def is_simulated(context: Context) -> bool:
     """Whether this node is a simulation's virtual node: its node-config is exactly what
     Flower's simulation engine gives one (`SIMULATION_NODE_CONFIG`), else it is deployed."""
     return set(context.node_config) == SIMULATION_NODE_CONFIG
+
+
+def node_device(context: Context) -> torch.device:
+    """The device this node trains and renders on: node-config `device` (default auto: CUDA
+    when this process sees one, as a Ray actor given a `--client-gpus` share does).
+
+    A malformed value, or a CUDA device this process cannot see, is one ValueError naming
+    the node, the key and the value.
+    """
+    value = str(context.node_config.get(DEVICE, "auto"))
+    return parse_device(value, f"node {context.node_id}: node-config '{DEVICE}'")
 
 
 def node_data_dir(context: Context, prefix: str) -> Path:

@@ -71,6 +71,7 @@ class OccupancyGrid:
 
         A cell counts as occupied when its opacity over one marching step exceeds the
         threshold, or the grid mean if lower (nerfacc's rule, which keeps early grids dense).
+        Points are drawn on the grid's device: keep the grid where the field is (`to`).
         """
         res = self.resolution
         axis = torch.arange(res, device=self.density.device)
@@ -84,8 +85,9 @@ class OccupancyGrid:
         self.occupied = opacity > threshold
 
     def cell_index(self, points: Tensor) -> Tensor:
-        """Flat cell index of world points (clamped into the box)."""
-        unit = (points - self.aabb[0]) / (self.aabb[1] - self.aabb[0])
+        """Flat cell index of world points (clamped into the box), on the points' device."""
+        aabb = self.aabb.to(points.device)
+        unit = (points - aabb[0]) / (aabb[1] - aabb[0])
         ijk = (unit * self.resolution).long().clamp(0, self.resolution - 1)
         return (ijk[..., 0] * self.resolution + ijk[..., 1]) * self.resolution + ijk[..., 2]
 
@@ -104,9 +106,11 @@ class OccupancyGrid:
         Samples are not pruned by the grid's own transmittance estimate: the grid holds each
         cell's maximum density, so partly filled boundary cells look solid and pruning behind
         them cost 4-5 dB on held-out lego views (docs/BENCHMARKS.md).
+        The grid moves to the rays' device first, so a grid kept elsewhere still marches.
         `max_length`, a host-known bound on t_far - t_near (min(far - near, box diagonal) for
         unit directions), fixes the step count without reading the batch; None reads it.
         """
+        self.to(rays.origins.device)
         hit = t_far > t_near
         if len(rays) == 0:
             empty = rays.origins.new_zeros(0)

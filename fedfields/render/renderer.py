@@ -73,11 +73,13 @@ def render_rays(
     `background` ([3] or per ray [R, 3]) overrides the config's background colour.
     `image_index` ([R] int64), when given, is passed per sample to `Field.forward` (the image
     whose appearance embedding colours the ray, NeRF-W).
+    A background (and the grid, `OccupancyGrid.march`) elsewhere follows the rays' device.
     """
     device = rays.origins.device
     t_near, t_far = intersect_aabb(rays, config.aabb_tensor.to(device), config.near, config.far)
     if background is None:
         background = torch.tensor(config.background, dtype=torch.float32, device=device)
+    background = background.to(device)
     if occupancy is not None:
         samples = occupancy.march(
             rays, t_near, t_far, config.step_size, perturb, config.max_ray_length
@@ -119,6 +121,11 @@ def render_rays(
     return _with_samples(rendered, outputs, uncertainty), mids.numel()
 
 
+def _device_of(field: Field) -> torch.device:
+    """Where the field's parameters live (CPU for a parameter-free field)."""
+    return next(field.parameters(), torch.empty(0)).device
+
+
 def _points(rays: Rays, t: Tensor) -> Tensor:
     return rays.origins[:, None, :] + t[..., None] * rays.directions[:, None, :]
 
@@ -144,8 +151,9 @@ def render_image(
     config: RenderConfig,
     occupancy: OccupancyGrid | None = None,
 ) -> RenderOutputs:
-    """Render one full view in chunks; outputs are shaped [H, W, 3] and [H, W]."""
-    rays = image_rays(cameras, view)
+    """Render one full view in chunks on the field's device; outputs are shaped [H, W, 3] and
+    [H, W]."""
+    rays = image_rays(cameras.to(_device_of(field)), view)
     parts = [
         render_rays(field, rays[start : start + config.chunk], config, occupancy)[0]
         for start in range(0, len(rays), config.chunk)

@@ -35,6 +35,7 @@ from fedfields.fields import (
     Siren,
     SirenConfig,
 )
+from fedfields.optim import parse_device
 from fedfields.render import RenderConfig
 from fedfields.train.meta import MetaConfig, test_time_optimise
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
@@ -66,6 +67,12 @@ def global_field(config: FederatedConfig) -> HashGridField:
             aabb=(-bound, -bound, -bound, bound, bound, bound),
         )
     )
+
+
+def server_device(config: FederatedConfig) -> torch.device:
+    """The ServerApp's own device (run-config `server-device`), checked against this process's
+    CUDA devices: what the server's field, scores and observers run on."""
+    return parse_device(config.common.server_device, "run-config 'server-device'")
 
 
 def check_scene_fits(config: FederatedConfig, scene: Scene, where: str) -> None:

@@ -18,9 +18,10 @@ from fedfields.config import FederatedConfig
 from fedfields.data.scene import Scene
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
+from fedfields.optim import resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
 from fedfields.render.orbit import render_orbit
-from fedfields.train.builders import global_field, render_config
+from fedfields.train.builders import global_field, render_config, server_device
 from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.federated import load_federated_state
 
@@ -109,20 +110,25 @@ class FieldRenderer:
 
     The server's report, the simulation's observers and `fedfields audit` score the same
     field the same way: loaded from federated parameters (`load`, fresh grid) or from a run's
-    checkpoint (`from_checkpoint`, the grid saved with it).
+    checkpoint (`from_checkpoint`, the grid saved with it). Field and grid live on `device`,
+    by default run-config `server-device`; renders come back on the CPU.
     """
 
-    def __init__(self, config: FederatedConfig) -> None:
+    def __init__(self, config: FederatedConfig, device: str | torch.device | None = None) -> None:
         self.config = config
-        self.field = global_field(config)
+        self.device = server_device(config) if device is None else resolve_device(device)
+        self.field = global_field(config).to(self.device)
         self.occupancy = OccupancyGrid(self.field.aabb)
 
     @classmethod
-    def from_checkpoint(cls, config: FederatedConfig, path: Path) -> FieldRenderer:
+    def from_checkpoint(
+        cls, config: FederatedConfig, path: Path, device: str | torch.device | None = None
+    ) -> FieldRenderer:
         """The field and occupancy grid a run saved in `path` (`save_checkpoint`)."""
-        renderer = cls(config)
+        renderer = cls(config, device)
         field, _, occupancy, _ = load_checkpoint(path)
-        renderer.field, renderer.occupancy = field.eval(), occupancy
+        renderer.field = field.to(renderer.device).eval()
+        renderer.occupancy = occupancy.to(renderer.device) if occupancy is not None else None
         return renderer
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -138,7 +144,7 @@ class FieldRenderer:
         """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""
         settings = render_config(self.config, scene)
         rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
-        return rendered.rgb.clamp(0.0, 1.0)
+        return rendered.rgb.clamp(0.0, 1.0).cpu()
 
     def orbit(self) -> list[np.ndarray]:
         """Frames of the field orbiting the scene box (the server has no user's cameras)."""

@@ -20,9 +20,10 @@ from torch import Tensor
 from fedfields.aggregate import proximal_term
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
-from fedfields.fields import Field, GlobalPersonalField, PersonalField
+from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
+from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer, resolve_device
-from fedfields.render import OccupancyGrid, RenderConfig, render_rays
+from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.render.renderer import RayOutputs
 from fedfields.train.centralised import adapt_batch_rays, checked_losses
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
@@ -33,7 +34,8 @@ FINITE_CHECK_EVERY = 16  # steps between reads of the losses (each read stalls a
 
 
 def federated_state(field: Field) -> dict[str, Tensor]:
-    """The global field's parameters as detached CPU copies: what a client sends and receives.
+    """The global field's parameters as detached CPU float32 copies: what a client sends and
+    receives, whatever device and floating dtype it trains in (CPU and GPU nodes federate).
 
     Given a `GlobalPersonalField`, only its global field counts (keys without a prefix).
     """
@@ -41,7 +43,13 @@ def federated_state(field: Field) -> dict[str, Tensor]:
         raise ValueError("a personal field is never federated; pass the global field")
     if isinstance(field, GlobalPersonalField):
         field = field.global_field
-    return {name: p.detach().to("cpu", copy=True) for name, p in field.named_parameters()}
+    return {name: to_wire(p) for name, p in field.named_parameters()}
+
+
+def to_wire(tensor: Tensor) -> Tensor:
+    """A detached CPU copy, float32 if floating: the form every tensor a client uploads takes."""
+    dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to("cpu", dtype, copy=True)
 
 
 def load_federated_state(field: Field, state: Mapping[str, Tensor]) -> None:
@@ -77,7 +85,7 @@ class LocalTrainConfig:
     random_background: bool = True
     weight_decay: float = 1e-6
     seed: int = 0
-    device: str = "cpu"  # or "cuda", or "auto"
+    device: str | torch.device = "auto"  # CUDA when visible; "cpu", "cuda", "cuda:N"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_rays", "max_batch_rays", "occupancy_update_every"):
@@ -228,8 +236,7 @@ def local_train(
     )
     if scaffold is not None and gradient_sum is not None:
         result.client_control = {
-            name: (total / steps).to("cpu", scaffold.client[name].dtype)
-            for name, total in gradient_sum.items()
+            name: to_wire(total / steps) for name, total in gradient_sum.items()
         }
     return result
 
@@ -243,16 +250,19 @@ def loss_gradient(
     num_rays: int = 4096,
     seed: int = 0,
     beta_min: float = BETA_MIN,
+    device: str | torch.device | None = None,
 ) -> dict[str, Tensor]:
     """DecentNeRF's G_k = dL_k/dg at the current weights, both fields frozen (Algorithm 1, l. 9).
 
     L_k is the local training loss (MSE, or NeRF-W's with a personal field; its sparsity term
     does not depend on g) on a fixed subset of `num_rays` pixels (at most all) from `seed`,
-    rendered without jitter on the scene's own background. No parameter or `.grad` changes;
-    the result is keyed like `federated_state`.
+    rendered without jitter on the scene's own background, on `device` (default: where the
+    global field is; both fields move there). No parameter or `.grad` changes; the result is
+    keyed like `federated_state` (CPU float32).
     Memory grows with `num_rays`, all rendered in one pass.
     """
-    device = global_field.device
+    device = global_field.device if device is None else resolve_device(device)
+    global_field.to(device)
     if personal_field is not None:
         personal_field.to(device)
     field = _composite(global_field, personal_field, len(scene))
@@ -274,9 +284,32 @@ def loss_gradient(
     parameters = dict(global_field.named_parameters())
     gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
     return {
-        name: (torch.zeros_like(p) if g is None else g).detach().cpu()
+        name: to_wire(torch.zeros_like(p) if g is None else g)
         for (name, p), g in zip(parameters.items(), gradients, strict=True)
     }
+
+
+@torch.no_grad()
+def heldout_psnr(
+    field: HashGridField,
+    views: Scene,
+    render_config: RenderConfig,
+    device: str | torch.device,
+    occupancy_passes: int,
+) -> float:
+    """Mean PSNR of `field`'s renders of `views` on `device` (the field moves there), through
+    a fresh occupancy grid of the field alone refreshed `occupancy_passes` times: a client's
+    score of a received global field on its held-out views, as the server would render it."""
+    field.to(resolve_device(device)).eval()
+    occupancy = OccupancyGrid(field.aabb)
+    for _ in range(occupancy_passes):
+        occupancy.update(field.density, render_config.step_size)
+    values = [
+        psnr(render_image(field, views.cameras, i, render_config, occupancy).rgb.clamp(0, 1), image)
+        for i, image in enumerate(views.images)
+    ]
+    field.train()
+    return float(sum(values) / len(values))
 
 
 def _local_loss(

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from fedfields.aggregate import proximal_term
 from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
 from fedfields.metrics import lpips, psnr, ssim
+from fedfields.optim import resolve_device
 from fedfields.train.federated import _on_device
 from fedfields.train.meta_tasks import MetaTask
 
@@ -69,6 +70,7 @@ class MetaConfig:
     query_batch: int = 1024  # pixels or rays per outer-loop batch B_K
     proximal_mu: float = 0.0  # FedProx mu; 0 turns the proximal term off
     seed: int = 0
+    device: str | torch.device = "auto"  # where w trains: CUDA when visible, "cpu", "cuda:N"
 
     def __post_init__(self) -> None:
         if self.learner not in LEARNERS:
@@ -159,11 +161,13 @@ def local_meta_update(
 ) -> MetaUpdateResult:
     """E outer steps of `config.learner` from the model's current w (Algorithm 1, LocalUpdate).
 
-    The model's parameters end at the new w. `global_reference` is FedProx's w_global (default:
-    the starting w); `scaffold_correction` is Scaffold's c - c_i, keyed like the parameters.
+    The model moves to `config.device` (its tasks follow it) and its parameters end at the new
+    w; what comes back is on the CPU. `global_reference` is FedProx's w_global (default: the
+    starting w); `scaffold_correction` is Scaffold's c - c_i, keyed like the parameters.
     """
     if len(tasks) == 0:
         raise ValueError("local_meta_update needs at least one task")
+    model.to(resolve_device(config.device))
     params = dict(model.named_parameters())
     reference = None
     if config.proximal_mu > 0:
