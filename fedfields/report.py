@@ -230,6 +230,8 @@ MEANINGS = {
     "eval-scene-ssim": "structural similarity on the eval-scene-dir views (1 is perfect)",
     "personal-psnr": "users' personal content (their masks) rendered from what the server "
     "reads, in dB: the closer to its floor, the less leaks",
+    "dp-epsilon": "client-level differential privacy spent so far: epsilon at dp-delta "
+    "(smaller is more private; the accountant's bound, not a measurement)",
     "personal-psnr-floor": "the same score of a field that renders no person: no leak at all",
     "upload-personal-psnr": "personal content rendered from each user's own upload (what a "
     "server without secure aggregation reads), in dB",

@@ -40,6 +40,7 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
+from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.report import write_report
 from fedfields.train import save_checkpoint
@@ -125,8 +126,10 @@ class RoundReport:
             metadata,
         )
         write_gif(self.run_dir / ORBIT_FILE, self.renderer.orbit())
+        final |= privacy_final(self.strategy)
         summary: dict[str, Any] = {
             "secure-aggregation": secure_aggregation_report(self.config),
+            "differential-privacy": privacy_report(self.config, self.strategy),
             "final": final,
             "rounds": self.history,
         }
@@ -164,6 +167,30 @@ def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
     return {"enabled": True, "protocol": "Flower SecAgg+", **asdict(secure)}
 
 
+def privacy_final(strategy: ProtocolStrategy) -> dict[str, float]:
+    """summary.json's final "dp-epsilon" of a DP run ({} without DP)."""
+    if strategy.accountant is None:
+        return {}
+    return {EPSILON_METRIC: strategy.accountant.epsilon()}
+
+
+def privacy_report(config: FederatedConfig, strategy: ProtocolStrategy) -> dict[str, Any]:
+    """What the report says about client-level DP: off, or its settings, the form it took
+    (central on plaintext sums, distributed under SecAgg+), the rounds charged and why the
+    run stopped early, if it did."""
+    dp = config.dp.dp_config()
+    if dp is None or strategy.accountant is None:
+        return {"enabled": False}
+    secure = config.secure.secure_aggregation
+    return {
+        "enabled": True,
+        "form": "distributed (clients noise before SecAgg+)" if secure else "central (server)",
+        **asdict(dp),
+        "rounds-charged": len(strategy.accountant.charges),
+        "stopped": strategy.privacy_stop,
+    }
+
+
 def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
     """The strategy named by run-config, sampling `fraction-train` of the connected nodes."""
     return make_named_strategy(
@@ -178,6 +205,7 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
         secure_aggregation=config.secure.secure_aggregation_config(),
         node_timeout=config.deployment.round_timeout,
         sampling_seed=config.common.seed,
+        differential_privacy=config.dp.dp_config(),
     )
 
 
@@ -246,6 +274,8 @@ def run_federated_nerf(grid: Grid, run_config: dict[str, Any], observe: bool | N
         observe = simulation_observed(run_config)
     crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
     strategy = make_strategy(config)  # an unknown strategy fails before anything is written
+    if not config.common.resume:  # a plan beyond dp-target-epsilon, too
+        strategy.check_privacy_plan(1, config.common.num_server_rounds)
     run_dir, checkpoint = open_run_dir(config)
     torch.manual_seed(config.common.seed)
     initial = state_to_arrays(federated_state(global_field(config)))

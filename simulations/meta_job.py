@@ -80,6 +80,8 @@ from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
 from simulations.federated_nerf import (
     open_run_dir,
+    privacy_final,
+    privacy_report,
     round_checkpointer,
     secure_aggregation_report,
 )
@@ -197,12 +199,14 @@ class MetaReport:
             _plot_tto(self.run_dir / "tto.png", self.steps, self.initial, self.history)
         summary: dict[str, Any] = {
             "secure-aggregation": secure_aggregation_report(self.config),
+            "differential-privacy": privacy_report(self.config, self.strategy),
             "task": self.config.common.task,
             "strategy": self.config.strategy_name,
             "meta-learner": self.config.meta.meta_learner,
             "settings": asdict(self.settings),
             "initial": {str(step): quality for step, quality in self.initial.items()},
-            "final": dict(self.history[-1]) if self.history else {},
+            "final": (dict(self.history[-1]) if self.history else {})
+            | privacy_final(self.strategy),
             "rounds": self.history,
         }
         for observer in self.observers:
@@ -536,6 +540,7 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
         "secure_aggregation": config.secure.secure_aggregation_config(),
         "node_timeout": config.deployment.round_timeout,
         "sampling_seed": config.common.seed,
+        "differential_privacy": config.dp.dp_config(),
     }
     cls = strategy_class(config.strategy_name)
     if issubclass(cls, FedMeNF):
@@ -561,6 +566,8 @@ def run_meta_job(
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
     strategy = make_meta_strategy(config, settings)  # an unknown one fails before any write
+    if not config.common.resume:  # a plan beyond dp-target-epsilon, too
+        strategy.check_privacy_plan(1, config.common.num_server_rounds)
     run_dir, checkpoint = open_run_dir(config)
     if observers is None:
         observers = meta_observers(run_config, run_dir)

@@ -25,12 +25,6 @@ app = ServerApp()
 def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory."""
     config = FederatedConfig.from_run_config(run_config)
-    if config.dp.dp_config() is not None:
-        raise NotImplementedError(
-            f"run-config 'dp-noise-multiplier' = {config.dp.dp_noise_multiplier}: client-level "
-            "DP is not wired into the strategies yet (docs/PRIVACY.md); refusing to train "
-            "without the privacy asked for"
-        )
     if config.common.mode == "split":
         return run_split_job(grid, run_config)
     if config.common.task == "scene":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -385,7 +386,12 @@ def test_bad_dp_run_config_gets_one_error_naming_the_key(run_config: dict, messa
         FederatedConfig.from_run_config(run_config)
 
 
-def test_a_dp_run_config_parses_and_the_job_refuses_to_train_without_it() -> None:
+@pytest.mark.parametrize("task", ["scene", "faces"])
+def test_a_dp_run_config_parses_and_the_job_refuses_a_plan_beyond_the_target(
+    task: str, tmp_path: Path
+) -> None:
+    """Both jobs refuse a plan whose projected epsilon exceeds dp-target-epsilon before they
+    touch the grid or write anything."""
     run_config = {
         "dp-noise-multiplier": 1.1,
         "dp-clip-norm": 0.5,
@@ -401,5 +407,7 @@ def test_a_dp_run_config_parses_and_the_job_refuses_to_train_without_it() -> Non
         def __getattr__(self, name: str) -> None:
             raise AssertionError(f"the job used the grid ({name}) before refusing")
 
-    with pytest.raises(NotImplementedError, match="'dp-noise-multiplier' = 1.1: client-level DP"):
-        run_job(UntouchableGrid(), run_config)  # type: ignore[arg-type]
+    planned = {**run_config, "dp-target-epsilon": 0.5, "task": task, "run-dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="'dp-target-epsilon' = 0.5 cannot be met: "):
+        run_job(UntouchableGrid(), planned)  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir()), "a refused plan wrote something"

@@ -30,6 +30,7 @@ from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, Ru
 from fedfields.config import meta_settings
 from fedfields.optim import resolve_device
 from fedfields.privacy.attacks.inference import AttackConfig, train_attack
+from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.train.builders import (
     as_image_batch,
     client_meta_tasks,
@@ -53,8 +54,10 @@ RECORDED = (
     "mia-accuracy",
     "mia-auc",
     "pia-accuracy",
+    EPSILON_METRIC,
 )
-"""summary.json's final figures of the clients' uploads that the audit repeats as recorded."""
+"""summary.json's final figures of the clients' uploads (and a DP run's epsilon) that the
+audit repeats as recorded."""
 
 
 def load_theta(path: Path) -> dict[str, Tensor]:

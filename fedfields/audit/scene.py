@@ -20,12 +20,13 @@ from fedfields.audit.common import (
     last_values,
 )
 from fedfields.data.crowd import CrowdData
+from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer
 
-RECORDED = (UPLOAD_LEAK,)
-"""The observer's last-round figure the checkpoint cannot give: each user's plaintext upload
-inside its masks (the checkpoint holds the aggregate only), labelled as recorded."""
+RECORDED = (UPLOAD_LEAK, EPSILON_METRIC)
+"""The last-round figures the checkpoint cannot give: each user's plaintext upload inside its
+masks (the checkpoint holds the aggregate only) and, for a DP run, the epsilon it spent."""
 
 
 def scored_views(data: CrowdData, max_views: int | None) -> list[int] | None:

@@ -333,8 +333,8 @@ class DPSection:
     """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018; docs/PRIVACY.md):
     each sampled client's update clipped to dp-clip-norm over all its tensors, Gaussian noise
     of std dp-noise-multiplier x dp-clip-norm on their sum, epsilon at dp-delta accounted per
-    round. Not wired into the strategies yet: a job with dp-noise-multiplier > 0 refuses to
-    start rather than train without the privacy it was asked for."""
+    round. Central on plaintext sums (the server noises), distributed under secure aggregation
+    (each client adds its share before masking); fednova and fedexp refuse it."""
 
     title: ClassVar[str] = "differential privacy"
     used_by: ClassVar[str] = "every task in mode='federated'"

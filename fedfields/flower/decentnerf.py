@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from logging import WARNING
 from typing import Any, Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
@@ -44,6 +46,7 @@ from fedfields.flower.strategy import (
     optional_cap,
 )
 from fedfields.flower.sum_replies import secure_failure
+from fedfields.privacy.dp import central_noise_std
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
@@ -51,6 +54,9 @@ a hundred times an untouched one before its reply is dropped."""
 ALPHA_FLOOR = 1e-6
 """A client's alpha_k never falls below alpha-max * ALPHA_FLOOR: a positive weight that
 leaves its user in the sum with a negligible share, where alpha_k <= 0 would break it."""
+DP_ALPHA_MARGIN = 3.0
+"""Under DP the noised sum of alpha_k divides the payload's: a sum within this many noise stds
+(z C) of 0 forms no aggregate rather than amplifying the noise."""
 DEFAULT_MAX_GRADIENT_NORM = 1e4
 """Largest ||G_k|| a plaintext gradient reply may have: honest users measured 0.9-1.2 at an
 untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
@@ -91,6 +97,7 @@ class DecentNeRF(ProtocolStrategy):
     """
 
     strategy_name = "decentnerf"
+    dp_delta_scale = ALPHA_KEY
     config_keys = {
         "alpha-lr": "alpha_lr",
         "alpha-max": "alpha_max",
@@ -120,6 +127,11 @@ class DecentNeRF(ProtocolStrategy):
     def protocol_config(self) -> dict[str, int | float | str]:
         """The shared entries plus "alpha-lr" and "alpha-max" (the clients' clamp)."""
         return {**super().protocol_config(), ALPHA_LR: self.alpha_lr, ALPHA_MAX: self.alpha_max}
+
+    def dp_sums_per_round(self, server_round: int) -> int:
+        """Under DP a round from 2 on noises two sums of its sampled users: the gradient
+        query's sum_k G_k and the payload's (charged as one multiplier z / sqrt(2))."""
+        return 2 if server_round >= 2 else 1
 
     def resumable_state(self) -> dict[str, Any]:
         """The shared state plus (round, summed alpha) of the latest aggregate."""
@@ -173,9 +185,20 @@ class DecentNeRF(ProtocolStrategy):
         if not (math.isfinite(alpha_sum) and alpha_sum > resolution):
             secure_failure(train_round, "the summed alpha_k is not positive: no aggregate")
             return None, self.summed_metrics(summed)
+        if self.dp is not None and alpha_sum <= DP_ALPHA_MARGIN * self.dp_noise_std:
+            log(WARNING, "round %d: the noised alpha sum lies within %g noise stds of 0; "
+                "dividing by it would blow the noise up, no aggregate", server_round,
+                DP_ALPHA_MARGIN)  # fmt: skip
+            return None, self.summed_metrics(summed)
         aggregate = self.like_global(decentnerf_aggregate(payload_sum))
         self.last_aggregate = (server_round, alpha_sum)
         return state_to_arrays(aggregate), self.summed_metrics(summed)
+
+    @property
+    def dp_noise_std(self) -> float:
+        """Std z C of the DP noise on each summed entry, the alpha sum's included."""
+        assert self.dp is not None
+        return central_noise_std(self.dp.noise_multiplier, self.dp.clip_norm)
 
     def check_update(self, reply: CheckedReply) -> None:
         """A payload's alpha_k in (0, alpha_max], then the update-norm bound on its g_k =

@@ -76,6 +76,11 @@ class FedAvg(ProtocolStrategy):
             raise ValueError(
                 f"aggregation_rule must be one of {AGGREGATION_RULES}, got {aggregation_rule!r}"
             )
+        if aggregation_rule != "mean" and self.dp is not None:
+            raise ValueError(
+                f"aggregation_rule {aggregation_rule!r} is not a sum of clipped updates, so "
+                "client-level DP (dp-noise-multiplier > 0) does not bound it; use 'mean'"
+            )
         if aggregation_rule != "mean" and self.secure_aggregation is not None:
             raise ValueError(
                 f"aggregation_rule {aggregation_rule!r} needs each client's state, which secure "

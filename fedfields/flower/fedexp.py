@@ -12,7 +12,11 @@ from torch import Tensor
 from fedfields.aggregate.fedexp import FEDEXP_EPSILON, FedExPSums
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.fednova import refuse_robust_rule, refuse_secure_aggregation
+from fedfields.flower.fednova import (
+    refuse_differential_privacy,
+    refuse_robust_rule,
+    refuse_secure_aggregation,
+)
 from fedfields.flower.protocol import ARRAYS, arrays_to_state, state_to_arrays
 from fedfields.flower.strategy import StrategyOptions
 
@@ -37,6 +41,7 @@ class FedExP(FedAvg):
         self, *, epsilon: float = FEDEXP_EPSILON, **options: Unpack[StrategyOptions]
     ) -> None:
         refuse_secure_aggregation("fedexp", options)
+        refuse_differential_privacy("fedexp", options)
         super().__init__(**options)
         refuse_robust_rule(self)
         self.epsilon = check_scalar(epsilon, "epsilon")

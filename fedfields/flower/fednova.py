@@ -24,6 +24,17 @@ def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
         )
 
 
+def refuse_differential_privacy(name: str, options: StrategyOptions) -> None:
+    """ValueError: this rule's server step reads per-client values (tau_i, ||Delta_i||^2)
+    that a clipped, noised sum does not bound (docs/PRIVACY.md)."""
+    if options.get("differential_privacy") is not None:
+        raise ValueError(
+            f"{name} does not support client-level DP (dp-noise-multiplier > 0): its server step "
+            "reads each client's own values, whose sensitivity a clipped sum does not bound; "
+            "use fedavg, fedprox, fedacg, fedmenf, scaffold or decentnerf with DP"
+        )
+
+
 def refuse_robust_rule(strategy: FedAvg) -> None:
     """ValueError: this rule has its own server step, built on the weighted mean only."""
     if strategy.aggregation_rule != "mean":
@@ -47,6 +58,7 @@ class FedNova(FedAvg):
 
     def __init__(self, **options: Unpack[StrategyOptions]) -> None:
         refuse_secure_aggregation("fednova", options)
+        refuse_differential_privacy("fednova", options)
         super().__init__(**options)
         refuse_robust_rule(self)
         self.global_state: dict[str, Tensor] = {}

@@ -67,6 +67,15 @@ SECURE_WEIGHT = "secure-weight"
 """Metric the client multiplies its held payload by (e.g. "num-examples"); absent: 1."""
 SECURE_DELTA = "secure-delta"
 """Records (list) the client holds as reply minus the message's record of the same name."""
+SECURE_DELTA_SCALE = "secure-delta-scale"
+"""Key inside a "secure-delta" record whose value s scales the reference: held as x - s g
+(DecentNeRF's alpha_k g_k - alpha_k g under DP); absent: x - g."""
+DP_CLIP_NORM = "dp-clip-norm"
+"""Secure DP: the client clips all its held records jointly to this L2 norm C."""
+DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
+"""Secure DP: z; the client adds N(0, z^2 C^2 / n) to its clipped records before masking."""
+DP_NUM_SAMPLED = "dp-num-sampled"
+"""Secure DP: n, the clients sampled this round, whose noise shares sum to std z C."""
 
 # ------------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"

@@ -56,6 +56,10 @@ class TrainRound:
     """The arrays sent (read-only views): the update-norm check's and the plaintext deltas'
     reference; {} under secure aggregation."""
     reference_norm: float = 0.0
+    dp_multipliers: list[float] = field(default_factory=list)
+    """Noise multiplier each DP sum of the round carried (effective under secure DP)."""
+    dp_charged: bool = False
+    """Whether the accountant has charged this round."""
 
     def count_drop(self, check: str) -> None:
         """One reply left out by `check`: a failure and a drop of that check."""

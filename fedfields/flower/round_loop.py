@@ -5,13 +5,15 @@ server's `evaluate_fn`) over a `StreamingGrid`, so replies reach `aggregate_trai
 arrive and the running sums hold one model, not one per node. `round_end_fn` is where a
 resumable run writes its checkpoint. `max_empty_rounds` consecutive rounds without an
 aggregate, or a run whose every round was empty, raise one `EmptyRoundsError` naming the drop
-counts and the commonest reason.
+counts and the commonest reason. Under DP a plan that cannot meet dp-target-epsilon is refused
+before round `first_round`, and the run ends cleanly before a round whose charge would exceed
+it (`PrivacyBudgetSpent`, logged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -28,6 +30,11 @@ if TYPE_CHECKING:
     from fedfields.flower.strategy import ProtocolStrategy
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class PrivacyBudgetSpent(RuntimeError):
+    """The next round's charge would take epsilon above dp-target-epsilon: the run ends
+    before it, cleanly (nothing of that round was sent; the rounds before it stand)."""
 
 
 class EmptyRoundsError(RuntimeError):
@@ -58,6 +65,10 @@ def run_rounds(
     log(INFO, "Starting %s strategy (rounds %d-%d):", name, first_round, num_rounds)
     log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
     strategy.summary()
+    if strategy.dp is not None:
+        planned = strategy.check_privacy_plan(first_round, num_rounds)
+        log(INFO, "differential privacy: the plan spends epsilon <= %.4g at delta %g (q = %g)",
+            planned, strategy.dp.delta, strategy.fraction_train)  # fmt: skip
     result = Result(arrays=initial_arrays)
     if evaluate_fn and first_round == 1:
         if (initial := evaluate_fn(0, initial_arrays)) is not None:
@@ -65,7 +76,11 @@ def run_rounds(
     arrays, empty = initial_arrays, EmptyTally()
     for server_round in range(first_round, num_rounds + 1):
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-        messages = strategy.configure_train(server_round, arrays, train_config, grid)
+        try:
+            messages = strategy.configure_train(server_round, arrays, train_config, grid)
+        except PrivacyBudgetSpent as spent:
+            log(WARNING, "differential privacy: %s (dp-target-epsilon reached)", spent)
+            break
         replies = grid.send_and_receive(messages=messages, timeout=timeout)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
         if new_arrays is not None:

@@ -8,6 +8,13 @@ records) and replies with their names only. SecAgg+ messages go to Flower's
 one-hots ("bounds") or the scaled payload ("payload"). The plaintext weight of every SecAgg+
 reply is 1 and its metrics are empty, so nothing but masked vectors identifies the client.
 
+Distributed DP: when CONFIG carries "dp-clip-norm", "dp-noise-multiplier" z and
+"dp-num-sampled" n, the held records (differences for "secure-delta" records, x - s g with
+"secure-delta-scale" s) are clipped to C over all of them jointly and N(0, z^2 C^2 / n) is
+added to every entry, from a secret-seeded generator, before anything is held: the secure sum
+of n clients then carries std z C, and no unnoised update leaves this function. The held
+metrics are not noised (docs/PRIVACY.md).
+
 Errors: Flower forwards a ClientApp exception's text to the server as the reply's error
 reason. In secure mode (a SecAgg+ stage, a message whose CONFIG asks for secure aggregation,
 or run-config `secure-aggregation` on) an exception raised below this mod reaches the server
@@ -39,12 +46,16 @@ from torch import Tensor
 
 from fedfields.flower.protocol import (
     CONFIG,
+    DP_CLIP_NORM,
+    DP_NOISE_MULTIPLIER,
+    DP_NUM_SAMPLED,
     HELD,
     HELD_METRICS,
     HELD_RECORDS,
     METRICS,
     SECURE_AGGREGATION,
     SECURE_DELTA,
+    SECURE_DELTA_SCALE,
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
     SECURE_SUM_MAX_EXPONENT,
@@ -54,6 +65,13 @@ from fedfields.flower.protocol import (
     WEIGHT_KEY,
     arrays_to_state,
     state_to_arrays,
+)
+from fedfields.privacy.dp import (
+    clip_records,
+    distributed_noise_std,
+    noise_generator,
+    noised_records,
+    scaled_difference,
 )
 from fedfields.privacy.secure_sum import (
     CLIENT_WEIGHT,
@@ -143,16 +161,19 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
             raise ValueError(f"reply lacks the metric {weight_name!r} that weights its payload")
         weight = float(metrics.pop(weight_name))
     delta_records = set(config.get(SECURE_DELTA, []))
+    scale_key = str(config.get(SECURE_DELTA_SCALE, ""))
     _clear_held(context)
-    records = []
+    held: dict[str, dict[str, Tensor]] = {}
     for name, record in reply.content.array_records.items():
         state = arrays_to_state(record)
         if name in delta_records:
-            reference = arrays_to_state(msg.content[name])
-            state = {key: value.double() - reference[key].double() for key, value in state.items()}
-        context.state[HELD_PREFIX + name] = state_to_arrays(
-            {key: value.double() * weight for key, value in state.items()}
-        )
+            state = scaled_difference(state, arrays_to_state(msg.content[name]), scale_key)
+        held[name] = {key: value.double() * weight for key, value in state.items()}
+    if DP_CLIP_NORM in config and held:
+        held = private_records(held, config)
+    records = []
+    for name, state in held.items():
+        context.state[HELD_PREFIX + name] = state_to_arrays(state)
         records.append(name)
     scalars = {
         key: torch.tensor([float(value) * weight], dtype=torch.float64)
@@ -162,6 +183,22 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
     scalars[WEIGHT_KEY] = torch.tensor([weight], dtype=torch.float64)
     context.state[HELD_PREFIX + METRICS] = state_to_arrays(scalars)
     return ConfigRecord({HELD_RECORDS: records, HELD_METRICS: sorted(scalars)})
+
+
+def private_records(
+    records: dict[str, dict[str, Tensor]],
+    config: ConfigRecord,
+    generator: torch.Generator | None = None,
+) -> dict[str, dict[str, Tensor]]:
+    """The records clipped to "dp-clip-norm" jointly plus this client's share of the noise,
+    N(0, z^2 C^2 / n) per entry (`distributed_noise_std`); the generator is secret-seeded
+    unless a test passes one."""
+    clip_norm = float(config[DP_CLIP_NORM])
+    std = distributed_noise_std(
+        float(config[DP_NOISE_MULTIPLIER]), clip_norm, int(config[DP_NUM_SAMPLED])
+    )
+    clipped = clip_records(records, clip_norm)[0]
+    return noised_records(clipped, std, noise_generator() if generator is None else generator)
 
 
 def _clear_held(context: Context) -> None:

@@ -7,6 +7,11 @@ is SecAgg+'s over what the clients hold back, so the server never sees one clien
 Records the clients send as differences from what they received (`deltas`) are summed as
 such in both modes. A halted or unusable secure sum is logged, counted in the round's
 "secure-sum-failures" and gives None: nothing raises.
+
+Central DP (`CentralPrivacy`, plaintext): each checked reply's update (its `deltas` records
+as differences from the arrays sent, the others as they are) is clipped to C over all its
+records jointly and summed with weight 1, and N(0, (z C)^2) is added to every entry of the
+sum. Under secure aggregation the clients do both (`fedfields.flower.secure_aggregation`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from fedfields.flower.protocol import ARRAYS, HELD, HELD_METRICS, METRICS, WEIGH
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
 from fedfields.flower.round_ledger import TrainRound
 from fedfields.flower.secure_sum import SecureSum
+from fedfields.privacy.dp import clip_records, noised_records, scaled_difference
 from fedfields.privacy.secure_sum import (
     SecureAggregationConfig,
     SecureAggregationError,
@@ -52,6 +58,18 @@ class RoundSum:
         return {key: value / self.weight for key, value in self.sums[record].items()}
 
 
+@dataclass(frozen=True)
+class CentralPrivacy:
+    """Central DP of one plaintext sum: each reply's update clipped to `clip_norm` over all
+    its records jointly, weight 1, N(0, `noise_std`^2) added to the sum from `generator`;
+    `delta_scale` names the key s of a delta record held as x - s g ("": x - g)."""
+
+    clip_norm: float
+    noise_std: float
+    generator: torch.Generator
+    delta_scale: str = ""
+
+
 def plain_sum(
     gate: ReplyGate,
     train_round: TrainRound,
@@ -61,15 +79,25 @@ def plain_sum(
     *,
     weighted: bool,
     deltas: Sequence[str] = (),
+    privacy: CentralPrivacy | None = None,
 ) -> RoundSum | None:
     """The checked replies' records summed as they arrive (a bad reply is dropped whole
     first), weighted by "num-examples" if `weighted`; `deltas` records (ARRAYS only) are
-    summed as y_k - g with g the arrays sent. None when no reply passed."""
+    summed as y_k - g with g the arrays sent. With `privacy` each reply's update is clipped
+    before it is added (weight 1) and the sum is noised. None when no reply passed."""
+    for name in deltas:
+        if name != ARRAYS:
+            raise ValueError(f"only {ARRAYS!r} can be summed as a difference, not {name!r}")
+    if privacy is not None and weighted:
+        raise ValueError("a DP sum weighs every reply 1: its sensitivity is the clip norm")
     totals = {name: RunningSum() for name in records}
     node_ids, metrics, weights = [], [], []
     for reply in gate.checked(train_round, replies, records, check_update, weighted=weighted):
+        states: Mapping[str, Mapping[str, Tensor]] = reply.states
+        if privacy is not None:
+            states = clipped_update(reply, train_round, deltas, privacy)
         for name, total in totals.items():
-            total.add(reply.states[name], reply.weight, checked=True)
+            total.add(states[name], reply.weight, checked=True)
         node_ids.append(reply.node_id)
         metrics.append(reply.metrics)
         weights.append(reply.weight)
@@ -77,14 +105,29 @@ def plain_sum(
         return None
     weight = sum(weights)
     sums = {name: total.accumulated() for name, total in totals.items()}
+    if privacy is not None:
+        sums = noised_records(sums, privacy.noise_std, privacy.generator)
+        return RoundSum(sums, weight, node_ids, metrics, weights)
     for name in deltas:
-        if name != ARRAYS:
-            raise ValueError(f"only {ARRAYS!r} can be summed as a difference, not {name!r}")
         sums[name] = {
             key: value - weight * train_round.reference[key].double()
             for key, value in sums[name].items()
         }
     return RoundSum(sums, weight, node_ids, metrics, weights)
+
+
+def clipped_update(
+    reply: CheckedReply, train_round: TrainRound, deltas: Sequence[str], privacy: CentralPrivacy
+) -> dict[str, dict[str, Tensor]]:
+    """The reply's update, float64: `deltas` records as x - s g (g the arrays sent), the others
+    as they are, clipped to the clip norm over all records jointly."""
+    update = {
+        name: scaled_difference(state, train_round.reference, privacy.delta_scale)
+        if name in deltas
+        else {key: value.double() for key, value in state.items()}
+        for name, state in reply.states.items()
+    }
+    return clip_records(update, privacy.clip_norm)[0]
 
 
 def secure_sum(

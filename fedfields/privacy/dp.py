@@ -38,6 +38,8 @@ NOISE_MULTIPLIER_KEY = "dp-noise-multiplier"
 CLIP_NORM_KEY = "dp-clip-norm"
 DELTA_KEY = "dp-delta"
 TARGET_EPSILON_KEY = "dp-target-epsilon"
+EPSILON_METRIC = "dp-epsilon"
+"""Metric (metrics.jsonl, summary.json's final): epsilon at dp-delta the run has spent."""
 MAX_ROUNDS = 1 << 40
 """`rounds_within` stops counting here: a plan this long is never the binding constraint."""
 
@@ -154,6 +156,77 @@ def _clip(
     margin = max(4 * max(_unit_roundoff(dtype) for dtype in dtypes.values()), 1e-12)
     factor = clip_norm / norm * (1 - margin)
     return {key: (value * factor).to(dtypes[key]) for key, value in update.items()}, norm
+
+
+def scaled_difference(state: State, reference: State, scale_key: str = "") -> dict[str, Tensor]:
+    """x - s g in float64 for the keys of `reference` (g), with s = state[scale_key] (a
+    one-element tensor, e.g. DecentNeRF's alpha_k in alpha_k g_k) or 1; keys of `state`
+    outside `reference` (s itself) are kept as they are."""
+    scale = float(state[scale_key].double().reshape(())) if scale_key in state else 1.0
+    missing = [key for key in reference if key not in state]
+    if missing:
+        raise ValueError(f"state lacks keys {missing}")
+    return {
+        key: value.detach().double() - scale * reference[key].detach().double()
+        if key in reference
+        else value.detach().double()
+        for key, value in state.items()
+    }
+
+
+RECORD_SEPARATOR = "\x00"
+"""Joins a record's name and a tensor's key when records are clipped jointly."""
+
+
+def clip_records(
+    records: Mapping[str, State], clip_norm: float
+) -> tuple[dict[str, dict[str, Tensor]], float]:
+    """All records of one reply (e.g. Scaffold's y_k - x and delta c_k) clipped to L2 norm
+    <= clip_norm jointly, as one update: the reply is one query of sensitivity C."""
+    flat = {
+        f"{name}{RECORD_SEPARATOR}{key}": tensor
+        for name, state in records.items()
+        for key, tensor in state.items()
+    }
+    clipped, norm = clip_update(flat, clip_norm)
+    nested: dict[str, dict[str, Tensor]] = {name: {} for name in records}
+    for joined, tensor in clipped.items():
+        name, key = joined.split(RECORD_SEPARATOR, 1)
+        nested[name][key] = tensor
+    return nested, norm
+
+
+def noised_records(
+    records: Mapping[str, State], std: float, generator: torch.Generator
+) -> dict[str, dict[str, Tensor]]:
+    """Each record + N(0, std^2) per entry (float64 added, dtypes kept), in record order."""
+    return {name: add_gaussian_noise(state, std, generator) for name, state in records.items()}
+
+
+def combined_noise_multiplier(multipliers: Sequence[float]) -> float:
+    """The one multiplier equivalent to several Gaussian sums over the same sampled clients,
+    each of sensitivity C and noise z_j C: the joint query has sensitivity C sqrt(J), so
+    z = (sum_j z_j^-2)^(-1/2) (z / sqrt(2) for two sums of multiplier z)."""
+    if not multipliers:
+        raise ValueError("no noised sum to combine")
+    if any(z <= 0 for z in multipliers):
+        return 0.0
+    return 1.0 / math.sqrt(math.fsum(1.0 / z**2 for z in multipliers))
+
+
+def check_plan(config: DPConfig, charges: Sequence[RoundCharge]) -> float:
+    """The planned rounds' epsilon at `config.delta`; ValueError naming dp-target-epsilon when
+    it exceeds a set target (a plan that cannot meet it is refused before it starts)."""
+    epsilon = epsilon_of(charges, config.delta)
+    if config.target_epsilon > 0 and epsilon > config.target_epsilon:
+        raise ValueError(
+            f"'{TARGET_EPSILON_KEY}' = {config.target_epsilon:g} cannot be met: {len(charges)} "
+            f"rounds at sampling rate {charges[0].sampling_rate:.4g} with "
+            f"'{NOISE_MULTIPLIER_KEY}' = {config.noise_multiplier:g} spend epsilon "
+            f"{epsilon:.4g} at '{DELTA_KEY}' = {config.delta:g}; raise the noise, sample "
+            "fewer clients or plan fewer rounds"
+        )
+    return epsilon
 
 
 def central_noise_std(noise_multiplier: float, clip_norm: float) -> float:

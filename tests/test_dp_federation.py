@@ -1,0 +1,417 @@
+"""Client-level DP wired into the strategies, on in-process grids (and one `flwr` simulation).
+
+Central DP (plaintext): each reply's update is clipped to C and the server adds N(0, (z C)^2)
+to the sum; Flower's DifferentialPrivacyServerSideFixedClipping is the oracle on a FedAvg
+round. Distributed DP (SecAgg+): each client clips and adds N(0, z^2 C^2 / n) before masking.
+Noise std is measured over tens of thousands of entries against z C; the accountant's epsilon
+against dp-accounting's own composition; a target epsilon stops the run before it is exceeded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from test_secure_aggregation import dropping_after_key_sharing
+from test_strategies import (
+    fixed_reply_node,
+    heterogeneous_problems,
+    initial_state,
+    least_squares_app,
+)
+from torch import Tensor
+
+from fedfields.aggregate import alpha_weighted_payload
+from fedfields.flower import DecentNeRF, FedAvg, FedExP, FedNova, ProtocolStrategy, Scaffold
+from fedfields.flower.protocol import (
+    ARRAYS,
+    CONFIG,
+    CONTROL_DELTA,
+    NUM_DROPPED,
+    NUM_EXAMPLES,
+    TRAIN_LOSS,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
+from fedfields.flower.secure_aggregation import private_records, secure_aggregation_mod
+from fedfields.flower.strategy import DP_EPSILON, DP_ROUND_MULTIPLIER
+from fedfields.privacy.dp import (
+    DPConfig,
+    RoundCharge,
+    distributed_noise_std,
+    epsilon_of,
+    noise_generator,
+    update_norm,
+)
+from fedfields.privacy.secure_sum import SecureAggregationConfig
+
+State = dict[str, Tensor]
+F64 = torch.float64
+SIZE = 40_000
+"""Entries of the big test model: the noise std is estimated to ~0.4% (1 / sqrt(2 SIZE))."""
+STD_TOLERANCE = 0.02
+
+
+def big_state(seed: int, scale: float = 1.0) -> State:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(SIZE - 100, generator=generator, dtype=F64) * scale,
+        "b": torch.randn(100, generator=generator, dtype=F64) * scale,
+    }
+
+
+def plus(a: State, b: State, factor: float = 1.0) -> State:
+    return {key: a[key] + factor * b[key] for key in a}
+
+
+def clipped(update: State, clip_norm: float) -> State:
+    """The update scaled to norm clip_norm (the tests' updates are all longer than C)."""
+    norm = math.sqrt(sum(float(v.square().sum()) for v in update.values()))
+    assert norm > clip_norm
+    return {key: value * (clip_norm / norm) for key, value in update.items()}
+
+
+def flat(state: State) -> Tensor:
+    return torch.cat([state[key].double().flatten() for key in sorted(state)])
+
+
+def fixed_nodes(reference: State, updates: list[State], weights: list[float]) -> list[Callable]:
+    return [
+        fixed_reply_node({ARRAYS: plus(reference, u)}, {NUM_EXAMPLES: w, TRAIN_LOSS: 1.0})
+        for u, w in zip(updates, weights, strict=True)
+    ]
+
+
+def secure(node: Callable) -> Callable:
+    def held(message: Message, context: Context) -> Message:
+        return secure_aggregation_mod(message, context, node)
+
+    return held
+
+
+def train_round(
+    strategy: ProtocolStrategy, grid: InProcessGrid, arrays: ArrayRecord, server_round: int = 1
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+    return strategy.aggregate_train(server_round, list(grid.send_and_receive(messages)))
+
+
+# ------------------------------------------------------------------ central DP
+
+
+def test_a_central_dp_fedavg_round_is_flowers_fixed_clipping_with_uniform_weights() -> None:
+    """Clipped mean as Flower's DifferentialPrivacyServerSideFixedClipping computes it (no
+    noise there, negligible noise here); our replies' unequal num-examples do not weigh."""
+    reference = {key: value.float() for key, value in big_state(0).items()}
+    updates = [
+        {k: v.float() for k, v in big_state(seed, scale).items()}
+        for seed, scale in ((1, 1e-4), (2, 0.02), (3, 3.0))
+    ]
+    ours = FedAvg(min_available_nodes=3, differential_privacy=DPConfig(1e-9, 1.5))
+    grid = InProcessGrid(fixed_nodes(reference, updates, [5, 500, 50]))
+    arrays, metrics = train_round(ours, grid, state_to_arrays(reference))
+    flower = DifferentialPrivacyServerSideFixedClipping(
+        FlowerFedAvg(min_available_nodes=3), noise_multiplier=0.0, clipping_norm=1.5,
+        num_sampled_clients=3,
+    )  # fmt: skip
+    flower_grid = InProcessGrid(fixed_nodes(reference, updates, [5, 5, 5]))
+    messages = flower.configure_train(1, state_to_arrays(reference), ConfigRecord(), flower_grid)
+    oracle, _ = flower.aggregate_train(1, list(flower_grid.send_and_receive(messages)))
+    assert arrays is not None and oracle is not None and metrics is not None
+    ours_state, oracle_state = arrays_to_state(arrays), arrays_to_state(oracle)
+    assert ours_state["w"].dtype == torch.float32
+    torch.testing.assert_close(ours_state, oracle_state, rtol=0, atol=2e-6)
+    assert metrics[DP_ROUND_MULTIPLIER] == 1e-9 and metrics[DP_EPSILON] > 1e6
+
+
+def test_central_noise_has_std_z_c_on_the_sum_like_flowers_on_the_mean() -> None:
+    """4 clients, updates 10x the clip norm: (aggregate - clipped mean) x 4 is the noise on
+    the sum, std z C; Flower's wrapper adds z C / 4 to the mean (its compute_stdv)."""
+    z, clip_norm, n = 1.3, 0.25, 4
+    reference = big_state(0)
+    updates = [big_state(seed, 10 * clip_norm / math.sqrt(SIZE)) for seed in range(1, n + 1)]
+    expected = plus(reference, {k: sum(clipped(u, clip_norm)[k] for u in updates) / n
+                                for k in reference})  # fmt: skip
+    dp = DPConfig(z, clip_norm)
+    ours = FedAvg(min_available_nodes=n, differential_privacy=dp)
+    arrays, _ = train_round(ours, InProcessGrid(fixed_nodes(reference, updates, [1] * n)),
+                            state_to_arrays(reference))  # fmt: skip
+    noise_on_sum = flat(plus(arrays_to_state(arrays), expected, -1.0)) * n
+    flower = DifferentialPrivacyServerSideFixedClipping(
+        FlowerFedAvg(min_available_nodes=n), noise_multiplier=z, clipping_norm=clip_norm,
+        num_sampled_clients=n,
+    )  # fmt: skip
+    flower_grid = InProcessGrid(fixed_nodes(reference, updates, [1] * n))
+    messages = flower.configure_train(1, state_to_arrays(reference), ConfigRecord(), flower_grid)
+    oracle, _ = flower.aggregate_train(1, list(flower_grid.send_and_receive(messages)))
+    flower_noise_on_mean = flat(plus(arrays_to_state(oracle), expected, -1.0))
+    ours_ratio = float(noise_on_sum.std()) / (z * clip_norm)
+    flower_ratio = float(flower_noise_on_mean.std()) * n / (z * clip_norm)
+    print(f"central noise std / (z C): ours {ours_ratio:.4f}, Flower's x n {flower_ratio:.4f}")
+    assert abs(ours_ratio - 1) < STD_TOLERANCE and abs(flower_ratio - 1) < STD_TOLERANCE
+    assert abs(float(noise_on_sum.mean())) < 5 * z * clip_norm / math.sqrt(SIZE)
+
+
+def test_central_noise_is_secret_unless_a_test_injects_a_generator() -> None:
+    """Same sampling seed, same replies: the noise differs (never seeded from run-config);
+    an injected seeded generator replays it."""
+    reference, update = big_state(0), big_state(1, 0.1)
+
+    def aggregate(generator: torch.Generator | None) -> Tensor:
+        strategy = FedAvg(
+            min_available_nodes=2, sampling_seed=3, differential_privacy=DPConfig(1.0, 0.5)
+        )
+        strategy.dp_noise = generator
+        grid = InProcessGrid(fixed_nodes(reference, [update, update], [1, 1]))
+        arrays, _ = train_round(strategy, grid, state_to_arrays(reference))
+        return flat(arrays_to_state(arrays))
+
+    assert not torch.equal(aggregate(None), aggregate(None))
+    assert torch.equal(aggregate(noise_generator(7)), aggregate(noise_generator(7)))
+
+
+HOSTILE = {
+    "huge float64": ({"w": torch.full((50,), 1e200, dtype=F64)}, None),
+    "float16 beyond its range": ({"w": torch.full((50,), 6e4, dtype=torch.float16)}, None),
+    "negative and large": ({"w": -torch.arange(50, dtype=F64) * 1e6}, None),
+    "tiny (kept as is)": ({"w": torch.full((50,), 1e-3, dtype=F64)}, None),
+    "zero": ({"w": torch.zeros(50, dtype=F64)}, None),
+    "NaN (dropped by the gate)": ({"w": torch.full((50,), math.nan, dtype=F64)}, "non-finite"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_clipping_never_lets_one_clients_contribution_exceed_c(name: str) -> None:
+    """One client per round, noise negligible, no update-norm cap: the global model moves
+    by at most C (up to rounding into the model's dtype, post-processing) whatever the client
+    sends; a NaN reply is dropped and counted."""
+    state, dropped = HOSTILE[name]
+    clip_norm = 0.75
+    reference = {"w": torch.zeros(50, dtype=state["w"].dtype)}
+    strategy = FedAvg(
+        min_available_nodes=1, min_train_nodes=1, max_update_norm=None,
+        differential_privacy=DPConfig(1e-12, clip_norm),
+    )  # fmt: skip
+    node = fixed_reply_node({ARRAYS: state}, {NUM_EXAMPLES: 1.0})
+    arrays, metrics = train_round(strategy, InProcessGrid([node]), state_to_arrays(reference))
+    assert metrics is not None
+    if dropped:
+        assert arrays is None and metrics[NUM_DROPPED] == 1 and metrics[f"dropped-{dropped}"] == 1
+        assert DP_ROUND_MULTIPLIER not in metrics  # nothing released, nothing charged
+        return
+    moved = update_norm({"w": arrays_to_state(arrays)["w"].double()})
+    roundoff = max(1e-9, float(torch.finfo(state["w"].dtype).eps))  # the model's own dtype
+    assert moved <= clip_norm * (1 + roundoff)
+    if name.startswith("tiny"):
+        assert moved == pytest.approx(update_norm(state), rel=1e-9)
+
+
+def test_scaffold_clips_the_model_and_control_deltas_jointly() -> None:
+    """||(x+ - x, c+ - c)|| <= C for one client whose y and delta c are both huge."""
+    clip_norm = 0.5
+    x = {"w": torch.zeros(20, dtype=F64)}
+    node = fixed_reply_node(
+        {ARRAYS: {"w": torch.full((20,), 1e6, dtype=F64)},
+         CONTROL_DELTA: {"w": torch.full((20,), -3e5, dtype=F64)}},
+        {NUM_EXAMPLES: 1.0},
+    )  # fmt: skip
+    strategy = Scaffold(
+        min_available_nodes=1, min_train_nodes=1, max_update_norm=None,
+        differential_privacy=DPConfig(1e-12, clip_norm),
+    )  # fmt: skip
+    arrays, _ = train_round(strategy, InProcessGrid([node]), state_to_arrays(x))
+    moved = torch.cat([arrays_to_state(arrays)["w"], strategy.server_control["w"]])
+    assert float(moved.norm()) <= clip_norm * (1 + 1e-9)
+    assert float(arrays_to_state(arrays)["w"].norm()) > 0.4 * clip_norm  # both parts kept
+
+
+def test_decentnerf_clips_alpha_times_update_and_alpha_jointly() -> None:
+    """One user with alpha = alpha-max and a huge g_k: the summed (alpha (g_k - g), alpha) has
+    norm <= C (clipping rescales the user's weight, so the aggregate is still g_k)."""
+    clip_norm, alpha = 0.5, 100.0
+    g = {"w": torch.ones(20, dtype=F64)}
+    g_k = {"w": torch.full((20,), 1e4, dtype=F64)}
+    node = fixed_reply_node({ARRAYS: alpha_weighted_payload(g_k, alpha)}, {NUM_EXAMPLES: 1.0})
+    strategy = DecentNeRF(
+        min_available_nodes=1, min_train_nodes=1, max_update_norm=None,
+        differential_privacy=DPConfig(1e-12, clip_norm),
+    )  # fmt: skip
+    arrays, _ = train_round(strategy, InProcessGrid([node]), state_to_arrays(g))
+    assert strategy.last_aggregate is not None
+    alpha_sum = strategy.last_aggregate[1]
+    update = arrays_to_state(arrays)["w"] - g["w"]
+    assert alpha_sum * math.sqrt(float(update.square().sum()) + 1) <= clip_norm * (1 + 1e-9)
+    torch.testing.assert_close(arrays_to_state(arrays), g_k, rtol=1e-6, atol=0)
+
+
+def test_decentnerf_charges_both_noised_sums_of_a_round() -> None:
+    """From round 2 the gradient query's sum and the payload's are noised: the round is
+    charged z / sqrt(2) (one Gaussian query of sensitivity C sqrt(2))."""
+    problems = heterogeneous_problems(3)
+    app = least_squares_app(problems, 0.05, (0.5, 1.0, 1.5))
+    strategy = DecentNeRF(  # alphas frozen: the test app does not clamp them
+        min_available_nodes=3, local_steps=2, alpha_lr=0.0,
+        differential_privacy=DPConfig(0.3, 2.0),
+    )  # fmt: skip
+    result = strategy.start(InProcessGrid([app] * 3), state_to_arrays(initial_state()), 3)
+    multipliers = [result.train_metrics_clientapp[r][DP_ROUND_MULTIPLIER] for r in (1, 2, 3)]
+    assert multipliers == pytest.approx([0.3, 0.3 / math.sqrt(2), 0.3 / math.sqrt(2)])
+    assert strategy.rounds_aggregated == 3
+    charges = [RoundCharge(1.0, z) for z in multipliers]
+    assert result.train_metrics_clientapp[3][DP_EPSILON] == pytest.approx(
+        epsilon_of(charges, 1e-5), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("kind", [FedNova, FedExP])
+def test_rules_reading_per_client_values_refuse_dp_naming_themselves(kind: type) -> None:
+    with pytest.raises(ValueError, match=f"{kind.strategy_name} does not support client-level DP"):
+        kind(differential_privacy=DPConfig(1.0, 1.0))
+    with pytest.raises(ValueError, match="'median' is not a sum of clipped updates"):
+        FedAvg(aggregation_rule="median", differential_privacy=DPConfig(1.0, 1.0))
+
+
+# ------------------------------------------------------------------ distributed DP
+
+
+def test_a_clients_private_records_are_clipped_jointly_then_noised() -> None:
+    """The client's side of distributed DP: hostile records clipped to C jointly, plus its
+    noise share of std z C / sqrt(n) (measured over 40k entries)."""
+    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1e-12, "dp-num-sampled": 4})
+    records = {ARRAYS: {"w": torch.full((30,), 1e150, dtype=F64)},
+               CONTROL_DELTA: {"w": torch.full((30,), -1e150, dtype=F64)}}  # fmt: skip
+    out = private_records(records, config, noise_generator(1))
+    assert float(torch.cat([out[ARRAYS]["w"], out[CONTROL_DELTA]["w"]]).norm()) <= 0.5 + 1e-9
+    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1.7, "dp-num-sampled": 4})
+    zero = {ARRAYS: {key: torch.zeros_like(v) for key, v in big_state(0).items()}}
+    share = flat(private_records(zero, config, noise_generator(2))[ARRAYS])
+    ratio = float(share.std()) / distributed_noise_std(1.7, 0.5, 4)
+    print(f"one client's noise share std / (z C / sqrt(n)): {ratio:.4f}")
+    assert abs(ratio - 1) < STD_TOLERANCE
+
+
+@pytest.mark.parametrize("dropped", [set(), {2}])
+def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int]) -> None:
+    """4 secure clients, updates 10x C: the secure aggregate minus the survivors' clipped
+    mean, times the survivors, is the summed noise: std z C, or z C sqrt(3/4) when one drops
+    after key sharing, which is the multiplier the accountant is charged."""
+    z, clip_norm, n = 1.0, 0.5, 4
+    reference = big_state(0)
+    updates = [big_state(seed, 10 * clip_norm / math.sqrt(SIZE)) for seed in range(1, n + 1)]
+    nodes = [secure(node) for node in fixed_nodes(reference, updates, [1, 7, 1, 3])]
+    wrap = dropping_after_key_sharing(dropped)
+    grid = InProcessGrid([wrap(node, k) for k, node in enumerate(nodes)])
+    strategy = FedAvg(
+        min_available_nodes=n, differential_privacy=DPConfig(z, clip_norm),
+        secure_aggregation=SecureAggregationConfig(reconstruction_threshold=3),
+    )  # fmt: skip
+    arrays, metrics = train_round(strategy, grid, state_to_arrays(reference))
+    assert arrays is not None and metrics is not None
+    survivors = [u for k, u in enumerate(updates) if k not in dropped]
+    kept = len(survivors)
+    expected = plus(reference, {k: sum(clipped(u, clip_norm)[k] for u in survivors) / kept
+                                for k in reference})  # fmt: skip
+    noise_on_sum = flat(plus(arrays_to_state(arrays), expected, -1.0)) * kept
+    effective = z * math.sqrt(kept / n)
+    ratio = float(noise_on_sum.std()) / (effective * clip_norm)
+    print(f"distributed noise std / (z_eff C), {len(dropped)} dropped: {ratio:.4f}")
+    assert abs(ratio - 1) < STD_TOLERANCE
+    assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(effective)
+    assert metrics[DP_EPSILON] == pytest.approx(
+        epsilon_of([RoundCharge(1.0, effective)], 1e-5), rel=1e-12
+    )
+    sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
+    assert all("secure-weight" not in m.content[CONFIG] for m in sent)  # uniform weights
+    assert all(m.content[CONFIG]["dp-num-sampled"] == n for m in sent)
+
+
+def test_a_fixed_secagg_clipping_range_must_leave_room_for_the_noise() -> None:
+    dp = DPConfig(2.0, 1.0)
+    with pytest.raises(ValueError, match="secagg-clipping-range = 3 leaves no room for the DP"):
+        FedAvg(differential_privacy=dp, secure_aggregation=SecureAggregationConfig(
+            clipping_range=3.0))  # fmt: skip
+    FedAvg(differential_privacy=dp, secure_aggregation=SecureAggregationConfig(clipping_range=13))
+
+
+# ------------------------------------------------------------------ budget and resume
+
+
+def budget_run(target: float, rounds: int) -> tuple[FedAvg, InProcessGrid, dict]:
+    """3 nodes, 2 sampled a round (q = 2/3) while the plan assumes fraction-train 0.34."""
+    reference = {"w": torch.zeros(10, dtype=F64)}
+    nodes = fixed_nodes(reference, [{"w": torch.ones(10, dtype=F64) * k} for k in (1, 2, 3)],
+                        [1, 1, 1])  # fmt: skip
+    grid = InProcessGrid(nodes)
+    strategy = FedAvg(
+        fraction_train=0.34, min_train_nodes=2, min_available_nodes=3, sampling_seed=0,
+        differential_privacy=DPConfig(1.0, 1.0, 1e-5, target),
+    )  # fmt: skip
+    result = strategy.start(grid, state_to_arrays(reference), num_rounds=rounds)
+    return strategy, grid, result.train_metrics_clientapp
+
+
+def test_a_target_epsilon_stops_the_run_before_it_is_exceeded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    q = 2 / 3
+    two, three = (epsilon_of([RoundCharge(q, 1.0)] * r, 1e-5) for r in (2, 3))
+    target = (two + three) / 2
+    assert epsilon_of([RoundCharge(0.34, 1.0)] * 5, 1e-5) <= target  # the plan passes
+    strategy, grid, metrics = budget_run(target, rounds=5)
+    assert sorted(metrics) == [1, 2]
+    assert metrics[2][DP_EPSILON] == pytest.approx(two, rel=1e-12) and two <= target
+    assert "round 3 not run" in strategy.privacy_stop
+    assert "dp-target-epsilon reached" in caplog.text
+    trained = {m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"}
+    assert trained == {"1", "2"}  # nothing of round 3 was sent
+    with pytest.raises(ValueError, match="'dp-target-epsilon' = 2 cannot be met: 50 rounds"):
+        budget_run(2.0, rounds=50)
+
+
+def test_the_accountant_survives_a_resume(tmp_path: Path) -> None:
+    strategy, _, metrics = budget_run(100.0, rounds=2)
+    checkpoint = RoundCheckpoint.capture(2, state_to_arrays({"w": torch.zeros(3)}), strategy)
+    save_round_checkpoint(tmp_path / "resume.pt", checkpoint)
+    resumed = FedAvg(differential_privacy=DPConfig(1.0, 1.0, 1e-5, 100.0))
+    load_round_checkpoint(tmp_path / "resume.pt").restore(resumed)
+    assert resumed.accountant is not None and strategy.accountant is not None
+    assert resumed.accountant.charges == strategy.accountant.charges
+    assert resumed.accountant.epsilon() == metrics[2][DP_EPSILON]
+    without = RoundCheckpoint.capture(2, state_to_arrays({"w": torch.zeros(3)}), FedAvg())
+    with pytest.raises(ValueError, match="no DP accountant"):
+        without.restore(resumed)
+
+
+# ------------------------------------------------------------------ through flwr
+
+
+def test_a_secure_dp_run_completes_through_flowers_simulation_engine(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """Secure aggregation with distributed DP, one round of the scene job on Ray; epsilon in
+    metrics.jsonl, summary.json and report.html."""
+    from test_federated_nerf import tiny
+
+    from simulations.run import run_with_ray
+
+    config = tiny(crowd_dir, tmp_path / "ray", "fedavg", **{
+        "num-server-rounds": 1, "secure-aggregation": True, "dp-noise-multiplier": 1.0,
+        "dp-clip-norm": 1.0, "simulation-audit": False, "min-train-nodes": 3,
+    })  # fmt: skip
+    run_dir = run_with_ray(config, num_supernodes=3)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = epsilon_of([RoundCharge(1.0, 1.0)], 1e-5)
+    assert len(lines) == 1 and lines[0][DP_EPSILON] == pytest.approx(expected, rel=1e-9)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"][DP_EPSILON] == pytest.approx(expected, rel=1e-9)
+    assert summary["differential-privacy"]["form"].startswith("distributed")
+    assert "dp-epsilon" in (run_dir / "report.html").read_text()
