@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
@@ -22,6 +23,7 @@ from clients import client_app as nerf_client
 from fedfields.config import FederatedConfig
 from fedfields.flower.protocol import GRADIENT_QUERY
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.optim import resolve_device
 from simulations.server_app import run_job
 
 
@@ -68,15 +70,23 @@ def run_with_ray(
     num_supernodes: int,
     cpus_per_client: float = 1.0,
     mods: Sequence[Mod] = (),
+    client_device: str = "auto",
 ) -> Path:
     """Run the job through Flower's simulation engine (Ray); returns the run directory.
+
+    `client_device` cpu has Ray hide this machine's GPUs from the virtual clients (their
+    CUDA_VISIBLE_DEVICES); auto or cuda leaves them visible, where node-config device auto
+    (a virtual node has no other) picks them.
 
     A run-config that cannot sample its rounds from `num_supernodes` nodes (e.g.
     min-train-nodes above it) raises ValueError before anything starts."""
     from flwr.simulation import run_simulation
 
     FederatedConfig.from_run_config(run_config).check_node_count(num_supernodes, "num-supernodes")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs to hide here
+    if resolve_device(client_device).type == "cpu" and torch.cuda.is_available():
+        os.environ["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # Ray hides the GPUs
+    else:
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPUs to hide
     outcome: dict[str, Path] = {}
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0}}
     with warnings.catch_warnings():

@@ -160,7 +160,7 @@ def test_uploads_are_cpu_float32_whatever_the_training_dtype() -> None:
 
 
 def test_rendering_follows_the_field_not_the_grid_or_cameras() -> None:
-    """GPU_NOTES' crash: a field elsewhere than its scene and grid. A grid built on a copy of
+    """The crash issue 34 reports (occupancy.py cell_index): a field elsewhere than its grid. A grid built on a copy of
     the box and cameras on another device object still render what the plain call renders.
     (Here every device is the CPU; with CUDA the same test runs on it below.)"""
     field = _tiny_field().eval()
@@ -365,3 +365,34 @@ def test_audit_refuses_a_bad_device(tmp_path: Path, capsys: pytest.CaptureFixtur
 
     assert main(["audit", str(tmp_path), "--device", "gpu"]) == 2
     assert "--device = 'gpu': expected auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+BENCHMARKS = sorted(
+    path.stem
+    for path in (APP_DIR / "simulations" / "bench").glob("*.py")
+    if path.stem not in ("__init__", "devices")
+)
+CHECKED_ELSEWHERE = ("dp", "gpu", "kernels")
+"""Benchmarks whose `--device` their own authors check (issue 34 point 2/3, issue 36)."""
+
+
+@pytest.mark.parametrize("bench", BENCHMARKS)
+def test_every_benchmark_takes_device(
+    bench: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`--device` is in every benchmark's usage; the ones built here refuse a bad value with
+    argparse's one-line error."""
+    import importlib
+
+    module = importlib.import_module(f"simulations.bench.{bench}")
+    monkeypatch.setattr(sys, "argv", [bench, "--help"])
+    with pytest.raises(SystemExit):
+        module.main()
+    assert "--device" in capsys.readouterr().out
+    if bench in CHECKED_ELSEWHERE:
+        return
+    monkeypatch.setattr(sys, "argv", [bench, "--device", "tpu"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    assert "argument --device" in capsys.readouterr().err

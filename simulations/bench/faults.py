@@ -36,6 +36,7 @@ from flwr.app import Array, Context, Message
 
 from fedfields.flower.protocol import ARRAYS, HELD, METRICS, NUM_EXAMPLES, TRAIN_LOSS
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.planner import ENVIRONMENT
 from simulations.run import run_with_ray
 
@@ -101,6 +102,10 @@ class Crash:
         return call_next(msg, context)
 
 
+DEVICE = {"value": "auto"}
+"""`--device`: the server's and the Ray clients' (set once by main)."""
+
+
 def job_config(run_dir: Path, rounds: int, **extra: Any) -> dict[str, Any]:
     """The faces job's run-config (FedAvg, preset otherwise), no simulation audit."""
     return {
@@ -109,6 +114,7 @@ def job_config(run_dir: Path, rounds: int, **extra: Any) -> dict[str, Any]:
         "num-server-rounds": rounds,
         "run-dir": str(run_dir),
         "min-available-nodes": NUM_CLIENTS,
+        "server-device": DEVICE["value"],
         **extra,
     }
 
@@ -135,7 +141,8 @@ def simulated(name: str, rounds: int, mods: tuple[Any, ...] = (), **extra: Any) 
     run_dir = OUT / name
     started = time.perf_counter()
     try:
-        run_with_ray(job_config(run_dir, rounds, **extra), NUM_CLIENTS, mods=mods)
+        config = job_config(run_dir, rounds, **extra)
+        run_with_ray(config, NUM_CLIENTS, mods=mods, client_device=DEVICE["value"])
         result = outcome(run_dir)
     except Exception as error:  # a fault that ends the run is a result, not a crash of ours
         result = {**outcome(run_dir), "error": f"{type(error).__name__}: {error}"[:200]}
@@ -205,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only", nargs="*", default=None, help="run only the rows whose name starts so"
     )
+    add_device_argument(parser, "the server and the Ray clients (the killed run's: the CPU)")
     args = parser.parse_args(argv)
+    DEVICE["value"] = args.device
     OUT.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, Callable[[], dict]]] = [
         ("clean", lambda: simulated("clean", args.rounds)),

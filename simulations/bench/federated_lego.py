@@ -28,6 +28,7 @@ from fedfields.render import OccupancyGrid, render_image
 from fedfields.train import TrainConfig, train
 from fedfields.train.builders import global_field, render_config
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.run import run_with_ray
 from strategies import strategy_class
 
@@ -39,7 +40,8 @@ VARIANTS = {
 
 
 def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[str, float]:
-    """The same global field trained on every user's photos in one place, equal steps."""
+    """The same global field trained on every user's photos in one place, equal steps, on
+    run-config server-device (the bench's `--device`)."""
     photos = all_photos(data)
     field = global_field(config)
     settings = render_config(config, photos)
@@ -50,6 +52,7 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
         target_samples=config.scene.target_samples,
         batch_rays=512,
         progress=False,
+        device=config.common.server_device,
     )
     started = time.perf_counter()
     train(field, photos, train_config, settings, occupancy)
@@ -57,7 +60,7 @@ def centralised(data: CrowdData, config: FederatedConfig, steps: int) -> dict[st
     field.eval()
 
     def render(scene: Scene, view: int) -> torch.Tensor:
-        return render_image(field, scene.cameras, view, settings, occupancy).rgb.clamp(0, 1)
+        return render_image(field, scene.cameras, view, settings, occupancy).rgb.clamp(0, 1).cpu()
 
     return {**score_crowd(render, data.users), "seconds": seconds}
 
@@ -96,6 +99,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--local-steps", type=int, default=32)
     parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_federated")
+    add_device_argument(parser, "the server, the Ray clients and the centralised run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = CrowdData.load(str(args.crowd), 1.0)
@@ -105,6 +109,7 @@ def main() -> None:
             "simulation-audit": True,
             "num-server-rounds": args.rounds,
             "local-steps": args.local_steps,
+            "server-device": args.device,
         }
     )
     sampled = max(int(len(data.users) * base.scene.fraction_train), base.deployment.min_train_nodes)
@@ -117,7 +122,7 @@ def main() -> None:
         state = {"state-dir": str(run_dir.with_name(run_dir.name + ".nodes"))}
         config = {**base.to_run_config(), **overrides, "run-dir": str(run_dir), **state}
         started = time.perf_counter()
-        run_with_ray(config, num_supernodes=len(data.users))
+        run_with_ray(config, num_supernodes=len(data.users), client_device=args.device)
         summary = json.loads((run_dir / "summary.json").read_text())
         cost = strategy_class(overrides["strategy"]).cost_model.round_cost(parameters, sampled)
         rows[name] = {

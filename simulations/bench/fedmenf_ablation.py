@@ -37,6 +37,7 @@ from fedfields.train.builders import (
 )
 from fedfields.train.meta import local_meta_update, privacy_metrics, test_time_optimise
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 
 OUT = APP_DIR / "runs" / "bench_fedmenf_ablation"  # results-<task>.json
 TTO_RECIPES = (("adam", 1e-4, 32), ("adam", 1e-3, 128), ("sgd", 0.005, 32))
@@ -50,9 +51,10 @@ def federate(
     gamma: float = 0.75,
     task: str = "faces",
     overrides: dict | None = None,
+    device: str = "auto",
 ) -> dict:
-    """`rounds` of FedAvg over the `task` clients' local meta-updates (run-config `overrides`
-    on top of the preset, e.g. "outer-lr"); theta and PSNR_p."""
+    """`rounds` of FedAvg over the `task` clients' local meta-updates on `device` (run-config
+    `overrides` on top of the preset, e.g. "outer-lr"); theta and PSNR_p."""
     run_config = {"task": task, "meta-learner": learner, "num-server-rounds": max(rounds, 1)}
     run_config |= overrides or {}
     if learner == "fedmenf":
@@ -60,7 +62,7 @@ def federate(
     config = FederatedConfig.from_run_config(run_config)
     settings = meta_settings(config)
     torch.manual_seed(config.common.seed)
-    model = meta_model(config, settings)
+    model = meta_model(config, settings).to(device)  # TTO and PSNR_p follow the model
     theta = {name: p.detach().clone() for name, p in model.named_parameters()}
     sampler = np.random.default_rng(config.common.seed)
     psnr_p: list[float] = []
@@ -77,7 +79,9 @@ def federate(
                 proximal_mu=0.0,
                 seed=server_round * 1009 + client,
             )
-            result = local_meta_update(model, tasks, replace(local, memorising_bound=bound))
+            result = local_meta_update(
+                model, tasks, replace(local, memorising_bound=bound, device=device)
+            )
             uploads.append(result.state)
             weights.append(result.num_examples)
             psnr_p += [privacy_metrics(model, result.state, t, False)["psnr_p"] for t in tasks]
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--local", action="store_true", help="add TTO from the random initialisation (no rounds)"
     )
+    add_device_argument(parser, "meta-learning, TTO and PSNR_p")
     args = parser.parse_args(argv)
     overrides = parse_config_args([args.run_config]) if args.run_config.strip() else {}
     OUT.mkdir(parents=True, exist_ok=True)
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, learner, bound, gamma in variants:
         started = time.perf_counter()
         rounds = 0 if name == local else args.rounds
-        run = federate(learner, rounds, bound, gamma, args.task, overrides)
+        run = federate(learner, rounds, bound, gamma, args.task, overrides, args.device)
         rows.append(
             {
                 "variant": name,

@@ -34,6 +34,7 @@ from flwr.common.config import parse_config_args
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.planner import DataOptions, object_collection
 from simulations.run import run_with_ray
 from strategies import STRATEGIES
@@ -114,8 +115,10 @@ def run_one(
     overrides: dict[str, Any] | None = None,
     object_resolution: int = 32,
     mods: Sequence[Mod] = (),
+    device: str = "auto",
 ) -> Path:
-    """One federated run of `task` through Ray; returns its run directory.
+    """One federated run of `task` through Ray, server and clients on `device`; returns its
+    run directory.
 
     A simulation: run-config `simulation-audit` attaches the privacy audit; for objects
     `data-dir` is the clients' data root (`simulation_objects`). `mods` wrap the ClientApp
@@ -130,6 +133,7 @@ def run_one(
         "num-server-rounds": rounds,
         "run-dir": str(run_dir),
         "simulation-audit": True,
+        "server-device": device,
         **LEARNERS[learner],
         **(overrides or {}),
     }
@@ -139,7 +143,7 @@ def run_one(
         data_dir = run_dir.with_suffix(".data")
         run_config["data-dir"] = str(data_dir)
         run_config["eval-scene-dir"] = str(simulation_objects(collection, settings, data_dir))
-    run_with_ray(run_config, num_supernodes=settings.num_clients, mods=mods)
+    run_with_ray(run_config, num_supernodes=settings.num_clients, mods=mods, client_device=device)
     return run_dir
 
 
@@ -220,6 +224,7 @@ def main() -> None:
     parser.add_argument(
         "--report", nargs="+", type=Path, default=None, help="only tabulate these run dirs"
     )
+    add_device_argument(parser, "the server and the Ray clients")
     args = parser.parse_args()
     if args.report is not None:
         print(table([read_row(run_dir) for run_dir in args.report]))
@@ -237,6 +242,7 @@ def main() -> None:
                 args.out,
                 overrides,
                 args.object_resolution,
+                device=args.device,
             )
             row = read_row(run_dir)
             rows.append(row)

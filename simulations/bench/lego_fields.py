@@ -18,13 +18,17 @@ from fedfields.data import holdout_indices, load_scene
 from fedfields.metrics import linear_flops_per_sample, matmul_peak_flops
 from fedfields.train import default_setup, evaluate, train
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 
 
-def run_model(model: str, minutes: float, train_scene, test_scene, peak: float) -> dict:
-    """Train one model for `minutes`, evaluate on the held-out views, return its figures."""
+def run_model(
+    model: str, minutes: float, train_scene, test_scene, peak: float, device: str
+) -> dict:
+    """Train one model for `minutes` on `device`, evaluate on the held-out views (on the
+    field's device), return its figures."""
     torch.manual_seed(0)
     setup = default_setup(model, train_scene)
-    config = setup.train_config(minutes=minutes, progress=False)
+    config = setup.train_config(minutes=minutes, progress=False, device=device)
     result = train(setup.field, train_scene, config, setup.render_config, setup.occupancy)
     evaluation = evaluate(
         setup.field, test_scene, setup.render_config, setup.occupancy, progress=False
@@ -52,6 +56,7 @@ def main() -> None:
     parser.add_argument("--downscale", type=float, default=2.0)
     parser.add_argument("--holdout", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["nerf", "hashgrid"])
+    add_device_argument(parser, "training and evaluation")
     args = parser.parse_args()
     scene = load_scene(args.scene, downscale=args.downscale)
     train_ids, test_ids = holdout_indices(len(scene), args.holdout)
@@ -64,7 +69,7 @@ def main() -> None:
     )
     rows = []
     for model in args.models:
-        rows.append(run_model(model, args.minutes, train_scene, test_scene, peak))
+        rows.append(run_model(model, args.minutes, train_scene, test_scene, peak, args.device))
         print(json.dumps(rows[-1]), flush=True)
     if len(rows) == 2:
         ratio = rows[1]["rays_per_second"] / max(rows[0]["rays_per_second"], 1)

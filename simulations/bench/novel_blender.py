@@ -61,6 +61,7 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
+from simulations.bench.devices import add_device_argument
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
 LABELS = {
@@ -108,6 +109,7 @@ class Settings:
     fixed_alphas: tuple[float, ...] | None = None  # DecentNeRF(-L)'s weights; None: all 1
     seed: int = 0
     run_config: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"  # every user's local training and every render (the field's device)
 
     def local(self, round_: int, user: int, personal: bool) -> LocalTrainConfig:
         """One user's round: about `epochs` passes, NeRF-W loss when it has a personal field."""
@@ -120,6 +122,7 @@ class Settings:
             personal_density_weight=self.transient_density_weight if personal else 0.0,
             beta_min=self.beta_min,
             seed=self.seed * 100_003 + round_ * 1009 + user,
+            device=self.device,
         )
 
 
@@ -144,9 +147,9 @@ def eval_views(data: CrowdData) -> list[tuple[int, int]]:
 
 
 def render(field: Field, scene: Scene, view: int, config: FederatedConfig, grid: OccupancyGrid):
-    """[H, W, 3] render of a scene's view, clamped."""
+    """[H, W, 3] render of a scene's view on the field's device, clamped, on the CPU."""
     settings = render_config(config, scene)
-    return render_image(field, scene.cameras, view, settings, grid).rgb.clamp(0.0, 1.0)
+    return render_image(field, scene.cameras, view, settings, grid).rgb.clamp(0.0, 1.0).cpu()
 
 
 def fresh_grid(field: Field, config: FederatedConfig) -> OccupancyGrid:
@@ -228,6 +231,7 @@ def run_federated(
                     settings.gradient_rays,
                     seed=round_,
                     beta_min=settings.beta_min,
+                    device=settings.device,
                 )  # fmt: skip
                 for user, state in zip(data.users, users, strict=True)
             ]
@@ -473,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("runs/bench_novel_blender"))
     parser.add_argument("--run-config", default="", help="extra run-config, e.g. 'hash-levels=12'")
+    add_device_argument(parser, "every user's local training and the evaluation renders")
     parser.add_argument(
         "--summarise",
         action="store_true",
@@ -496,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
+                        device=args.device,
                         beta_min=args.beta_min, run_config=run_config,
                         personal_learning_rate=args.personal_lr,
                         transient_density_weight=args.transient_density_weight,

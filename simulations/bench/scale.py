@@ -40,6 +40,7 @@ import torch
 from fedfields.aggregate import RunningSum
 from fedfields.flower.protocol import arrays_to_state, checked_state, state_to_arrays
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.planner import superlinks_with_home
 
 CPUS = psutil.cpu_count(logical=True) or 1
@@ -108,12 +109,21 @@ def job_run_config(job: str, clients: int, sampled: int, rounds: int) -> str:
 
 
 def run_job(
-    job: str, clients: int, sampled: int, rounds: int, crowd: Path, out: Path, ray_address: str
+    job: str,
+    clients: int,
+    sampled: int,
+    rounds: int,
+    crowd: Path,
+    out: Path,
+    ray_address: str,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """One launcher run with memory sampling; its per-round split from metrics.jsonl."""
+    """One launcher run with memory sampling (the server on `device`, the clients on the
+    CPU); its per-round split from metrics.jsonl."""
     run_dir = out / f"{job}_{clients}"
     command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--run-dir", str(run_dir)]
-    command += ["--run-config", job_run_config(job, clients, sampled, rounds)]
+    run_config = f"{job_run_config(job, clients, sampled, rounds)} server-device='{device}'"
+    command += ["--run-config", run_config]
     if job == "objects":
         command += ["--objects", str(out / f"collection_{clients}")]
     else:
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-address", default="", help="an existing Ray cluster to run on")
     parser.add_argument("--skip-jobs", action="store_true", help="aggregation timing only")
     parser.add_argument("--out", type=Path, default=APP_DIR / "runs" / "bench_scale")
+    add_device_argument(parser, "the ServerApp (the clients train on the CPU)", default="cpu")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for clients in args.clients:
             print(f"{job}: {clients} clients, {args.sampled} per round", flush=True)
             result = run_job(job, clients, args.sampled, args.rounds, args.crowd.resolve(),
-                             args.out, args.ray_address)  # fmt: skip
+                             args.out, args.ray_address, args.device)  # fmt: skip
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "rounds"}), flush=True)
             (args.out / "results.json").write_text(

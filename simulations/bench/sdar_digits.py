@@ -36,6 +36,7 @@ from fedfields.privacy.attacks.sdar_digits import (
     digits_audit,
     load_digits_split,
 )
+from simulations.bench.devices import add_cpu_only_device_argument
 
 DEFENCES = (("dropout", 0.2), ("dropout", 0.5), ("l2", 1e-3), ("l2", 1e-2))
 DEFENCE_LEVEL = 2
@@ -200,6 +201,7 @@ def main() -> None:
         "--lambda-steps", type=int, default=2000, help="split-learning steps of the lambda table"
     )
     parser.add_argument("--png-dir", type=Path, help="write private/reconstructed digit PNGs")
+    add_cpu_only_device_argument(parser, "the digits split CNN and its attacks train on the CPU")
     args = parser.parse_args()
     start = time.perf_counter()
     tables = []

@@ -43,6 +43,7 @@ from fedfields.privacy.attacks.sdar_nerf import SDARNeRFConfig, procedural_scene
 from fedfields.privacy.attacks.surrogate import SurrogateAttackConfig, surrogate_model_attack
 from fedfields.privacy.split import ClientPart
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.bench.split_defences import (
     Row,
     Views,
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--log2-hashmap-size", type=int, default=14)
     parser.add_argument("--record-every", type=int, default=10)
+    add_device_argument(parser, "split training and the attacks", default="cpu")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="LPIPS unavailable")
     start = time.perf_counter()

@@ -39,6 +39,7 @@ from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from fedfields.train.builders import meta_model
 from fedfields.train.federated import federated_state
+from simulations.bench.devices import add_cpu_only_device_argument
 
 ROUNDS = 3
 NEIGHBOURS = 10
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[5, 10, 20, 50])
     parser.add_argument("--models", nargs="+", default=["siren", "nerf"], choices=["siren", "nerf"])
+    add_cpu_only_device_argument(parser, "it times sums of the CPU float32 arrays on the wire")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     rows = []

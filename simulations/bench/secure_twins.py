@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.planner import ENVIRONMENT, DataOptions, crowd_dataset, job_config
 from simulations.run import run_with_ray
 
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="runs folder (default runs/<time>-secure-twins)"
     )
+    add_device_argument(parser, "the server and the Ray clients")
     return parser.parse_args(argv)
 
 
@@ -71,12 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     crowd = crowd_dataset(
         DataOptions(scene=APP_DIR / "data" / "lego", users=args.users), dict(os.environ)
     )
-    extra = f"num-server-rounds={args.rounds} {args.run_config}"
+    extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
     base = job_config(extra).to_run_config()
     rows: dict[str, list[dict]] = {}
     for name, secure in (("plain", False), ("secure", True)):
         started = time.perf_counter()
-        run_dir = run_with_ray(twin_config(base, out, name, crowd, secure), args.users)
+        config = twin_config(base, out, name, crowd, secure)
+        run_dir = run_with_ray(config, args.users, client_device=args.device)
         seconds = time.perf_counter() - started
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         rows[name] = [json.loads(line) for line in lines]

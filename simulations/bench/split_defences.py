@@ -85,6 +85,7 @@ from fedfields.privacy.split import (
 from fedfields.render import RenderConfig
 from fedfields.train.evaluation import evaluate
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 
 S2NERF_C = (0.6, 1.2, 2.4)
 S2NERF_R = (1e-4, 1.0)
@@ -269,7 +270,7 @@ def bench_setup(
         random_background=False,
         record_every=args.record_every,
         log_every=max(1, args.steps),
-        device="cpu",
+        device=args.device,
         seed=seed,
     )
     return scene.subset(train_ids), scene.subset(test_ids), render_config, split_config
@@ -465,6 +466,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grid-view", type=int, default=1, help="held-out view in the PNG")
+    add_device_argument(parser, "split training and the attacks", default="cpu")
     parser.add_argument(
         "--threads",
         type=int,
