@@ -20,7 +20,13 @@ from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
-from test_secure_aggregation import dropping_after_key_sharing
+from test_secure_aggregation import (
+    SECURE_STRATEGIES,
+    dropping_after_key_sharing,
+    make_grid,
+    make_strategy,
+    relative_error,
+)
 from test_strategies import (
     fixed_reply_node,
     heterogeneous_problems,
@@ -30,7 +36,16 @@ from test_strategies import (
 from torch import Tensor
 
 from fedfields.aggregate import alpha_weighted_payload
-from fedfields.flower import DecentNeRF, FedAvg, FedExP, FedNova, ProtocolStrategy, Scaffold
+from fedfields.flower import (
+    DecentNeRF,
+    FedACG,
+    FedAvg,
+    FedExP,
+    FedNova,
+    FedProx,
+    ProtocolStrategy,
+    Scaffold,
+)
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -332,6 +347,44 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
     assert all("secure-weight" not in m.content[CONFIG] for m in sent)  # uniform weights
     assert all(m.content[CONFIG]["dp-num-sampled"] == n for m in sent)
+
+
+def dp_strategy(name: str, secure: SecureAggregationConfig | None) -> ProtocolStrategy:
+    """3 of 5 nodes a round, updates clipped hard (C = 0.01), noise negligible."""
+    options = {
+        "local_steps": 3, "min_available_nodes": 5, "fraction_train": 0.6, "min_train_nodes": 3,
+        "sampling_seed": 11, "secure_aggregation": secure,
+        "differential_privacy": DPConfig(1e-9, 0.01),
+    }  # fmt: skip
+    return {
+        "fedavg": lambda: FedAvg(**options),
+        "fedprox": lambda: FedProx(proximal_mu=0.1, **options),
+        "scaffold": lambda: Scaffold(**options),
+        "fedacg": lambda: FedACG(**options),
+        "decentnerf": lambda: DecentNeRF(alpha_lr=0.0, **options),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", SECURE_STRATEGIES)
+def test_distributed_dp_clips_as_central_dp_does(name: str) -> None:
+    """With negligible noise, the clients' clipping under SecAgg+ (differences, DecentNeRF's
+    alpha-scaled ones, restored to models on the server) gives the plaintext DP run's model,
+    and the clip was active (the DP model differs from the unclipped one)."""
+    start = state_to_arrays(initial_state())
+    plain_grid, _ = make_grid(secure=False)
+    plain = dp_strategy(name, None).start(plain_grid, start, num_rounds=3).arrays
+    secure_grid, _ = make_grid(secure=True)
+    secure = dp_strategy(name, SecureAggregationConfig()).start(secure_grid, start, 3).arrays
+    assert relative_error(arrays_to_state(secure), arrays_to_state(plain)) < 1e-6
+    unclipped_grid, _ = make_grid(secure=False)
+    unclipped = make_strategy(name, None, fraction_train=0.6, min_train_nodes=3,
+                              sampling_seed=11).start(unclipped_grid, start, 3).arrays  # fmt: skip
+    assert relative_error(arrays_to_state(plain), arrays_to_state(unclipped)) > 1e-3
+    if name != "decentnerf":  # DecentNeRF's clip rescales the users' weights only
+        moved = flat(arrays_to_state(plain)) - flat(initial_state())
+        bound = 3 * 0.01 * (1 + 0.2 + 0.2**2)  # 3 rounds of <= C, FedACG's momentum lambda 0.2
+        assert float(moved.norm()) <= bound
+        assert float((flat(arrays_to_state(unclipped)) - flat(initial_state())).norm()) > bound
 
 
 def test_a_fixed_secagg_clipping_range_must_leave_room_for_the_noise() -> None:
