@@ -125,6 +125,7 @@ def test_the_recorder_measures_what_dp_fedavg_clips(tmp_path: Path) -> None:
         (["--clip-norm", "0"], "--clip-norm must be > 0 and finite"),
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--methods", "NeRF"], "invalid choice: 'NeRF'"),
+        (["--device", "tpu"], "argument --device: --device = 'tpu'"),
     ],
 )
 def test_bad_flags_get_one_error_naming_the_flag(

@@ -51,6 +51,7 @@ from fedfields.flower.protocol import ARRAYS, arrays_to_state
 from fedfields.privacy.dp import EPSILON_METRIC, scaled_difference
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK
 from simulations import APP_DIR
+from simulations.bench.devices import add_device_argument
 from simulations.bench.fedmenf_table import read_row, run_one
 from simulations.bench.secure_twins import twin_config
 from simulations.planner import ENVIRONMENT, DataOptions, crowd_dataset, job_config
@@ -202,6 +203,7 @@ class Setup:
     crowd: Path | None
     users: int
     clients: int
+    device: str
 
 
 def run_method(method: Method, noise: float, clip_norm: float | None, setup: Setup) -> Path:
@@ -217,7 +219,7 @@ def run_method(method: Method, noise: float, clip_norm: float | None, setup: Set
         base = job_config("").to_run_config() | {"num-server-rounds": setup.rounds} | overrides
         secure = method.secure_dp and noise > 0
         config = twin_config(base, runs, name, setup.crowd, secure)
-        return run_with_ray(config, setup.users, mods=mods)
+        return run_with_ray(config, setup.users, mods=mods, client_device=setup.device)
     overrides |= {"num-clients": setup.clients}
     return run_one(
         "photos",
@@ -227,6 +229,7 @@ def run_method(method: Method, noise: float, clip_norm: float | None, setup: Set
         runs / name,
         overrides,
         mods=mods,
+        device=setup.device,
     )
 
 
@@ -333,9 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--clip-norm", type=float, default=None,
         help="dp-clip-norm of every DP run (default: each method's median update norm at z=0)",
     )  # fmt: skip
-    parser.add_argument(
-        "--device", default=None, help="run-config server-device (auto, cpu, cuda, cuda:N)"
-    )
+    add_device_argument(parser, "the server and the Ray clients")
     parser.add_argument("--run-config", default="", help="extra run-config for every run")
     parser.add_argument(
         "--scene-run-config", default="", help="extra run-config for the scene runs only"
@@ -379,8 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         write_results(out, rows)
         return
     extra = overrides(args.run_config)
-    if args.device is not None:
-        extra["server-device"] = args.device
+    extra["server-device"] = args.device
     crowd = None
     if any(m.task == "scene" and m.name in args.methods for m in METHODS) and "scene" in args.tasks:
         data = DataOptions(
@@ -396,9 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         if method.task not in args.tasks or method.name not in args.methods:
             continue
         task_extra = args.scene_run_config if method.task == "scene" else args.photos_run_config
-        setup = Setup(
-            out, args.rounds, extra | overrides(task_extra), crowd, args.users, args.clients
-        )
+        task_config = extra | overrides(task_extra)
+        setup = Setup(out, args.rounds, task_config, crowd, args.users, args.clients, args.device)
         rows += measure(method, args.noise_multipliers, setup, args.clip_norm)
         atomic.write_json(out / "dp.json", [asdict(row) for row in rows])
     write_results(out, rows)
