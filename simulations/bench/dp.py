@@ -233,10 +233,12 @@ def run_method(method: Method, noise: float, clip_norm: float | None, setup: Set
     )
 
 
-def measure(method: Method, noises: list[float], setup: Setup, clip: float | None) -> list[Row]:
-    """Every noise multiplier of `method`, z = 0 first (it sets C unless `clip` is given);
-    a run that fails is a row with its error."""
-    rows = []
+def measure(
+    method: Method, noises: list[float], setup: Setup, clip: float | None, rows: list[Row]
+) -> None:
+    """Every noise multiplier of `method`, z = 0 first (it sets C unless `clip` is given),
+    appended to `rows` and `setup.out`/dp.json after each run; a run that fails is a row with
+    its error."""
     clip_norm = clip
     for noise in sorted(noises):
         started = time.perf_counter()
@@ -253,8 +255,8 @@ def measure(method: Method, noises: list[float], setup: Setup, clip: float | Non
                 None, time.perf_counter() - started, "", message,
             )  # fmt: skip
         rows.append(row)
+        atomic.write_json(setup.out / "dp.json", [asdict(row) for row in rows])
         print(f"{method.name} z={noise:g}: {json.dumps(asdict(row))}", flush=True)
-    return rows
 
 
 def cell(value: float | None, pattern: str = "{:.2f}") -> str:
@@ -398,8 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         task_extra = args.scene_run_config if method.task == "scene" else args.photos_run_config
         task_config = extra | overrides(task_extra)
         setup = Setup(out, args.rounds, task_config, crowd, args.users, args.clients, args.device)
-        rows += measure(method, args.noise_multipliers, setup, args.clip_norm)
-        atomic.write_json(out / "dp.json", [asdict(row) for row in rows])
+        measure(method, args.noise_multipliers, setup, args.clip_norm, rows)
     write_results(out, rows)
 
 
