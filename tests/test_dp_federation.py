@@ -468,3 +468,26 @@ def test_a_secure_dp_run_completes_through_flowers_simulation_engine(
     assert summary["final"][DP_EPSILON] == pytest.approx(expected, rel=1e-9)
     assert summary["differential-privacy"]["form"].startswith("distributed")
     assert "dp-epsilon" in (run_dir / "report.html").read_text()
+
+
+def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Path) -> None:
+    """FedMeNF on faces, 2 of 4 clients a round (q = 1/2), central DP: metrics.jsonl and
+    summary.json carry epsilon after each round; a resumed run continues the accountant
+    (round 2 is epsilon after 2 rounds, not 1) under the same dp-target-epsilon."""
+    from test_meta_job import run_in_process, tiny
+
+    from simulations.meta_job import run_meta_job
+
+    def epsilon(rounds: int) -> float:
+        return epsilon_of([RoundCharge(0.5, 1.0)] * rounds, 1e-5)
+
+    run_dir = tmp_path / "run"
+    settings = {"simulation-audit": False, "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0,
+                "dp-target-epsilon": (epsilon(2) + epsilon(3)) / 2}  # fmt: skip
+    _, grid = run_in_process(tiny(run_dir, **{"num-server-rounds": 1}, **settings))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"][DP_EPSILON] == pytest.approx(epsilon(1), rel=1e-12)
+    assert summary["differential-privacy"]["form"] == "central (server)"
+    run_meta_job(grid, tiny(run_dir, resume=True, **settings))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line[DP_EPSILON] for line in lines] == pytest.approx([epsilon(1), epsilon(2)])

@@ -82,7 +82,9 @@ class DecentNeRF(ProtocolStrategy):
     bad reply is dropped before it reaches a sum (`ProtocolStrategy.checked_replies`): besides
     the shared checks, a payload's alpha_k must lie in (0, alpha_max] and its g_k =
     payload / alpha_k obeys `max_update_norm`; a gradient reply's ||G_k|| must not exceed
-    `max_gradient_norm`.
+    `max_gradient_norm`. Under DP (`differential_privacy`) a payload is summed as
+    (alpha_k (g_k - g), alpha_k), clipped to C jointly, and G_k is clipped to C; both sums are
+    noised, so a round from 2 on is charged z / sqrt(2) (docs/PRIVACY.md).
 
     Args:
         alpha_lr: eta in alpha_k <- alpha_k - eta dL/dalpha_k, sent as "alpha-lr". The paper

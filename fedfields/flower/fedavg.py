@@ -58,6 +58,10 @@ class FedAvg(ProtocolStrategy):
             secure aggregation (the server never sees one client's state).
         trim_fraction: share of the replies cut from each end of each coordinate by
             "trimmed-mean", in [0, 0.5).
+        differential_privacy: client-level DP (`fedfields.privacy.dp.DPConfig`): each
+            update g_k - g clipped to C, uniform weights, N(0, (z C)^2) on the sum (by the
+            server, or in shares by the clients under secure aggregation); epsilon is
+            accounted per round (docs/PRIVACY.md). "mean" only.
     """
 
     strategy_name = "fedavg"
