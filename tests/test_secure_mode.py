@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-from PIL import Image
+from PIL import Image, ImageSequence
 from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 from test_secure_aggregation import numbers_received as numbers_in_records
@@ -60,7 +60,7 @@ from fedfields.privacy.secure_sum import (
     exponent_one_hot_of,
     plan_scales,
 )
-from fedfields.report import REPORT_FILE
+from fedfields.report import CURVE_ORDER, REPORT_FILE
 from fedfields.train.builders import client_meta_tasks
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
@@ -316,7 +316,7 @@ def private(values: Iterable[float] | np.ndarray, public: np.ndarray) -> np.ndar
     return np.unique(array[~matches(array, public)])
 
 
-EMBEDDED_PNG = re.compile(r"data:image/png;base64,([A-Za-z0-9+/=]*)")
+EMBEDDED_IMAGE = re.compile(r"data:image/(?:png|gif);base64,([A-Za-z0-9+/=]*)")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
@@ -350,17 +350,18 @@ def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor
                 walk(json.loads(line))
         elif path.suffix in (".pt", ".partial"):
             walk(torch.load(path, map_location="cpu", weights_only=True))
-        elif path.suffix == ".png":
+        elif path.suffix in (".png", ".gif"):  # renders, plots, the server's orbit
             images.append(path)
         elif path.name == REPORT_FILE:  # the page the run ends with
             text = path.read_text()
-            embedded = [base64.b64decode(data) for data in EMBEDDED_PNG.findall(text)]
-            numbers += [float(number) for number in NUMBER.findall(EMBEDDED_PNG.sub("", text))]
+            embedded = [base64.b64decode(data) for data in EMBEDDED_IMAGE.findall(text)]
+            numbers += [float(number) for number in NUMBER.findall(EMBEDDED_IMAGE.sub("", text))]
         else:
             raise AssertionError(f"unexpected file in the run directory: {path}")
-    # Besides the PNGs searched here, the report embeds only its plot of metrics.jsonl.
+    # Besides the images searched here, the report embeds only its plots of metrics.jsonl.
     files = {image.read_bytes() for image in images}
-    assert len([png for png in embedded if png not in files]) <= 1, "report.html embeds more"
+    plots = [image for image in embedded if image not in files]
+    assert len(plots) <= len(CURVE_ORDER), "report.html embeds more"
     return np.asarray(numbers), tensors, images
 
 
@@ -402,8 +403,15 @@ def packed_rgb(rgb: np.ndarray) -> np.ndarray:
 
 
 def holds_image(path: Path, photo: np.ndarray) -> bool:
-    """Whether the PNG at `path` contains `photo` ([H, W, 3] uint8) at 90% of its pixels."""
-    image = packed_rgb(np.asarray(Image.open(path).convert("RGB")))
+    """Whether the image at `path` (any frame of a GIF) contains `photo` ([H, W, 3] uint8) at
+    90% of its pixels."""
+    frames = ImageSequence.Iterator(Image.open(path))
+    return any(frame_holds_image(np.asarray(f.convert("RGB")), photo) for f in frames)
+
+
+def frame_holds_image(frame: np.ndarray, photo: np.ndarray) -> bool:
+    """Whether `frame` contains `photo` (both [H, W, 3] uint8) at 90% of its pixels."""
+    image = packed_rgb(frame)
     pixels = packed_rgb(photo)
     height, width = pixels.shape
     rows, columns = image.shape[0] - height + 1, image.shape[1] - width + 1
