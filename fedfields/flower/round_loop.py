@@ -67,8 +67,9 @@ def run_rounds(
     strategy.summary()
     if strategy.dp is not None:
         planned = strategy.check_privacy_plan(first_round, num_rounds)
-        log(INFO, "differential privacy: the plan spends epsilon <= %.4g at delta %g (q = %g)",
-            planned, strategy.dp.delta, strategy.fraction_train)  # fmt: skip
+        plan = f"q = fraction-train {strategy.fraction_train:g}, no dropouts"
+        log(INFO, "differential privacy: the plan (%s) spends epsilon %.4g at delta %g", plan,
+            planned, strategy.dp.delta)  # fmt: skip
     result = Result(arrays=initial_arrays)
     if evaluate_fn and first_round == 1:
         if (initial := evaluate_fn(0, initial_arrays)) is not None:

@@ -221,7 +221,7 @@ def check_plan(config: DPConfig, charges: Sequence[RoundCharge]) -> float:
     if config.target_epsilon > 0 and epsilon > config.target_epsilon:
         raise ValueError(
             f"'{TARGET_EPSILON_KEY}' = {config.target_epsilon:g} cannot be met: {len(charges)} "
-            f"rounds at sampling rate {charges[0].sampling_rate:.4g} with "
+            f"rounds (sampling rate {charges[-1].sampling_rate:.4g} ahead) with "
             f"'{NOISE_MULTIPLIER_KEY}' = {config.noise_multiplier:g} spend epsilon "
             f"{epsilon:.4g} at '{DELTA_KEY}' = {config.delta:g}; raise the noise, sample "
             "fewer clients or plan fewer rounds"
