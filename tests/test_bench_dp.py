@@ -78,6 +78,7 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
         summary = json.loads((Path(row["run_dir"]) / "summary.json").read_text())
         assert row["utility"] == summary["final"]["psnr"]
         assert row["server_reads"] == summary["final"]["psnr_p"]
+        assert row["replies"] == PER_ROUND  # every sampled client trained: not a timed-out run
 
     table = (out / "dp.md").read_text().splitlines()
     assert table[0].startswith("| task | method | z | C | DP | epsilon |")

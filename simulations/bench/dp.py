@@ -36,7 +36,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from matplotlib.figure import Figure
 
 from fedfields import atomic
 from fedfields.aggregate import ALPHA_KEY
-from fedfields.flower.protocol import ARRAYS, arrays_to_state
+from fedfields.flower.protocol import ARRAYS, NUM_REPLIES, arrays_to_state
 from fedfields.privacy.dp import EPSILON_METRIC, scaled_difference
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK
 from simulations import APP_DIR
@@ -100,6 +100,7 @@ class Row:
     seconds: float
     run_dir: str
     error: str | None = None
+    replies: int | None = None  # successful train replies over all rounds (0: nothing trained)
 
 
 class UpdateNorms:
@@ -139,11 +140,21 @@ def dp_config(noise: float, clip_norm: float | None) -> dict[str, Any]:
     return {"dp-noise-multiplier": noise, "dp-clip-norm": clip_norm}
 
 
+def round_lines(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl, one dict per round."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def replies_of(run_dir: Path) -> int:
+    """Successful train replies over the run's rounds (a round that timed out counts 0)."""
+    return int(sum(line.get(NUM_REPLIES, 0) for line in round_lines(run_dir)))
+
+
 def scene_row(method: Method, noise: float, clip_norm: float | None, run_dir: Path) -> Row:
     """A scene run's row: the final audit on every view, the last round's upload leak."""
     summary = json.loads((run_dir / "summary.json").read_text())
     final = summary["final"]
-    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    last = round_lines(run_dir)[-1]
     secure = summary["secure-aggregation"]["enabled"]
     server_reads = final.get("personal-psnr") if secure else last.get(UPLOAD_LEAK)
     if method.name == "DecentNeRF":  # SecAgg+ would release the aggregate only (docstring)
@@ -162,6 +173,7 @@ def scene_row(method: Method, noise: float, clip_norm: float | None, run_dir: Pa
         mia=None,
         seconds=summary["seconds"],
         run_dir=str(run_dir),
+        replies=replies_of(run_dir),
     )
 
 
@@ -183,6 +195,7 @@ def photos_row(method: Method, noise: float, clip_norm: float | None, run_dir: P
         mia=table_row.mia,
         seconds=table_row.seconds,
         run_dir=str(run_dir),
+        replies=replies_of(run_dir),
     )
 
 
@@ -268,8 +281,8 @@ def table(rows: list[Row]) -> str:
     """Markdown table: one line per run."""
     lines = [
         "| task | method | z | C | DP | epsilon | utility dB | server reads, personal dB "
-        "| released field, personal dB | floor dB | MIA CNN | job s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| released field, personal dB | floor dB | MIA CNN | replies | job s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         epsilon = "-" if row.noise_multiplier == 0 else cell(row.epsilon, "{:.3g}")
@@ -279,7 +292,7 @@ def table(rows: list[Row]) -> str:
             f"| {row.task} | {row.method} | {row.noise_multiplier:g} | "
             f"{cell(row.clip_norm, '{:.3g}')} | {row.dp_form} | {epsilon} | {cell(row.utility)} | "
             f"{cell(row.server_reads)} | {cell(row.released)} | {cell(row.floor)} | "
-            f"{cell(row.mia, '{:.1%}')} | {row.seconds:.0f} |"
+            f"{cell(row.mia, '{:.1%}')} | {cell(row.replies, '{:d}')} | {row.seconds:.0f} |"
         )
     return "\n".join(lines)
 
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-dp"
     out.mkdir(parents=True, exist_ok=True)
     if args.report is not None:
-        rows = [Row(**row) for folder in args.report for row in read_rows(folder / "dp.json")]
+        rows = [with_replies(Row(**row)) for f in args.report for row in read_rows(f / "dp.json")]
         write_results(out, rows)
         return
     extra = overrides(args.run_config)
@@ -409,6 +422,13 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"--report: {path} does not exist (no finished benchmark there)")
     return json.loads(path.read_text())
+
+
+def with_replies(row: Row) -> Row:
+    """`row` with its run's replies counted when its record lacks them."""
+    if row.replies is not None or not row.run_dir:
+        return row
+    return replace(row, replies=replies_of(Path(row.run_dir)))
 
 
 def write_results(out: Path, rows: list[Row]) -> None:
