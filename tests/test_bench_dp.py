@@ -135,3 +135,43 @@ def test_bad_flags_get_one_error_naming_the_flag(
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert complaint in capsys.readouterr().err
+
+
+def bench_row(method: str, task: str, noise: float, **figures: float | None) -> dict:
+    """A dp.json row of a finished run (its run directory not needed: replies given)."""
+    return {
+        "task": task, "method": method, "noise_multiplier": noise,
+        "clip_norm": None if noise == 0 else 0.5, "dp_form": "none" if noise == 0 else "central",
+        "epsilon": None if noise == 0 else 3.0, "utility": 20.0 - noise, "server_reads": 9.0,
+        "released": None, "floor": None, "mia": 0.6, "seconds": 1.0, "run_dir": "",
+        "error": None, "replies": 4, **figures,
+    }  # fmt: skip
+
+
+def test_report_merges_earlier_outputs_sorted_and_names_a_missing_one(tmp_path: Path) -> None:
+    """`--report A B` writes one table and figure of both folders' rows, by task, method, z."""
+    first, second, out = tmp_path / "a", tmp_path / "b", tmp_path / "merged"
+    first.mkdir(), second.mkdir()
+    (first / "dp.json").write_text(json.dumps([bench_row("FedMeNF", "photos", 1.0)]))
+    rows = [bench_row("MAML", "photos", 2.0), bench_row("FedMeNF", "photos", 0.0)]
+    rows.append(bench_row("FedNeRF", "scene", 0.0, floor=3.0, released=6.0, mia=None))
+    (second / "dp.json").write_text(json.dumps(rows))
+    command = [sys.executable, "-m", "simulations.bench.dp", "--report", str(first), str(second)]
+    done = subprocess.run([*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (out / "dp.md").read_text().splitlines()[2:]
+    assert [line.split(" | ")[:3] for line in lines] == [
+        ["| scene", "FedNeRF", "0"],
+        ["| photos", "MAML", "2"],
+        ["| photos", "FedMeNF", "0"],
+        ["| photos", "FedMeNF", "1"],
+    ]
+    assert len(json.loads((out / "dp.json").read_text())) == 4
+    with Image.open(out / "dp.png") as figure:
+        assert figure.format == "PNG"
+    missing = subprocess.run(
+        [*command, str(tmp_path / "none"), "--out", str(out)], cwd=ROOT, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"--report: {tmp_path / 'none' / 'dp.json'} does not exist" in missing.stderr

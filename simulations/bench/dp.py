@@ -21,11 +21,15 @@ itself); clipping at the median is the target of adaptive clipping (Andrew et al
 default quantile of Flower's adaptive-clipping wrappers). DecentNeRF's z = 0 run is therefore
 plaintext; without secure aggregation its aggregate is the one SecAgg+ would release (issue 33
 measured them within 0.003 dB). `--clip-norm` gives C instead. Writes dp.md (the table),
-dp.json (the rows) and dp.png (utility against leakage, each point labelled with z and epsilon)
-under `--out`; the runs go to `--out`/runs.
+dp.json (the rows) and dp.png (utility against leakage, each point labelled with z, epsilon
+and the MIA accuracy) under `--out`; the runs go to `--out`/runs. The replies column counts the
+successful train replies of all rounds: 0 means every round timed out and the initial field
+was scored. `--report DIR ...` merges earlier outputs (e.g. one process per method) into one
+table and figure.
 
-    python -m simulations.bench.dp --users 4 --rounds 4 --clients 10
-    python -m simulations.bench.dp --tasks photos --noise-multipliers 0 1 --rounds 2
+    python -m simulations.bench.dp --users 4 --rounds 2 --clients 10 \
+        --scene-run-config "local-steps=16 min-train-nodes=3 max-empty-rounds=0" \
+        --photos-run-config "outer-steps=16 tto-steps=16"
 """
 
 from __future__ import annotations
@@ -299,7 +303,8 @@ def table(rows: list[Row]) -> str:
 
 def plot(path: Path, rows: list[Row]) -> None:
     """Utility against the leakage of what the server reads, one panel per task and one line
-    per method through its noise multipliers, each point labelled with z and epsilon."""
+    per method through its noise multipliers, each point labelled with z, epsilon and (photos)
+    the MIA accuracy."""
     tasks = [task for task in TASKS if any(r.task == task and r.error is None for r in rows)]
     figure = Figure(figsize=(6 * max(1, len(tasks)), 4.5))
     panels = figure.subplots(1, max(1, len(tasks)), squeeze=False)[0]
@@ -312,6 +317,8 @@ def plot(path: Path, rows: list[Row]) -> None:
             for r in points:
                 epsilon = "no DP" if r.noise_multiplier == 0 else f"eps {cell(r.epsilon, '{:.3g}')}"
                 text = f"z {r.noise_multiplier:g}, {epsilon}"
+                if r.mia is not None:
+                    text += f", MIA {r.mia:.0%}"
                 axes.annotate(text, (r.server_reads, r.utility), fontsize=7, xytext=(4, 4),
                               textcoords="offset points")  # fmt: skip
         floors = [r.floor for r in measured if r.floor is not None]
@@ -373,6 +380,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("without 0 in --noise-multipliers there is no run to measure C: --clip-norm")
     if args.clip_norm is not None and not (math.isfinite(args.clip_norm) and args.clip_norm > 0):
         parser.error(f"--clip-norm must be > 0 and finite, got {args.clip_norm}")
+    for path in [folder / "dp.json" for folder in args.report or []]:
+        if not path.is_file():
+            parser.error(f"--report: {path} does not exist (no benchmark output there)")
     for flag in ("rounds", "users", "views_per_user", "clients"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -418,9 +428,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows an earlier run wrote; FileNotFoundError naming the file when it is missing."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--report: {path} does not exist (no finished benchmark there)")
+    """The rows an earlier run wrote."""
     return json.loads(path.read_text())
 
 
@@ -432,7 +440,12 @@ def with_replies(row: Row) -> Row:
 
 
 def write_results(out: Path, rows: list[Row]) -> None:
-    """dp.json, dp.md and dp.png under `out`, each replaced whole; the table printed."""
+    """dp.json, dp.md and dp.png under `out`, each replaced whole (rows by task, method and
+    z); the table printed."""
+    names = [method.name for method in METHODS]
+    rows = sorted(
+        rows, key=lambda r: (TASKS.index(r.task), names.index(r.method), r.noise_multiplier)
+    )
     atomic.write_json(out / "dp.json", [asdict(row) for row in rows])
     markdown = table(rows)
     atomic.write_text(out / "dp.md", markdown + "\n")
