@@ -27,7 +27,6 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import meta_client, split_client
-from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
@@ -42,6 +41,8 @@ from fedfields.flower import (
 from fedfields.flower.node import node_data_dir, node_device
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT,
+    CLIENT_INDEX,
     CLIENT_SECONDS,
     CONFIG,
     LOCAL_STEPS,

@@ -23,12 +23,8 @@ from flwr.app import ConfigRecord, Context, Message
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.flower import NodeState, client_index, meta_train_reply
 from fedfields.flower.node import node_data_dir, node_device
-from fedfields.flower.protocol import CONFIG, SERVER_ROUND
+from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CONFIG, SERVER_ROUND
 from fedfields.train.builders import client_meta_tasks, meta_config, meta_model
-
-CLIENT = "client"
-"""Reply ConfigRecord naming the client: CLIENT_INDEX, its index among the N clients."""
-CLIENT_INDEX = "index"
 
 
 def train(msg: Message, context: Context) -> Message:

@@ -43,7 +43,15 @@ from fedfields.flower.protocol import (
 )
 from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
-from fedfields.privacy.split import client_step, sample_rays
+from fedfields.privacy.split import (
+    CLIENT_CHECKPOINT,
+    CLIENT_RENDERS,
+    CLIENT_REPORT,
+    SPLIT_LEARNING_RATE,
+    SPLIT_WEIGHT_DECAY,
+    client_step,
+    sample_rays,
+)
 from fedfields.render import RenderConfig
 from fedfields.train.builders import (
     HOLDOUT_EVERY,
@@ -61,11 +69,6 @@ from fedfields.train.federated import to_wire
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"
 PENDING = "split-pending"  # the batch the server is embedding: rays, colours, background
-LEARNING_RATE = 1e-2  # decays to 0.1x over the run, as `fedfields.privacy.train_split`
-WEIGHT_DECAY = 1e-6
-CHECKPOINT = "checkpoint.pt"  # the joint field, in the client's state directory
-CLIENT_REPORT = "client.json"
-RENDERS = "renders"
 
 
 def split_render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
@@ -120,7 +123,7 @@ def train(msg: Message, context: Context) -> Message:
     check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
     field = joint_field(config).to(node_device(context))  # before Adam's state is loaded into it
     server, head = split_field(field)
-    optimizer = make_optimizer(head, LEARNING_RATE, WEIGHT_DECAY)
+    optimizer = make_optimizer(head, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
     state = NodeState(context)
     if stage != "start":
         head_state, optimizer_state = state.tensors(HEAD), state.tensors(HEAD_OPTIMIZER)
@@ -171,7 +174,7 @@ def _learn(
     if tuple(embeddings.shape) != expected:
         raise ValueError(f"embeddings of shape {tuple(embeddings.shape)}, expected {expected}")
     for group in optimizer.param_groups:
-        group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
+        group["lr"] = SPLIT_LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
     optimizer.zero_grad(set_to_none=True)
     result = client_step(
         head,
@@ -217,9 +220,9 @@ def _finish(
     if state.directory is None:
         log(WARNING, "split client: no state directory, the joint field is not kept")
     else:
-        write_renders(state.directory / RENDERS, heldout, result, settings)
+        write_renders(state.directory / CLIENT_RENDERS, heldout, result, settings)
         metadata = {"mode": "split", "heldout-every": HOLDOUT_EVERY}
-        save_checkpoint(state.directory / CHECKPOINT, field, settings, None, metadata)
+        save_checkpoint(state.directory / CLIENT_CHECKPOINT, field, settings, None, metadata)
         atomic.write_json(state.directory / CLIENT_REPORT, summary)
     metrics = {key: value for key, value in summary.items() if value is not None}
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

@@ -35,13 +35,14 @@ from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields import atomic
 from fedfields.config import FederatedConfig, MetaSettings, meta_round_sizes, meta_settings
 from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT,
+    CLIENT_INDEX,
     LOCAL_STEPS,
     NUM_FAILURES,
     NUM_REPLIES,

@@ -30,13 +30,12 @@ from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from PIL import Image
 
-from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields import atomic
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
 from fedfields.flower.decentnerf import ALPHA_STATE
-from fedfields.flower.protocol import ARRAYS, arrays_to_state
+from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX, arrays_to_state
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer

@@ -29,7 +29,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 
-from clients.split_client import CHECKPOINT, CLIENT_REPORT, LEARNING_RATE, RENDERS, WEIGHT_DECAY
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
@@ -65,7 +64,15 @@ from fedfields.privacy.attacks import (
     score_attack,
     surrogate_model_attack,
 )
-from fedfields.privacy.split import TRANSCRIPT_FILE, save_transcript
+from fedfields.privacy.split import (
+    CLIENT_CHECKPOINT,
+    CLIENT_RENDERS,
+    CLIENT_REPORT,
+    SPLIT_LEARNING_RATE,
+    SPLIT_WEIGHT_DECAY,
+    TRANSCRIPT_FILE,
+    save_transcript,
+)
 from fedfields.render import RenderConfig
 from fedfields.report import write_report
 from fedfields.train.builders import client_views, joint_field, server_device, split_scene_dir
@@ -94,7 +101,7 @@ def run_split_job(
         grid = observer.wrap_grid(grid)
     device = server_device(config)
     server, _ = split_field(joint_field(config).to(device))
-    optimizer = make_optimizer(server, LEARNING_RATE, WEIGHT_DECAY)
+    optimizer = make_optimizer(server, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
     timeout = config.deployment.round_timeout  # run-config round-timeout, per exchange
     exchange = _Exchange(grid, _the_node(grid, timeout), timeout)
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
@@ -116,7 +123,7 @@ def run_split_job(
                 f"non-finite values; expected finite values of shape {tuple(embeddings.shape)}"
             )
         for group in optimizer.param_groups:
-            group["lr"] = LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
+            group["lr"] = SPLIT_LEARNING_RATE * 0.1 ** (step / config.split.split_steps)
         optimizer.zero_grad(set_to_none=True)
         server_backward(server, points, gradient)
         optimizer.step()
@@ -337,14 +344,16 @@ class SplitAudit:
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Copy the client's report into the run directory; run and score the attack."""
-        if not (self.client_dir / CHECKPOINT).is_file():
+        if not (self.client_dir / CLIENT_CHECKPOINT).is_file():
             raise FileNotFoundError(
-                f"split audit: no {CHECKPOINT} in the client's state directory "
+                f"split audit: no {CLIENT_CHECKPOINT} in the client's state directory "
                 f"{self.client_dir} (run-config 'state-dir' {self.config.deployment.state_dir!r})"
             )
-        for name in (CHECKPOINT, CLIENT_REPORT):
+        for name in (CLIENT_CHECKPOINT, CLIENT_REPORT):
             shutil.copy2(self.client_dir / name, self.run_dir / name)
-        shutil.copytree(self.client_dir / RENDERS, self.run_dir / RENDERS, dirs_exist_ok=True)
+        shutil.copytree(
+            self.client_dir / CLIENT_RENDERS, self.run_dir / CLIENT_RENDERS, dirs_exist_ok=True
+        )
         if not self.config.split.split_attack:
             return {}
         save_transcript(self.run_dir / TRANSCRIPT_FILE, self.transcript)
@@ -360,7 +369,7 @@ class SplitAudit:
         attack.png: true depth | attacked depth | true grey | attacked grey per view.
         """
         scene, heldout = client_views(str(self.scene_dir), self.config.common.downscale)
-        truth, settings, _, _ = load_checkpoint(self.client_dir / CHECKPOINT)
+        truth, settings, _, _ = load_checkpoint(self.client_dir / CLIENT_CHECKPOINT)
         _, client = split_field(truth)  # type: ignore[arg-type]
         server.eval()
         attack_config = SurrogateAttackConfig(seed=self.config.common.seed)

@@ -126,6 +126,24 @@ def test_library_never_imports_the_flower_app() -> None:
     assert not offending, "fedfields imports the Flower App:\n" + "\n".join(offending)
 
 
+def test_the_server_side_imports_nothing_of_the_clients() -> None:
+    """The ServerApp's jobs, observers and launchers share names with the clients only through
+    the library (the protocol's records, the split protocol's files); `simulations.run`, which
+    builds the simulation's ClientApp, is the one simulations module that imports clients/."""
+    offending = []
+    for path in sorted((ROOT / "simulations").rglob("*.py")):
+        name = module_name(path)
+        if name == "simulations.run":
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        offending += [
+            f"{path.relative_to(ROOT)}:{line} imports {module}"
+            for module, line in imports(path.read_text(), package)
+            if module.split(".")[0] == "clients"
+        ]
+    assert not offending, "the server side imports clients/:\n" + "\n".join(offending)
+
+
 def test_find_cycle_spells_out_a_cycle_with_its_imports() -> None:
     graph: Graph = {
         "fedfields.render": {"fedfields.data": ["fedfields/render/rays.py:10"]},

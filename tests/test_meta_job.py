@@ -17,13 +17,14 @@ from flower_harness import InProcessGrid
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.meta_client import CLIENT, CLIENT_INDEX
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.flower import FedMeNF, m_of_n_sampling
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT,
+    CLIENT_INDEX,
     CONFIG,
     CONTROL_DELTA,
     METRICS,

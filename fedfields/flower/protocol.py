@@ -109,6 +109,9 @@ SERVER_PART = "server-part"
 """Server -> client at "finish": the server part's state, to assemble the joint field."""
 
 # ------------------------------------------------------------------ secure sums
+CLIENT = "client"
+"""Meta-learning reply ConfigRecord naming the client: CLIENT_INDEX, its index among the N."""
+CLIENT_INDEX = "index"
 HELD = "held"
 """ConfigRecord of a secure-mode reply: "records" and "metrics" the client holds back."""
 HELD_RECORDS = "records"

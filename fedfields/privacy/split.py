@@ -229,14 +229,26 @@ def client_step(
     )
 
 
+SPLIT_LEARNING_RATE = 1e-2
+"""Both parts' Adam rate, in process and over Flower; decays exponentially to 0.1x by the end
+(Sec. 5.1)."""
+SPLIT_WEIGHT_DECAY = 1e-6
+CLIENT_CHECKPOINT = "checkpoint.pt"
+"""The split client's joint field, in its state directory (what the simulation's audit reads)."""
+CLIENT_REPORT = "client.json"
+"""The split client's held-out scores, in its state directory."""
+CLIENT_RENDERS = "renders"
+"""The split client's held-out renders, in its state directory."""
+
+
 @dataclass
 class SplitTrainConfig:
     """In-process split training: steps, batch, Adam, cut layer and what the server records."""
 
     steps: int
     batch_rays: int = 1024
-    learning_rate: float = 1e-2  # decays exponentially to 0.1x by the end (Sec. 5.1)
-    weight_decay: float = 1e-6
+    learning_rate: float = SPLIT_LEARNING_RATE
+    weight_decay: float = SPLIT_WEIGHT_DECAY
     cut_layer: int = 1
     random_background: bool = True
     record_every: int = 0  # keep every k-th step's exchange in the transcript; 0: none
