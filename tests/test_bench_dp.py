@@ -21,7 +21,7 @@ from PIL import Image
 
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower.protocol import ARRAYS, state_to_arrays
-from simulations.bench.dp import NORMS_FILE, UpdateNorms, parse_args
+from simulations.bench.dp import METHODS, NORMS_FILE, Setup, UpdateNorms, failed_row, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS, PER_ROUND = 5, 2
@@ -175,3 +175,19 @@ def test_report_merges_earlier_outputs_sorted_and_names_a_missing_one(tmp_path: 
     )  # fmt: skip
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert f"--report: {tmp_path / 'none' / 'dp.json'} does not exist" in missing.stderr
+
+
+def test_a_failed_scene_run_keeps_the_epsilon_it_spent_and_its_replies(tmp_path: Path) -> None:
+    """A run that raised (e.g. no round formed an aggregate) is a row with its error, the
+    epsilon of its last recorded round and its replies; without metrics, only the error."""
+    decentnerf = next(method for method in METHODS if method.name == "DecentNeRF")
+    setup = Setup(tmp_path, 2, {}, None, 4, 10, "cpu")
+    run_dir = tmp_path / "runs" / "DecentNeRF-z1"
+    run_dir.mkdir(parents=True)
+    lines = [{"round": 1, "num-replies": 3, "dp-epsilon": 4.4}, {"round": 2, "dp-epsilon": 8.3}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = failed_row(decentnerf, 1.0, 52.0, setup, "EmptyRoundsError: no aggregate; more")
+    assert (row.epsilon, row.replies, row.run_dir) == (8.3, 3, str(run_dir))
+    assert row.error == "EmptyRoundsError: no aggregate; more" and row.utility is None
+    bare = failed_row(decentnerf, 2.0, 52.0, setup, "ValueError: refused")
+    assert (bare.epsilon, bare.replies, bare.run_dir) == (None, None, "")

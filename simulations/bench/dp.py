@@ -267,13 +267,27 @@ def measure(
             row = reader(method, noise, clip_norm if noise > 0 else None, run_dir)
         except Exception as error:  # a failed run is a result: its row says why
             message = f"{type(error).__name__}: {error}"[:300]
-            row = Row(
-                method.task, method.name, noise, clip_norm, "-", None, None, None, None, None,
-                None, time.perf_counter() - started, "", message,
-            )  # fmt: skip
+            row = failed_row(method, noise, clip_norm, setup, message)
+            row = replace(row, seconds=time.perf_counter() - started)
         rows.append(row)
         atomic.write_json(setup.out / "dp.json", [asdict(row) for row in rows])
         print(f"{method.name} z={noise:g}: {json.dumps(asdict(row))}", flush=True)
+
+
+def failed_row(
+    method: Method, noise: float, clip_norm: float | None, setup: Setup, message: str
+) -> Row:
+    """The row of a run that raised: its error, and for a scene run the epsilon it spent and
+    the replies of the rounds its metrics.jsonl holds (its run directory is known)."""
+    run_dir = setup.out / "runs" / f"{method.name}-z{noise:g}"
+    partial = run_dir / "metrics.jsonl"
+    lines = round_lines(run_dir) if method.task == "scene" and partial.is_file() else []
+    return Row(
+        method.task, method.name, noise, clip_norm, "-",
+        lines[-1].get(EPSILON_METRIC) if lines else None, None, None, None, None, None, 0.0,
+        str(run_dir) if lines else "", message,
+        replies=replies_of(run_dir) if lines else None,
+    )  # fmt: skip
 
 
 def cell(value: float | None, pattern: str = "{:.2f}") -> str:
@@ -290,8 +304,8 @@ def table(rows: list[Row]) -> str:
     ]
     for row in rows:
         epsilon = "-" if row.noise_multiplier == 0 else cell(row.epsilon, "{:.3g}")
-        if row.error:
-            epsilon = f"failed: {row.error}"
+        if row.error:  # the error's first clause; the whole message is in dp.json
+            epsilon = f"{cell(row.epsilon, '{:.3g}')}, failed: {row.error.split(';')[0][:90]}"
         lines.append(
             f"| {row.task} | {row.method} | {row.noise_multiplier:g} | "
             f"{cell(row.clip_norm, '{:.3g}')} | {row.dp_form} | {epsilon} | {cell(row.utility)} | "
