@@ -189,5 +189,6 @@ def test_a_failed_scene_run_keeps_the_epsilon_it_spent_and_its_replies(tmp_path:
     row = failed_row(decentnerf, 1.0, 52.0, setup, "EmptyRoundsError: no aggregate; more")
     assert (row.epsilon, row.replies, row.run_dir) == (8.3, 3, str(run_dir))
     assert row.error == "EmptyRoundsError: no aggregate; more" and row.utility is None
+    assert row.dp_form == "distributed (SecAgg+)"
     bare = failed_row(decentnerf, 2.0, 52.0, setup, "ValueError: refused")
     assert (bare.epsilon, bare.replies, bare.run_dir) == (None, None, "")

@@ -283,7 +283,7 @@ def failed_row(
     partial = run_dir / "metrics.jsonl"
     lines = round_lines(run_dir) if method.task == "scene" and partial.is_file() else []
     return Row(
-        method.task, method.name, noise, clip_norm, "-",
+        method.task, method.name, noise, clip_norm, dp_form(noise, method.secure_dp and noise > 0),
         lines[-1].get(EPSILON_METRIC) if lines else None, None, None, None, None, None, 0.0,
         str(run_dir) if lines else "", message,
         replies=replies_of(run_dir) if lines else None,
