@@ -319,11 +319,21 @@ def plot(path: Path, rows: list[Row]) -> None:
     """Utility against the leakage of what the server reads, one panel per task and one line
     per method through its noise multipliers, each point labelled with z, epsilon and (photos)
     the MIA accuracy."""
-    tasks = [task for task in TASKS if any(r.task == task and r.error is None for r in rows)]
+    tasks = [task for task in TASKS if any(r.task == task for r in rows)]
     figure = Figure(figsize=(6 * max(1, len(tasks)), 4.5))
     panels = figure.subplots(1, max(1, len(tasks)), squeeze=False)[0]
     for axes, task in zip(panels[: len(tasks)], tasks, strict=True):
-        measured = [r for r in rows if r.task == task and r.utility is not None]
+        ours = [r for r in rows if r.task == task]
+        measured = [r for r in ours if r.utility is not None and math.isfinite(r.utility)]
+        unplotted = [r for r in ours if r not in measured]
+        if unplotted:  # failed runs and fields that render NaN, named with what they spent
+            notes = [
+                f"{r.method} z {r.noise_multiplier:g} (eps {cell(r.epsilon, '{:.3g}')}): "
+                + (r.error.split(":")[0] if r.error else f"utility {r.utility}")
+                for r in unplotted
+            ]
+            axes.text(0.02, 0.02, "not plotted:\n" + "\n".join(notes), fontsize=7,
+                      transform=axes.transAxes, va="bottom")  # fmt: skip
         for method in dict.fromkeys(r.method for r in measured):
             points = [r for r in measured if r.method == method and r.server_reads is not None]
             xs, ys = [r.server_reads for r in points], [r.utility for r in points]
