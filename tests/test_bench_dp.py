@@ -88,6 +88,20 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
     with Image.open(out / "dp.png") as figure:
         assert figure.format == "PNG" and figure.width > 300
     assert not list(out.glob(".*"))  # atomic writes leave no temporary behind
+    # --report reads the same rows back from the run directories
+    merged = tmp_path / "merged"
+    report = [
+        sys.executable,
+        "-m",
+        "simulations.bench.dp",
+        "--report",
+        str(out),
+        "--out",
+        str(merged),
+    ]
+    done = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((merged / "dp.json").read_text()) == rows
 
 
 def message_pair(

@@ -158,9 +158,10 @@ def scene_row(method: Method, noise: float, clip_norm: float | None, run_dir: Pa
     """A scene run's row: the final audit on every view, the last round's upload leak."""
     summary = json.loads((run_dir / "summary.json").read_text())
     final = summary["final"]
-    last = round_lines(run_dir)[-1]
+    uploads = [line[UPLOAD_LEAK] for line in round_lines(run_dir) if UPLOAD_LEAK in line]
     secure = summary["secure-aggregation"]["enabled"]
-    server_reads = final.get("personal-psnr") if secure else last.get(UPLOAD_LEAK)
+    last_upload = uploads[-1] if uploads else None  # the last round whose uploads it read
+    server_reads = final.get("personal-psnr") if secure else last_upload
     if method.name == "DecentNeRF":  # SecAgg+ would release the aggregate only (docstring)
         server_reads = final.get("personal-psnr")
     return Row(
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-dp"
     out.mkdir(parents=True, exist_ok=True)
     if args.report is not None:
-        rows = [with_replies(Row(**row)) for f in args.report for row in read_rows(f / "dp.json")]
+        rows = [reread(Row(**row)) for f in args.report for row in read_rows(f / "dp.json")]
         write_results(out, rows)
         return
     extra = overrides(args.run_config)
@@ -456,11 +457,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text())
 
 
-def with_replies(row: Row) -> Row:
-    """`row` with its run's replies counted when its record lacks them."""
-    if row.replies is not None or not row.run_dir:
+def reread(row: Row) -> Row:
+    """`row` read again from its finished run directory (the current readers), or with its
+    run's replies counted when the run failed."""
+    run_dir = Path(row.run_dir)
+    if not row.run_dir:
         return row
-    return replace(row, replies=replies_of(Path(row.run_dir)))
+    if row.error is not None or not (run_dir / "summary.json").is_file():
+        return row if row.replies is not None else replace(row, replies=replies_of(run_dir))
+    method = next(method for method in METHODS if method.name == row.method)
+    reader = scene_row if method.task == "scene" else photos_row
+    return reader(method, row.noise_multiplier, row.clip_norm, run_dir)
 
 
 def write_results(out: Path, rows: list[Row]) -> None:
