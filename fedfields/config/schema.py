@@ -389,7 +389,9 @@ class RobustSection:
     aggregation_rule: str = key("mean", "mean (weighted) | trimmed-mean | median (unweighted)")
     trim_fraction: float = key(0.2, "trimmed-mean: share of the replies cut at each end, [0, 0.5)")
     max_empty_rounds: int = key(
-        3, "this many rounds in a row without an aggregate end the run with an error (0: no limit)"
+        3,
+        "this many rounds in a row without an aggregate end the run with an error (0: no "
+        "limit); a run in which no round formed an aggregate always ends with one",
     )
 
     def __post_init__(self) -> None:
