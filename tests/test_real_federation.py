@@ -128,6 +128,7 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
         "resume.pt",
         "summary.json",
         "report.html",
+        "orbit.gif",  # the server's own final field, orbiting
     }
 
 
