@@ -160,8 +160,9 @@ def test_uploads_are_cpu_float32_whatever_the_training_dtype() -> None:
 
 
 def test_rendering_follows_the_field_not_the_grid_or_cameras() -> None:
-    """The crash issue 34 reports (occupancy.py cell_index): a field elsewhere than its grid. A grid built on a copy of
-    the box and cameras on another device object still render what the plain call renders.
+    """The crash issue 34 reports (occupancy.py cell_index): a field elsewhere than its grid.
+    A grid built on a copy of the box and cameras on another device object still render what
+    the plain call renders.
     (Here every device is the CPU; with CUDA the same test runs on it below.)"""
     field = _tiny_field().eval()
     cameras = _cameras()
