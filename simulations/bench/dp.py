@@ -105,6 +105,8 @@ class Row:
     run_dir: str
     error: str | None = None
     replies: int | None = None  # successful train replies over all rounds (0: nothing trained)
+    sampled: int | None = None  # photos: clients sampled in the last round
+    population: int | None = None  # photos: num-clients, the population sampled from
 
 
 class UpdateNorms:
@@ -201,6 +203,8 @@ def photos_row(method: Method, noise: float, clip_norm: float | None, run_dir: P
         seconds=table_row.seconds,
         run_dir=str(run_dir),
         replies=replies_of(run_dir),
+        sampled=len(summary["final"]["clients"]),
+        population=summary["settings"]["num_clients"],
     )
 
 
@@ -300,8 +304,8 @@ def table(rows: list[Row]) -> str:
     """Markdown table: one line per run."""
     lines = [
         "| task | method | z | C | DP | epsilon | utility dB | server reads, personal dB "
-        "| released field, personal dB | floor dB | MIA CNN | replies | job s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| released field, personal dB | floor dB | MIA CNN | replies | job s | sampled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         epsilon = "-" if row.noise_multiplier == 0 else cell(row.epsilon, "{:.3g}")
@@ -311,9 +315,21 @@ def table(rows: list[Row]) -> str:
             f"| {row.task} | {row.method} | {row.noise_multiplier:g} | "
             f"{cell(row.clip_norm, '{:.3g}')} | {row.dp_form} | {epsilon} | {cell(row.utility)} | "
             f"{cell(row.server_reads)} | {cell(row.released)} | {cell(row.floor)} | "
-            f"{cell(row.mia, '{:.1%}')} | {cell(row.replies, '{:d}')} | {row.seconds:.0f} |"
+            f"{cell(row.mia, '{:.1%}')} | {cell(row.replies, '{:d}')} | {row.seconds:.0f} | "
+            f"{scale(row) or '-'} |"
         )
     return "\n".join(lines)
+
+
+def scale(row: Row) -> str:
+    """'M of N' clients a round when the row records it (photos), else ''."""
+    return "" if row.population is None else f"{row.sampled} of {row.population}"
+
+
+def line_name(row: Row) -> str:
+    """The figure's line of `row`: its method, and its scale when recorded, so runs of one
+    method at different federation sizes are separate lines."""
+    return f"{row.method}, {scale(row)} a round" if scale(row) else row.method
 
 
 def plot(path: Path, rows: list[Row]) -> None:
@@ -335,10 +351,10 @@ def plot(path: Path, rows: list[Row]) -> None:
             ]
             axes.text(0.02, 0.02, "not plotted:\n" + "\n".join(notes), fontsize=7,
                       transform=axes.transAxes, va="bottom")  # fmt: skip
-        for method in dict.fromkeys(r.method for r in measured):
-            points = [r for r in measured if r.method == method and r.server_reads is not None]
+        for name in dict.fromkeys(line_name(r) for r in measured):
+            points = [r for r in measured if line_name(r) == name and r.server_reads is not None]
             xs, ys = [r.server_reads for r in points], [r.utility for r in points]
-            axes.plot(xs, ys, marker="o", label=method)
+            axes.plot(xs, ys, marker="o", label=name)
             for r in points:
                 epsilon = "no DP" if r.noise_multiplier == 0 else f"eps {cell(r.epsilon, '{:.3g}')}"
                 text = f"z {r.noise_multiplier:g}, {epsilon}"
@@ -471,12 +487,15 @@ def reread(row: Row) -> Row:
 
 
 def write_results(out: Path, rows: list[Row]) -> None:
-    """dp.json, dp.md and dp.png under `out`, each replaced whole (rows by task, method and
-    z); the table printed."""
+    """dp.json, dp.md and dp.png under `out`, each replaced whole (rows by task, method,
+    population and z); the table printed."""
     names = [method.name for method in METHODS]
     rows = sorted(
-        rows, key=lambda r: (TASKS.index(r.task), names.index(r.method), r.noise_multiplier)
-    )
+        rows,
+        key=lambda r: (
+            TASKS.index(r.task), names.index(r.method), r.population or 0, r.noise_multiplier
+        ),
+    )  # fmt: skip
     atomic.write_json(out / "dp.json", [asdict(row) for row in rows])
     markdown = table(rows)
     atomic.write_text(out / "dp.md", markdown + "\n")
