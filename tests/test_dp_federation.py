@@ -57,8 +57,8 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
+from fedfields.flower.round_privacy import DP_EPSILON, DP_ROUND_MULTIPLIER
 from fedfields.flower.secure_aggregation import private_records, secure_aggregation_mod
-from fedfields.flower.strategy import DP_EPSILON, DP_ROUND_MULTIPLIER
 from fedfields.privacy.dp import (
     DPConfig,
     RoundCharge,
@@ -185,7 +185,8 @@ def test_central_noise_is_secret_unless_a_test_injects_a_generator() -> None:
         strategy = FedAvg(
             min_available_nodes=2, sampling_seed=3, differential_privacy=DPConfig(1.0, 0.5)
         )
-        strategy.dp_noise = generator
+        assert strategy.privacy is not None
+        strategy.privacy.noise = generator
         grid = InProcessGrid(fixed_nodes(reference, [update, update], [1, 1]))
         arrays, _ = train_round(strategy, grid, state_to_arrays(reference))
         return flat(arrays_to_state(arrays))
@@ -476,6 +477,7 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     (round 2 is epsilon after 2 rounds, not 1) under the same dp-target-epsilon."""
     from test_meta_job import run_in_process, tiny
 
+    from fedfields.config import FederatedConfig
     from simulations.meta_job import run_meta_job
 
     def epsilon(rounds: int) -> float:
@@ -488,6 +490,6 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"][DP_EPSILON] == pytest.approx(epsilon(1), rel=1e-12)
     assert summary["differential-privacy"]["form"] == "central (server)"
-    run_meta_job(grid, tiny(run_dir, resume=True, **settings))
+    run_meta_job(grid, FederatedConfig.from_run_config(tiny(run_dir, resume=True, **settings)))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line[DP_EPSILON] for line in lines] == pytest.approx([epsilon(1), epsilon(2)])

@@ -5,11 +5,9 @@ A strategy is put together from small parts, each its own module:
 - `round_ledger`: the round's nodes, traffic, drops and secure sums, and its train metrics;
 - `sum_replies`: one sum of the replies' records, in plaintext or through Flower SecAgg+;
 - `round_loop`: Flower's round loop, resumable, stopping a run that cannot train
-  (`EmptyRoundsError`) or whose next round would exceed its privacy budget.
-Client-level DP (`differential_privacy`, `fedfields.privacy.dp`): plaintext sums clip each
-reply's update and the server adds N(0, (z C)^2) (central DP); under secure aggregation the
-clients clip and add their share of that noise before masking (distributed DP). Weights are
-uniform; a `DPAccountant` is charged each round with the q and z it used ("dp-epsilon").
+  (`EmptyRoundsError`) or whose next round would exceed its privacy budget;
+- `round_privacy`: client-level DP (`differential_privacy`): central or distributed noise on
+  each sum, and the accountant charged once a round ("dp-epsilon").
 This module keeps what ties them: the constructor's options, the train config, node sampling
 among the connected nodes, and the hooks each strategy module fills in with its paper's
 equations (`configure_train`, `aggregate_train`, `check_update`).
@@ -37,14 +35,11 @@ from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
-    DP_CLIP_NORM,
-    DP_NOISE_MULTIPLIER,
     DP_NUM_SAMPLED,
     LOCAL_STEPS,
     NUM_EXAMPLES,
     SECURE_AGGREGATION,
     SECURE_DELTA,
-    SECURE_DELTA_SCALE,
     SECURE_WEIGHT,
     SERVER_ROUND,
     STRATEGY,
@@ -69,20 +64,9 @@ from fedfields.flower.round_loop import (
     PrivacyBudgetSpent,
     run_rounds,
 )
-from fedfields.flower.sum_replies import CentralPrivacy, RoundSum, plain_sum, secure_sum
-from fedfields.privacy.dp import (
-    CLIP_NORM_KEY,
-    EPSILON_METRIC,
-    DPAccountant,
-    DPConfig,
-    RoundCharge,
-    central_noise_std,
-    check_plan,
-    combined_noise_multiplier,
-    distributed_noise_std,
-    effective_noise_multiplier,
-    noise_generator,
-)
+from fedfields.flower.round_privacy import RoundPrivacy
+from fedfields.flower.sum_replies import RoundSum, plain_sum, secure_sum
+from fedfields.privacy.dp import DPAccountant, DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 __all__ = [  # the parts' names a strategy module or a user's app imports from here
@@ -145,15 +129,6 @@ class InsufficientNodesError(RuntimeError):
     """Too few nodes stayed connected to run a round."""
 
 
-DP_EPSILON = EPSILON_METRIC
-"""Train metric: epsilon at dp-delta spent by the run so far (DP runs only)."""
-DP_ROUND_MULTIPLIER = "dp-round-noise-multiplier"
-"""Train metric: the noise multiplier the accountant charged this round (DP runs only)."""
-NOISE_TAIL = 8.0
-"""A fixed SecAgg+ clipping range must hold a clipped value plus this many noise-share
-stds: |N(0, 1)| > 8 has probability 1.2e-15 per entry."""
-
-
 NODE_POLL_SECONDS = 1.0
 
 
@@ -189,6 +164,9 @@ class ProtocolStrategy(FlowerFedAvg):
     by the server, held payloads by the clients under secure aggregation."""
     secure_delta: ClassVar[tuple[str, ...]] = ()
     """Records summed as differences from what the clients received (`sum_replies`)."""
+    dp_delta_scale: ClassVar[str] = ""
+    """Under DP, the key s of the ARRAYS record whose update is x - s g (DecentNeRF's alpha_k:
+    alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
     config_keys: ClassVar[dict[str, str]] = {
@@ -248,43 +226,31 @@ class ProtocolStrategy(FlowerFedAvg):
         """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
         self.latest_train_metrics: dict[str, float] = {}
         """The last round's aggregated train metrics (client means, failures, traffic)."""
-        self.dp = (
-            differential_privacy if differential_privacy and differential_privacy.enabled else None
-        )
-        self.dp_noise: torch.Generator | None = None
-        """The central DP noise's generator, secret-seeded at first use (`noise_generator`);
-        tests may set a seeded one. Never seeded from run-config: the server could subtract."""
-        self.accountant = None if self.dp is None else DPAccountant(self.dp.delta)
-        self.privacy_stop = ""
-        """Why the run stopped before its last round to stay within dp-target-epsilon."""
-        if self.dp is not None:
-            self.check_dp_settings()
+        self.privacy: RoundPrivacy | None = None
+        """Client-level DP's state (`fedfields.flower.round_privacy`); None without DP."""
+        if differential_privacy is not None and differential_privacy.enabled:
+            self.privacy = RoundPrivacy(
+                differential_privacy,
+                secure_aggregation,
+                self.dp_sums_per_round,
+                self.dp_delta_scale,
+            )
+            self.privacy.check_settings(self.secure_weight, self.min_train_nodes)
 
-    def check_dp_settings(self) -> None:
-        """Log the uniform weights DP needs; refuse a fixed SecAgg+ clipping range without
-        room for the noise shares."""
-        assert self.dp is not None
-        if self.secure_weight:
-            reason = "the sum's sensitivity to one client is then the clip norm C"
-            log(
-                INFO,
-                "differential privacy: replies weigh 1 each, not %r: %s",
-                self.secure_weight,
-                reason,
-            )
-        secure = self.secure_aggregation
-        if secure is not None and secure.clipping_range > 0:
-            share = distributed_noise_std(
-                self.dp.noise_multiplier, self.dp.clip_norm, max(self.min_train_nodes, 2)
-            )
-            needed = self.dp.clip_norm + NOISE_TAIL * share
-            if secure.clipping_range < needed:
-                raise ValueError(
-                    f"secagg-clipping-range = {secure.clipping_range:g} leaves no room for the DP "
-                    f"noise: a clipped value ({CLIP_NORM_KEY} = {self.dp.clip_norm:g}) plus "
-                    f"{NOISE_TAIL:g} noise-share stds needs >= {needed:.4g}; raise it, or set it "
-                    "to 0 (automatic bounds, which see the noised values)"
-                )
+    @property
+    def dp(self) -> DPConfig | None:
+        """The DP settings; None without DP."""
+        return None if self.privacy is None else self.privacy.config
+
+    @property
+    def accountant(self) -> DPAccountant | None:
+        """The run's DP accountant; None without DP."""
+        return None if self.privacy is None else self.privacy.accountant
+
+    @property
+    def privacy_stop(self) -> str:
+        """Why the run stopped before its last round to stay within dp-target-epsilon."""
+        return "" if self.privacy is None else self.privacy.stop
 
     @property
     def gate(self) -> ReplyGate:
@@ -322,24 +288,17 @@ class ProtocolStrategy(FlowerFedAvg):
                 own[SECURE_WEIGHT] = self.secure_weight
             if self.dp_deltas:
                 own[SECURE_DELTA] = list(self.dp_deltas)
-            if self.dp is not None:
-                own[DP_CLIP_NORM] = self.dp.clip_norm
-                own[DP_NOISE_MULTIPLIER] = self.dp.noise_multiplier
-                if self.dp_delta_scale:
-                    own[SECURE_DELTA_SCALE] = self.dp_delta_scale
+            if self.privacy is not None:
+                own |= self.privacy.client_config()
         return own
-
-    dp_delta_scale: ClassVar[str] = ""
-    """Under DP, the key s of the ARRAYS record whose update is x - s g (DecentNeRF's alpha_k:
-    alpha_k g_k - alpha_k g); "": x - g."""
 
     @property
     def dp_deltas(self) -> tuple[str, ...]:
         """Records summed as differences from what was sent: `secure_delta`, and under DP
         ARRAYS too (what DP clips is the update, not the model)."""
-        if self.dp is None or ARRAYS in self.secure_delta:
+        if self.privacy is None:
             return self.secure_delta
-        return (*self.secure_delta, ARRAYS)
+        return self.privacy.deltas(self.secure_delta)
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         """A copy of the user's `config` with the protocol entries; clashing values raise.
@@ -376,8 +335,8 @@ class ProtocolStrategy(FlowerFedAvg):
             sample_size = max(int(len(connected) * self.fraction_train), self.min_train_nodes)
             node_ids = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
             log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
-        if node_ids:
-            self.check_privacy_budget(server_round, len(node_ids), len(connected))
+        if node_ids and self.privacy is not None:
+            self.privacy.check_budget(server_round, len(node_ids), len(connected))
         self.rounds_started += 1
         dtypes = {key: str(array.dtype) for key, array in arrays.items()}
         self.current_round = TrainRound(
@@ -391,65 +350,20 @@ class ProtocolStrategy(FlowerFedAvg):
                 self.current_round.reference_norm = update_norm(reference)
         return self.current_round
 
-    # Differential privacy: the accountant, its budget and the round's charge.
+    # Differential privacy's hooks (`fedfields.flower.round_privacy`).
 
     def dp_sums_per_round(self, server_round: int) -> int:
         """Noised sums a round makes over its sampled clients (DecentNeRF adds the gradient
         query's from round 2)."""
         return 1
 
-    def planned_multiplier(self, server_round: int, num_sampled: int | None = None) -> float:
-        """The noise multiplier a round is charged: z per sum, combined over its sums; with
-        `num_sampled` under secure aggregation, the worst case (only the reconstruction
-        threshold's clients survive each sum, `effective_noise_multiplier`)."""
-        assert self.dp is not None
-        z = self.dp.noise_multiplier
-        if num_sampled is not None and self.secure_aggregation is not None and num_sampled > 1:
-            threshold = self.secure_aggregation.shares_and_threshold(num_sampled)[1]
-            z = effective_noise_multiplier(z, num_sampled, max(2, min(threshold, num_sampled)))
-        return combined_noise_multiplier([z] * self.dp_sums_per_round(server_round))
-
     def check_privacy_plan(self, first_round: int, num_rounds: int) -> float:
         """The epsilon a run of rounds `first_round`..`num_rounds` would spend at sampling rate
-        `fraction_train` (on top of what the accountant holds); ValueError naming
-        dp-target-epsilon when it exceeds the target. 0 without DP."""
-        if self.dp is None or self.accountant is None:
+        `fraction_train` (`RoundPrivacy.check_plan`: ValueError naming dp-target-epsilon
+        beyond it). 0 without DP."""
+        if self.privacy is None:
             return 0.0
-        planned = [
-            RoundCharge(min(self.fraction_train, 1.0), self.planned_multiplier(server_round))
-            for server_round in range(first_round, num_rounds + 1)
-        ]
-        return check_plan(self.dp, [*self.accountant.charges, *planned])
-
-    def check_privacy_budget(self, server_round: int, num_sampled: int, connected: int) -> None:
-        """Raise PrivacyBudgetSpent when this round's worst-case charge would take epsilon
-        above dp-target-epsilon (before anything of the round is sent)."""
-        if self.dp is None or self.accountant is None or self.dp.target_epsilon == 0:
-            return
-        sampling_rate = num_sampled / connected
-        z = self.planned_multiplier(server_round, num_sampled)
-        after = self.accountant.epsilon_after(sampling_rate, z)
-        if after > self.dp.target_epsilon:
-            self.privacy_stop = (
-                f"round {server_round} not run: its charge (q = {sampling_rate:.4g}, z = {z:.4g}) "
-                f"would take epsilon from {self.accountant.epsilon():.4g} to {after:.4g}, above "
-                f"dp-target-epsilon = {self.dp.target_epsilon:g}; the run stops after round "
-                f"{server_round - 1}"
-            )
-            raise PrivacyBudgetSpent(self.privacy_stop)
-
-    def charge_round(self, train_round: TrainRound) -> dict[str, float]:
-        """Charge the round's noised sums once (q = sampled / connected, z combined over its
-        sums); the DP train metrics. A round that released no sum is not charged."""
-        if self.dp is None or self.accountant is None:
-            return {}
-        metrics: dict[str, float] = {}
-        if not train_round.dp_charged and train_round.dp_multipliers:
-            train_round.dp_charged = True
-            z = combined_noise_multiplier(train_round.dp_multipliers)
-            self.accountant.charge(len(train_round.node_ids) / train_round.num_nodes_total, z)
-            metrics[DP_ROUND_MULTIPLIER] = z
-        return {**metrics, DP_EPSILON: self.accountant.epsilon()}
+        return self.privacy.check_plan(first_round, num_rounds, self.fraction_train)
 
     def connected_nodes(self, grid: Grid) -> list[int]:
         """The connected nodes, once enough are: waits up to `node_timeout` seconds.
@@ -577,8 +491,8 @@ class ProtocolStrategy(FlowerFedAvg):
             "rounds-started": self.rounds_started,
             "rounds-aggregated": self.rounds_aggregated,
         }
-        if self.accountant is not None:
-            state["dp-accountant"] = self.accountant.state_dict()
+        if self.privacy is not None:
+            state |= self.privacy.resumable_state()
         return state
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
@@ -587,10 +501,8 @@ class ProtocolStrategy(FlowerFedAvg):
         accountant's state (ValueError without it: its epsilon would restart at 0)."""
         self.rounds_started = int(state["rounds-started"])
         self.rounds_aggregated = int(state.get("rounds-aggregated", 1))
-        if self.dp is not None:
-            if "dp-accountant" not in state:
-                raise ValueError("the checkpoint holds no DP accountant: epsilon would restart")
-            self.accountant = DPAccountant.from_state_dict(state["dp-accountant"])
+        if self.privacy is not None:
+            self.privacy.restore(state)
 
     # The reply gate (`fedfields.flower.reply_gate`) on this round.
 
@@ -655,47 +567,18 @@ class ProtocolStrategy(FlowerFedAvg):
                 replies,
                 records,
                 self.check_update,
-                weighted=bool(self.secure_weight) and self.dp is None,
+                weighted=bool(self.secure_weight) and self.privacy is None,
                 deltas=deltas,
-                privacy=self.central_privacy(),
+                privacy=None if self.privacy is None else self.privacy.central(),
             )
         else:
             held = list(self.gate.successful(train_round, replies))  # metrics: payloads held
             if not held:
                 return None
             summed = secure_sum(self.gate, train_round, self.secure_aggregation, held, records)
-        if summed is None or self.dp is None:
+        if summed is None or self.privacy is None:
             return summed
-        z = self.dp.noise_multiplier
-        if self.secure_aggregation is not None:
-            z = effective_noise_multiplier(z, len(train_round.node_ids), len(summed.node_ids))
-        train_round.dp_multipliers.append(z)
-        return self.restored_records(summed, deltas)
-
-    def central_privacy(self) -> CentralPrivacy | None:
-        """The plaintext sum's clip and noise (std z C on the sum); None without DP."""
-        if self.dp is None:
-            return None
-        if self.dp_noise is None:
-            self.dp_noise = noise_generator()
-        std = central_noise_std(self.dp.noise_multiplier, self.dp.clip_norm)
-        return CentralPrivacy(self.dp.clip_norm, std, self.dp_noise, self.dp_delta_scale)
-
-    def restored_records(self, summed: RoundSum, deltas: Sequence[str]) -> RoundSum:
-        """A DP sum's ARRAYS back in the form the strategy sums (`secure_delta` stays as
-        differences): sum_k (x_k - s_k g) + (sum_k s_k) g, with the summed s (DecentNeRF's
-        noised alpha sum) or the number summed."""
-        for name in deltas:
-            if name in self.secure_delta:
-                continue
-            total = summed.sums[name]
-            scale = summed.weight
-            if self.dp_delta_scale:
-                scale = float(total[self.dp_delta_scale].double().sum())
-            reference = self.active_round.reference
-            for key, value in reference.items():
-                total[key] = total[key] + scale * value.double()
-        return summed
+        return self.privacy.released(summed, train_round, deltas, self.secure_delta)
 
     def train_metrics(
         self, metrics: Sequence[Mapping[str, Any]], weights: Sequence[float] | None = None
@@ -703,7 +586,8 @@ class ProtocolStrategy(FlowerFedAvg):
         """The round's train metrics (`round_ledger.round_metrics`), kept as the latest."""
         secure = self.secure_aggregation is not None
         record = round_metrics(self.active_round, metrics, weights, secure)
-        record |= self.charge_round(self.active_round)
+        if self.privacy is not None:
+            record |= self.privacy.charge(self.active_round)
         self.latest_train_metrics = dict(record)
         return MetricRecord(record)
 

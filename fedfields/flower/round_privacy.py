@@ -1,0 +1,214 @@
+"""Client-level DP of a strategy's rounds: what each sum clips and noises, and the accountant.
+
+Plaintext sums clip each reply's update and the server adds N(0, (z C)^2) (central DP,
+`central`); under secure aggregation the clients clip and add their share of that noise
+before masking (distributed DP, `client_config`), and dropouts lower the multiplier the round
+carries (`effective_noise_multiplier`). Weights are uniform. One `DPAccountant` per run is
+charged once a round with q = sampled / connected and the multiplier combined over the round's
+noised sums ("dp-epsilon" after it); a plan beyond dp-target-epsilon is refused
+(`check_plan`) and a round whose worst-case charge would exceed it is not run
+(`check_budget`, `PrivacyBudgetSpent`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from logging import INFO
+from typing import Any
+
+import torch
+from flwr.common.logger import log
+
+from fedfields.flower.protocol import (
+    ARRAYS,
+    DP_CLIP_NORM,
+    DP_NOISE_MULTIPLIER,
+    SECURE_DELTA_SCALE,
+)
+from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_loop import PrivacyBudgetSpent
+from fedfields.flower.sum_replies import CentralPrivacy, RoundSum
+from fedfields.privacy.dp import (
+    CLIP_NORM_KEY,
+    EPSILON_METRIC,
+    DPAccountant,
+    DPConfig,
+    RoundCharge,
+    central_noise_std,
+    check_plan,
+    combined_noise_multiplier,
+    distributed_noise_std,
+    effective_noise_multiplier,
+    noise_generator,
+)
+from fedfields.privacy.secure_sum import SecureAggregationConfig
+
+DP_EPSILON = EPSILON_METRIC
+"""Train metric: epsilon at dp-delta spent by the run so far (DP runs only)."""
+DP_ROUND_MULTIPLIER = "dp-round-noise-multiplier"
+"""Train metric: the noise multiplier the accountant charged this round (DP runs only)."""
+NOISE_TAIL = 8.0
+"""A fixed SecAgg+ clipping range must hold a clipped value plus this many noise-share
+stds: |N(0, 1)| > 8 has probability 1.2e-15 per entry."""
+
+
+class RoundPrivacy:
+    """The DP state of one strategy's run: its settings, accountant and noise generator.
+
+    `sums_per_round(round)` is the strategy's count of noised sums a round makes over its
+    sampled clients; `delta_scale` names the key s of a record sent as x - s g (DecentNeRF's
+    alpha_k), "" for x - g.
+    """
+
+    def __init__(
+        self,
+        config: DPConfig,
+        secure_aggregation: SecureAggregationConfig | None,
+        sums_per_round: Callable[[int], int],
+        delta_scale: str = "",
+    ) -> None:
+        self.config = config
+        self.secure_aggregation = secure_aggregation
+        self.sums_per_round = sums_per_round
+        self.delta_scale = delta_scale
+        self.accountant = DPAccountant(config.delta)
+        self.stop = ""
+        """Why the run stopped before its last round to stay within dp-target-epsilon."""
+        self.noise: torch.Generator | None = None
+        """The central DP noise's generator, secret-seeded at first use (`noise_generator`);
+        tests may set a seeded one. Never seeded from run-config: the server could subtract."""
+
+    def check_settings(self, secure_weight: str, min_train_nodes: int) -> None:
+        """Log the uniform weights DP needs instead of `secure_weight`; refuse a fixed SecAgg+
+        clipping range without room for the noise shares of `min_train_nodes` clients."""
+        if secure_weight:
+            reason = "the sum's sensitivity to one client is then the clip norm C"
+            log(INFO, "differential privacy: replies weigh 1 each, not %r: %s", secure_weight,
+                reason)  # fmt: skip
+        secure, dp = self.secure_aggregation, self.config
+        if secure is not None and secure.clipping_range > 0:
+            num_clients = max(min_train_nodes, 2)
+            share = distributed_noise_std(dp.noise_multiplier, dp.clip_norm, num_clients)
+            needed = dp.clip_norm + NOISE_TAIL * share
+            if secure.clipping_range < needed:
+                raise ValueError(
+                    f"secagg-clipping-range = {secure.clipping_range:g} leaves no room for the DP "
+                    f"noise: a clipped value ({CLIP_NORM_KEY} = {dp.clip_norm:g}) plus "
+                    f"{NOISE_TAIL:g} noise-share stds needs >= {needed:.4g}; raise it, or set it "
+                    "to 0 (automatic bounds, which see the noised values)"
+                )
+
+    def client_config(self) -> dict[str, float | str]:
+        """Train-config entries a secure client needs to clip and add its noise share."""
+        entries: dict[str, float | str] = {
+            DP_CLIP_NORM: self.config.clip_norm,
+            DP_NOISE_MULTIPLIER: self.config.noise_multiplier,
+        }
+        if self.delta_scale:
+            entries[SECURE_DELTA_SCALE] = self.delta_scale
+        return entries
+
+    @staticmethod
+    def deltas(secure_delta: tuple[str, ...]) -> tuple[str, ...]:
+        """Records summed as differences from what was sent: `secure_delta` and ARRAYS (what DP
+        clips is the update, not the model)."""
+        return secure_delta if ARRAYS in secure_delta else (*secure_delta, ARRAYS)
+
+    # The accountant: the plan, each round's budget and its charge.
+
+    def planned_multiplier(self, server_round: int, num_sampled: int | None = None) -> float:
+        """The noise multiplier a round is charged: z per sum, combined over its sums; with
+        `num_sampled` under secure aggregation, the worst case (only the reconstruction
+        threshold's clients survive each sum, `effective_noise_multiplier`)."""
+        z = self.config.noise_multiplier
+        secure = self.secure_aggregation
+        if num_sampled is not None and secure is not None and num_sampled > 1:
+            threshold = secure.shares_and_threshold(num_sampled)[1]
+            z = effective_noise_multiplier(z, num_sampled, max(2, min(threshold, num_sampled)))
+        return combined_noise_multiplier([z] * self.sums_per_round(server_round))
+
+    def check_plan(self, first_round: int, num_rounds: int, fraction_train: float) -> float:
+        """The epsilon rounds `first_round`..`num_rounds` would spend at sampling rate
+        `fraction_train` (on top of what the accountant holds); ValueError naming
+        dp-target-epsilon when it exceeds the target."""
+        planned = [
+            RoundCharge(min(fraction_train, 1.0), self.planned_multiplier(server_round))
+            for server_round in range(first_round, num_rounds + 1)
+        ]
+        return check_plan(self.config, [*self.accountant.charges, *planned])
+
+    def check_budget(self, server_round: int, num_sampled: int, connected: int) -> None:
+        """Raise PrivacyBudgetSpent when this round's worst-case charge would take epsilon
+        above dp-target-epsilon (before anything of the round is sent)."""
+        target = self.config.target_epsilon
+        if target == 0:
+            return
+        sampling_rate = num_sampled / connected
+        z = self.planned_multiplier(server_round, num_sampled)
+        after = self.accountant.epsilon_after(sampling_rate, z)
+        if after > target:
+            self.stop = (
+                f"round {server_round} not run: its charge (q = {sampling_rate:.4g}, z = {z:.4g}) "
+                f"would take epsilon from {self.accountant.epsilon():.4g} to {after:.4g}, above "
+                f"dp-target-epsilon = {target:g}; the run stops after round {server_round - 1}"
+            )
+            raise PrivacyBudgetSpent(self.stop)
+
+    def charge(self, train_round: TrainRound) -> dict[str, float]:
+        """Charge the round's noised sums once (q = sampled / connected, z combined over its
+        sums); the DP train metrics. A round that released no sum is not charged."""
+        metrics: dict[str, float] = {}
+        if not train_round.dp_charged and train_round.dp_multipliers:
+            train_round.dp_charged = True
+            z = combined_noise_multiplier(train_round.dp_multipliers)
+            self.accountant.charge(len(train_round.node_ids) / train_round.num_nodes_total, z)
+            metrics[DP_ROUND_MULTIPLIER] = z
+        return {**metrics, DP_EPSILON: self.accountant.epsilon()}
+
+    # The sums.
+
+    def central(self) -> CentralPrivacy:
+        """The plaintext sum's clip and noise (std z C on the sum)."""
+        if self.noise is None:
+            self.noise = noise_generator()
+        std = central_noise_std(self.config.noise_multiplier, self.config.clip_norm)
+        return CentralPrivacy(self.config.clip_norm, std, self.noise, self.delta_scale)
+
+    def released(
+        self,
+        summed: RoundSum,
+        train_round: TrainRound,
+        deltas: Sequence[str],
+        secure_delta: tuple[str, ...],
+    ) -> RoundSum:
+        """Note the multiplier the sum carried (under secure aggregation lowered by the
+        dropouts), then its ARRAYS back in the form the strategy sums (`secure_delta` stays as
+        differences): sum_k (x_k - s_k g) + (sum_k s_k) g, with the summed s (DecentNeRF's
+        noised alpha sum) or the number summed."""
+        z = self.config.noise_multiplier
+        if self.secure_aggregation is not None:
+            z = effective_noise_multiplier(z, len(train_round.node_ids), len(summed.node_ids))
+        train_round.dp_multipliers.append(z)
+        for name in deltas:
+            if name in secure_delta:
+                continue
+            total = summed.sums[name]
+            scale = summed.weight
+            if self.delta_scale:
+                scale = float(total[self.delta_scale].double().sum())
+            for key, value in train_round.reference.items():
+                total[key] = total[key] + scale * value.double()
+        return summed
+
+    # Resume.
+
+    def resumable_state(self) -> dict[str, Any]:
+        """The accountant's charges, so a resumed run continues its epsilon."""
+        return {"dp-accountant": self.accountant.state_dict()}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back what `resumable_state` returned; ValueError without it (epsilon would
+        restart at 0)."""
+        if "dp-accountant" not in state:
+            raise ValueError("the checkpoint holds no DP accountant: epsilon would restart")
+        self.accountant = DPAccountant.from_state_dict(state["dp-accountant"])
