@@ -9,8 +9,8 @@ simulation run-config data-dir/object_NN); it meta-learns on node-config `device
 and uploads CPU float32. FedProx's mu comes as "proximal-mu"; for Scaffold the client keeps c_i in
 its private node state (`NodeState`), adds c - c_i to every outer gradient and takes the round's
 mean outer gradient as c_i+ (Scaffold's option I, evaluated along the local steps, so it holds for
-AdamW too), uploading delta c_i (`fedfields.flower.meta_train_reply` does all of it). The reply also
-carries the client's index (record CLIENT) so that a simulation's audit can pair an upload with the
+AdamW too), uploading delta c_i (`fedfields.flower.meta_train_parts` does all of it). The app adds
+the client's index (record CLIENT) so that a simulation's audit can pair an upload with the
 client's data; no strategy reads it.
 """
 
@@ -18,31 +18,31 @@ from __future__ import annotations
 
 import dataclasses
 
-from flwr.app import ConfigRecord, Context, Message
-
-from fedfields.config import FederatedConfig, meta_settings
-from fedfields.flower import NodeState, client_index, meta_train_reply
-from fedfields.flower.node import node_data_dir, node_device
-from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CONFIG, SERVER_ROUND
+from clients.call import ClientCall, ClientHalf
+from fedfields.config import meta_settings
+from fedfields.config.schema import META_TASKS
+from fedfields.flower import meta_train_parts
+from fedfields.flower.node import node_data_dir
+from fedfields.flower.protocol import ReplyParts
 from fedfields.train.builders import client_meta_tasks, meta_config, meta_model
 
 
-def train(msg: Message, context: Context) -> Message:
+def train(call: ClientCall) -> ReplyParts:
     """E outer steps of the run-config's meta-learner from theta; reply w_E and |D|."""
-    config = FederatedConfig.from_run_config(context.run_config)
+    config = call.config
     settings = meta_settings(config)
-    client = client_index(context)
-    device = node_device(context)
+    client = call.client
     meta = meta_config(
         config,
         settings,
         outer_steps=settings.outer_steps,
         proximal_mu=0.0,
-        seed=config.common.seed * 100_003 + int(msg.content[CONFIG][SERVER_ROUND]) * 1009 + client,
+        seed=config.common.seed * 100_003 + call.federated_round() * 1009 + client,
     )
-    meta = dataclasses.replace(meta, device=device)
-    object_dir = node_data_dir(context, "object") if config.common.task == "objects" else None
+    meta = dataclasses.replace(meta, device=call.device)
+    object_dir = node_data_dir(call.context, "object") if config.common.task == "objects" else None
     tasks = client_meta_tasks(config, settings, client, object_dir)
-    reply = meta_train_reply(msg, meta_model(config, settings), tasks, meta, NodeState(context))
-    reply.content[CLIENT] = ConfigRecord({CLIENT_INDEX: client})
-    return reply
+    return meta_train_parts(call.msg, meta_model(config, settings), tasks, meta, call.state)
+
+
+HALF = ClientHalf("meta", mode="federated", tasks=META_TASKS, train=train)

@@ -19,25 +19,25 @@ from logging import WARNING
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message
 from flwr.common.logger import log
 from torch import Tensor
 
+from clients.call import ClientCall, ClientHalf
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import HashGridField
-from fedfields.flower.node import DATA_DIR, NodeState, is_simulated, node_data_dir, node_device
+from fedfields.flower.node import DATA_DIR, NodeState, is_simulated, node_data_dir
 from fedfields.flower.protocol import (
-    CONFIG,
     EMBEDDINGS,
     GRADIENT,
-    METRICS,
     SAMPLES,
     SERVER_PART,
     SPLIT_STAGE,
     SPLIT_STEP,
+    ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
@@ -107,46 +107,48 @@ def scene_dir(context: Context) -> Path:
     return node_data_dir(context, SCENE_PREFIX)
 
 
-def train(msg: Message, context: Context) -> Message:
+def train(call: ClientCall) -> ReplyParts:
     """One split-learning exchange: "start", "step" or "finish" (CONFIG "split-stage").
 
     "start" begins afresh (a state directory may hold a previous run's head); the other
     stages continue from the head and Adam state kept in the node's state.
     """
-    config = FederatedConfig.from_run_config(context.run_config)
-    round_config = msg.content[CONFIG]
-    stage = str(round_config[SPLIT_STAGE])
+    config, state, msg = call.config, call.state, call.msg
+    stage = str(call.round_config[SPLIT_STAGE])
     if stage not in ("start", "step", "finish"):
-        raise ValueError(f"node {context.node_id}: unknown {SPLIT_STAGE!r}: {stage!r}")
-    folder = scene_dir(context)
+        raise ValueError(f"{call.node}: unknown {SPLIT_STAGE!r}: {stage!r}")
+    folder = scene_dir(call.context)
     scene, heldout = client_views(str(folder), config.common.downscale)
-    check_scene_fits(config, scene, f"node {context.node_id} ({folder})")
-    field = joint_field(config).to(node_device(context))  # before Adam's state is loaded into it
+    check_scene_fits(config, scene, f"{call.node} ({folder})")
+    field = joint_field(config).to(call.device)  # before Adam's state is loaded into it
     server, head = split_field(field)
     optimizer = make_optimizer(head, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
-    state = NodeState(context)
     if stage != "start":
         head_state, optimizer_state = state.tensors(HEAD), state.tensors(HEAD_OPTIMIZER)
         if head_state is None or optimizer_state is None:
             raise RuntimeError(
-                f"node {context.node_id}: split stage {stage!r} without a started run "
+                f"{call.node}: split stage {stage!r} without a started run "
                 f"(no {HEAD!r} in its state {state.directory or 'context'})"
             )
         head.load_state_dict(head_state)
         _load_optimizer(optimizer, optimizer_state)
     if stage == "finish":
         return _finish(msg, state, config, field, server, scene, heldout)
-    content = RecordDict()
-    step = int(round_config.get(SPLIT_STEP, -1))
+    records: dict[str, ArrayRecord] = {}
+    metrics: dict[str, float] | None = None
+    step = int(call.round_config.get(SPLIT_STEP, -1))
     if stage == "step":
-        content[GRADIENT], content[METRICS] = _learn(
+        records[GRADIENT], metrics = _learn(
             msg, state, config, head, optimizer, step, server.embedding_dim
         )
     if step + 1 < config.split.split_steps:
-        content[SAMPLES] = _next_batch(state, config, scene, step + 1)
+        records[SAMPLES] = _next_batch(state, config, scene, step + 1)
     state.put_tensors(HEAD, head.state_dict())
     state.put_tensors(HEAD_OPTIMIZER, _flat_optimizer_state(optimizer))
-    return Message(content, reply_to=msg)
+    return ReplyParts(records, metrics)
+
+
+HALF = ClientHalf("split", mode="split", tasks=("scene",), train=train, round_reply=False)
 
 
 def _learn(
@@ -157,7 +159,7 @@ def _learn(
     optimizer: torch.optim.Optimizer,
     step: int,
     embedding_dim: int,
-) -> tuple[ArrayRecord, MetricRecord]:
+) -> tuple[ArrayRecord, dict[str, float]]:
     """Render the pending batch from the server's embeddings; step the head; the gradient.
 
     The defence is built anew each step; its noise depends on (seed, step), so it differs
@@ -187,7 +189,7 @@ def _learn(
     )
     optimizer.step()
     gradient = state_to_arrays({"embeddings": to_wire(result.embedding_gradient)})
-    return gradient, MetricRecord({"loss": result.loss, "psnr": result.psnr})
+    return gradient, {"loss": result.loss, "psnr": result.psnr}
 
 
 def _next_batch(state: NodeState, config: FederatedConfig, scene: Scene, step: int) -> ArrayRecord:
@@ -210,7 +212,7 @@ def _finish(
     server: torch.nn.Module,
     scene: Scene,
     heldout: Scene,
-) -> Message:
+) -> ReplyParts:
     """Assemble the joint field, score it on held-out views; keep checkpoint and renders in
     the node's state directory (a node without one only reports its scores)."""
     server.load_state_dict(arrays_to_state(msg.content[SERVER_PART]))
@@ -224,8 +226,7 @@ def _finish(
         metadata = {"mode": "split", "heldout-every": HOLDOUT_EVERY}
         save_checkpoint(state.directory / CLIENT_CHECKPOINT, field, settings, None, metadata)
         atomic.write_json(state.directory / CLIENT_REPORT, summary)
-    metrics = {key: value for key, value in summary.items() if value is not None}
-    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+    return ReplyParts({}, {key: value for key, value in summary.items() if value is not None})
 
 
 def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:

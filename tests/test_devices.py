@@ -21,8 +21,8 @@ import torch
 from flower_harness import InProcessGrid
 from flwr.app import Context, RecordDict
 
-import clients.client_app as scene_client
 import clients.meta_client as meta_client
+import clients.scene_client as scene_client
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
@@ -277,13 +277,13 @@ def test_node_config_device_reaches_meta_learning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_visible: None
 ) -> None:
     seen: Counter = Counter()
-    real = meta_client.meta_train_reply
+    real = meta_client.meta_train_parts
 
     def spy(msg, model, tasks, meta, state):
         seen[meta.device] += 1
         return real(msg, model, tasks, dataclasses.replace(meta, device="cpu"), state)
 
-    monkeypatch.setattr(meta_client, "meta_train_reply", spy)
+    monkeypatch.setattr(meta_client, "meta_train_parts", spy)
     config = {
         "task": "faces",
         "run-dir": str(tmp_path / "run"),

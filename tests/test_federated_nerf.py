@@ -13,7 +13,7 @@ import torch
 from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord
 
-from clients.client_app import PERSONAL
+from clients.scene_client import PERSONAL
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
 from fedfields.config import FederatedConfig

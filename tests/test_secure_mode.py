@@ -29,7 +29,7 @@ from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 from test_secure_aggregation import numbers_received as numbers_in_records
 
-from clients.client_app import PERSONAL
+from clients.scene_client import PERSONAL
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import EmptyRoundsError, secure_aggregation
@@ -251,7 +251,7 @@ def test_the_repo_client_app_forwards_no_values_in_secure_mode(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import clients.client_app as nerf_client
+    import clients.scene_client as nerf_client
 
     def exploding(*args: object, **kwargs: object) -> None:
         raise FloatingPointError(f"loss became {SECRET} after 3 steps")

@@ -6,8 +6,10 @@ Server side: `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, `De
 built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
 `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
 node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
-state), and `secure_aggregation_mod` (Flower SecAgg+ for every strategy). Record and key names
-are in `fedfields.flower.protocol`.
+state), and `secure_aggregation_mod` (Flower SecAgg+ for every strategy). The `*_parts`
+variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's records and
+metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own. Record and key
+names are in `fedfields.flower.protocol`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.fedacg import FedACG
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.fedexp import FedExP
-from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_reply
+from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
 from fedfields.flower.fednova import FedNova
 from fedfields.flower.fedprox import FedProx
 from fedfields.flower.node import NodeState, client_index
@@ -47,6 +49,7 @@ __all__ = [
     "StrategyOptions",
     "client_index",
     "m_of_n_sampling",
+    "meta_train_parts",
     "meta_train_reply",
     "secure_aggregation_mod",
 ]

@@ -32,10 +32,10 @@ from fedfields.flower.protocol import (
     CONFIG,
     GRADIENT,
     GRADIENT_QUERY,
-    METRICS,
     SERVER_ROUND,
     STRATEGY,
     BadReply,
+    ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
@@ -253,6 +253,13 @@ class DecentNeRFClient:
         msg: Message, loss_gradient: Callable[[dict[str, Tensor]], Mapping[str, Tensor]]
     ) -> Message:
         """Reply G_k = `loss_gradient(g)`, the user's loss gradient at the received g^(m-1)."""
+        return DecentNeRFClient.gradient_parts(msg, loss_gradient).message(msg)
+
+    @staticmethod
+    def gradient_parts(
+        msg: Message, loss_gradient: Callable[[dict[str, Tensor]], Mapping[str, Tensor]]
+    ) -> ReplyParts:
+        """`answer_gradient_query`'s reply before it is sent: G_k under GRADIENT."""
         received = arrays_to_state(msg.content[ARRAYS])
         gradient = dict(loss_gradient(received))
         if gradient.keys() != received.keys():
@@ -260,7 +267,7 @@ class DecentNeRFClient:
                 f"loss_gradient returned keys {sorted(gradient)}, "
                 f"not the global's {sorted(received)}"
             )
-        return Message(RecordDict({GRADIENT: state_to_arrays(gradient)}), reply_to=msg)
+        return ReplyParts({GRADIENT: state_to_arrays(gradient)})
 
     @property
     def alpha(self) -> float:
@@ -281,15 +288,16 @@ class DecentNeRFClient:
         the aggregate the message carries (`_updated_alpha`); `local_state` is then stored
         as the next round's g_k^(m-1).
         """
+        return self.train_parts(msg, local_state, metrics).message(msg)
+
+    def train_parts(
+        self, msg: Message, local_state: Mapping[str, Tensor], metrics: Mapping[str, float]
+    ) -> ReplyParts:
+        """`train_reply` before it is sent (an app adds its own metrics in one place)."""
         alpha = self._updated_alpha(msg)
         self.state.put_tensors(PREVIOUS_GLOBAL, local_state)
-        content = RecordDict(
-            {
-                ARRAYS: state_to_arrays(alpha_weighted_payload(local_state, alpha)),
-                METRICS: MetricRecord(dict(metrics)),
-            }
-        )
-        return Message(content, reply_to=msg)
+        payload = state_to_arrays(alpha_weighted_payload(local_state, alpha))
+        return ReplyParts({ARRAYS: payload}, dict(metrics))
 
     def _kept(self) -> dict[str, Any]:
         """The stored alpha, history and round of the last upload, or the initial alpha_k = 1."""

@@ -1,5 +1,6 @@
 """FedMeNF (FedMeNF paper, Algorithm 1): the server's M of N size-weighted mean and the
-client's LocalUpdate as a Flower train reply (`meta_train_reply`).
+client's LocalUpdate as a Flower train reply (`meta_train_reply`, or `meta_train_parts` before
+it is sent).
 
 The server of federated meta-learning is FedAvg's: theta <- sum_m |D_m| / sum_i |D_i| w_m over
 the M sampled clients' local meta-learners w_m (Eq. 2). What makes it FedMeNF is the clients'
@@ -12,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Unpack
 
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 from torch import nn
 
 from fedfields.aggregate.robust import DEFAULT_TRIM_FRACTION
@@ -22,11 +23,11 @@ from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     LOCAL_STEPS,
-    METRICS,
     NUM_EXAMPLES,
     PROXIMAL_MU,
     TRAIN_LOSS,
     TRAIN_STEPS,
+    ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
@@ -109,6 +110,13 @@ def meta_train_reply(
     Scaffold server the client adds c - c_i to every outer gradient and uploads delta c_i
     with c_i+ = the round's mean outer gradient (`ScaffoldClient`, option I).
     """
+    return meta_train_parts(msg, model, tasks, meta, state).message(msg)
+
+
+def meta_train_parts(
+    msg: Message, model: nn.Module, tasks: Sequence[MetaTask], meta: MetaConfig, state: NodeState
+) -> ReplyParts:
+    """`meta_train_reply` before it is sent (an app adds its own metrics in one place)."""
     round_config = msg.content[CONFIG]
     theta = arrays_to_state(msg.content[ARRAYS])
     load_federated_state(model, theta)
@@ -132,7 +140,7 @@ def meta_train_reply(
     }
     if result.gammas:
         metrics[GAMMA] = sum(result.gammas) / len(result.gammas)
-    content = RecordDict({ARRAYS: state_to_arrays(result.state), METRICS: MetricRecord(metrics)})
+    records = RecordDict({ARRAYS: state_to_arrays(result.state)})
     if scaffold is not None:
-        scaffold.reply(content, result.mean_outer_gradient)
-    return Message(content, reply_to=msg)
+        scaffold.reply(records, result.mean_outer_gradient)
+    return ReplyParts(records, metrics)

@@ -31,10 +31,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from torch import Tensor
 
 # ------------------------------------------------------------------ record names
@@ -127,6 +128,22 @@ SECURE_SUM_MAX_EXPONENT = "secure-sum-max-exponent"
 """Fit-config entry of the bounds stage: the cap e (secagg-max-exponent) of a declared 2^e."""
 
 Shapes = Mapping[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ReplyParts:
+    """A client's reply before it is sent: its records and its METRICS (None: no METRICS),
+    so that an app adds its own entries (timings, names) in one place, then sends one Message."""
+
+    records: Mapping[str, ArrayRecord | ConfigRecord]
+    metrics: Mapping[str, float] | None = None
+
+    def message(self, msg: Message) -> Message:
+        """The reply to `msg`: the records, then METRICS."""
+        content = RecordDict(dict(self.records))
+        if self.metrics is not None:
+            content[METRICS] = MetricRecord(dict(self.metrics))
+        return Message(content, reply_to=msg)
 
 
 def state_to_arrays(state: Mapping[str, Tensor]) -> ArrayRecord:

@@ -1,0 +1,203 @@
+"""The scene client (run-config task scene): one user of a crowd training a NeRF.
+
+One user's views (its own folder, from node-config `data-dir`, `fedfields.flower.node`), a
+global field it shares and a personal field it keeps; thin glue over
+`fedfields.train.federated`. Training, the gradient query and the held-out score run on
+node-config `device`; replies carry CPU float32 whatever the device. What stays on the node
+lives in its private state (`NodeState`): DecentNeRF's personal field and appearance
+embeddings, the user's alpha and its history, the last local global field, the occupancy grid,
+Scaffold's client control. A reply carries only what the strategy needs: the global field (or
+alpha * g_k and alpha for DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and
+scalar metrics, among them "client-eval-psnr": the received global field's PSNR on this user's
+held-out views (the last `client-eval-views`, never trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from flwr.app import RecordDict
+
+from clients.call import ClientCall, ClientHalf
+from fedfields.config import FederatedConfig
+from fedfields.data import Scene, load_scene
+from fedfields.fields import HashGridField
+from fedfields.fields.personal import PersonalField, PersonalFieldConfig
+from fedfields.flower import DecentNeRFClient, NodeState, ScaffoldClient
+from fedfields.flower.node import node_data_dir
+from fedfields.flower.protocol import (
+    ARRAYS,
+    LOCAL_STEPS,
+    NUM_EXAMPLES,
+    PROXIMAL_MU,
+    TRAIN_LOSS,
+    TRAIN_PSNR,
+    TRAIN_STEPS,
+    ReplyParts,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.render import OccupancyGrid
+from fedfields.train.builders import check_scene_fits, global_field, render_config
+from fedfields.train.federated import (
+    LocalTrainConfig,
+    ScaffoldControls,
+    federated_state,
+    heldout_psnr,
+    load_federated_state,
+    local_train,
+)
+from fedfields.train.federated import loss_gradient as loss_gradient_of
+
+PERSONAL = "personal-field"
+OCCUPANCY = "occupancy"
+OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
+GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
+CLIENT_EVAL = "client-eval-psnr"
+EVAL_OCCUPANCY_PASSES = 2  # grid refreshes from the received field before scoring it
+
+
+@dataclass(frozen=True)
+class UserViews:
+    """A user's views split into those it trains on and those it keeps for evaluation."""
+
+    train: Scene
+    heldout: Scene | None
+
+
+def train(call: ClientCall) -> ReplyParts:
+    """Train locally from the received global field; reply with what the strategy aggregates."""
+    config, state, msg = call.config, call.state, call.msg
+    views = _user_views(call)
+    scene = views.train
+    field = _global_field(call)
+    metrics: dict[str, float] = {}
+    if views.heldout is not None:
+        settings = render_config(config, views.heldout)
+        metrics[CLIENT_EVAL] = heldout_psnr(
+            field, views.heldout, settings, call.device, EVAL_OCCUPANCY_PASSES
+        )
+    occupancy = _occupancy(state, field)
+    decentnerf = (
+        DecentNeRFClient(state, config.scene.alpha_lr) if DecentNeRFClient.wanted(msg) else None
+    )
+    user = call.client
+    personal = _personal_field(state, config, scene, user) if decentnerf else None
+    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
+    local = LocalTrainConfig(
+        steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
+        learning_rate=config.scene.learning_rate,
+        personal_learning_rate=config.scene.personal_learning_rate,
+        target_samples=config.scene.target_samples,
+        personal_density_weight=config.scene.personal_density_weight,
+        beta_min=config.scene.beta_min,
+        proximal_mu=float(call.round_config.get(PROXIMAL_MU, 0.0)),
+        occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
+        seed=config.common.seed * 100_003 + call.federated_round() * 1009 + user,
+        device=call.device,
+    )
+    result = local_train(
+        field,
+        scene,
+        local,
+        render_config(config, scene),
+        occupancy,
+        personal_field=personal,
+        global_reference=federated_state(field),
+        scaffold=None
+        if scaffold is None
+        else ScaffoldControls(server=scaffold.server_control, client=scaffold.client_control),
+    )
+    state.put_tensors(OCCUPANCY, occupancy.state_dict())
+    metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
+    local_state = federated_state(field)
+    if decentnerf is not None and personal is not None:
+        state.put_tensors(PERSONAL, personal.state_dict())
+        return decentnerf.train_parts(msg, local_state, metrics)
+    metrics[NUM_EXAMPLES] = result.num_examples
+    records = RecordDict({ARRAYS: state_to_arrays(local_state)})
+    if scaffold is not None:
+        scaffold.reply(records, result.client_control)
+    return ReplyParts(records, metrics)
+
+
+def gradient(call: ClientCall) -> ReplyParts:
+    """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
+    config, state = call.config, call.state
+    scene = _user_views(call).train
+    personal = _personal_field(state, config, scene, call.client)
+    seed = config.common.seed + call.federated_round()
+
+    def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        field = global_field(config)
+        load_federated_state(field, received)
+        return loss_gradient_of(
+            field,
+            scene,
+            render_config(config, scene),
+            _occupancy(state, field),
+            personal_field=personal,
+            num_rays=GRADIENT_RAYS,
+            seed=seed,
+            beta_min=config.scene.beta_min,
+            device=call.device,
+        )
+
+    return DecentNeRFClient.gradient_parts(call.msg, loss_gradient)
+
+
+HALF = ClientHalf("scene", mode="federated", tasks=("scene",), train=train, gradient=gradient)
+
+
+def _user_views(call: ClientCall) -> UserViews:
+    """This node's user: its own folder's views, the last `client-eval-views` held out."""
+    config = call.config
+    folder = node_data_dir(call.context, "user")
+    views = _load_user_views(str(folder), config.common.downscale, config.scene.client_eval_views)
+    check_scene_fits(config, views.train, f"{call.node} ({folder})")
+    return views
+
+
+@lru_cache(maxsize=64)
+def _load_user_views(path: str, downscale: float, heldout_views: int) -> UserViews:
+    """A user's views, read once per process (simulation actors serve many rounds).
+
+    Views are held out only while at least one is left to train on.
+    """
+    scene = load_scene(path, downscale=downscale)
+    if heldout_views == 0 or heldout_views >= len(scene):
+        return UserViews(scene, None)
+    split = len(scene) - heldout_views
+    return UserViews(scene.subset(list(range(split))), scene.subset(list(range(split, len(scene)))))
+
+
+def _global_field(call: ClientCall) -> HashGridField:
+    """The received global field, built from run-config's shapes (and `hash-backend`)."""
+    field = global_field(call.config)
+    load_federated_state(field, arrays_to_state(call.msg.content[ARRAYS]))
+    return field
+
+
+def _personal_field(
+    state: NodeState, config: FederatedConfig, scene: Scene, user: int
+) -> PersonalField:
+    """The personal field kept on this node (created on first use from a per-user seed)."""
+    box = render_config(config, scene).aabb
+    with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
+        torch.manual_seed(config.common.seed * 100_003 + user)
+        personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=box))
+    saved = state.tensors(PERSONAL)
+    if saved is not None:
+        personal.load_state_dict(saved)
+    return personal
+
+
+def _occupancy(state: NodeState, field: HashGridField) -> OccupancyGrid:
+    """The node's occupancy grid over the field's box (all set before the first update)."""
+    grid = OccupancyGrid(field.aabb)
+    saved = state.tensors(OCCUPANCY)
+    if saved is not None:
+        grid.load_state_dict(saved)
+    return grid
