@@ -13,6 +13,7 @@ import pytest
 import torch
 from flower_harness import InProcessGrid, NodeHandler
 from flwr.app import ConfigRecord, Context, Message, RecordDict
+from test_meta_job import tiny as tiny_meta
 
 import clients.client_app as client_app
 from clients.halves import HALVES, client_half, half_for
@@ -52,16 +53,6 @@ SCENE = {
     "hash-levels": 2,
     "hash-max-resolution": 32,
     "client-eval-views": 0,  # no held-out score: the handlers' cost is local training
-}
-META = {
-    "task": "faces",
-    "strategy": "fedmenf",
-    "num-clients": 2,
-    "clients-per-round": 2,
-    "outer-steps": 1,
-    "inner-steps": 1,
-    "field-width": 8,
-    "field-depth": 2,
 }
 SPLIT = {
     "mode": "split",
@@ -163,7 +154,7 @@ def test_scene_rounds_parse_once_per_message_and_time_the_query_once(
 
 
 def test_meta_train_parses_the_run_config_once(tmp_path: Path, counter: ParseCounter) -> None:
-    config = META
+    config = tiny_meta(tmp_path / "run", strategy="fedmenf")
     parsed = FederatedConfig.from_run_config(config)
     theta = federated_state(meta_model(parsed, meta_settings(parsed)))
     grid = node_grid(counter.node, config, tmp_path)
@@ -232,7 +223,7 @@ def test_an_unknown_mode_or_task_is_one_error_naming_key_and_value() -> None:
 
 
 def test_a_gradient_query_to_a_half_without_one_is_refused(tmp_path: Path) -> None:
-    grid = node_grid(client_app.app, META, tmp_path)
+    grid = node_grid(client_app.app, tiny_meta(tmp_path / "run"), tmp_path)
     grid.raise_errors = False
     reply = send(grid, {CONFIG: ConfigRecord({SERVER_ROUND: 1})}, GRADIENT_QUERY)
     assert reply.has_error() and "the meta client answers no gradient query" in reply.error.reason
