@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dp_reference import flower_epsilons
 from flower_harness import set_task_identity
 from flwr.app import Context, Message, MessageType, RecordDict
-from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, SamplingMethod
-from flwr.serverapp import RdpAccountant as FlowerRdpAccountant
 from PIL import Image
 
 from fedfields.aggregate import ALPHA_KEY
@@ -28,24 +27,6 @@ CLIENTS, PER_ROUND = 5, 2
 TINY_PHOTOS = (
     f"outer-steps=1 tto-steps=2 field-width=16 field-depth=2 clients-per-round={PER_ROUND}"
 )
-
-
-def flower_epsilon(sampled: int, population: int, z: float, rounds: int, delta: float) -> float:
-    """Flower's RdpAccountant (Poisson, add-or-remove-one) after `rounds` rounds."""
-    accountant = FlowerRdpAccountant(
-        PrivacyConfig(
-            target_delta=delta,
-            population_size=population,
-            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-            sampling_method=SamplingMethod.POISSON,
-        )
-    )
-    event = GaussianPrivacyEvent(
-        noise_multiplier=z, sample_size=sampled, population_size=population
-    )
-    for _ in range(rounds):
-        accountant.compose(event)
-    return accountant.get_epsilon(delta)
 
 
 def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_figure(
@@ -71,7 +52,7 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
     assert config["dp-clip-norm"] == noised["clip_norm"]
     assert config["dp-noise-multiplier"] == 1.0
     # epsilon: one round of PER_ROUND of CLIENTS at z = 1, delta 1e-5, by Flower's accountant
-    expected = flower_epsilon(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])
+    expected = flower_epsilons(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])[-1]
     assert noised["dp_form"] == "central"
     assert noised["epsilon"] == pytest.approx(expected, rel=1e-9)
     for row in rows:  # utility and PSNR_p read back from the runs' summaries

@@ -1,0 +1,30 @@
+"""Epsilon computed independently of fedfields: Flower 1.41's own RdpAccountant, the oracle the
+DP tests hold our accountant and the jobs' reported "dp-epsilon" against."""
+
+from __future__ import annotations
+
+from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, SamplingMethod
+from flwr.serverapp import RdpAccountant as FlowerRdpAccountant
+
+
+def flower_epsilons(
+    sampled: int, population: int, noise_multiplier: float, rounds: int, delta: float = 1e-5
+) -> list[float]:
+    """Epsilon at `delta` after each of `rounds` rounds that sample `sampled` of `population`
+    clients with noise multiplier z (Poisson sampling, add-or-remove-one neighbours)."""
+    accountant = FlowerRdpAccountant(
+        PrivacyConfig(
+            target_delta=delta,
+            population_size=population,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.POISSON,
+        )
+    )
+    event = GaussianPrivacyEvent(
+        noise_multiplier=noise_multiplier, sample_size=sampled, population_size=population
+    )
+    epsilons = []
+    for _ in range(rounds):
+        accountant.compose(event)
+        epsilons.append(accountant.get_epsilon(delta))
+    return epsilons
