@@ -1,1 +1,1 @@
-"""Flower ClientApps built on ``fedfields.train``."""
+"""This app's ClientApp (`clients.client_app`) over its client halves (`clients.halves`)."""
