@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from dp_reference import flower_epsilons
 from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
@@ -69,6 +72,7 @@ from fedfields.privacy.dp import (
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 State = dict[str, Tensor]
 F64 = torch.float64
 SIZE = 40_000
@@ -445,29 +449,49 @@ def test_the_accountant_survives_a_resume(tmp_path: Path) -> None:
         without.restore(resumed)
 
 
-# ------------------------------------------------------------------ through flwr
+# ------------------------------------------------------------------ the jobs
 
 
-def test_a_secure_dp_run_completes_through_flowers_simulation_engine(
+def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilon(
     crowd_dir: Path, tmp_path: Path
 ) -> None:
-    """Secure aggregation with distributed DP, one round of the scene job on Ray; epsilon in
-    metrics.jsonl, summary.json and report.html."""
-    from test_federated_nerf import tiny
-
-    from simulations.run import run_with_ray
-
-    config = tiny(crowd_dir, tmp_path / "ray", "fedavg", **{
-        "num-server-rounds": 1, "secure-aggregation": True, "dp-noise-multiplier": 1.0,
-        "dp-clip-norm": 1.0, "simulation-audit": False, "min-train-nodes": 3,
-    })  # fmt: skip
-    run_dir = run_with_ray(config, num_supernodes=3)
+    """The documented command as a user types it (`python -m simulations.launch`: `flwr run .`
+    on Ray) with secure aggregation and distributed DP on the session's 3 users (all 3 a
+    round: min-train-nodes 3, secure aggregation's floor, while the plan assumes the default
+    fraction-train 0.5), z = 1, C = 1,
+    dp-target-epsilon 9 over 3 rounds. The plan (3 rounds at q = 0.5: 6.48) passes; rounds 1-2
+    run; round 3's worst case (only SecAgg+'s threshold of 2 surviving: z sqrt(2/3)) would take
+    epsilon to 9.89, so the run stops cleanly after round 2, summary.json says why and the
+    launcher exits 0 (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3
+    of 3 sampled at z = 1, no dropouts."""
+    flower = flower_epsilons(3, 3, 1.0, rounds=3)
+    target = 9.0
+    assert epsilon_of([RoundCharge(0.5, 1.0)] * 3, 1e-5) <= target  # the plan passes
+    assert flower[1] <= target  # (without dropouts round 3 would spend flower[2] = 9.01)
+    run_config = (
+        "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=1.0 dp-clip-norm=1.0 "
+        f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
+        "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
+        "client-eval-views=0"
+    )
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--crowd", str(crowd_dir)]
+    command += ["--run-dir", str(run_dir), "--run-config", run_config]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "dp-target-epsilon reached" in output, output[-3000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    expected = epsilon_of([RoundCharge(1.0, 1.0)], 1e-5)
-    assert len(lines) == 1 and lines[0][DP_EPSILON] == pytest.approx(expected, rel=1e-9)
+    assert [line["round"] for line in lines] == [1, 2]  # nothing of round 3
+    assert [line[DP_EPSILON] for line in lines] == pytest.approx(flower[:2], rel=1e-9)
+    assert all(line[DP_ROUND_MULTIPLIER] == 1.0 and line["secure-sums"] == 1 for line in lines)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["final"][DP_EPSILON] == pytest.approx(expected, rel=1e-9)
-    assert summary["differential-privacy"]["form"].startswith("distributed")
+    privacy = summary["differential-privacy"]
+    assert privacy["form"].startswith("distributed") and privacy["rounds-charged"] == 2
+    assert privacy["stopped"].startswith("round 3 not run: its charge (q = 1, z = 0.8165)")
+    assert "the run stops after round 2" in privacy["stopped"]
+    assert summary["final"][DP_EPSILON] == pytest.approx(flower[1], rel=1e-9)
+    assert summary["final"][DP_EPSILON] <= target
     assert "dp-epsilon" in (run_dir / "report.html").read_text()
 
 
@@ -477,19 +501,16 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     (round 2 is epsilon after 2 rounds, not 1) under the same dp-target-epsilon."""
     from test_meta_job import run_in_process, tiny
 
-    from fedfields.config import FederatedConfig
-    from simulations.meta_job import run_meta_job
-
     def epsilon(rounds: int) -> float:
         return epsilon_of([RoundCharge(0.5, 1.0)] * rounds, 1e-5)
 
     run_dir = tmp_path / "run"
     settings = {"simulation-audit": False, "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0,
                 "dp-target-epsilon": (epsilon(2) + epsilon(3)) / 2}  # fmt: skip
-    _, grid = run_in_process(tiny(run_dir, **{"num-server-rounds": 1}, **settings))
+    run_in_process(tiny(run_dir, **{"num-server-rounds": 1}, **settings))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"][DP_EPSILON] == pytest.approx(epsilon(1), rel=1e-12)
     assert summary["differential-privacy"]["form"] == "central (server)"
-    run_meta_job(grid, FederatedConfig.from_run_config(tiny(run_dir, resume=True, **settings)))
+    run_in_process(tiny(run_dir, resume=True, **settings))  # a restarted server and nodes
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line[DP_EPSILON] for line in lines] == pytest.approx([epsilon(1), epsilon(2)])
