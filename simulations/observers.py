@@ -14,13 +14,14 @@ it returns is merged into that round's line of metrics.jsonl and into summary.js
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, Message, MessageType
 from flwr.serverapp import Grid
 
 from fedfields.flower.forwarding import ForwardingGrid
+from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX
 
 
 class Observer(Protocol):
@@ -39,9 +40,14 @@ class Observer(Protocol):
         ...
 
 
-def simulation_observed(run_config: dict[str, Any]) -> bool:
-    """Whether a simulation launcher asked for its observers (run-config `simulation-audit`)."""
-    return run_config.get("simulation-audit", False) is True
+def plaintext_uploads(replies: Iterable[Message]) -> Iterator[tuple[int, ArrayRecord]]:
+    """(client index, arrays) of each successful train reply whose upload the server can read:
+    one naming its client in the CLIENT record (under secure aggregation none does)."""
+    for reply in replies:
+        if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
+            continue
+        if CLIENT in reply.content and ARRAYS in reply.content:
+            yield int(reply.content[CLIENT][CLIENT_INDEX]), reply.content[ARRAYS]
 
 
 class ReplyTap(ForwardingGrid):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MessageType
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 from matplotlib.figure import Figure
 from PIL import Image
@@ -35,11 +35,11 @@ from fedfields.aggregate import ALPHA_KEY
 from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
 from fedfields.flower.decentnerf import ALPHA_STATE
-from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX, arrays_to_state
+from fedfields.flower.protocol import arrays_to_state
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer
-from simulations.observers import ReplyTap
+from simulations.observers import ReplyTap, plaintext_uploads
 
 
 def audit_dir(run_dir: Path) -> Path:
@@ -68,16 +68,12 @@ class CrowdObserver:
 
     def record(self, replies: list[Message]) -> None:
         """Keep (user, g_k) of successful train replies whose arrays the server can read."""
-        for reply in replies:
-            if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
-                continue
-            if CLIENT not in reply.content or ARRAYS not in reply.content:
-                continue  # secure aggregation: the server reads sums only
-            state = arrays_to_state(reply.content[ARRAYS])
+        for user, arrays in plaintext_uploads(replies):  # secure aggregation: none
+            state = arrays_to_state(arrays)
             alpha = state.pop(ALPHA_KEY, None)
             if alpha is not None:  # DecentNeRF in plaintext: alpha_k g_k and alpha_k
                 state = {key: value / float(alpha.reshape(())) for key, value in state.items()}
-            self.uploads.append((int(reply.content[CLIENT][CLIENT_INDEX]), state))
+            self.uploads.append((user, state))
 
     def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
         """Score a spread of users' first views (and held-out views) of this round's field,

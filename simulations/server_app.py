@@ -3,9 +3,11 @@
 `flwr run .` starts it: task "scene" is the federated NeRF job
 (`simulations.federated_nerf.run_federated_nerf`), faces, photos, video and objects the FedMeNF
 meta-learning job (`simulations.meta_job.run_meta_job`); mode "split" is split learning
-(`simulations.split_job.run_split_job`). The server starts from run-config alone; only when
-a simulation launcher sets run-config `simulation-audit` are the simulation-only observers
-(`simulations.observers`) attached, which read the experimenter's data under `data-dir`.
+(`simulations.split_job.run_split_job`). The run-config is parsed here, once, and the jobs get
+the `FederatedConfig` (their shared skeleton: `simulations.job`). The server starts from
+run-config alone; only when a simulation launcher sets run-config `simulation-audit` are the
+simulation-only observers (`simulations.observers`) attached, which read the experimenter's
+data under `data-dir`.
 """
 
 from pathlib import Path
@@ -24,12 +26,12 @@ app = ServerApp()
 
 def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory."""
-    config = FederatedConfig.from_run_config(run_config)
+    config = FederatedConfig.from_run_config(run_config)  # the server's one parse
     if config.common.mode == "split":
-        return run_split_job(grid, run_config)
+        return run_split_job(grid, config)
     if config.common.task == "scene":
-        return run_federated_nerf(grid, run_config)
-    return run_meta_job(grid, run_config)
+        return run_federated_nerf(grid, config)
+    return run_meta_job(grid, config)
 
 
 @app.main()

@@ -5,12 +5,14 @@ client everything else (`clients.split_client`). Both build the joint field from
 alone (`joint_field`: the same shapes and seed), so the server reads no file of the client.
 Each step is one "train" round trip: the server embeds the batch the client sent, the client
 answers with the embedding gradient and its next batch; the server back-propagates and steps.
-The run directory gets config.json, metrics.jsonl, summary.json and report.html.
+The run directory gets config.json, metrics.jsonl, summary.json and report.html (the job
+skeleton's `new_run_dir` and `RunReport`, `simulations.job`).
 
-In simulation (`simulation_observed`) `SplitAudit` observes the wire as the honest-but-curious
-server would, keeping every k-th exchange; with `split-attack` it runs the Surrogate Model
-Attack on that record and scores it against the client's joint field, which it reads as the
-experimenter from the client's state directory, with the scene from run-config `data-dir`.
+In simulation (run-config `simulation-audit`) `SplitAudit` observes the wire as the
+honest-but-curious server would, keeping every k-th exchange; with `split-attack` it runs the
+Surrogate Model Attack on that record and scores it against the client's joint field, which it
+reads as the experimenter from the client's state directory, with the scene from run-config
+`data-dir`.
 """
 
 from __future__ import annotations
@@ -74,38 +76,34 @@ from fedfields.privacy.split import (
     save_transcript,
 )
 from fedfields.render import RenderConfig
-from fedfields.report import write_report
 from fedfields.train.builders import client_views, joint_field, server_device, split_scene_dir
 from fedfields.train.checkpoint import load_checkpoint
-from simulations.federated_nerf import make_run_dir
-from simulations.observers import Observer, ReplyTap, simulation_observed
+from simulations.job import RunReport, attach, new_run_dir
+from simulations.observers import Observer, ReplyTap
 
 LOG_EVERY = 25
 NODE_POLL_SECONDS = 0.2
 
 
 def run_split_job(
-    grid: Grid, run_config: dict[str, Any], observers: list[Observer] | None = None
+    grid: Grid, config: FederatedConfig, observers: list[Observer] | None = None
 ) -> Path:
     """Train by split learning with the grid's one node; returns the run directory.
 
-    `observers` None attaches `split_observers(run_config)`: none unless a simulation launcher
-    set run-config `simulation-audit`; [] runs without any.
+    `observers` None attaches `split_observers(config)`: none unless a simulation launcher set
+    run-config `simulation-audit`; [] runs without any.
     """
-    config = FederatedConfig.from_run_config(run_config)
-    run_dir = make_run_dir(config)
-    atomic.write_json(run_dir / "config.json", config.to_run_config())
+    run_dir = new_run_dir(config)
     if observers is None:
-        observers = split_observers(run_config, run_dir)
-    for observer in observers:
-        grid = observer.wrap_grid(grid)
+        observers = split_observers(config, run_dir)
+    grid = attach(grid, observers)
     device = server_device(config)
     server, _ = split_field(joint_field(config).to(device))
     optimizer = make_optimizer(server, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
     timeout = config.deployment.round_timeout  # run-config round-timeout, per exchange
     exchange = _Exchange(grid, _the_node(grid, timeout), timeout)
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
-    started, history, window = time.perf_counter(), [], []
+    report, window = RunReport(run_dir, observers), []
     for step in range(config.split.split_steps):
         points = _samples(reply, config, step).points().to(device)
         embeddings = server_forward(server, points)
@@ -129,15 +127,12 @@ def run_split_job(
         optimizer.step()
         window.append(dict(reply.content[METRICS]))
         if (step + 1) % LOG_EVERY == 0 or step + 1 == config.split.split_steps:
-            line = _block(step + 1, window, time.perf_counter() - started)
+            line = _block(step + 1, window, time.perf_counter() - report.started)
             window = []
             if observers:
-                arrays = state_to_arrays(server.state_dict())
-                for observer in observers:
-                    line |= observer.observe_round(step + 1, arrays)
-            history.append(line)
-            atomic.append_json_line(run_dir / "metrics.jsonl", line)
-            log(INFO, "split step %d: loss %.4f, psnr %.2f dB", step + 1, *_last(history))
+                line |= report.observe(step + 1, state_to_arrays(server.state_dict()))
+            report.append_line(line)
+            log(INFO, "split step %d: loss %.4f, psnr %.2f dB", step + 1, *_last(report.history))
     finish = RecordDict(
         {
             CONFIG: _config("finish"),
@@ -148,16 +143,13 @@ def run_split_job(
     summary: dict[str, Any] = {
         "mode": "split",
         "steps": config.split.split_steps,
-        "seconds": time.perf_counter() - started,
+        "seconds": time.perf_counter() - report.started,
         "client": client_metrics,
-        "history": history,
+        "history": report.history,
     }
     if observers:
-        arrays = state_to_arrays(server.state_dict())
-        for observer in observers:
-            summary |= observer.finish(arrays, history)
-    atomic.write_json(run_dir / "summary.json", summary)
-    write_report(run_dir)
+        report.finish_observers(state_to_arrays(server.state_dict()), summary)
+    report.write(summary)
     log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
     return run_dir
@@ -256,16 +248,16 @@ def _last(history: list[dict[str, Any]]) -> tuple[float, float]:
     return history[-1]["loss"], history[-1]["psnr"]
 
 
-def split_observers(run_config: dict[str, Any], run_dir: Path | None = None) -> list[Observer]:
+def split_observers(config: FederatedConfig, run_dir: Path | None = None) -> list[Observer]:
     """The simulation-only audits of a split run: `SplitAudit` when a simulation launcher asks
-    for observers (`simulation_observed`), else none (a deployed server reads no user file).
+    for observers (run-config `simulation-audit`), else none (a deployed server reads no user
+    file).
 
     It reads the scene from run-config `data-dir` and the client's joint field from
     `<state-dir>/node_00`, and writes into `run_dir` (default run-config `run-dir`).
     """
-    if not simulation_observed(run_config):
+    if not config.deployment.simulation_audit:
         return []
-    config = FederatedConfig.from_run_config(run_config)
     for key, value, why in (
         (
             "data-dir",

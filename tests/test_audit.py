@@ -57,7 +57,10 @@ def scene_run(root: Path, crowd: Path) -> Path:
         "target-samples": 4096,
         **SMALL_GRID,
     }
-    return run_federated_nerf(InProcessGrid([client_app(config)] * 3, raise_errors=True), config)
+    return run_federated_nerf(
+        InProcessGrid([client_app(config)] * 3, raise_errors=True),
+        FederatedConfig.from_run_config(config),
+    )
 
 
 def meta_run(root: Path) -> Path:
@@ -75,7 +78,10 @@ def meta_run(root: Path) -> Path:
         "field-depth": 2,
         "tto-steps": 4,
     }
-    return run_meta_job(InProcessGrid([client_app(config)] * 4, raise_errors=True), config)
+    return run_meta_job(
+        InProcessGrid([client_app(config)] * 4, raise_errors=True),
+        FederatedConfig.from_run_config(config),
+    )
 
 
 def first_views(scene: Path, count: int, out: Path) -> Path:
@@ -107,7 +113,10 @@ def split_run(root: Path) -> Path:
         "split-attack": True,
         **SMALL_GRID,
     }
-    return run_split_job(InProcessGrid([client_app(config)], raise_errors=True), config)
+    return run_split_job(
+        InProcessGrid([client_app(config)], raise_errors=True),
+        FederatedConfig.from_run_config(config),
+    )
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -23,6 +23,7 @@ from flwr.app import Context, RecordDict
 
 import clients.meta_client as meta_client
 import clients.scene_client as scene_client
+from fedfields.config import FederatedConfig
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
@@ -259,7 +260,7 @@ def test_node_config_device_reaches_every_scene_client_call(
     grid = InProcessGrid([client_app(config)] * 2, raise_errors=True)
     folders = [crowd_dir / f"user_{i:02d}" for i in range(2)]
     _deployed_nodes(grid, ["cuda", "cpu"], folders, tmp_path / "nodes")
-    run_federated_nerf(grid, config, observe=False)
+    run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=False)
     assert seen == Counter(
         {
             ("train", CUDA): 2,
@@ -304,7 +305,7 @@ def test_node_config_device_reaches_meta_learning(
             "num-partitions": 2,
             "device": device,
         }
-    run_meta_job(grid, config, observers=[])
+    run_meta_job(grid, FederatedConfig.from_run_config(config), observers=[])
     assert seen == Counter({CUDA: 1, CPU: 1})
     assert _reply_dtypes(grid) == {np.dtype("float32")}
 
@@ -332,7 +333,7 @@ def test_split_node_on_the_cpu_while_cuda_looks_visible(tmp_path: Path, cuda_vis
         "state-dir": str(tmp_path / "node"),
         "device": "cpu",
     }
-    run_split_job(grid, config, observers=[])
+    run_split_job(grid, FederatedConfig.from_run_config(config), observers=[])
     assert _reply_dtypes(grid) == {np.dtype("float32")}
 
 

@@ -55,7 +55,7 @@ def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> 
 
 def _run_in_process(config: dict, users: int = 3) -> tuple[Path, InProcessGrid]:
     grid = InProcessGrid([client_app(config)] * users, raise_errors=True)
-    return run_federated_nerf(grid, config, observe=True), grid
+    return run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=True), grid
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +194,18 @@ def test_bad_run_config_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown run-config key 'local-stepz'"):
         FederatedConfig.from_run_config({"local-stepz": 3})
     with pytest.raises(ValueError, match="'strategy' 'fedsgd' is unknown; known: fedavg, fedprox"):
-        run_federated_nerf(InProcessGrid([]), {"strategy": "fedsgd", "run-dir": str(tmp_path)})
+        run_federated_nerf(
+            InProcessGrid([]),
+            FederatedConfig.from_run_config({"strategy": "fedsgd", "run-dir": str(tmp_path)}),
+        )
     with pytest.raises(ValueError, match="'local-steps' must be int"):
         FederatedConfig.from_run_config({"local-steps": 2.5})
     with pytest.raises(FileNotFoundError, match="no user_NN folders"):
-        run_federated_nerf(InProcessGrid([]), {"data-dir": str(tmp_path)}, observe=True)
+        run_federated_nerf(
+            InProcessGrid([]),
+            FederatedConfig.from_run_config({"data-dir": str(tmp_path)}),
+            observe=True,
+        )
     assert not list(tmp_path.iterdir()), "a refused run wrote something"
 
 
@@ -206,7 +213,10 @@ def test_rejects_a_used_run_directory(crowd_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "old.txt").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
-        run_federated_nerf(InProcessGrid([]), tiny(crowd_dir, tmp_path / "used", "fedavg"))
+        run_federated_nerf(
+            InProcessGrid([]),
+            FederatedConfig.from_run_config(tiny(crowd_dir, tmp_path / "used", "fedavg")),
+        )
     shutil.rmtree(tmp_path / "used")
 
 

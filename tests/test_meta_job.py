@@ -42,8 +42,10 @@ from fedfields.train.builders import (
     client_meta_tasks,
     heldout_meta_tasks,
     meta_model,
+    tto_schedule,
 )
-from simulations.meta_job import meta_observers, run_meta_job, tto_schedule
+from simulations.meta_job import run_meta_job
+from simulations.meta_observer import meta_observers
 from simulations.observers import Observer
 from simulations.run import client_app
 
@@ -78,7 +80,7 @@ def run_in_process(
 ) -> tuple[Path, InProcessGrid]:
     num_clients = meta_settings(FederatedConfig.from_run_config(config)).num_clients
     grid = InProcessGrid([client_app(config)] * num_clients, raise_errors=True)
-    return run_meta_job(grid, config, observers), grid
+    return run_meta_job(grid, FederatedConfig.from_run_config(config), observers), grid
 
 
 def simulation_root(collection: Path, num_clients: int, root: Path) -> Path:
@@ -301,7 +303,7 @@ def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None
         raise RuntimeError("node lost its data")
 
     grid = InProcessGrid([broken] + [client_app(config)] * 3)
-    run_dir = run_meta_job(grid, config)
+    run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
     (line,) = metric_lines(run_dir)
     assert line[NUM_FAILURES] == 1 and line[NUM_REPLIES] == 3
     assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
@@ -309,7 +311,8 @@ def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None
 
 def test_deployed_faces_server_runs_from_run_config_alone(tmp_path: Path) -> None:
     config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "simulation-audit": False})
-    assert meta_observers(config) == []  # a deployment: no simulation audit
+    deployed = FederatedConfig.from_run_config(config)
+    assert meta_observers(deployed) == []  # a deployment: no simulation audit
     run_dir, _ = run_in_process(config)
     (line,) = metric_lines(run_dir)
     assert line[NUM_REPLIES] == 2 and line[NUM_FAILURES] == 0  # figures from the clients
@@ -335,7 +338,7 @@ def test_deployed_objects_server_opens_no_client_data(tmp_path: Path) -> None:
     for node_id, context in grid.contexts.items():  # each node holds only its own object
         context.node_config["data-dir"] = str(clients / f"object_{node_id - 101:03d}")
     with OPENS.server():
-        run_dir = run_meta_job(grid, config)
+        run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
     assert OPENS.paths("node", clients)  # the hook sees the nodes read their objects
     assert OPENS.paths("server", public)  # and the server its public held-out object
     assert OPENS.paths("server", clients) == []

@@ -105,7 +105,7 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
     config = deployed_config(tmp_path / "run", strategy="decentnerf")
     grid = deployed_grid(config, users, tmp_path / "nodes")
     SERVER_OPENS.clear()
-    run_dir = run_federated_nerf(grid, config)
+    run_dir = run_federated_nerf(grid, FederatedConfig.from_run_config(config))
     read = [path for path in SERVER_OPENS if str(crowd) in path]
     assert not read, f"the server opened users' files: {read[:3]}"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +139,9 @@ def test_nodes_with_different_cameras_federate(crowds: tuple[Path, Path], tmp_pa
     assert sizes == {25, 20}
     public = {"eval-scene-dir": str(crowd20 / "heldout"), "eval-views-per-round": 1}
     config = deployed_config(tmp_path / "run", strategy="fedavg", **public)
-    run_dir = run_federated_nerf(deployed_grid(config, users, tmp_path / "nodes"), config)
+    run_dir = run_federated_nerf(
+        deployed_grid(config, users, tmp_path / "nodes"), FederatedConfig.from_run_config(config)
+    )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line[NUM_REPLIES], line[NUM_FAILURES]) for line in lines] == [(2, 0), (2, 0)]
     assert all(0 < line["eval-scene-psnr"] < 60 for line in lines)  # the public scene
@@ -155,7 +157,7 @@ def test_a_node_without_its_folder_is_a_counted_failure(
     grid = InProcessGrid([client_app(config)] * 2)  # errors become Flower error replies
     grid.contexts[101].node_config["data-dir"] = str(crowd / "user_00")
     grid.contexts[102].node_config["data-dir"] = str(tmp_path / "missing")
-    run_dir = run_federated_nerf(grid, config)
+    run_dir = run_federated_nerf(grid, FederatedConfig.from_run_config(config))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line[NUM_REPLIES], line[NUM_FAILURES]) for line in lines] == [(1, 1), (1, 1)]
     reasons = [reply.error.reason for reply in grid.received if reply.has_error()]

@@ -33,6 +33,7 @@ from fedfields.aggregate.robust import (
     robust_aggregate,
     update_norm,
 )
+from fedfields.config import FederatedConfig
 from fedfields.flower import (
     DecentNeRF,
     DecentNeRFClient,
@@ -813,7 +814,9 @@ def test_the_split_server_stops_at_a_bad_sample_reply_with_one_error(tmp_path: P
         return Message(content, reply_to=message)
 
     with pytest.raises(EmptyRoundsError, match="dropped-batch-size 1") as raised:
-        run_split_job(InProcessGrid([flooding]), config, observers=[])
+        run_split_job(
+            InProcessGrid([flooding]), FederatedConfig.from_run_config(config), observers=[]
+        )
     assert f"split-batch-rays = {SPLIT_RAYS}" in str(raised.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
 

@@ -82,11 +82,14 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
         nodes = [client_app(config)] * clients
         return CrashingGrid(nodes, raise_errors=True, crash_round=crash_round)
 
-    straight = run_meta_job(grid(config(tmp_path / "straight")), config(tmp_path / "straight"))
+    straight = run_meta_job(
+        grid(config(tmp_path / "straight")),
+        FederatedConfig.from_run_config(config(tmp_path / "straight")),
+    )
     crashed = config(tmp_path / "crashed")
     nodes = grid(crashed, crash_round=4)
     with pytest.raises(ServerCrash):
-        run_meta_job(nodes, crashed)
+        run_meta_job(nodes, FederatedConfig.from_run_config(crashed))
     assert load_round_checkpoint(tmp_path / "crashed" / RESUME_FILE).server_round == 3
     assert metric_rounds(tmp_path / "crashed") == [1, 2, 3]
     metrics = tmp_path / "crashed" / "metrics.jsonl"
@@ -95,9 +98,11 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
     lines = whole.splitlines(keepends=True)
     metrics.write_text(lines[0] + lines[1][: len(lines[1]) // 2] + "\n" + lines[2])
     with pytest.raises(ResumeError, match=f"{metrics} line 2 is damaged"):
-        run_meta_job(nodes, config(tmp_path / "crashed", resume=True))
+        run_meta_job(
+            nodes, FederatedConfig.from_run_config(config(tmp_path / "crashed", resume=True))
+        )
     metrics.write_text(whole + '{"round": 4, "train-lo')  # round 4's line, cut by the crash
-    run_meta_job(nodes, config(tmp_path / "crashed", resume=True))
+    run_meta_job(nodes, FederatedConfig.from_run_config(config(tmp_path / "crashed", resume=True)))
 
     assert metric_rounds(tmp_path / "crashed") == [1, 2, 3, 4, 5, 6]
     assert_bitwise_equal(final_state(straight), final_state(tmp_path / "crashed"))
@@ -118,15 +123,19 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
     def grid(config: dict, crash_round: int = 0) -> InProcessGrid:
         return CrashingGrid([client_app(config)] * 3, raise_errors=True, crash_round=crash_round)
 
-    straight = run_federated_nerf(grid(config(tmp_path / "a")), config(tmp_path / "a"), True)
+    straight = run_federated_nerf(
+        grid(config(tmp_path / "a")), FederatedConfig.from_run_config(config(tmp_path / "a")), True
+    )
     crashed = config(tmp_path / "b")
     nodes = grid(crashed, crash_round=2)
     with pytest.raises(ServerCrash):
-        run_federated_nerf(nodes, crashed, True)
+        run_federated_nerf(nodes, FederatedConfig.from_run_config(crashed), True)
     with (tmp_path / "b" / "metrics.jsonl").open("a") as out:  # a line the crash left behind
         out.write(json.dumps({"round": 2, "half-written": True}) + "\n")
     nodes.crash_round = 0  # the nodes kept running; a new ServerApp resumes
-    run_federated_nerf(nodes, config(tmp_path / "b", resume=True), True)
+    run_federated_nerf(
+        nodes, FederatedConfig.from_run_config(config(tmp_path / "b", resume=True)), True
+    )
 
     assert metric_rounds(tmp_path / "b") == [1, 2]
     assert_bitwise_equal(final_state(straight), final_state(tmp_path / "b"))
@@ -138,16 +147,27 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
 def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
     """No run there, a run without a completed round, a changed setting: one clear error each."""
     with pytest.raises(ResumeError, match="config.json does not exist"):
-        run_meta_job(InProcessGrid([]), tiny_meta(tmp_path / "none", resume=True))
+        run_meta_job(
+            InProcessGrid([]),
+            FederatedConfig.from_run_config(tiny_meta(tmp_path / "none", resume=True)),
+        )
     run_dir = tmp_path / "run"
     config = tiny_meta(run_dir)
     with pytest.raises(ServerCrash):
         nodes = [client_app(config)] * 4
-        run_meta_job(CrashingGrid(nodes, raise_errors=True, crash_round=1), config)
+        run_meta_job(
+            CrashingGrid(nodes, raise_errors=True, crash_round=1),
+            FederatedConfig.from_run_config(config),
+        )
     with pytest.raises(ResumeError, match="resume.pt does not exist"):
-        run_meta_job(InProcessGrid([]), tiny_meta(run_dir, resume=True))
+        run_meta_job(
+            InProcessGrid([]), FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+        )
     with pytest.raises(ResumeError, match=r"outer-steps: 2 -> 3"):
-        run_meta_job(InProcessGrid([]), tiny_meta(run_dir, resume=True, **{"outer-steps": 3}))
+        run_meta_job(
+            InProcessGrid([]),
+            FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True, **{"outer-steps": 3})),
+        )
     with pytest.raises(ValueError, match="'resume' = true needs 'run-dir'"):
         FederatedConfig.from_run_config({"resume": True})
     with pytest.raises(ValueError, match="split runs"):
@@ -176,7 +196,9 @@ def test_resume_refuses_a_damaged_config_json(tmp_path: Path, content: bytes, re
     (run_dir / "config.json").write_bytes(content)
     message = f"cannot resume: {run_dir / 'config.json'} {reason}"
     with pytest.raises(ResumeError, match=message):
-        run_meta_job(InProcessGrid([]), tiny_meta(run_dir, resume=True))
+        run_meta_job(
+            InProcessGrid([]), FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+        )
     with pytest.raises(ResumeError, match=message):
         read_run_config(run_dir)
     assert (run_dir / "config.json").read_bytes() == content  # nothing rewritten

@@ -349,7 +349,7 @@ def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
         "tto-steps": 1,
     }
     grid = InProcessGrid([client_app(config)] * 6, raise_errors=True)
-    run_meta_job(grid, config, observers=[])
+    run_meta_job(grid, FederatedConfig.from_run_config(config), observers=[])
     trained = {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"}
     assert len(trained) == 4
 
@@ -397,11 +397,19 @@ def test_the_split_server_waits_round_timeout(tmp_path: Path) -> None:
     config = {"mode": "split", "round-timeout": 0.4, "hash-log2-size": 10, "hash-levels": 2}
     silent = RecordingGrid([7])
     with pytest.raises(TimeoutError, match=r"node 7 did not reply within 0.4 s .*round-timeout"):
-        run_split_job(silent, {**config, "run-dir": str(tmp_path / "a")}, observers=[])  # type: ignore[arg-type]
+        run_split_job(
+            silent,  # type: ignore[arg-type]
+            FederatedConfig.from_run_config({**config, "run-dir": str(tmp_path / "a")}),
+            observers=[],
+        )
     assert silent.timeouts == [0.4]
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"no client connected within 0.4 s"):
-        run_split_job(RecordingGrid([]), {**config, "run-dir": str(tmp_path / "b")}, observers=[])  # type: ignore[arg-type]
+        run_split_job(
+            RecordingGrid([]),  # type: ignore[arg-type]
+            FederatedConfig.from_run_config({**config, "run-dir": str(tmp_path / "b")}),
+            observers=[],
+        )
     assert 0.4 <= time.monotonic() - started < 5.0
 
 
@@ -479,7 +487,7 @@ def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
     never read the key; a FedMeNF run that read it keeps its 0."""
     from fedfields.audit.common import RunError, open_run
     from fedfields.flower.resume import ResumeError
-    from simulations.federated_nerf import open_run_dir
+    from simulations.job import open_run_dir
 
     saved = {**FederatedConfig().to_run_config(), "memorising-bound": 0.0}
     with pytest.raises(ValueError, match="'memorising-bound' belongs to the meta section"):

@@ -262,7 +262,9 @@ def test_the_repo_client_app_forwards_no_values_in_secure_mode(
     ) | {"num-server-rounds": 1}
     grid = InProcessGrid([client_app(config)] * 3)
     with pytest.raises(EmptyRoundsError, match="replies were errors") as raised:
-        run_federated_nerf(grid, config, observe=False)  # the only round failed: no model
+        run_federated_nerf(
+            grid, FederatedConfig.from_run_config(config), observe=False
+        )  # the only round failed: no model
     errors = [reply.error.reason for reply in grid.received if reply.has_error()]
     assert errors and all("FloatingPointError" in reason for reason in errors)
     assert not any(str(SECRET) in reason for reason in [*errors, str(raised.value)])
@@ -515,7 +517,7 @@ def decentnerf_run(
         crowd, run_dir, "decentnerf", **{"secure-aggregation": secure, "min-train-nodes": 3}
     )
     grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
-    run_federated_nerf(grid, config, observe=True)
+    run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=True)
     scalars = list(recorder.scalars)
     tensors = list(recorder.tensors)
     nodes = Path(config["state-dir"])
@@ -577,7 +579,7 @@ def meta_run(run_dir: Path, secure: bool, monkeypatch: pytest.MonkeyPatch) -> di
     parsed = FederatedConfig.from_run_config(config)
     settings = meta_settings(parsed)
     grid = InProcessGrid([client_app(config)] * settings.num_clients, raise_errors=True)
-    run_meta_job(grid, config)
+    run_meta_job(grid, FederatedConfig.from_run_config(config))
     scalars, tensors = list(recorder.scalars), list(recorder.tensors)
     if secure:
         masked_only(grid)

@@ -49,7 +49,7 @@ def tiny(run_dir: Path, **overrides: object) -> dict:
 def split_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, InProcessGrid, dict]:
     config = tiny(tmp_path_factory.mktemp("split") / "run")
     grid = InProcessGrid([client_app(config)], raise_errors=True)
-    return run_split_job(grid, config), grid, config
+    return run_split_job(grid, FederatedConfig.from_run_config(config)), grid, config
 
 
 def test_split_run_writes_the_report_and_a_checkpoint_fedfields_eval_reads(
@@ -98,11 +98,13 @@ def test_split_mode_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="split-noise-r"):
         FederatedConfig.from_run_config({"mode": "split", "split-noise-r": 0.0})
     with pytest.raises(ValueError, match="'state-dir' is empty"):
-        split_observers(tiny(tmp_path / "audit", **{"state-dir": ""}))
+        split_observers(
+            FederatedConfig.from_run_config(tiny(tmp_path / "audit", **{"state-dir": ""}))
+        )
     config = tiny(tmp_path / "both", **{"split-noise-c": 1.2, "split-label-noise": 0.5})
     grid = InProcessGrid([client_app(config)])
     with pytest.raises(RuntimeError, match="split-noise-c or split-label-noise, not both"):
-        run_split_job(grid, config)
+        run_split_job(grid, FederatedConfig.from_run_config(config))
 
 
 def test_the_clients_s2nerf_noise_differs_across_steps() -> None:
@@ -193,7 +195,7 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
     config = tiny(tmp_path / "run", **{"split-steps": 3})
     for key in ("data-dir", "state-dir", "simulation-audit"):
         del config[key]
-    assert split_observers(config) == []
+    assert split_observers(FederatedConfig.from_run_config(config)) == []
     node_dir = tmp_path / "node-state"
 
     def deployed(run_dir: Path, audit: bool) -> tuple[Path, dict]:
@@ -203,7 +205,9 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
         client_views.cache_clear()
         SERVER_OPENS.opened, SERVER_OPENS.on = [], audit
         try:
-            run_dir = run_split_job(grid, config | {"run-dir": str(run_dir)})
+            run_dir = run_split_job(
+                grid, FederatedConfig.from_run_config(config | {"run-dir": str(run_dir)})
+            )
         finally:
             SERVER_OPENS.on = False
         return run_dir, json.loads((run_dir / "summary.json").read_text())
@@ -228,7 +232,10 @@ def test_the_attack_audit_recovers_geometry_and_reports_it(tmp_path: Path) -> No
             "split-attack": True,
         },
     )
-    run_dir = run_split_job(InProcessGrid([client_app(config)], raise_errors=True), config)
+    run_dir = run_split_job(
+        InProcessGrid([client_app(config)], raise_errors=True),
+        FederatedConfig.from_run_config(config),
+    )
     attack = json.loads((run_dir / "summary.json").read_text())["attack"]
     assert attack["transcript-steps"] == 10
     assert attack["attacked"]["ssim_depth"] > attack["untrained"]["ssim_depth"] + 0.3
