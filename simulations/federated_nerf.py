@@ -142,9 +142,9 @@ def run_federated_nerf(grid: Grid, config: FederatedConfig, observe: bool | None
     def observers(run_dir: Path) -> list[Observer]:
         return [] if crowd is None else [CrowdObserver(config, crowd, run_dir)]
 
-    def report(run_dir: Path, observers: list[Observer], initial: dict[str, Tensor]) -> RoundReport:
+    def report(run_dir: Path, audits: list[Observer], initial: dict[str, Tensor]) -> RoundReport:
         num_parameters = sum(tensor.numel() for tensor in initial.values())
-        return RoundReport(config, run_dir, job.strategy, observers, num_parameters)
+        return RoundReport(config, run_dir, job.strategy, audits, num_parameters)
 
     job = RoundJob(
         strategy=make_strategy(config),  # an unknown strategy fails before anything is written

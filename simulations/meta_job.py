@@ -10,7 +10,8 @@ data; objects from run-config `eval-scene-dir` (without it the server skips TTO)
 
 PSNR_p (FedMeNF Eq. 6) needs the clients' private query images, so it is measured by the
 simulation-only observer `simulations.meta_observer.PrivacyAudit`, which `meta_observers`
-attaches when a simulation launcher sets run-config `simulation-audit`.
+attaches when a simulation launcher sets run-config `simulation-audit`. The run directory,
+seeding, resume, metrics lines and summary are the job skeleton's (`simulations.job`).
 """
 
 from __future__ import annotations
@@ -228,8 +229,8 @@ def run_meta_job(
     def attached(run_dir: Path) -> list[Observer]:
         return meta_observers(config, run_dir) if observers is None else observers
 
-    def report(run_dir: Path, observers: list[Observer], initial: dict[str, Tensor]) -> MetaReport:
-        return MetaReport(config, settings, run_dir, job.strategy, observers)
+    def report(run_dir: Path, audits: list[Observer], initial: dict[str, Tensor]) -> MetaReport:
+        return MetaReport(config, settings, run_dir, job.strategy, audits)
 
     job = RoundJob(
         strategy=make_meta_strategy(config, settings),  # an unknown one fails before any write
