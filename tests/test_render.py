@@ -10,11 +10,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from fedfields.config import FederatedConfig
 from fedfields.fields.base import Field, FieldOutputs
 from fedfields.geometry import Cameras, Rays, image_rays, intersect_aabb, pixel_rays
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import composite_dense, composite_packed, dense_weights, packed_weights
+from fedfields.train.evaluation import FieldRenderer
+from fedfields.train.federated import federated_state
 
 UNIT_BOX = (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0)
 COLOUR = (0.2, 0.5, 0.8)
@@ -569,3 +572,26 @@ def test_march_through_empty_space_returns_no_samples() -> None:
     # No ray hits the box at all.
     samples = grid.march(rays[2:], t_near[2:], t_far[2:], 0.01, perturb=False)
     assert samples.t_mid.numel() == 0
+
+
+def test_a_loaded_field_scores_the_same_whatever_ran_before_it() -> None:
+    """FieldRenderer.load refreshes its occupancy grid from its own seeded points, so the
+    server's score of one field does not depend on the global RNG (e.g. the order in which a
+    round's uploads are scored); the global RNG alone would give a different grid."""
+    config = FederatedConfig.from_run_config({"hash-log2-size": 10, "hash-levels": 4})
+    torch.manual_seed(3)
+    renderer = FieldRenderer(config)
+    state = federated_state(renderer.field)
+    grids = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        renderer.load(state)
+        grids.append(renderer.occupancy.density.clone())
+    assert torch.equal(grids[0], grids[1])
+    unseeded = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        grid = OccupancyGrid(renderer.field.aabb)
+        grid.update(renderer.field.density, 0.01)
+        unseeded.append(grid.density)
+    assert not torch.equal(unseeded[0], unseeded[1])

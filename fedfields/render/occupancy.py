@@ -65,18 +65,24 @@ class OccupancyGrid:
 
     @torch.no_grad()
     def update(
-        self, density_fn: Callable[[Tensor], Tensor], step_size: float, chunk: int = 1 << 16
+        self,
+        density_fn: Callable[[Tensor], Tensor],
+        step_size: float,
+        chunk: int = 1 << 16,
+        generator: torch.Generator | None = None,
     ) -> None:
         """Re-evaluate density at one random point per cell and refresh the occupied mask.
 
         A cell counts as occupied when its opacity over one marching step exceeds the
         threshold, or the grid mean if lower (nerfacc's rule, which keeps early grids dense).
-        Points are drawn on the grid's device: keep the grid where the field is (`to`).
+        Points are drawn on the grid's device from `generator` (default: torch's global RNG):
+        keep the grid where the field is (`to`).
         """
         res = self.resolution
         axis = torch.arange(res, device=self.density.device)
         cells = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), dim=-1).reshape(-1, 3)
-        unit = (cells + torch.rand(cells.shape, device=cells.device)) / res
+        jitter = torch.rand(cells.shape, device=cells.device, generator=generator)
+        unit = (cells + jitter) / res
         points = self.aabb[0] + unit * (self.aabb[1] - self.aabb[0])
         fresh = torch.cat([density_fn(part) for part in points.split(chunk)]).view(res, res, res)
         self.density = torch.maximum(self.density * self.decay, fresh)

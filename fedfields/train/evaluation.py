@@ -26,6 +26,7 @@ from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.federated import load_federated_state
 
 OCCUPANCY_PASSES = 2  # grid refreshes from a freshly loaded field before rendering
+OCCUPANCY_SEED = 0  # the refreshes' points: a field scores the same whatever ran before it
 
 
 @dataclass
@@ -132,13 +133,16 @@ class FieldRenderer:
         return renderer
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load federated parameters and refresh the occupancy grid from their density."""
+        """Load federated parameters and refresh the occupancy grid from their density, with
+        its own seeded points: the same parameters give the same grid and scores whatever
+        consumed the global RNG before (e.g. the order in which uploads are scored)."""
         load_federated_state(self.field, state)
         self.field.eval()
         self.occupancy = OccupancyGrid(self.field.aabb)
         step = render_config(self.config, None).step_size
+        points = torch.Generator(device=self.device).manual_seed(OCCUPANCY_SEED)
         for _ in range(OCCUPANCY_PASSES):
-            self.occupancy.update(self.field.density, step)
+            self.occupancy.update(self.field.density, step, generator=points)
 
     def __call__(self, scene: Scene, view: int) -> torch.Tensor:
         """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""
