@@ -83,8 +83,8 @@ class RoundPrivacy:
         clipping range without room for the noise shares of `min_train_nodes` clients."""
         if secure_weight:
             reason = "the sum's sensitivity to one client is then the clip norm C"
-            log(INFO, "differential privacy: replies weigh 1 each, not %r: %s", secure_weight,
-                reason)  # fmt: skip
+            message = "differential privacy: replies weigh 1 each, not %r: %s"
+            log(INFO, message, secure_weight, reason)
         secure, dp = self.secure_aggregation, self.config
         if secure is not None and secure.clipping_range > 0:
             num_clients = max(min_train_nodes, 2)
