@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 
 # The default federated run: `flwr run .` with DecentNeRF on crowdsourced lego (16 users x 5
 # views, 100x100) through Ray, ~6-16 minutes on 2 cores; the report lands in
-# runs/<time>-<strategy>/.
+# runs/<time>-<strategy>/. Each demo has its own Flower home and SuperLink ports, so demos
+# run side by side (docs/SIMULATION.md, "Runs side by side").
 # Extra run-config: make demo RUN_CONFIG="strategy='fedavg' num-server-rounds=3"
 RUN_CONFIG ?=
 demo: install

@@ -145,10 +145,9 @@ class Deployment:
         """The environment of a Flower process whose home is `home` (venv scripts first)."""
         home.mkdir(parents=True, exist_ok=True)
         scripts = str(Path(sys.executable).parent)
-        flower = {key: value for key, value in ENVIRONMENT.items() if key != "FLWR_HOME"}
         return {
             **os.environ,
-            **flower,
+            **ENVIRONMENT,
             "FLWR_HOME": str(home),
             "PATH": f"{scripts}:{os.environ.get('PATH', '')}",
         }

@@ -1,12 +1,15 @@
 """`python -m simulations.launch`: a federated run, by `flwr run .` through Ray.
 
-It does what a careful user of Flower 1.41 does by hand (docs/SIMULATION.md): keeps Flower's home
-and state inside the project, forbids run-time dependency installation (which would pull a
-CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
+It does what a careful user of Flower 1.41 does by hand (docs/SIMULATION.md): gives the launch
+its own Flower home (.flwr-home/<run-dir name>-<pid>) and free ports for the local SuperLink
+`flwr run` starts, so launches run side by side; caps the private Ray instance at the CPUs
+the launch asks for (`--ray-cpus`); forbids run-time dependency installation (which would pull
+a CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
 object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
 absolute paths (app bundles carry no images), starts one virtual SuperNode per user or
 client, streams the logs, then asks the SuperLink whether the run completed, since
-`flwr run` exits 0 even when the ServerApp fails, and stops the SuperLink it started.
+`flwr run` exits 0 even when the ServerApp fails, and stops what it started (by its Flower
+home, also on Ctrl-C and SIGTERM), never another launch's processes.
 As the experimenter it attaches the simulation-only observers (`simulation-audit`), which
 read the data root's ground truth, and gives virtual node i its private state directory
 `<run-dir>.nodes/node_NN` (`state-dir`), outside the server's run directory. The nodes and
@@ -23,31 +26,50 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 
 import torch
 from flwr.common.config import parse_config_args
 
-from fedfields.config import without_ignored_keys
+from fedfields.config import FederatedConfig, without_ignored_keys
 from fedfields.flower.resume import read_run_config
 from simulations import APP_DIR
 from simulations.planner import (
     ENVIRONMENT,
+    LOOPBACK,
     DataOptions,
+    LocalSuperLink,
     as_run_config,
     failure_line,
+    fresh_home,
     job_config,
+    launch_home,
     plan_nodes,
+    reserved_ports,
     run_id_of,
     run_status,
-    stop_tree,
-    superlinks_with_home,
+    stop_launch,
 )
 
 LAUNCHER_KEYS = ("run-dir", "data-dir", "state-dir", "simulation-audit", "min-available-nodes")
+SUPERLINK_START_ATTEMPTS = 3
+SUPERLINK_START_FAILED = "Failed to start local SuperLink"  # flwr run's words when it could not
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What `flwr run` left: the run id (None when no run started), its final status, output."""
+
+    run_id: int | None
+    status: str
+    output: str
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,6 +117,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--client-cpus", type=int, default=1, help="CPUs per virtual client (Ray actor)"
     )
     parser.add_argument(
+        "--ray-cpus",
+        type=int,
+        default=None,
+        help="CPUs of the private Ray instance this launch starts (ray.init's num_cpus): Ray "
+        "runs at most this / --client-cpus clients at once and leaves the rest of the machine "
+        "to other launches; default --client-cpus x min(nodes, this process's CPUs / "
+        "--client-cpus), at least one client's; not with --ray-address, where the cluster's "
+        "own resources apply",
+    )
+    parser.add_argument(
         "--client-gpus",
         type=float,
         default=0.0,
@@ -108,6 +140,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.client_cpus < 1:
         parser.error(f"--client-cpus must be a positive integer, got {args.client_cpus}")
+    if args.ray_cpus is not None and args.ray_address:
+        parser.error(
+            f"--ray-cpus caps the private Ray instance a launch starts; on the Ray cluster at "
+            f"{args.ray_address} (--ray-address or $RAY_ADDRESS) its own resources apply"
+        )
+    if args.ray_cpus is not None and args.ray_cpus < args.client_cpus:
+        parser.error(
+            f"--ray-cpus {args.ray_cpus} is below --client-cpus {args.client_cpus}: "
+            "no client could run"
+        )
     if args.client_gpus < 0:
         parser.error(f"--client-gpus must be >= 0, got {args.client_gpus}")
     if args.client_gpus > 0 and not args.ray_address and not torch.cuda.is_available():
@@ -143,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **ENVIRONMENT, "PATH": f"{scripts}:{os.environ.get('PATH', '')}"}
     if args.client_gpus == 0 and torch.cuda.is_available():
         env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # Ray hides the GPUs: clients on the CPU
-    Path(env["FLWR_HOME"]).mkdir(exist_ok=True)
     try:
         if args.resume is not None:
             args.run_config = resumed_run_config(args.resume.resolve(), args.run_config)
@@ -157,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clients is not None and config.common.task == "scene":
         args.no_audit = True  # the audit's ground truth is per user, not per shared client
         print(f"fedfields: {args.clients} clients share the photos in {nodes.data_root} (no audit)")
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    run_dir = (
-        args.run_dir or Path(config.common.run_dir or APP_DIR / "runs" / f"{stamp}-{nodes.name}")
-    ).resolve()
+    run_dir = launch_run_dir(args.run_dir, config, nodes.name)
     state_dir = run_dir.with_name(run_dir.name + ".nodes")
     run_config = f"run-dir={json.dumps(str(run_dir))} state-dir={json.dumps(str(state_dir))}"
     audit = "false" if args.no_audit else "true"
@@ -171,45 +209,118 @@ def main(argv: list[str] | None = None) -> int:
         run_config += f" eval-scene-dir={json.dumps(str(nodes.eval_scene_dir))}"
     if config.common.mode == "split" and "downscale" not in parse_config_args([args.run_config]):
         run_config += f" downscale={float(args.downscale)}"  # the raw scene, like the crowd's
-    federation = federation_config(nodes.count, args.client_cpus, args.client_gpus)
+    ray_cpus = None
+    if not args.ray_address:
+        available = len(os.sched_getaffinity(0))
+        ray_cpus = args.ray_cpus or default_ray_cpus(nodes.count, args.client_cpus, available)
+    federation = federation_config(nodes.count, args.client_cpus, args.client_gpus, ray_cpus)
+    # read by the simulation runtime's ray.init: the cluster, or a new private instance even
+    # where `ray start` left a cluster that Ray would otherwise join
+    env["RAY_ADDRESS"] = args.ray_address or "local"
     flwr = str(Path(sys.executable).with_name("flwr"))
-    already_running = set(superlinks_with_home())
-    env.pop("RAY_ADDRESS", None)
-    if args.ray_address:
-        if already_running:  # a running SuperLink keeps the Ray settings it started with
-            print(
-                f"fedfields: this project's SuperLink is already running (PIDs "
-                f"{sorted(already_running)}) with its own Ray settings; stop it to run on "
-                f"the Ray cluster at {args.ray_address}",
-                file=sys.stderr,
-            )
-            return 2
-        env["RAY_ADDRESS"] = args.ray_address  # read by the SuperLink's simulation runtime
     command = [flwr, "run", str(APP_DIR), "--stream", "--federation-config", federation]
     command += ["--run-config", f"{run_config} {user_overrides(args.run_config)}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
-    try:
-        output = _run_streaming(command, env)
-        run_id = run_id_of(output)
-        if run_id is None:
-            print("fedfields: flwr run did not start a run", file=sys.stderr)
-            return 1
-        status = run_status(flwr, run_id, env)
-    finally:  # `flwr run` leaves the local SuperLink it started running: stop ours
-        for pid in set(superlinks_with_home()) - already_running:
-            stop_tree(pid)
-    if status != "finished:completed":
-        print(failure_line(run_id, status, output), file=sys.stderr)
+    home = fresh_home(launch_home(run_dir))
+    outcome = run_and_clean_up(command, env, home, flwr)
+    if outcome.run_id is None:
+        print(
+            f"fedfields: flwr run did not start a run; this launch's Flower home, with the "
+            f"SuperLink's log, is kept in {home}",
+            file=sys.stderr,
+        )
+        return 1
+    if outcome.status != "finished:completed":
+        print(failure_line(outcome.run_id, outcome.status, outcome.output), file=sys.stderr)
         return 1
     print(f"fedfields: report in {run_dir}")
     return 0
 
 
-def federation_config(num_nodes: int, client_cpus: int, client_gpus: float) -> str:
-    """Flower's simulation settings: one virtual SuperNode per client and each client's Ray
-    resources (CPUs must be whole: Flower 1.41's `flwr run` takes no fractional CPUs)."""
+def launch_run_dir(given: Path | None, config: FederatedConfig, job: str) -> Path:
+    """The run directory: `--run-dir`, run-config's `run-dir`, else a new
+    runs/<UTC time>-<job> (`claimed_run_dir`)."""
+    if given is not None or config.common.run_dir:
+        return Path(given or config.common.run_dir).resolve()
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return claimed_run_dir(APP_DIR / "runs" / f"{stamp}-{job}")
+
+
+def claimed_run_dir(base: Path) -> Path:
+    """`base`, else `base`-2, -3, ...: the first that did not exist, created here, so launches
+    started in the same second get a default run directory each."""
+    path, number = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path.resolve()
+        except FileExistsError:
+            number += 1
+            path = base.with_name(f"{base.name}-{number}")
+
+
+def run_and_clean_up(command: list[str], env: dict[str, str], home: Path, flwr: str) -> RunOutcome:
+    """`run_on_own_superlink`, then stop what this launch started (`flwr run` leaves its
+    SuperLink running) and remove its Flower home, unless no run started (the SuperLink's
+    log there says why); SIGTERM, like Ctrl-C, ends the launch through this clean-up."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    keep = False
+    try:
+        outcome = run_on_own_superlink(command, env, home, flwr)
+        keep = outcome.run_id is None
+        return outcome
+    finally:
+        stop_launch(home)
+        signal.signal(signal.SIGTERM, previous)
+        if not keep:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def run_on_own_superlink(
+    command: list[str], env: dict[str, str], home: Path, flwr: str
+) -> RunOutcome:
+    """`flwr run` (`command`) on a local SuperLink of this launch alone: Flower home `home`,
+    free ports held reserved until the run's status is known. When the SuperLink could not
+    start (a port taken by a process that bound it without reserving), again on new ports,
+    up to SUPERLINK_START_ATTEMPTS times."""
+    output = ""
+    for attempt in range(1, SUPERLINK_START_ATTEMPTS + 1):
+        with reserved_ports(2) as (http_port, control_port):
+            superlink = LocalSuperLink(home, http_port, control_port)
+            run_env = {**env, **superlink.environment()}
+            print(f"fedfields: Flower home {home}, SuperLink {LOOPBACK}:{http_port}", flush=True)
+            output = _run_streaming(command, run_env)
+            run_id = run_id_of(output)
+            if run_id is not None:
+                return RunOutcome(run_id, run_status(flwr, run_id, run_env), output)
+        if SUPERLINK_START_FAILED not in output:
+            break
+        print(f"fedfields: the SuperLink did not start (try {attempt}); new ports", flush=True)
+        stop_launch(home)
+    return RunOutcome(None, "not-started", output)
+
+
+def default_ray_cpus(nodes: int, client_cpus: int, available: int) -> int:
+    """CPUs for a launch's private Ray instance: room for all `nodes` clients at once, but no
+    more clients than `available` CPUs hold (at least one client)."""
+    return client_cpus * max(1, min(nodes, available // client_cpus))
+
+
+def federation_config(
+    num_nodes: int, client_cpus: int, client_gpus: float, ray_cpus: int | None = None
+) -> str:
+    """Flower's simulation settings: one virtual SuperNode per client, each client's Ray
+    resources (CPUs must be whole: Flower 1.41's `flwr run` takes no fractional CPUs) and,
+    for a private Ray instance, its CPUs (`init-args-num-cpus`: ray.init's num_cpus)."""
     config = f"num-supernodes={num_nodes} client-resources-num-cpus={client_cpus}"
-    return config + f" client-resources-num-gpus={client_gpus:g}"
+    config += f" client-resources-num-gpus={client_gpus:g}"
+    return config if ray_cpus is None else f"{config} init-args-num-cpus={ray_cpus}"
+
+
+def _terminate(signum: int, _: FrameType | None) -> None:
+    """SIGTERM: leave through `run_and_clean_up`'s clean-up (this launch's processes stopped)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
 
 
 def _run_streaming(command: list[str], env: dict[str, str]) -> str:

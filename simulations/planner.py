@@ -1,6 +1,6 @@
 """What both launchers plan and control: which node gets which folder, the datasets behind
-them, the SuperLink's record of a run, the ServerApp's error, and stopping exactly the
-processes a launcher started.
+them, a simulation launch's own Flower home and SuperLink ports, the SuperLink's record of a
+run, the ServerApp's error, and stopping exactly the processes a launcher started.
 
 `python -m simulations.launch` (virtual SuperNodes through Ray) and `python -m
 simulations.deploy` (real SuperNodes over TLS) are thin command lines over this module: the
@@ -11,14 +11,18 @@ assigned to nodes here, once, and every process tree either launcher stops is wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,18 +32,18 @@ from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
 from strategies import strategy_class
 
-SUPERLINK_PORT = 39191  # not Flower's default 39091, so other projects' SuperLinks are left alone
 ENVIRONMENT = {
-    "FLWR_HOME": str(APP_DIR / ".flwr-home"),
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(SUPERLINK_PORT),
-    "FLWR_LOCAL_CONTROL_API_PORT": str(SUPERLINK_PORT + 2),
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",  # silences Ray's GPU-masking notice; no GPUs
 }
-"""Flower's settings for every process a launcher starts: Flower's home inside the project,
-no telemetry, no run-time dependency installation (a SuperLink would pull a CUDA torch)."""
+"""Flower's settings for every process a launcher starts: no telemetry, no run-time
+dependency installation (a SuperLink would pull a CUDA torch). Flower's home and the local
+SuperLink's ports are each launch's own (`LocalSuperLink`)."""
+FLOWER_HOMES = APP_DIR / ".flwr-home"
+"""Where `simulations.launch` keeps each launch's Flower home (git-ignored)."""
+LOOPBACK = "127.0.0.1"
 STOP_GRACE_SECONDS = 10.0
 MAX_SHARED_CLIENTS = 1000  # user_000..user_999
 ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception)): (\S.*?)\s*$")
@@ -343,8 +347,8 @@ def processes_with_home_under(directory: Path) -> list[int]:
     ]
 
 
-def superlinks_with_home(flwr_home: str = ENVIRONMENT["FLWR_HOME"]) -> list[int]:
-    """PIDs of `flower-superlink` processes running with `flwr_home` (this project's)."""
+def superlinks_with_home(flwr_home: str | Path) -> list[int]:
+    """PIDs of `flower-superlink` processes running with FLWR_HOME `flwr_home`."""
     marker = f"FLWR_HOME={flwr_home}".encode()
     found = []
     for pid in _pids():
@@ -355,3 +359,73 @@ def superlinks_with_home(flwr_home: str = ENVIRONMENT["FLWR_HOME"]) -> list[int]
         if b"flower-superlink" in command and marker in _environment_of(pid):
             found.append(pid)
     return found
+
+
+@dataclass(frozen=True)
+class LocalSuperLink:
+    """One launch's own Flower home and the ports of the local SuperLink `flwr run` starts
+    for it (address `:local:`): `http_port` serves all its APIs in Flower 1.41 (Control,
+    Fleet, and the runtime API the SuperExec and simulation dial, formerly ServerAppIo);
+    `control_port` is the deprecated gRPC Control API's, bound only under
+    FLWR_INTERNAL_GRPC_CONTROL_API=1, yet chosen free like the other."""
+
+    home: Path
+    http_port: int
+    control_port: int
+
+    def environment(self) -> dict[str, str]:
+        """The variables that point `flwr` and the SuperLink it starts at them."""
+        return {
+            "FLWR_HOME": str(self.home),
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(self.control_port),
+        }
+
+
+def launch_home(run_dir: Path, pid: int | None = None) -> Path:
+    """The Flower home of launch `pid` (default: this process) of the run in `run_dir`:
+    .flwr-home/<run-dir name>-<pid>, so no two running launches share one."""
+    return FLOWER_HOMES / f"{run_dir.name}-{os.getpid() if pid is None else pid}"
+
+
+def fresh_home(home: Path) -> Path:
+    """`home`, created empty (a dead launch's leftover of the same name removed)."""
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    return home
+
+
+@contextlib.contextmanager
+def reserved_ports(count: int) -> Iterator[tuple[int, ...]]:
+    """`count` distinct TCP ports on 127.0.0.1, held until the block ends.
+
+    Each is bound with SO_REUSEADDR and never listened on: the kernel hands a bound port to
+    no other bind to port 0 (another launch picking its ports at the same instant) nor to an
+    outgoing connection, while the server it is meant for binds and listens on it all the
+    same (uvicorn's asyncio server sets SO_REUSEADDR too).
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sockets[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sockets[-1].bind((LOOPBACK, 0))
+        yield tuple(sock.getsockname()[1] for sock in sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def stop_launch(home: Path) -> None:
+    """Stop what a launch with Flower home `home` left running and nothing else: the
+    SuperLinks with that home (whole trees: SuperExec, simulation, Ray), then any process
+    still carrying it (every process a launch starts inherits its FLWR_HOME). SIGINT and
+    SIGTERM wait until it is done, so a second Ctrl-C cannot cut it short."""
+    stopping = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+    try:
+        for pid in superlinks_with_home(home):
+            stop_tree(pid)
+        stop_pids(processes_with_home_under(home))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

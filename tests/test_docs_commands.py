@@ -318,7 +318,7 @@ def check_flwr(argv: list[str]) -> None:
     assert context.params["app"] == ".", "the docs run this app: `flwr run .`"
     for run_config in context.params["run_config_overrides"] or []:
         job_config(run_config)
-    launcher_keys = set(parse_config_args([federation_config(1, 1, 0.0)]))
+    launcher_keys = set(parse_config_args([federation_config(1, 1, 0.0, ray_cpus=1)]))
     for federation in context.params["federation_config_overrides"] or []:
         unknown = set(parse_config_args([federation])) - launcher_keys
         assert not unknown, f"--federation-config keys the launcher never sets: {unknown}"

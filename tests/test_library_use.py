@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from simulations import APP_DIR
-from simulations.planner import stop_tree, superlinks_with_home
+from simulations.planner import LocalSuperLink, reserved_ports, stop_launch
 
 NODES = 3
 ROUNDS = 2
-PORT = 39491  # local SuperLink ports of this test alone (launch uses 39191, Flower 39091)
 
 APP_FILES = {
     "pyproject.toml": """
@@ -84,9 +83,11 @@ APP_FILES = {
         from fedfields.flower.protocol import (
             ARRAYS, CONFIG, LOCAL_STEPS, METRICS, arrays_to_state, state_to_arrays,
         )
+        from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
         from tinyapp.task import make_model, node_data
 
         app = ClientApp(mods=[secure_aggregation_mod])
+        app.query(USER_KEY_ACTION)(answer_user_key)  # the server samples by user, not node id
 
 
         def _model(received):
@@ -215,24 +216,22 @@ def test_a_separate_flower_app_runs_fedfields_strategies_from_the_wheel(
         "PYTHONPATH": str(target),  # the installed wheel, not this checkout
         "WHEEL_TARGET": str(target),
         "PATH": f"{scripts}:{os.environ.get('PATH', '')}",
-        "FLWR_HOME": str(flwr_home),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(PORT),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(PORT + 2),
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
     }
     command = [str(Path(scripts) / "flwr"), "run", str(app), "--stream"]
     command += ["--federation-config", f"num-supernodes={NODES} client-resources-num-cpus=1"]
     command += ["--run-config", f"out-file={json.dumps(str(out_file))}"]
     try:
-        run = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-        )
+        with reserved_ports(2) as ports:  # the local SuperLink's, as simulations.launch picks
+            env.update(LocalSuperLink(flwr_home, *ports).environment())
+            run = subprocess.run(
+                command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+            )
     finally:
-        for pid in superlinks_with_home(str(flwr_home)):
-            stop_tree(pid)
+        stop_launch(flwr_home)
     assert out_file.is_file(), f"the app wrote no report:\n{run.stdout[-4000:]}{run.stderr[-2000:]}"
     report = json.loads(out_file.read_text())
     assert report["fedfields"].startswith(str(target))

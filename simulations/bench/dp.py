@@ -438,7 +438,7 @@ def overrides(text: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """Run every method at every noise multiplier; write the table, the rows and the figure."""
     args = parse_args(argv)
-    os.environ.update({k: v for k, v in ENVIRONMENT.items() if k != "FLWR_HOME"})
+    os.environ.update(ENVIRONMENT)
     out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-dp"
     out.mkdir(parents=True, exist_ok=True)
     if args.report is not None:

@@ -37,7 +37,7 @@ from flwr.app import Array, Context, Message
 from fedfields.flower.protocol import ARRAYS, HELD, METRICS, NUM_EXAMPLES, TRAIN_LOSS
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
-from simulations.planner import ENVIRONMENT
+from simulations.planner import launch_home
 from simulations.run import run_with_ray
 
 OUT = APP_DIR / "runs" / "bench_faults"
@@ -150,7 +150,7 @@ def simulated(name: str, rounds: int, mods: tuple[Any, ...] = (), **extra: Any) 
 
 
 def simulation_processes(flwr_home: str) -> list[psutil.Process]:
-    """This project's Flower simulation processes (they host the ServerApp)."""
+    """The Flower simulation processes (they host the ServerApp) with Flower home `flwr_home`."""
     found = []
     for process in psutil.process_iter(["cmdline", "environ"]):
         cmdline = " ".join(process.info["cmdline"] or [])
@@ -180,7 +180,7 @@ def killed_and_resumed(rounds: int, kill_after: int) -> dict[str, Any]:
     metrics = run_dir / "metrics.jsonl"
     while first.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
-            victims = simulation_processes(ENVIRONMENT["FLWR_HOME"])
+            victims = simulation_processes(str(launch_home(run_dir, first.pid)))
             for process in victims:
                 os.kill(process.pid, signal.SIGKILL)
             if victims:

@@ -41,16 +41,17 @@ from fedfields.aggregate import RunningSum
 from fedfields.flower.protocol import arrays_to_state, checked_state, state_to_arrays
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
-from simulations.planner import superlinks_with_home
+from simulations.planner import launch_home, superlinks_with_home
 
 CPUS = psutil.cpu_count(logical=True) or 1
 
 
 class TreeMemory:
-    """Samples the PSS of a process tree (plus this project's SuperLinks) and keeps the peak."""
+    """Samples the PSS of a process tree (plus the SuperLinks with Flower home `flwr_home`)
+    and keeps the peak."""
 
-    def __init__(self, root: int, interval: float = 1.0) -> None:
-        self.root, self.interval = root, interval
+    def __init__(self, root: int, flwr_home: Path, interval: float = 1.0) -> None:
+        self.root, self.flwr_home, self.interval = root, flwr_home, interval
         self.peak_bytes = 0
         self.peak_processes = 0
         self._stop = threading.Event()
@@ -65,9 +66,9 @@ class TreeMemory:
         self._thread.join()
 
     def processes(self) -> list[psutil.Process]:
-        """The root, its descendants and our SuperLinks' trees (flwr may detach them)."""
+        """The root, its descendants and its launch's SuperLinks' trees (flwr detaches them)."""
         found: dict[int, psutil.Process] = {}
-        for pid in [self.root, *superlinks_with_home()]:
+        for pid in [self.root, *superlinks_with_home(self.flwr_home)]:
             try:
                 top = psutil.Process(pid)
                 for proc in [top, *top.children(recursive=True)]:
@@ -133,7 +134,7 @@ def run_job(
     log = (out / f"{job}_{clients}.log").open("w")
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=APP_DIR, stdout=log, stderr=subprocess.STDOUT)
-    with TreeMemory(process.pid) as memory:
+    with TreeMemory(process.pid, launch_home(run_dir, process.pid)) as memory:
         code = process.wait()
     wall = time.perf_counter() - started
     if code != 0:

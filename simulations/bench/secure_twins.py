@@ -67,7 +67,7 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ.update({k: v for k, v in ENVIRONMENT.items() if k != "FLWR_HOME"})
+    os.environ.update(ENVIRONMENT)
     out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-secure-twins"
     out.mkdir(parents=True, exist_ok=True)
     crowd = crowd_dataset(
