@@ -1,5 +1,6 @@
 """The server job skeleton the ServerApp's jobs share: run directory, seeding, resume, observers,
-metrics lines, round checkpoints and the final report.
+metrics lines (also as TensorBoard events, `fedfields.tracking`), round checkpoints and the
+final report.
 
 `simulations.server_app.run_job` parses the run-config once into a `FederatedConfig` and
 passes it down. A strategy job (the scene's `simulations.federated_nerf`, the meta tasks'
@@ -41,19 +42,33 @@ from fedfields.flower.resume import (
 )
 from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.report import write_report
+from fedfields.tracking import RunTracker, TrackingSettings
 from simulations.observers import Observer
 
 
 class RunReport:
     """What every job writes into its run directory: a line of metrics.jsonl per round (or
     block of steps) with what the observers measured, and at the end summary.json, with the
-    observers' final audits merged in, and report.html."""
+    observers' final audits merged in, and report.html; while `tracking` is open, the lines
+    and the final images also go to TensorBoard (and MLflow: `fedfields.tracking`)."""
 
     def __init__(self, run_dir: Path, observers: Sequence[Observer]) -> None:
         self.run_dir = run_dir
         self.observers = observers
         self.started = time.perf_counter()
         self.history: list[dict[str, Any]] = []
+        self.tracker: RunTracker | None = None
+
+    def tracking(
+        self,
+        config: FederatedConfig,
+        settings: TrackingSettings,
+        resumed_after: int | None = None,
+    ) -> RunTracker:
+        """Open this launch's tracker (`resumed_after`: the last round a resumed run keeps);
+        use it in a `with`, which closes it on success and on error."""
+        self.tracker = RunTracker(self.run_dir, config.to_run_config(), settings, resumed_after)
+        return self.tracker
 
     def observe(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
         """What the observers measured of round `server_round`'s global `arrays`."""
@@ -63,9 +78,11 @@ class RunReport:
         return observed
 
     def append_line(self, line: dict[str, Any]) -> None:
-        """Keep `line` in the history and append it to metrics.jsonl."""
+        """Keep `line` in the history, append it to metrics.jsonl and track it."""
         self.history.append(line)
         atomic.append_json_line(self.run_dir / "metrics.jsonl", line)
+        if self.tracker is not None:
+            self.tracker.log_line(line)
 
     def finish_observers(self, arrays: ArrayRecord, summary: dict[str, Any]) -> None:
         """Merge each observer's final audit into `summary`: its "final" into summary's."""
@@ -76,9 +93,12 @@ class RunReport:
             summary |= observed
 
     def write(self, summary: dict[str, Any]) -> None:
-        """summary.json, then report.html from the run directory's files."""
+        """summary.json, then report.html from the run directory's files; the run directory's
+        images tracked."""
         atomic.write_json(self.run_dir / "summary.json", summary)
         write_report(self.run_dir)
+        if self.tracker is not None:
+            self.tracker.log_images()
 
 
 class StrategyReport(RunReport):
@@ -178,10 +198,12 @@ def run_rounds(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
     """Run `job`'s strategy on `grid` for run-config `num-server-rounds`, or resume it (run-config
     `resume`); returns the run directory holding the report.
 
-    A plan beyond `dp-target-epsilon` fails before anything is written; the strategy's errors
-    (no aggregate formed, the privacy budget spent) end the run as they are raised.
+    A plan beyond `dp-target-epsilon`, or MLflow asked for and not installed, fails before
+    anything is written; the strategy's errors (no aggregate formed, the privacy budget spent)
+    end the run as they are raised, the launch's event file closed.
     """
     strategy = job.strategy
+    tracking = TrackingSettings.from_environ()
     if not config.common.resume:
         strategy.check_privacy_plan(1, config.common.num_server_rounds)
     run_dir, checkpoint = open_run_dir(config)
@@ -190,23 +212,25 @@ def run_rounds(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
     observers = job.observers(run_dir)
     report = job.report(run_dir, observers, initial)
     arrays = state_to_arrays(initial)
+    resumed_after = None if checkpoint is None else checkpoint.server_round
     if checkpoint is not None:
         report.resuming(initial)
         report.history = resumed_history(run_dir, checkpoint.server_round)
         checkpoint.restore(strategy)
         arrays = checkpoint.arrays()
         log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)
-    result = strategy.start(
-        attach(grid, observers),
-        arrays,
-        num_rounds=config.common.num_server_rounds,
-        timeout=config.deployment.round_timeout,
-        train_config=job.train_config,
-        evaluate_fn=report,
-        first_round=1 if checkpoint is None else checkpoint.server_round + 1,
-        round_end_fn=round_checkpointer(run_dir, strategy),
-    )
-    summary = report.finish(result.arrays)
+    with report.tracking(config, tracking, resumed_after):
+        result = strategy.start(
+            attach(grid, observers),
+            arrays,
+            num_rounds=config.common.num_server_rounds,
+            timeout=config.deployment.round_timeout,
+            train_config=job.train_config,
+            evaluate_fn=report,
+            first_round=1 if resumed_after is None else resumed_after + 1,
+            round_end_fn=round_checkpointer(run_dir, strategy),
+        )
+        summary = report.finish(result.arrays)
     log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))
     log(INFO, "fedfields: final %s", json.dumps(summary["final"]))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())

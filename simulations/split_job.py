@@ -5,8 +5,8 @@ client everything else (`clients.split_client`). Both build the joint field from
 alone (`joint_field`: the same shapes and seed), so the server reads no file of the client.
 Each step is one "train" round trip: the server embeds the batch the client sent, the client
 answers with the embedding gradient and its next batch; the server back-propagates and steps.
-The run directory gets config.json, metrics.jsonl, summary.json and report.html (the job
-skeleton's `new_run_dir` and `RunReport`, `simulations.job`).
+The run directory gets config.json, metrics.jsonl, summary.json, report.html and TensorBoard
+event files (the job skeleton's `new_run_dir` and `RunReport`, `simulations.job`).
 
 In simulation (run-config `simulation-audit`) `SplitAudit` observes the wire as the
 honest-but-curious server would, keeping every k-th exchange; with `split-attack` it runs the
@@ -76,6 +76,7 @@ from fedfields.privacy.split import (
     save_transcript,
 )
 from fedfields.render import RenderConfig
+from fedfields.tracking import TrackingSettings
 from fedfields.train.builders import client_views, joint_field, server_device, split_scene_dir
 from fedfields.train.checkpoint import load_checkpoint
 from simulations.job import RunReport, attach, new_run_dir
@@ -91,19 +92,38 @@ def run_split_job(
     """Train by split learning with the grid's one node; returns the run directory.
 
     `observers` None attaches `split_observers(config)`: none unless a simulation launcher set
-    run-config `simulation-audit`; [] runs without any.
+    run-config `simulation-audit`; [] runs without any. MLflow asked for and not installed
+    (`fedfields.tracking`) is refused before anything is written.
     """
+    tracking = TrackingSettings.from_environ()
     run_dir = new_run_dir(config)
     if observers is None:
         observers = split_observers(config, run_dir)
     grid = attach(grid, observers)
-    device = server_device(config)
-    server, _ = split_field(joint_field(config).to(device))
-    optimizer = make_optimizer(server, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
+    server, _ = split_field(joint_field(config).to(server_device(config)))
     timeout = config.deployment.round_timeout  # run-config round-timeout, per exchange
     exchange = _Exchange(grid, _the_node(grid, timeout), timeout)
     reply = exchange(RecordDict({CONFIG: _config("start")}), "start")
-    report, window = RunReport(run_dir, observers), []
+    report = RunReport(run_dir, observers)
+    with report.tracking(config, tracking):
+        client_metrics = _train(config, server, exchange, reply, report)
+    log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
+    log(INFO, "fedfields: run directory %s", run_dir.resolve())
+    return run_dir
+
+
+def _train(
+    config: FederatedConfig,
+    server: ServerPart,
+    exchange: _Exchange,
+    reply: Message,
+    report: RunReport,
+) -> dict[str, Any]:
+    """The split steps from the client's first batch (`reply`), the finish exchange, then
+    summary.json and report.html; returns the client's held-out metrics."""
+    device = server_device(config)
+    optimizer = make_optimizer(server, SPLIT_LEARNING_RATE, SPLIT_WEIGHT_DECAY)
+    observers, window = report.observers, []
     for step in range(config.split.split_steps):
         points = _samples(reply, config, step).points().to(device)
         embeddings = server_forward(server, points)
@@ -150,9 +170,7 @@ def run_split_job(
     if observers:
         report.finish_observers(state_to_arrays(server.state_dict()), summary)
     report.write(summary)
-    log(INFO, "fedfields: split run, client held-out %s", json.dumps(client_metrics))
-    log(INFO, "fedfields: run directory %s", run_dir.resolve())
-    return run_dir
+    return client_metrics
 
 
 class _Exchange:

@@ -9,7 +9,7 @@ assignments, `nice -n N` and a `.venv/bin/` before the program are not part of t
 Blocks tagged text hold usage synopses: their `--flags` must exist in the named command's
 parser. Other tags (python, toml) are not shell. In the prose, an inline code span is a
 command too when it starts with a program this test checks (python, fedfields, flwr, make,
-pip, ray, flower-superlink, flower-supernode), carries a flag (`--name`, `-e`) or a
+pip, ray, flower-superlink, flower-supernode, tensorboard), carries a flag (`--name`, `-e`) or a
 `VAR=value`, and has no synopsis mark (`[`, `|`, `<`, `>`, `...`, an upper-case placeholder
 such as N or DIR); a bare name like `make demo` in a sentence is not.
 
@@ -20,7 +20,8 @@ subcommand) must be in `CHECKED_ONLY`, with the reason it does not run here, or 
 A checked command is parsed by its program's own parser: the argparse parser that
 `python -m simulations.launch|deploy|bench.X` and `fedfields ...` build in main(), Flower's
 click commands for `flwr`, Flower's argparse parsers for flower-superlink and
-flower-supernode, Ray's click command for `ray start`; every `--flag` must be one of the
+flower-supernode, Ray's click command for `ray start`, TensorBoard's argparse parser (its
+plugins' flags included) for `tensorboard`; every `--flag` must be one of the
 parser's own option strings, spelled out (argparse would accept `--user` for `--users`). A
 `--run-config` (and make's RUN_CONFIG) is validated by `FederatedConfig.from_run_config` over
 pyproject's declared config, as the launchers do (benchmarks merge theirs into their own
@@ -89,6 +90,7 @@ CHECKED_ONLY = {
     "ray start": "starts a Ray cluster that outlives the command",
     "pip install": "installs packages",
     "export": "changes the shell's environment only",
+    "tensorboard": "a web server that runs until stopped",
 }
 EXTERNAL = {
     "apt": "Debian's package manager: needs root and the network",
@@ -137,6 +139,7 @@ def fenced_commands(markdown: str, doc: str) -> list[DocCommand]:
 
 INLINE_PROGRAMS = (
     "python", "fedfields", "flwr", "make", "pip", "ray", "flower-superlink", "flower-supernode",
+    "tensorboard",
 )  # fmt: skip
 SYNOPSIS_MARK = re.compile(r"[\[|<>]|\.\.\.|(?<![\w'\"=/.-])[A-Z][A-Z_]*(?![\w'\"=])")
 INLINE_FLAG = re.compile(r"\s(?:--[a-z]|-e\b)|\s[A-Z_]+=")
@@ -377,6 +380,24 @@ def check_ray(argv: list[str]) -> None:
     assert_spelled_out(argv[2:], click_options(command), f"ray {argv[1]}")
 
 
+def check_tensorboard(argv: list[str]) -> None:
+    """`tensorboard ...` by TensorBoard's own parser (its plugins' flags included)."""
+    from tensorboard import program
+
+    stderr = io.StringIO()
+    try:
+        with stop_after_parsing(), contextlib.redirect_stderr(stderr):
+            program.TensorBoard().configure(argv)
+    except Parsed as parsed:
+        assert_spelled_out(argv[1:], option_strings(parsed.parser), "tensorboard")
+        return
+    except SystemExit:
+        raise AssertionError(
+            f"tensorboard refuses {argv[1:]}: {stderr.getvalue().strip()}"
+        ) from None
+    raise AssertionError("tensorboard never parsed its arguments")
+
+
 def check_pip(argv: list[str]) -> None:
     """`pip install [-e] .[extras]` or this distribution by name: the extras pyproject declares."""
     project = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["project"]
@@ -402,6 +423,7 @@ CHECKERS: dict[str, Callable[[list[str]], None]] = {
     "export": check_export,
     "ray": check_ray,
     "pip": check_pip,
+    "tensorboard": check_tensorboard,
 }
 
 

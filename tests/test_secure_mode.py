@@ -10,6 +10,7 @@ same search over a plaintext run finds them, so the search can fail.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import re
@@ -25,6 +26,11 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from PIL import Image, ImageSequence
+from tensorboard.backend.event_processing.event_accumulator import (
+    IMAGES,
+    SCALARS,
+    EventAccumulator,
+)
 from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 from test_secure_aggregation import numbers_received as numbers_in_records
@@ -322,12 +328,16 @@ EMBEDDED_IMAGE = re.compile(r"data:image/(?:png|gif);base64,([A-Za-z0-9+/=]*)")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
-def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor]], list[Path]]:
-    """Every number in the run directory's JSON/JSONL files and report.html, the tensors of its
-    torch files by key, and its images (report.html embeds these and one plot of its own)."""
+def file_numbers(
+    run_dir: Path,
+) -> tuple[np.ndarray, dict[str, list[torch.Tensor]], list[Path | bytes]]:
+    """Every number in the run directory's JSON/JSONL files, report.html and TensorBoard event
+    files, the tensors of its torch files by key, and its images (report.html embeds these and
+    one plot of its own; the event files hold them again, as encoded bytes)."""
     numbers: list[float] = []
     tensors: dict[str, list[torch.Tensor]] = {}
-    images = []
+    images: list[Path | bytes] = []
+    tracked: list[bytes] = []  # the event files' images
     embedded: list[bytes] = []  # report.html's images
 
     def walk(value: object, key: str = "") -> None:
@@ -358,13 +368,19 @@ def file_numbers(run_dir: Path) -> tuple[np.ndarray, dict[str, list[torch.Tensor
             text = path.read_text()
             embedded = [base64.b64decode(data) for data in EMBEDDED_IMAGE.findall(text)]
             numbers += [float(number) for number in NUMBER.findall(EMBEDDED_IMAGE.sub("", text))]
+        elif path.name.startswith("events.out.tfevents."):  # fedfields.tracking's
+            events = EventAccumulator(str(path), size_guidance={IMAGES: 0, SCALARS: 0}).Reload()
+            for tag in events.Tags()["scalars"]:
+                numbers += [event.value for event in events.Scalars(tag)]
+            for tag in events.Tags()["images"]:
+                tracked += [event.encoded_image_string for event in events.Images(tag)]
         else:
             raise AssertionError(f"unexpected file in the run directory: {path}")
     # Besides the images searched here, the report embeds only its plots of metrics.jsonl.
-    files = {image.read_bytes() for image in images}
+    files = {image.read_bytes() for image in images if isinstance(image, Path)}
     plots = [image for image in embedded if image not in files]
     assert len(plots) <= len(CURVE_ORDER), "report.html embeds more"
-    return np.asarray(numbers), tensors, images
+    return np.asarray(numbers), tensors, images + tracked
 
 
 def copied_coordinates(
@@ -404,10 +420,11 @@ def packed_rgb(rgb: np.ndarray) -> np.ndarray:
     return (wide[..., 0] << 16) | (wide[..., 1] << 8) | wide[..., 2]
 
 
-def holds_image(path: Path, photo: np.ndarray) -> bool:
-    """Whether the image at `path` (any frame of a GIF) contains `photo` ([H, W, 3] uint8) at
-    90% of its pixels."""
-    frames = ImageSequence.Iterator(Image.open(path))
+def holds_image(image: Path | bytes, photo: np.ndarray) -> bool:
+    """Whether the image in the file at `image`, or encoded in `image` (any frame of a GIF),
+    contains `photo` ([H, W, 3] uint8) at 90% of its pixels."""
+    source = io.BytesIO(image) if isinstance(image, bytes) else image
+    frames = ImageSequence.Iterator(Image.open(source))
     return any(frame_holds_image(np.asarray(f.convert("RGB")), photo) for f in frames)
 
 

@@ -216,7 +216,8 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
     assert SERVER_OPENS.opened  # the hook saw the server write its report
     assert [p for p in SERVER_OPENS.opened if p.is_relative_to(LEGO.resolve())] == []
     written = {p.name for p in run_dir.iterdir()}
-    assert written == {"config.json", "metrics.jsonl", "summary.json", "report.html"}
+    (events,) = [name for name in written if name.startswith("events.out.tfevents.")]
+    assert written - {events} == {"config.json", "metrics.jsonl", "summary.json", "report.html"}
     assert {"checkpoint.pt", "client.json", "renders"} <= {p.name for p in node_dir.iterdir()}
     _, again = deployed(tmp_path / "again", audit=False)
     assert again["client"] == summary["client"]
