@@ -18,13 +18,15 @@ holding links to the checkout's data/ and .venv/; every other command's form (it
 subcommand) must be in `CHECKED_ONLY`, with the reason it does not run here, or in
 `EXTERNAL`; a command of any other form fails this test, so new documentation gets covered.
 A checked command is parsed by its program's own parser: the argparse parser that
-`python -m simulations.launch|deploy|bench.X` and `fedfields ...` build in main(), Flower's
+`python -m simulations.launch|deploy|sweep|bench.X` and `fedfields ...` build in main() (a
+sweep's flags after `--` by the launcher's), Flower's
 click commands for `flwr`, Flower's argparse parsers for flower-superlink and
 flower-supernode, Ray's click command for `ray start`, TensorBoard's argparse parser (its
 plugins' flags included) for `tensorboard`; every `--flag` must be one of the
 parser's own option strings, spelled out (argparse would accept `--user` for `--users`). A
 `--run-config` (and make's RUN_CONFIG) is validated by `FederatedConfig.from_run_config` over
-pyproject's declared config, as the launchers do (benchmarks merge theirs into their own
+pyproject's declared config, as the launchers do (a sweep's: each setting of its `--grid`
+with its `--run-config`, by the sweep's own `plan_sweep`; benchmarks merge theirs into their own
 settings: there each key must exist and have its key's type); a `--node-config` may hold only
 the keys a SuperNode's ClientApp reads; `export`ed Flower variables must equal the launcher's.
 """
@@ -57,6 +59,7 @@ from simulations import APP_DIR
 from simulations.deploy import node_config_text
 from simulations.launch import federation_config
 from simulations.planner import ENVIRONMENT, job_config
+from simulations.sweep import plan_sweep
 
 DOCS = [APP_DIR / "README.md", *sorted((APP_DIR / "docs").rglob("*.md"))]
 SHELL_TAGS = ("bash", "sh", "shell")
@@ -73,6 +76,8 @@ CHECKED_ONLY = {
     "python -m simulations.launch": "a federated run through Ray: minutes",
     "python -m simulations.deploy": "a real deployment: minutes (tests/test_deployment.py runs "
     "it through this command line with tiny settings)",
+    "python -m simulations.sweep": "launcher runs, minutes each (tests/test_sweep.py runs a tiny "
+    "sweep through this command line)",
     "python -m simulations.bench": "benchmarks: minutes to hours each",
     "fedfields train": "trains a field for minutes",
     "fedfields eval": "needs the checkpoint that `fedfields train` writes",
@@ -284,13 +289,21 @@ def expand(word: str) -> str:
 
 
 def check_python_module(argv: list[str]) -> None:
-    """`python -m MODULE ...` and `fedfields ...`: the module's own parser, its run-config."""
+    """`python -m MODULE ...` and `fedfields ...`: the module's own parser, its run-config; a
+    sweep's grid and run-config as the sweep checks them, its flags after `--` as the
+    launcher's."""
     module, args = ("fedfields.cli", argv[1:]) if argv[0] == "fedfields" else (argv[2], argv[3:])
     args = [expand(word) for word in args]
+    launcher_args: list[str] = []
+    if module == "simulations.sweep" and "--" in args:
+        args, launcher_args = args[: args.index("--")], args[args.index("--") + 1 :]
     parsed = parse_with_main(module, args)
     assert_spelled_out(args, option_strings(parsed.parser), module)
     run_config = getattr(parsed.namespace, "run_config", "")
-    if run_config and module in ("simulations.launch", "simulations.deploy"):
+    if module == "simulations.sweep":
+        plan_sweep(parsed.namespace)  # every setting through the launcher's job_config
+        check_python_module(["python", "-m", "simulations.launch", *launcher_args])
+    elif run_config and module in ("simulations.launch", "simulations.deploy"):
         job_config(run_config)
     elif run_config:
         declared_keys_and_types(run_config)
@@ -507,6 +520,9 @@ def test_cheap_documented_command_runs_as_printed(text: str, tmp_path: Path) -> 
         ("export FLWR_HOME=$HOME/.flwr", "FLWR_HOME"),
         ("frobnicate --fast", "unknown command form"),
         ("python -m simulations.nowhere --x", "unknown command form"),
+        ("python -m simulations.sweep --grid \"strategy=['fedavgg']\"", "'fedavgg' is unknown"),
+        ('python -m simulations.sweep --grid "local-step=[1]"', "did you mean 'local-steps'"),
+        ("python -m simulations.sweep --seeds 0 -- --user 4", "no option '--user'"),
     ],
 )
 def test_the_checker_refuses_a_renamed_flag_key_or_program(broken: str, reason: str) -> None:
