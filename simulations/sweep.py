@@ -1,7 +1,7 @@
 """`python -m simulations.sweep`: a grid of run-configs times seeds, each run by the launcher
 (`python -m simulations.launch`), then one table of their final metrics over seeds.
 
-Run `r` of setting `name` and seed `s` is `<sweep-dir>/<name>/seed-<s>` (its node state beside it
+The run of setting `name` at seed `s` is `<sweep-dir>/<name>/seed-<s>` (its node state beside it
 in `seed-<s>.nodes`, its launcher output in `seed-<s>.log`), launched with that `--run-dir` and
 `--run-config "<setting> seed=<s> <base run-config>"` plus the launcher flags given after `--`.
 Every setting is checked up front by the launcher's own validation (`planner.job_config`), so
@@ -10,7 +10,8 @@ summary.json is complete, resumes a killed run from its round checkpoint (`--res
 restarts one without a checkpoint cleanly. The tables (table.md, table.csv, pairs.csv) hold
 mean ± sample std per setting and metric, and for each `--pair A B` the per-seed A − B with a
 95% Student-t interval (`simulations.sweep_core`); `--table-only` rebuilds them from the runs
-on disk. The exit status is 1 when a run failed (the others still run), 2 for a bad sweep.
+on disk. The exit status is 1 when a run failed (the others still run), 2 for a bad sweep;
+Ctrl-C or SIGTERM stops the running launchers (each stops what it started) and starts no more.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -31,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -70,6 +74,7 @@ from simulations.sweep_core import (
 LAUNCHER = (sys.executable, "-m", "simulations.launch")
 SWEEP_FLAGS = ("--run-dir", "--run-config", "--resume")
 """Launcher flags the sweep sets itself for every run."""
+STOP_POLL_SECONDS = 0.5
 SWEEP_KEYS = ("seed", "run-dir", "resume")
 """Run-config keys the sweep sets itself (`--seeds`, the run's folder, a resumed run)."""
 
@@ -299,7 +304,17 @@ def last_error_line(output: str) -> str:
     return server_error(output) or (lines[-1] if lines else "no output")
 
 
-def execute(plan: SweepPlan, run: Run, note: tqdm) -> Outcome:
+def wait_or_stop(process: subprocess.Popen[bytes], stop: threading.Event) -> int:
+    """`process`'s exit status; once `stop` is set, after a SIGTERM (a launcher then stops
+    everything it started)."""
+    while process.poll() is None:
+        if stop.wait(STOP_POLL_SECONDS):
+            process.terminate()
+            return process.wait()
+    return process.returncode
+
+
+def execute(plan: SweepPlan, run: Run, note: tqdm, stop: threading.Event) -> Outcome:
     """Launch `run` with its output appended to its log file; its outcome."""
     run.run_dir.parent.mkdir(parents=True, exist_ok=True)
     command, action = launch_command(plan, run)
@@ -309,16 +324,17 @@ def execute(plan: SweepPlan, run: Run, note: tqdm) -> Outcome:
         stamp = datetime.now(UTC).isoformat(timespec="seconds")
         log.write(f"=== fedfields sweep {stamp}: {action}\n$ {shlex.join(command)}\n")
         log.flush()
-        done = subprocess.run(
+        process = subprocess.Popen(
             command, cwd=APP_DIR, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
         )
-    if done.returncode == 0 and read_summary(run.run_dir) is not None:
+        returncode = wait_or_stop(process, stop)
+    if returncode == 0 and read_summary(run.run_dir) is not None:
         return Outcome(run, 0)
     with run.log.open() as log:
         log.seek(start)
         output = log.read()
-    error = last_error_line(output) if done.returncode else "exit 0 without a complete summary"
-    return Outcome(run, done.returncode, error)
+    error = last_error_line(output) if returncode else "exit 0 without a complete summary"
+    return Outcome(run, returncode, error)
 
 
 @contextmanager
@@ -355,27 +371,35 @@ def launch_all(plan: SweepPlan, pending: Sequence[Run]) -> list[Outcome]:
     """Launch `pending`, `plan.parallel` at a time, under one progress bar over the whole sweep;
     their outcomes, each reported as it ends."""
     finished = len(plan.runs) - len(pending)
-    outcomes = []
+    outcomes, stop = [], threading.Event()
     with (
         tqdm(total=len(plan.runs), initial=finished, unit="run", desc="sweep") as bar,
         ThreadPoolExecutor(max_workers=plan.parallel) as pool,
     ):
         bar.write(f"fedfields sweep: {plan.sweep_dir}: {finished} of {len(plan.runs)} runs done")
         started = time.perf_counter()
-        futures = [pool.submit(execute, plan, run, bar) for run in pending]
-        for future in as_completed(futures):
-            outcome = future.result()
-            outcomes.append(outcome)
-            bar.update(1)
-            if outcome.failed:
-                bar.write(
-                    f"fedfields sweep: {outcome.run.label} FAILED (exit {outcome.returncode}): "
-                    f"{outcome.error} [log: {outcome.run.log}]"
-                )
-            else:
-                seconds = time.perf_counter() - started
-                bar.write(f"fedfields sweep: {outcome.run.label} finished ({seconds:.0f} s in)")
+        futures = [pool.submit(execute, plan, run, bar, stop) for run in pending]
+        try:
+            for future in as_completed(futures):
+                outcomes.append(outcome := future.result())
+                bar.update(1)
+                bar.write(outcome_line(outcome, time.perf_counter() - started))
+        except BaseException:  # Ctrl-C, SIGTERM: stop the launchers running, start no more
+            stop.set()
+            pool.shutdown(cancel_futures=True)
+            raise
     return outcomes
+
+
+def outcome_line(outcome: Outcome, seconds: float) -> str:
+    """The terminal's line for a run that ended: finished, or failed with its error and log."""
+    run = outcome.run
+    if outcome.failed:
+        return (
+            f"fedfields sweep: {run.label} FAILED (exit {outcome.returncode}): {outcome.error} "
+            f"[log: {run.log}]"
+        )
+    return f"fedfields sweep: {run.label} finished ({seconds:.0f} s into the sweep)"
 
 
 def results_on_disk(plan: SweepPlan) -> dict[str, dict[int, dict[str, float]]]:
@@ -417,13 +441,23 @@ def write_tables(plan: SweepPlan) -> str:
     return text
 
 
+def _terminate(signum: int, _: FrameType | None) -> None:
+    """SIGTERM: leave like Ctrl-C, through `launch_all`'s stop of the running launchers."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan = plan_sweep(args)
         if args.table_only and not plan.sweep_dir.is_dir():
             raise ValueError(f"--table-only: no sweep in {plan.sweep_dir}")
-        outcomes = [] if args.table_only else run_sweep(plan)
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            outcomes = [] if args.table_only else run_sweep(plan)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except ValueError as error:
         print(f"fedfields sweep: {error}", file=sys.stderr)
         return 2

@@ -9,8 +9,10 @@ import inspect
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -432,6 +434,19 @@ def test_a_failed_run_is_reported_and_the_others_still_run(
         assert (sweep_dir / "strategy=fedavg" / f"seed-{seed}" / "summary.json").is_file()
     rows = read_csv(sweep_dir / "table.csv")
     assert {row["setting"] for row in rows} == {"strategy=fedavg"}
+
+
+def test_a_stopped_sweep_terminates_its_running_launchers() -> None:
+    """Ctrl-C or SIGTERM sets the sweep's stop: each running launcher gets a SIGTERM (on which
+    it stops what it started) instead of running on unwatched."""
+    stop = threading.Event()
+    quick = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert sweep.wait_or_stop(quick, stop) == 3
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop.set()
+    started = time.perf_counter()
+    assert sweep.wait_or_stop(sleeper, stop) == -signal.SIGTERM
+    assert time.perf_counter() - started < 10
 
 
 def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path) -> None:
