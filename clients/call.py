@@ -14,7 +14,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message
 
 from fedfields.config import FederatedConfig
-from fedfields.flower.node import NodeState, client_index, node_device
+from fedfields.flower.node import NodeState, client_index, node_device, pin_simulated_threads
 from fedfields.flower.protocol import CONFIG, SERVER_ROUND, ReplyParts
 
 
@@ -32,10 +32,12 @@ class ClientCall:
 
     @classmethod
     def decode(cls, msg: Message, context: Context) -> ClientCall:
-        """Decode `msg` for this node; a message without CONFIG is one ValueError."""
+        """Decode `msg` for this node (a virtual node's torch threads pinned); a message without
+        CONFIG is one ValueError."""
         if CONFIG not in msg.content:
             raise ValueError(f"node {context.node_id}: the message carries no {CONFIG!r} record")
         round_config = msg.content[CONFIG]
+        pin_simulated_threads(context)
         return cls(
             msg=msg,
             context=context,

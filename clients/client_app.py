@@ -7,7 +7,9 @@ objects, `clients.split_client` for mode split) computes the reply's parts, and 
 builds the reply in one place: a federated round's train reply also carries "client-seconds"
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
-data. With run-config `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
+data. The server's "query.user_key" is answered with the node's user key
+(`fedfields.flower.user_keys`), by which it samples and sums. With run-config
+`secure-aggregation` on, `secure_aggregation_mod` holds all of it back
 for Flower's SecAgg+ (`fedfields.flower.secure_aggregation`).
 """
 
@@ -22,10 +24,12 @@ from clients.call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import secure_aggregation_mod
 from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
+from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 
 QUERY_TIMING = "query-timing"  # node-state values: {"round", "seconds"} of the last G_k query
 
 app = ClientApp(mods=[secure_aggregation_mod])
+app.query(USER_KEY_ACTION)(answer_user_key)  # which user this node is: the server samples by it
 
 
 @app.train()

@@ -152,6 +152,7 @@ class StrategyReport(RunReport):
         if server_round == 0:
             return metric_record(self.score_initial(arrays))
         metrics = {"round": server_round, **self.score_round(server_round, arrays)}
+        metrics |= round_users(self.strategy)
         metrics |= self.observe(server_round, arrays)
         metrics |= self.derived(metrics)
         metrics["seconds"] = time.perf_counter() - self.started
@@ -162,6 +163,7 @@ class StrategyReport(RunReport):
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
         """The job's final files, the observers' final audits, summary.json and report.html."""
         summary: dict[str, Any] = {
+            "seed": self.config.common.seed,
             "secure-aggregation": secure_aggregation_report(self.config),
             "differential-privacy": privacy_report(self.config, self.strategy),
             **self.summary_entries(),
@@ -172,6 +174,15 @@ class StrategyReport(RunReport):
         summary["seconds"] = time.perf_counter() - self.started
         self.write(summary)
         return summary
+
+
+def round_users(strategy: ProtocolStrategy) -> dict[str, list[str]]:
+    """The round's sampled users and the users whose replies its aggregate summed, by user
+    key in the order they were summed (`fedfields.flower.user_keys`)."""
+    train_round = strategy.current_round
+    if train_round is None:
+        return {}
+    return {"users-sampled": list(train_round.users), "users-summed": train_round.summed_users}
 
 
 def metric_record(metrics: dict[str, Any]) -> MetricRecord:

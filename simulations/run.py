@@ -23,6 +23,7 @@ from clients import client_app as nerf_client
 from fedfields.config import FederatedConfig
 from fedfields.flower.protocol import GRADIENT_QUERY
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.optim import resolve_device
 from simulations.server_app import run_job
 
@@ -51,6 +52,7 @@ def client_app(run_config: dict[str, Any], mods: Sequence[Mod] = ()) -> ClientAp
     def gradient(msg: Message, context: Context) -> Message:
         return nerf_client.gradient(msg, with_run_config(context, run_config))
 
+    app.query(USER_KEY_ACTION)(answer_user_key)
     return app
 
 

@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import json
+import random
+import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+from fedfields.privacy import dp
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 HULL_RESOLUTION = 48
 """Voxels per axis of the crowd's visual hull: at 25x25 pixels 48^3 gives the persons their
 depth as well as the default 128^3 does, at a fraction of its cost (tests/test_crowd.py tests
 the hull itself)."""
+
+
+@pytest.fixture(autouse=True)
+def seeded_randomness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts from global generators seeded by its own name and draws DP noise from
+    a generator seeded the same way (not the OS's secret randomness), so no outcome depends on
+    chance or on the tests run before it."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    seeded = SimpleNamespace(randbits=random.Random(seed).getrandbits)
+    monkeypatch.setattr(dp, "secrets", seeded)  # what noise_generator() seeds from
 
 
 @pytest.fixture(scope="session")

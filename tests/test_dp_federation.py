@@ -282,6 +282,8 @@ def test_decentnerf_charges_both_noised_sums_of_a_round() -> None:
         min_available_nodes=3, local_steps=2, alpha_lr=0.0,
         differential_privacy=DPConfig(0.3, 2.0),
     )  # fmt: skip
+    assert strategy.privacy is not None
+    strategy.privacy.noise = noise_generator(3)
     result = strategy.start(InProcessGrid([app] * 3), state_to_arrays(initial_state()), 3)
     multipliers = [result.train_metrics_clientapp[r][DP_ROUND_MULTIPLIER] for r in (1, 2, 3)]
     assert multipliers == pytest.approx([0.3, 0.3 / math.sqrt(2), 0.3 / math.sqrt(2)])

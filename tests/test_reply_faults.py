@@ -67,6 +67,11 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.strategy import SECURE_FAILURES, SECURE_SUMS
+from fedfields.flower.user_keys import (
+    USER_KEY_ACTION,
+    USER_KEY_MESSAGE_TYPE,
+    answer_user_key,
+)
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.split_job import checked_samples, run_split_job
 
@@ -91,9 +96,12 @@ def honest_state(k: int, scale: float = 0.1) -> State:
 
 
 def node(records: dict[str, State], metrics: dict[str, float]) -> Callable:
-    """A node answering every message with `records` and `metrics`."""
+    """A node answering every message with `records` and `metrics`, but the user-key query,
+    which it answers as a fedfields client does."""
 
     def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
         content = RecordDict({name: state_to_arrays(state) for name, state in records.items()})
         content[METRICS] = MetricRecord(metrics)
         return Message(content, reply_to=message)
@@ -573,6 +581,7 @@ def test_a_float32_global_stays_float32_under_float64_replies() -> None:
 def secure_node(records: dict[str, State], metrics: dict[str, float]) -> ClientApp:
     """A ClientApp behind fedfields' SecAgg+ mod answering every train message the same."""
     app = ClientApp(mods=[secure_aggregation_mod])
+    app.query(USER_KEY_ACTION)(answer_user_key)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:

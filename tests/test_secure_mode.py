@@ -54,6 +54,13 @@ from fedfields.flower.secure_aggregation import (
     secure_aggregation_mod,
 )
 from fedfields.flower.secure_sum import SecureSum
+from fedfields.flower.user_keys import (
+    USER_KEY,
+    USER_KEY_ACTION,
+    USER_KEY_MESSAGE_TYPE,
+    USER_RECORD,
+    answer_user_key,
+)
 from fedfields.privacy.secure_sum import (
     DEFAULT_MAX_EXPONENT,
     EXPONENT_MAX,
@@ -201,6 +208,7 @@ def failing_app(raise_it: Callable[[], Message]) -> ClientApp:
     """A ClientApp like the repo's (secure_aggregation_mod app-wide) whose train handler
     fails with `raise_it`."""
     app = ClientApp(mods=[secure_aggregation_mod])
+    app.query(USER_KEY_ACTION)(answer_user_key)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -244,6 +252,7 @@ def test_value_free_refusals_and_error_replies_in_secure_mode() -> None:
     assert "arrays/w exceeds 2^8 (secagg-max-exponent)" in reason
 
     app = ClientApp(mods=[secure_aggregation_mod])
+    app.query(USER_KEY_ACTION)(answer_user_key)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -504,11 +513,15 @@ def exposure(
 
 def masked_only(grid: InProcessGrid) -> None:
     """Every received reply: no error, no array, SecAgg+ replies with weight 1 and no metrics,
-    held replies naming records only."""
+    held replies naming records only; user-key replies hold the node's partition id only."""
     for reply in grid.received:
         assert not reply.has_error()
         assert not any(len(record) for record in reply.content.array_records.values())
-        if "fitres.num_examples" in reply.content:
+        if reply.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            partition = grid.contexts[reply.metadata.src_node_id].node_config["partition-id"]
+            assert reply.content.config_records[USER_RECORD] == {USER_KEY: str(partition)}
+            assert set(reply.content.keys()) == {USER_RECORD}
+        elif "fitres.num_examples" in reply.content:
             assert reply.content["fitres.num_examples"]["num_examples"] == 1.0
             assert len(reply.content["fitres.metrics"]) == 0
         else:

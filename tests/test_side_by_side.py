@@ -1,11 +1,13 @@
 """Runs side by side (issue 41, point 3): every `python -m simulations.launch` has its own
 Flower home and local SuperLink ports, caps its private Ray instance, and stopping it stops
-only what it started, so two launches at once both finish."""
+only what it started, so two launches at once both finish; with one seed they are one run
+(point 2: users sampled by user key, not by Flower's random node ids)."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import re
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from flwr.common.config import parse_config_args
 from flwr.simulation.app import _run_simulation_settings
 from flwr.supercore.utils import simulation_config_from_json
@@ -35,9 +38,11 @@ from simulations.planner import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
-    "strategy='fedavg' num-server-rounds=1 local-steps=1 target-samples=1024 "
+    "strategy='decentnerf' num-server-rounds=2 local-steps=1 target-samples=1024 "
     "hash-log2-size=10 hash-levels=4 client-eval-views=0"
 )
+"""DecentNeRF for 2 rounds (its gradient query and learned alphas in round 2), 2 of the 3
+users a round (fraction-train 0.5), seed 0."""
 ANNOUNCED = re.compile(rf"^fedfields: Flower home (\S+), SuperLink {LOOPBACK}:(\d+)$", re.M)
 SLEEPER = "import time; time.sleep(600)"
 
@@ -171,13 +176,15 @@ def test_stopping_one_launch_leaves_the_other_running(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ two launches at once
 
 
-def test_two_launches_at_once_finish_each_on_its_own_superlink(
+def test_two_launches_at_once_finish_each_on_its_own_superlink_with_one_run(
     crowd_dir: Path, tmp_path: Path
 ) -> None:
-    """Two tiny launches started together, as a user types them (one Ray CPU each): both exit
-    0 with their report in their own run directory, announced their own Flower home and
-    SuperLink port, and left no process with either home (SuperLink, SuperExec, simulation,
-    Ray) and no home behind (Ray: ~1-2 minutes on 2 cores)."""
+    """Two tiny launches with one seed started together, as a user types them (one Ray CPU
+    each): both exit 0 with their report in their own run directory, announced their own
+    Flower home and SuperLink port, and left no process with either home (SuperLink,
+    SuperExec, simulation, Ray) and no home behind; and they are one run: the same users
+    sampled and summed each round, the same metrics, the same final field bit for bit,
+    though Flower gave their nodes other ids (Ray: ~2-3 minutes on 2 cores)."""
     launches, logs = {}, {}
     for name in ("a", "b"):
         command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--ray-cpus", "1"]
@@ -208,3 +215,22 @@ def test_two_launches_at_once_finish_each_on_its_own_superlink(
     for home in homes.values():
         assert processes_with_home_under(home) == []
         assert not home.exists()  # removed once its run completed
+    lines = {name: timeless_lines(tmp_path / name / "metrics.jsonl") for name in launches}
+    assert [line["round"] for line in lines["a"]] == [1, 2]
+    assert all(line["users-sampled"] == line["users-summed"] for line in lines["a"])
+    assert len(lines["a"][0]["users-sampled"]) == 2
+    assert lines["a"] == lines["b"]
+    fields = {name: checkpoint_state(tmp_path / name) for name in launches}
+    assert fields["a"].keys() == fields["b"].keys()
+    assert all(torch.equal(value, fields["b"][key]) for key, value in fields["a"].items())
+
+
+def timeless_lines(path: Path) -> list[dict]:
+    """metrics.jsonl's lines without wall-clock figures (seconds, client-seconds)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in line.items() if "seconds" not in k} for line in lines]
+
+
+def checkpoint_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The final global field a run saved."""
+    return torch.load(run_dir / "checkpoint.pt", weights_only=False)["state_dict"]

@@ -74,6 +74,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.sum_replies import RoundSum
+from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 State = dict[str, Tensor]
@@ -156,6 +157,7 @@ def least_squares_app(
     DecentNeRF clients start from `alphas[partition]` and append to `produced`.
     """
     app = ClientApp(mods=list(mods))
+    app.query(USER_KEY_ACTION)(answer_user_key)
 
     def problem_of(context: Context) -> LeastSquares:
         return problems[int(context.node_config["partition-id"])]

@@ -24,6 +24,7 @@ state stays in Flower's context. A deployed node is therefore started with at le
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,15 @@ def node_device(context: Context) -> torch.device:
     """
     value = str(context.node_config.get(DEVICE, "auto"))
     return parse_device(value, f"node {context.node_id}: node-config '{DEVICE}'")
+
+
+def pin_simulated_threads(context: Context) -> None:
+    """A virtual node computes with the CPUs Ray gave it (OMP_NUM_THREADS, which Ray sets per
+    actor to its num_cpus), so one seed gives one run whatever else runs on the machine; a
+    deployed node, or one run in process without it, keeps torch's setting."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if is_simulated(context) and threads.isdigit() and int(threads) != torch.get_num_threads():
+        torch.set_num_threads(max(int(threads), 1))
 
 
 def node_data_dir(context: Context, prefix: str) -> Path:

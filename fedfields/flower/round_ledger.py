@@ -42,6 +42,10 @@ class TrainRound:
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     grid: Grid
+    users: list[str] = field(default_factory=list)
+    """The sampled nodes' user keys, in `node_ids`' order (`fedfields.flower.user_keys`)."""
+    summed_nodes: list[int] = field(default_factory=list)
+    """The nodes whose replies the round's (last) aggregate summed, in summation order."""
     bytes_down: int = 0
     bytes_up: int = 0
     num_failures: int = 0
@@ -60,6 +64,12 @@ class TrainRound:
     """Noise multiplier each DP sum of the round carried (effective under secure DP)."""
     dp_charged: bool = False
     """Whether the accountant has charged this round."""
+
+    @property
+    def summed_users(self) -> list[str]:
+        """The user keys of `summed_nodes`, in summation order."""
+        keys = dict(zip(self.node_ids, self.users, strict=True))
+        return [keys.get(node_id, f"node-{node_id}") for node_id in self.summed_nodes]
 
     def count_drop(self, check: str) -> None:
         """One reply left out by `check`: a failure and a drop of that check."""

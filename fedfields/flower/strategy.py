@@ -66,6 +66,7 @@ from fedfields.flower.round_loop import (
 )
 from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sum_replies import RoundSum, plain_sum, secure_sum
+from fedfields.flower.user_keys import UserKeys
 from fedfields.privacy.dp import DPAccountant, DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -100,6 +101,7 @@ class StrategyOptions(TypedDict, total=False):
     max_update_norm: float | None
     max_empty_rounds: int
     sampling_seed: int | None
+    sample_by_user: bool
     differential_privacy: DPConfig | None
 
 
@@ -192,6 +194,7 @@ class ProtocolStrategy(FlowerFedAvg):
         max_update_norm: float | None = DEFAULT_MAX_UPDATE_NORM,
         max_empty_rounds: int = DEFAULT_MAX_EMPTY_ROUNDS,
         sampling_seed: int | None = None,
+        sample_by_user: bool = True,
         differential_privacy: DPConfig | None = None,
     ) -> None:
         super().__init__(
@@ -220,6 +223,9 @@ class ProtocolStrategy(FlowerFedAvg):
         """Draws each round's nodes. The strategy's own, not Python's global `random`: Flower's
         SecAgg+ workflow shuffles with the global one, and a secure run must sample the same
         nodes as its plaintext twin."""
+        self.user_keys: UserKeys | None = UserKeys(node_timeout) if sample_by_user else None
+        """Each node's user (`fedfields.flower.user_keys`): nodes are sampled, sent to and summed
+        in user-key order, so one seed gives one run; None: in node-id order."""
         self.current_round: TrainRound | None = None
         self.rounds_started = 0
         self.rounds_aggregated = 0
@@ -326,14 +332,17 @@ class ProtocolStrategy(FlowerFedAvg):
         """Sample the round's nodes among those connected and remember them with the shapes.
 
         Samples max(int(connected * fraction_train), min_train_nodes) nodes, as Flower's
-        FedAvg does, but never more than are connected (see `connected_nodes`).
+        FedAvg does, but never more than are connected (see `connected_nodes`), with the
+        seeded `sampling_rng` over the nodes in user-key order; the sample is kept in that
+        order, which is the order its messages are sent and its replies summed.
         """
         node_ids: list[int] = []
         connected = list(grid.get_node_ids())
         if self.fraction_train != 0.0:
-            connected = self.connected_nodes(grid)
+            connected = self.ordered_nodes(grid, self.connected_nodes(grid))
             sample_size = max(int(len(connected) * self.fraction_train), self.min_train_nodes)
-            node_ids = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
+            sample = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
+            node_ids = self.ordered_nodes(grid, sample)
             log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
         if node_ids and self.privacy is not None:
             self.privacy.check_budget(server_round, len(node_ids), len(connected))
@@ -342,6 +351,7 @@ class ProtocolStrategy(FlowerFedAvg):
         self.current_round = TrainRound(
             server_round, node_ids, len(connected), shapes_of(arrays), dtypes, grid
         )
+        self.current_round.users = self.users_of(node_ids)
         if self.secure_aggregation is None or self.dp is not None:  # read-only views: the
             # norm check's and the DP updates' reference
             reference = arrays_to_state(arrays, copy=False)
@@ -349,6 +359,21 @@ class ProtocolStrategy(FlowerFedAvg):
             if self.max_update_norm is not None:
                 self.current_round.reference_norm = update_norm(reference)
         return self.current_round
+
+    def ordered_nodes(self, grid: Grid, node_ids: Iterable[int]) -> list[int]:
+        """`node_ids` in user-key order (asking nodes not seen before which user they are),
+        or by node id without `user_keys`."""
+        if self.user_keys is None:
+            return sorted(node_ids)
+        node_ids = list(node_ids)
+        self.user_keys.learn(grid, node_ids)
+        return self.user_keys.ordered(node_ids)
+
+    def users_of(self, node_ids: Iterable[int]) -> list[str]:
+        """The user keys of `node_ids` ("node-<id>" without `user_keys`), in their order."""
+        if self.user_keys is None:
+            return [f"node-{node_id}" for node_id in node_ids]
+        return self.user_keys.of(node_ids)
 
     # Differential privacy's hooks (`fedfields.flower.round_privacy`).
 
@@ -398,9 +423,10 @@ class ProtocolStrategy(FlowerFedAvg):
         """Flower FedAvg's federated evaluation, sampling among the connected nodes only."""
         if self.fraction_evaluate == 0.0:
             return []
-        connected = list(grid.get_node_ids())
+        connected = self.ordered_nodes(grid, grid.get_node_ids())
         sample_size = max(int(len(connected) * self.fraction_evaluate), self.min_evaluate_nodes)
-        node_ids = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
+        sample = self.sampling_rng.sample(connected, min(sample_size, len(connected)))
+        node_ids = self.ordered_nodes(grid, sample)
         config[SERVER_ROUND] = server_round
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         return [
@@ -519,15 +545,16 @@ class ProtocolStrategy(FlowerFedAvg):
         scalars: Sequence[str] = (),
     ) -> Iterator[CheckedReply]:
         """The plaintext replies that pass every check, the strategy's `check_update` last
-        (`ReplyGate.checked`); a bad one is dropped before it reaches any sum."""
-        return self.gate.checked(
-            self.active_round,
-            replies,
-            records,
-            self.check_update,
-            weighted=weighted,
-            scalars=scalars,
-        )
+        (`ReplyGate.checked`); a bad one is dropped before it reaches any sum. The rules that
+        aggregate them outside `sum_replies` (FedNova, FedExP, the robust rules) use them all,
+        so each is recorded as summed."""
+        train_round = self.active_round
+        train_round.summed_nodes = []
+        for reply in self.gate.checked(
+            train_round, replies, records, self.check_update, weighted=weighted, scalars=scalars
+        ):
+            train_round.summed_nodes.append(reply.node_id)
+            yield reply
 
     def check_update(self, reply: CheckedReply) -> None:
         """Raise `BadReply` ("update-norm") if the reply's ARRAYS moved further than
@@ -559,6 +586,7 @@ class ProtocolStrategy(FlowerFedAvg):
         nothing was summed (the round's ledger counts why).
         """
         train_round = self.active_round
+        train_round.summed_nodes = []
         deltas = tuple(name for name in self.dp_deltas if name in records)
         if self.secure_aggregation is None:
             summed = plain_sum(
@@ -576,6 +604,8 @@ class ProtocolStrategy(FlowerFedAvg):
             if not held:
                 return None
             summed = secure_sum(self.gate, train_round, self.secure_aggregation, held, records)
+        if summed is not None:
+            train_round.summed_nodes = list(summed.node_ids)
         if summed is None or self.privacy is None:
             return summed
         return self.privacy.released(summed, train_round, deltas, self.secure_delta)

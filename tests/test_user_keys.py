@@ -1,0 +1,137 @@
+"""Nodes are sampled, sent to and summed by user key, never by Flower's random node ids.
+
+Two federations of the same users whose nodes carry other ids (in another order) must sample
+the same users under one seed and produce the same aggregate bit for bit; another seed picks
+other users; a node that does not answer the user-key query falls back to its node id with
+one warning; replies overtaking each other are still handed over in the order sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import pytest
+import torch
+from flower_harness import InProcessGrid
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from test_strategies import heterogeneous_problems, initial_state, least_squares_app
+
+from fedfields.flower import FedAvg
+from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.flower.streaming import StreamingGrid
+from fedfields.flower.user_keys import (
+    USER_KEY_ACTION,
+    UserKeys,
+    answer_user_key,
+    natural_order,
+    user_key,
+)
+
+
+def context(node_config: dict) -> Context:
+    return Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+
+
+def test_a_nodes_user_key_comes_from_its_node_config() -> None:
+    assert user_key(context({"partition-id": 3, "num-partitions": 9})) == "3"
+    deployed = {"partition-id": 3, "data-dir": "/data/crowd/user_07", "state-dir": "/s"}
+    assert user_key(context(deployed)) == "user_07"
+    assert user_key(context({**deployed, "user": "alice"})) == "alice"
+    assert user_key(context({"partition-id": 4, "state-dir": "/s"})) == "4"
+    with pytest.raises(ValueError, match="node 7: node-config names no user"):
+        user_key(context({"state-dir": "/s"}))
+
+
+def test_user_keys_sort_digit_runs_as_numbers() -> None:
+    keys = ["user_10", "user_9", "user_100", "2", "10", "1", "alice"]
+    assert sorted(keys, key=natural_order) == [
+        "1", "2", "10", "alice", "user_9", "user_10", "user_100",
+    ]  # fmt: skip
+
+
+def shuffled_grid(apps: list, first_node_id: int, order: list[int]) -> InProcessGrid:
+    """A grid whose node i (id first_node_id + i) is user order[i]: the node ids a user gets,
+    and the order get_node_ids lists the users in, differ between grids."""
+    grid = InProcessGrid([apps[user] for user in order], first_node_id=first_node_id)
+    for node_id, user in zip(grid.contexts, order, strict=True):
+        grid.contexts[node_id].node_config["partition-id"] = user
+    return grid
+
+
+def sampled_round(seed: int, grid: InProcessGrid) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """One FedAvg round sampling half the nodes under `seed`: the sampled users and the
+    aggregate (streamed, so replies are summed in the order sent)."""
+    strategy = FedAvg(fraction_train=0.5, min_available_nodes=8, sampling_seed=seed)
+    streaming = StreamingGrid(grid)
+    start = state_to_arrays(initial_state())
+    messages = strategy.configure_train(1, start, ConfigRecord({"local-steps": 3}), streaming)
+    arrays, _ = strategy.aggregate_train(1, streaming.send_and_receive(messages))
+    assert strategy.current_round is not None and arrays is not None
+    assert strategy.current_round.summed_users == strategy.current_round.users
+    return strategy.current_round.users, arrays_to_state(arrays)
+
+
+def test_one_seed_samples_the_same_users_whatever_their_node_ids() -> None:
+    problems = heterogeneous_problems(8)
+    apps = [least_squares_app(problems, 0.05)] * 8
+    first = shuffled_grid(apps, 101, list(range(8)))
+    second = shuffled_grid(apps, 9_000_001, [5, 2, 7, 0, 3, 6, 1, 4])
+    users, aggregate = sampled_round(seed=4, grid=first)
+    again, aggregate_again = sampled_round(seed=4, grid=second)
+    assert users == again and len(users) == 4
+    assert users == sorted(users, key=natural_order)
+    for key, value in aggregate.items():
+        assert torch.equal(value, aggregate_again[key])
+    others = {tuple(sampled_round(seed, shuffled_grid(apps, 101, list(range(8))))[0])
+              for seed in range(5, 9)}  # fmt: skip
+    assert others - {tuple(users)}, "other seeds should pick other users"
+
+
+def test_a_node_without_the_handler_keeps_its_node_id_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stock = ClientApp()  # Flower's quickstart shape: train only
+
+    @stock.train()
+    def train(msg: Message, context: Context) -> Message:
+        return Message(RecordDict(), reply_to=msg)
+
+    answering = ClientApp()
+    answering.query(USER_KEY_ACTION)(answer_user_key)
+    grid = InProcessGrid([answering, stock, answering], first_node_id=50)
+    keys = UserKeys()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        keys.learn(grid, grid.get_node_ids())
+        keys.learn(grid, grid.get_node_ids())  # learnt once: no second query, no warning
+    assert keys.of([50, 51, 52]) == ["0", "node-51", "2"]
+    assert keys.ordered([52, 51, 50]) == [50, 52, 51]
+    warnings = [r for r in caplog.records if "did not say which user" in r.getMessage()]
+    assert len(warnings) == 1 and "1 node(s)" in warnings[0].getMessage()
+    queries = [m for m in grid.sent if m.metadata.message_type == "query.user_key"]
+    assert len(queries) == 3
+
+
+class OvertakingGrid(InProcessGrid):
+    """Replies come back last-sent first, one per pull."""
+
+    pull_interval = 0.0
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        ready = [message_id for message_id in message_ids if message_id in self._replies]
+        return super().pull_messages(ready[-1:])
+
+
+def test_streamed_replies_come_in_the_order_their_messages_were_sent() -> None:
+    def echo(message: Message, context: Context) -> Message:
+        return Message(RecordDict({"arrays": ArrayRecord()}), reply_to=message)
+
+    grid = OvertakingGrid([echo] * 5)
+    messages = [
+        Message(RecordDict({"c": ConfigRecord()}), dst_node_id=node_id, message_type="train")
+        for node_id in [104, 101, 103, 100 + 2, 100 + 5]
+    ]
+    replies = StreamingGrid(grid).send_and_receive(messages, timeout=10)
+    assert [reply.metadata.src_node_id for reply in replies] == [104, 101, 103, 102, 105]
+    assert [r.metadata.src_node_id for r in grid.received] == [105, 102, 103, 101, 104]
