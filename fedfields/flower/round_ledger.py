@@ -25,6 +25,7 @@ from fedfields.flower.protocol import (
     NUM_FAILURES,
     NUM_REPLIES,
 )
+from fedfields.flower.user_keys import fallback_key
 
 SECURE_SUMS = "secure-sums"
 """Train metric: secure sums completed this round (present when secure aggregation is on)."""
@@ -69,7 +70,7 @@ class TrainRound:
     def summed_users(self) -> list[str]:
         """The user keys of `summed_nodes`, in summation order."""
         keys = dict(zip(self.node_ids, self.users, strict=True))
-        return [keys.get(node_id, f"node-{node_id}") for node_id in self.summed_nodes]
+        return [keys.get(node_id, fallback_key(node_id)) for node_id in self.summed_nodes]
 
     def count_drop(self, check: str) -> None:
         """One reply left out by `check`: a failure and a drop of that check."""

@@ -66,7 +66,7 @@ from fedfields.flower.round_loop import (
 )
 from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sum_replies import RoundSum, plain_sum, secure_sum
-from fedfields.flower.user_keys import UserKeys
+from fedfields.flower.user_keys import UserKeys, fallback_key
 from fedfields.privacy.dp import DPAccountant, DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -372,7 +372,7 @@ class ProtocolStrategy(FlowerFedAvg):
     def users_of(self, node_ids: Iterable[int]) -> list[str]:
         """The user keys of `node_ids` ("node-<id>" without `user_keys`), in their order."""
         if self.user_keys is None:
-            return [f"node-{node_id}" for node_id in node_ids]
+            return [fallback_key(node_id) for node_id in node_ids]
         return self.user_keys.of(node_ids)
 
     # Differential privacy's hooks (`fedfields.flower.round_privacy`).

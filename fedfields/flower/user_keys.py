@@ -58,6 +58,11 @@ def user_key(context: Context) -> str:
     )
 
 
+def fallback_key(node_id: int) -> str:
+    """The key of a node that did not say which user it is: "node-<node id>"."""
+    return f"{FALLBACK_PREFIX}{node_id}"
+
+
 def answer_user_key(msg: Message, context: Context) -> Message:
     """A ClientApp's reply to the server's "query.user_key": this node's `user_key`."""
     content = RecordDict({USER_RECORD: ConfigRecord({USER_KEY: user_key(context)})})
@@ -105,7 +110,7 @@ class UserKeys:
                 self.keys[reply.metadata.src_node_id] = key
         silent = [node_id for node_id in unknown if node_id not in self.keys]
         for node_id in silent:
-            self.keys[node_id] = f"{FALLBACK_PREFIX}{node_id}"
+            self.keys[node_id] = fallback_key(node_id)
         if silent:
             log(
                 WARNING,
@@ -130,4 +135,4 @@ class UserKeys:
 
     def of(self, node_ids: Iterable[int]) -> list[str]:
         """The user keys of `node_ids`, in their order ("node-<id>" for one never learnt)."""
-        return [self.keys.get(node_id, f"{FALLBACK_PREFIX}{node_id}") for node_id in node_ids]
+        return [self.keys.get(node_id, fallback_key(node_id)) for node_id in node_ids]
