@@ -30,6 +30,8 @@ IN_PLACE_ALLOWED = {
     "fedfields/report.py:_curve_group": "draws into an in-memory buffer",
     "simulations/deploy.py": "SuperLink/SuperNode logs streamed as they run; the CLI's config",
     "simulations/certificates.py": "TLS files made once before anything starts",
+    "simulations/sweep.py:execute": "each run's launcher log, appended as the launcher runs",
+    "simulations/sweep.py:locked": "the sweep folder's empty lock file, held with flock",
 }
 """Where a file may be written without `fedfields.atomic`, and why."""
 
