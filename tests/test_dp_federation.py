@@ -245,7 +245,7 @@ def test_scaffold_clips_the_model_and_control_deltas_jointly() -> None:
         {NUM_EXAMPLES: 1.0},
     )  # fmt: skip
     strategy = Scaffold(
-        min_available_nodes=1, min_train_nodes=1, max_update_norm=None,
+        min_available_nodes=1, min_train_nodes=1, max_update_norm=None, max_control_norm=None,
         differential_privacy=DPConfig(1e-12, clip_norm),
     )  # fmt: skip
     arrays, _ = train_round(strategy, InProcessGrid([node]), state_to_arrays(x))

@@ -112,6 +112,8 @@ def node(records: dict[str, State], metrics: dict[str, float]) -> Callable:
 # ------------------------------------------------------------------ strategies and replies
 
 WEIGHTED = ("fedavg", "fedprox", "fedmenf", "fednova", "fedexp", "fedacg")
+NOVA_STEPS = 8
+"""FedNova's "local-steps": the honest clients report 2-5 "train-steps"."""
 
 
 def make(name: str, count: int, **options: object) -> ProtocolStrategy:
@@ -121,7 +123,7 @@ def make(name: str, count: int, **options: object) -> ProtocolStrategy:
     kinds: dict[str, Callable[..., ProtocolStrategy]] = {
         "fedavg": FedAvg,
         "fedprox": lambda **o: FedProx(proximal_mu=0.1, **o),
-        "fednova": FedNova,
+        "fednova": lambda **o: FedNova(local_steps=NOVA_STEPS, **o),
         "fedexp": FedExP,
         "fedacg": FedACG,
         "scaffold": Scaffold,
@@ -242,6 +244,11 @@ COMMON_KINDS: dict[str, tuple[Callable, str]] = {
     "extra-key": (_extra_key, "extra-key"),
     "no-record": (_no_record, "missing-record"),
     "scaled-update": (_scaled_update, "update-norm"),
+    "client-dp-epsilon": (_metric("dp-epsilon", 0.01), "reserved-metric"),
+    "client-drop-count": (_metric("dropped-update-norm", 0.0), "reserved-metric"),
+    "client-secure-sums": (_metric("secure-sums", 3.0), "reserved-metric"),
+    "client-upload-leak": (_metric("upload-personal-psnr", 40.0), "reserved-metric"),
+    "client-num-replies": (_metric(NUM_REPLIES, 1e6), "reserved-metric"),
 }
 WEIGHT_KINDS: dict[str, tuple[Callable, str]] = {
     "zero-examples": (_metric(NUM_EXAMPLES, 0.0), NUM_EXAMPLES),
@@ -251,10 +258,16 @@ WEIGHT_KINDS: dict[str, tuple[Callable, str]] = {
     "absurd-examples": (_metric(NUM_EXAMPLES, 1e12), NUM_EXAMPLES),
 }
 SPECIFIC_KINDS: dict[str, dict[str, tuple[Callable, str]]] = {
-    "fednova": {"zero-steps": (_metric(TRAIN_STEPS, 0.0), TRAIN_STEPS)},
+    "fednova": {
+        "zero-steps": (_metric(TRAIN_STEPS, 0.0), TRAIN_STEPS),
+        "more-steps-than-sent": (_metric(TRAIN_STEPS, NOVA_STEPS + 1.0), TRAIN_STEPS),
+        "million-steps": (_metric(TRAIN_STEPS, 1e6), TRAIN_STEPS),
+        "fraction-of-a-step": (_metric(TRAIN_STEPS, 1e-6), TRAIN_STEPS),
+    },
     "scaffold": {
-        "nan-control": (_set(CONTROL_DELTA, "bias", torch.tensor([0.0, math.nan])), "non-finite")
-    },  # fmt: skip
+        "nan-control": (_set(CONTROL_DELTA, "bias", torch.tensor([0.0, math.nan])), "non-finite"),
+        "huge-control": (_set(CONTROL_DELTA, "bias", torch.tensor([0.0, 1e30])), "control-norm"),
+    },
     "decentnerf": {
         "negative-alpha": (_alpha(-1.0), "alpha"),
         "zero-alpha": (_alpha(0.0), "alpha"),

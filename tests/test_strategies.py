@@ -663,7 +663,7 @@ def test_fednova_and_fedexp_aggregate_replies_as_their_maths() -> None:
     states, weights, steps = zip(*specs, strict=True)
     expected_nova = fednova_update(start, states, weights, steps)
     expected_exp, eta = fedexp_update(start, states, weights)
-    for strategy, expected in ((FedNova(min_available_nodes=3), expected_nova),
+    for strategy, expected in ((FedNova(min_available_nodes=3, local_steps=13), expected_nova),
                                (FedExP(min_available_nodes=3), expected_exp)):  # fmt: skip
         arrays, metrics = one_round(strategy, InProcessGrid(handlers), state_to_arrays(start))
         assert arrays is not None and metrics is not None and metrics[NUM_REPLIES] == 3

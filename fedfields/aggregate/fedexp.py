@@ -6,6 +6,11 @@ extrapolates when the clients' updates agree little, from quantities FedAvg alre
 
 The paper weighs clients equally (p_i = 1/M); we use FedAvg's p_i = n_i / sum_j n_j, which is
 the same when the clients hold equally many examples. FedMeNF's Table 7: eps = 0.001.
+
+eta_g is capped at max(1, M/2) for M clients: M/2 is its value when the M updates are
+orthogonal with equal norms (Jhunjhunwala et al., Sec. 3), and any larger step needs updates
+that cancel each other, which two colluding clients can fake (opposite updates, each within
+the update-norm cap, drive ||Delta|| to 0 and eta_g to 1e8 without the cap).
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ from fedfields.aggregate.states import (
 )
 
 FEDEXP_EPSILON = 1e-3
+
+
+def max_server_step(count: int) -> float:
+    """The cap on eta_g for `count` clients: max(1, M/2), its value for orthogonal updates."""
+    return max(1.0, count / 2)
 
 
 class FedExPSums:
@@ -49,10 +59,12 @@ class FedExPSums:
         return self.deltas.count
 
     def server_step(self) -> float:
-        """eta_g = max(1, mean_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))."""
+        """eta_g = max(1, mean_i ||Delta_i||^2 / (2 (||Delta||^2 + eps))), at most
+        `max_server_step(M)`."""
         mean = self.deltas.accumulated()
         norm = squared_norm(mean) / self.deltas.total_weight**2
-        return max(1.0, self.squared_norms / self.deltas.total_weight / (2 * (norm + self.epsilon)))
+        step = self.squared_norms / self.deltas.total_weight / (2 * (norm + self.epsilon))
+        return min(max(1.0, step), max_server_step(self.count))
 
     def update(self) -> dict[str, Tensor]:
         """x - eta_g Delta in the global state's dtypes."""

@@ -37,6 +37,7 @@ SECURE_MIN_CLIENTS = 3
 STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
     "proximal-mu": ("fedprox",),
     "scaffold-global-lr": ("scaffold",),
+    "max-control-norm": ("scaffold",),
     "fedexp-epsilon": ("fedexp",),
     "fedacg-lambda": ("fedacg",),
     "fedacg-beta": ("fedacg",),
@@ -136,6 +137,9 @@ class CommonSection:
     downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
     proximal_mu: float = key(0.01, "FedProx mu (scene and meta tasks)")
     scaffold_global_lr: float = key(1.0, "Scaffold's server step size")
+    max_control_norm: float = key(
+        1e6, "Scaffold: a reply with ||delta c_i|| above it is dropped (0: no cap)"
+    )
     fedexp_epsilon: float = key(0.001, "FedExP's epsilon in its server step size")
     fedacg_lambda: float = key(0.2, "FedACG's server momentum lambda")
     fedacg_beta: float = key(0.1, "FedACG's proximal weight beta around the lookahead")
@@ -171,6 +175,7 @@ class CommonSection:
             "finite and >= 0",
         )
         _check(self, ["fedexp_epsilon"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+        _check(self, ["max_control_norm"], _finite(0.0), "finite and >= 0")
         if self.mode == "split" and self.task != "scene":
             raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
 
@@ -196,7 +201,7 @@ class SceneSection:
     )
     alpha_lr: float = key(1.0, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
     alpha_max: float = key(
-        100.0, "DecentNeRF: a reply with alpha_k outside (0, alpha-max] is dropped"
+        100.0, "DecentNeRF: a reply with alpha_k outside [alpha-max * 1e-6, alpha-max] is dropped"
     )
     max_gradient_norm: float = key(
         1e4, "DecentNeRF: a gradient reply with ||G_k|| above it is dropped (0: no cap)"

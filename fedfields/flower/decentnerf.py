@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from logging import WARNING
+from logging import ERROR, WARNING
 from typing import Any, Unpack
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -80,7 +81,7 @@ class DecentNeRF(ProtocolStrategy):
     remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
     arrives, no GRADIENT is sent and clients keep their alpha. Without secure aggregation a
     bad reply is dropped before it reaches a sum (`ProtocolStrategy.checked_replies`): besides
-    the shared checks, a payload's alpha_k must lie in (0, alpha_max] and its g_k =
+    the shared checks, a payload's alpha_k must lie in [alpha_max * 1e-6, alpha_max] and its g_k =
     payload / alpha_k obeys `max_update_norm`; a gradient reply's ||G_k|| must not exceed
     `max_gradient_norm`. Under DP (`differential_privacy`) a payload is summed as
     (alpha_k (g_k - g), alpha_k), clipped to C jointly, and G_k is clipped to C; both sums are
@@ -92,7 +93,8 @@ class DecentNeRF(ProtocolStrategy):
             eta per setting (docs/BENCHMARKS.md gives the values measured).
         query_timeout: seconds to wait for gradient replies; None takes `node_timeout`
             (None there too waits for all).
-        alpha_max: a plaintext reply whose alpha_k is outside (0, alpha_max] is dropped.
+        alpha_max: a plaintext reply whose alpha_k is outside [alpha_max * 1e-6, alpha_max]
+            is dropped.
         max_gradient_norm: a plaintext gradient reply with ||G_k|| above it is dropped (0 or
             None: no cap); raise it with beta-min far below NeRF-W's 0.03.
         **options: sampling and "local-steps" (`StrategyOptions`), as for `fedfields.flower.FedAvg`.
@@ -168,7 +170,14 @@ class DecentNeRF(ProtocolStrategy):
         queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
         summed = self.sum_replies(replies, {GRADIENT: train_round.shapes})
-        return None if summed is None else self.like_global(summed.sums[GRADIENT])
+        if summed is None:
+            return None
+        gradient = self.like_global(summed.sums[GRADIENT])
+        if not all(bool(torch.isfinite(value).all()) for value in gradient.values()):
+            log(ERROR, "round %d: the summed gradient G holds NaN or infinite values in the "
+                "global's dtypes and is not sent", train_round.server_round)  # fmt: skip
+            return None
+        return gradient
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -197,14 +206,20 @@ class DecentNeRF(ProtocolStrategy):
         return state_to_arrays(aggregate), self.summed_metrics(summed)
 
     @property
+    def alpha_floor(self) -> float:
+        """The least alpha_k a reply may carry: the clients' clamp (`clamped_alpha`), less a
+        float32 rounding; alpha_k divides the payload, so a subnormal one is refused."""
+        return self.alpha_max * ALPHA_FLOOR * (1 - 1e-6)
+
+    @property
     def dp_noise_std(self) -> float:
         """Std z C of the DP noise on each summed entry, the alpha sum's included."""
         assert self.dp is not None
         return central_noise_std(self.dp.noise_multiplier, self.dp.clip_norm)
 
     def check_update(self, reply: CheckedReply) -> None:
-        """A payload's alpha_k in (0, alpha_max], then the update-norm bound on its g_k =
-        payload / alpha_k; a gradient reply's ||G_k|| at most `max_gradient_norm`."""
+        """A payload's alpha_k in [alpha_max * 1e-6, alpha_max], then the update-norm bound on
+        its g_k = payload / alpha_k; a gradient reply's ||G_k|| at most `max_gradient_norm`."""
         payload = reply.states.get(ARRAYS)
         if payload is None:
             gradient = reply.states.get(GRADIENT)
@@ -217,11 +232,11 @@ class DecentNeRF(ProtocolStrategy):
                     )
             return
         alpha = float(payload[ALPHA_KEY].double().reshape(()))
-        if not 0.0 < alpha <= self.alpha_max:
+        if not self.alpha_floor <= alpha <= self.alpha_max:
             raise BadReply(
                 "alpha",
                 f"reply from node {reply.node_id}, record {ARRAYS!r}: {ALPHA_KEY!r} is outside "
-                f"(0, alpha-max = {self.alpha_max:g}]",
+                f"[alpha-max * {ALPHA_FLOOR:g}, alpha-max = {self.alpha_max:g}]",
             )
         self.check_update_norm(reply.node_id, payload, scale=alpha)
 
@@ -306,7 +321,7 @@ class DecentNeRFClient:
     def _updated_alpha(self, msg: Message) -> float:
         """alpha_k <- alpha_k - eta dL/dalpha_k clamped into [alpha-max * ALPHA_FLOOR,
         alpha-max] (the message's "alpha-max", else DEFAULT_ALPHA_MAX), stored with the
-        round in the history: a server takes no alpha_k outside (0, alpha-max].
+        round in the history: a server takes no alpha_k outside that range.
 
         With "alpha-sum" the derivative is the normalised aggregation's <G, g_k - g> / A,
         else Eq. 2's <G, g_k>. A stale g_k (this user's last upload predates the aggregate's
@@ -337,7 +352,7 @@ class DecentNeRFClient:
 
 
 def clamped_alpha(alpha: float, alpha_max: float) -> float:
-    """`alpha` clamped into [alpha_max * ALPHA_FLOOR, alpha_max], inside (0, alpha-max]."""
+    """`alpha` clamped into [alpha_max * ALPHA_FLOOR, alpha_max], the range a server takes."""
     if not (math.isfinite(alpha_max) and alpha_max > 0):
         raise ValueError(f"train config {ALPHA_MAX!r} must be positive and finite")
     return min(max(alpha, alpha_max * ALPHA_FLOOR), alpha_max)

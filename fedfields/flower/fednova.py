@@ -11,7 +11,13 @@ from torch import Tensor
 
 from fedfields.aggregate.fednova import FedNovaSums
 from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.protocol import ARRAYS, TRAIN_STEPS, arrays_to_state, state_to_arrays
+from fedfields.flower.protocol import (
+    ARRAYS,
+    LOCAL_STEPS,
+    TRAIN_STEPS,
+    arrays_to_state,
+    state_to_arrays,
+)
 from fedfields.flower.strategy import StrategyOptions
 
 
@@ -50,8 +56,9 @@ class FedNova(FedAvg):
     Messages as FedAvg's; replies also carry "train-steps" (tau_i, the local steps the client
     took). Clients that trained longer do not pull x further; equal steps give FedAvg.
     Not available with secure aggregation (the server needs each client's tau_i and y_i),
-    nor with a robust `aggregation_rule`. A reply without a positive "train-steps", or failing
-    FedAvg's checks, is dropped.
+    nor with a robust `aggregation_rule`. A reply whose "train-steps" lies outside
+    [1, "local-steps" sent] (tau_i scales the step: 1e6 steps against 1 sent moved the
+    global by 6.6e3), or failing FedAvg's checks, is dropped.
     """
 
     strategy_name = "fednova"
@@ -62,6 +69,14 @@ class FedNova(FedAvg):
         super().__init__(**options)
         refuse_robust_rule(self)
         self.global_state: dict[str, Tensor] = {}
+        self.sent_steps = 1
+        """The round's "local-steps": the most "train-steps" a reply may report."""
+
+    def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
+        """FedAvg's train config; its "local-steps" bounds the replies' "train-steps"."""
+        train_config = super().train_config(server_round, config)
+        self.sent_steps = int(train_config[LOCAL_STEPS])
+        return train_config
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -77,7 +92,10 @@ class FedNova(FedAvg):
         train_round = self.round_state(server_round)
         sums, metrics, weights = FedNovaSums(self.global_state), [], []
         checked = self.checked_replies(
-            replies, {ARRAYS: train_round.shapes}, weighted=True, scalars=(TRAIN_STEPS,)
+            replies,
+            {ARRAYS: train_round.shapes},
+            weighted=True,
+            scalars={TRAIN_STEPS: (1.0, float(self.sent_steps))},
         )
         for reply in checked:
             steps = reply.scalars[TRAIN_STEPS]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +97,19 @@ DROPPED_PREFIX = "dropped-"
 """Prefix of the per-check drop counts, e.g. "dropped-non-finite" (present when non-zero)."""
 BYTES_UP = "bytes-up"
 BYTES_DOWN = "bytes-down"
+NON_FINITE_AGGREGATE = "non-finite-aggregate"
+"""1 when the round's aggregate held NaN or infinite values in the global's dtypes and was
+refused (the global model stays as it was)."""
+
+RESERVED_METRICS = frozenset(
+    {NUM_REPLIES, NUM_FAILURES, NUM_DROPPED, BYTES_UP, BYTES_DOWN, NON_FINITE_AGGREGATE}
+    | {"round", "seconds"}
+)
+"""Round metrics only the server writes: a reply's metric of that name is refused."""
+RESERVED_METRIC_PREFIXES = ("dp-", "dropped-", "secure-", "users-", "upload-", "fedexp-")
+"""Prefixes of the server's privacy, drop, secure-sum, sampling, leakage and FedExP metrics,
+some written only in some runs (no "dp-epsilon" without DP): a reply's metric under one of
+them would pass for the server's and is refused."""
 
 # ------------------------------------------------------------------ split learning
 SPLIT_STAGE = "split-stage"
@@ -258,7 +271,8 @@ def checked_state(
     expected_dtypes: Mapping[str, str] | None = None,
 ) -> dict[str, Tensor]:
     """`record` as read-only tensors after checking keys, shapes, dtypes (`checked_dtype`,
-    against `expected_dtypes`, e.g. the global's; a float cast makes a copy) and finiteness;
+    against `expected_dtypes`, e.g. the global's; a float cast makes a copy) and finiteness
+    after the cast (the values as they will be summed);
     one `BadReply` starting with `where` lists every problem (its `check` is the first's)."""
     problems: list[tuple[str, str]] = []
     missing = [key for key in expected_shapes if key not in record]
@@ -283,10 +297,12 @@ def checked_state(
         elif dtype is None:
             wanted = (expected_dtypes or {}).get(key, "a float dtype")
             problems.append(("dtype", f"key {key!r} has dtype {tensor.dtype}, expected {wanted}"))
-        elif tensor.is_floating_point() and not _finite(tensor):
-            problems.append(("non-finite", f"key {key!r} has non-finite values"))
-        elif dtype != tensor.dtype:
-            state[key] = tensor.to(dtype)
+        else:
+            # checked as it will be summed: a float64 1e39 is finite, but inf in float32
+            cast = tensor.to(dtype) if dtype != tensor.dtype else tensor
+            if cast.is_floating_point() and not _finite(cast):
+                problems.append(("non-finite", f"key {key!r} has non-finite values in {dtype}"))
+            state[key] = cast
     if problems:
         raise BadReply(problems[0][0], f"{where}: " + "; ".join(text for _, text in problems))
     return state
@@ -317,10 +333,37 @@ def _finite(tensor: Tensor) -> bool:
     return math.isfinite(total) or bool(torch.isfinite(tensor).all())
 
 
+def reserved_metric(name: str) -> bool:
+    """Whether `name` is the server's to write (`RESERVED_METRICS`, `RESERVED_METRIC_PREFIXES`)."""
+    return name in RESERVED_METRICS or name.startswith(RESERVED_METRIC_PREFIXES)
+
+
+def check_metric_names(names: Iterable[str], where: str) -> None:
+    """Raise `BadReply` ("reserved-metric") if a client metric takes a server metric's name:
+    a client's "dp-epsilon" would be recorded as the run's privacy loss."""
+    if reserved := sorted(name for name in names if reserved_metric(str(name))):
+        raise BadReply(
+            "reserved-metric", f"{where}: metrics {reserved} are names the server writes"
+        )
+
+
+def finite_arrays(arrays: ArrayRecord) -> bool:
+    """Whether every floating array of `arrays` is finite: the check on each sum's result
+    before it becomes the global model (an extrapolating step can leave the dtype's range)."""
+    return all(
+        _finite(tensor)
+        for tensor in arrays_to_state(arrays, copy=False).values()
+        if tensor.is_floating_point()
+    )
+
+
 def check_metrics(message: Message) -> None:
-    """Raise `BadReply` ("non-finite-metric") if a value of the reply's METRICS record, a
-    scalar or an entry of a list, is NaN or infinite (it would poison the round's means)."""
+    """Raise `BadReply` ("reserved-metric") if a metric of the reply's METRICS record takes a
+    server metric's name, or ("non-finite-metric") if a value, a scalar or an entry of a
+    list, is NaN or infinite (it would poison the round's means)."""
     record = message.content.metric_records.get(METRICS)
+    where = f"reply from node {message.metadata.src_node_id}, record {METRICS!r}"
+    check_metric_names(record or {}, where)
     for key, value in (record or {}).items():
         values = value if isinstance(value, list) else [value]
         if not all(math.isfinite(entry) for entry in values):
@@ -332,13 +375,19 @@ def check_metrics(message: Message) -> None:
 
 
 def reply_metric(
-    message: Message, key: str, *, positive: bool = False, at_most: float | None = None
+    message: Message,
+    key: str,
+    *,
+    positive: bool = False,
+    at_most: float | None = None,
+    at_least: float | None = None,
 ) -> float:
     """Scalar `key` of a reply's METRICS record, or a `BadReply` (check `key`) naming node
     and key but not the value.
 
-    The value must be finite, > 0 if `positive` (e.g. "num-examples" as a weight) and at most
-    `at_most` if given (an absurd example count would outweigh every other client).
+    The value must be finite, > 0 if `positive` (e.g. "num-examples" as a weight), at most
+    `at_most` if given (an absurd example count would outweigh every other client) and at
+    least `at_least` if given (FedNova divides by its step count).
     """
     where = f"reply from node {message.metadata.src_node_id}, record {METRICS!r}"
     record = message.content.metric_records.get(METRICS)
@@ -350,4 +399,6 @@ def reply_metric(
         raise BadReply(key, f"{where}: metric {key!r} is not {requirement}")
     if at_most is not None and value > at_most:
         raise BadReply(key, f"{where}: metric {key!r} is above its cap {at_most:g}")
+    if at_least is not None and value < at_least:
+        raise BadReply(key, f"{where}: metric {key!r} is below its floor {at_least:g}")
     return float(value)

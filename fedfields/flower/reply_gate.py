@@ -6,7 +6,9 @@ where the global's are float (float16/32/64 arrays are cast to the global's dtyp
 `max_num_examples`) or an update ||g_k - g|| above `max_update_norm` * max(||g||, 1) is dropped,
 logged at WARNING with node and check, and counted in the round's ledger ("num-failures",
 "num-dropped", "dropped-<check>"). Under secure aggregation a reply that holds nothing back
-is dropped ("held"). `drop_reason` says in a user's words what a dropped reply lacked.
+is dropped ("held"). A metric under a name the server writes (`protocol.reserved_metric`,
+"dp-epsilon" say) drops its reply ("reserved-metric"). `drop_reason` says in a user's words
+what a dropped reply lacked.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     HELD,
+    HELD_METRICS,
     HELD_RECORDS,
     METRICS,
     NUM_EXAMPLES,
     TRAIN_STEPS,
     BadReply,
     Shapes,
+    check_metric_names,
     check_metrics,
     content_bytes,
     reply_metric,
@@ -106,15 +110,16 @@ class ReplyGate:
         check_update: Callable[[CheckedReply], None],
         *,
         weighted: bool = False,
-        scalars: Sequence[str] = (),
+        scalars: Mapping[str, tuple[float, float]] | None = None,
     ) -> Iterator[CheckedReply]:
         """The successful plaintext replies that pass every check, yielded as they come.
 
         Checks, in order: finite metrics (`successful`); each of `records` present with
         exactly the expected keys, shapes and dtypes (the global's, floats cast) and finite
         values (`reply_state`); if `weighted`, a "num-examples" in (0, `max_num_examples`]
-        (the reply's `weight`, else 1); each metric in `scalars` positive and finite; then the
-        strategy's `check_update` (the update-norm bound, or its own).
+        (the reply's `weight`, else 1); each metric of `scalars` within its (floor, cap),
+        both inclusive, and positive; then the strategy's `check_update` (the update-norm
+        bound, or its own).
         """
         for reply in self.successful(train_round, replies):
             try:
@@ -127,7 +132,10 @@ class ReplyGate:
                     checked.weight = reply_metric(
                         reply, NUM_EXAMPLES, positive=True, at_most=self.max_num_examples
                     )
-                checked.scalars = {key: reply_metric(reply, key, positive=True) for key in scalars}
+                checked.scalars = {
+                    key: reply_metric(reply, key, positive=True, at_least=floor, at_most=cap)
+                    for key, (floor, cap) in (scalars or {}).items()
+                }
                 check_update(checked)
             except BadReply as bad:
                 self.drop(train_round, reply, bad)
@@ -162,8 +170,13 @@ class ReplyGate:
             if held is None or missing:
                 bad = BadReply("held", f"{where}: does not hold the records {missing}")
                 self.drop(train_round, reply, bad)
-            else:
-                holding.append(reply)
+                continue
+            try:
+                check_metric_names(held.get(HELD_METRICS, []), where)
+            except BadReply as bad:
+                self.drop(train_round, reply, bad)
+                continue
+            holding.append(reply)
         return holding
 
     @staticmethod
@@ -183,8 +196,9 @@ class ReplyGate:
                 f"max-num-examples = {self.max_num_examples or math.inf:g})"
             ),
             TRAIN_STEPS: (
-                f"the clients must report {TRAIN_STEPS!r} (the local steps each took, > 0) in "
-                f"their {METRICS!r} record: {strategy} normalises by it"
+                f"the clients must report {TRAIN_STEPS!r} (the local steps each took, from 1 "
+                f"to the 'local-steps' sent) in their {METRICS!r} record: {strategy} "
+                "normalises by it"
             ),
             "update-norm": (
                 f"updates exceeded max-update-norm = {self.max_update_norm or math.inf:g} "
@@ -192,6 +206,10 @@ class ReplyGate:
             ),
             "non-finite": "the replies' arrays held NaN or infinite values",
             "non-finite-metric": "the replies' metrics held NaN or infinite values",
+            "reserved-metric": (
+                "the replies' metrics took names the server writes (num-replies, bytes-up, "
+                "round, seconds, dp-*, dropped-*, secure-*, users-*, upload-*, fedexp-*)"
+            ),
             "dtype": "the replies' arrays were integer or bool where the global model's are float",
             "held": "secure-mode replies held nothing back (is secure_aggregation_mod installed?)",
             "missing-record": f"the replies lacked their {ARRAYS!r} record",
@@ -199,7 +217,10 @@ class ReplyGate:
             "missing-key": mismatch,
             "extra-key": mismatch,
             "decode": "the replies' arrays could not be decoded",
-            "alpha": "DecentNeRF replies carried an alpha_k outside (0, alpha-max]",
+            "alpha": (
+                "DecentNeRF replies carried an alpha_k outside [alpha-max * 1e-6, alpha-max]"
+            ),
             "gradient-norm": "gradient replies' ||G_k|| exceeded max-gradient-norm",
+            "control-norm": "Scaffold replies' ||delta c_i|| exceeded max-control-norm",
         }
         return reasons.get(check, f"the replies failed the {check!r} check")

@@ -8,6 +8,7 @@ formed no aggregate, for `EmptyRoundsError`'s message.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from fedfields.flower.protocol import (
     BYTES_DOWN,
     BYTES_UP,
     DROPPED_PREFIX,
+    NON_FINITE_AGGREGATE,
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
@@ -93,14 +95,13 @@ def round_metrics(
     is not averaged.
     """
     weights = [1.0] * len(metrics) if weights is None else weights
-    totals: dict[str, float] = dict(train_round.secure_metrics or {})
-    norms: dict[str, float] = dict.fromkeys(totals, 1.0)
+    entries: dict[str, list[tuple[float, float]]] = {
+        key: [(1.0, value)] for key, value in (train_round.secure_metrics or {}).items()
+    }
     for values, weight in zip(metrics, weights, strict=True):
         for key, value in values.items():
-            if key == NUM_EXAMPLES or isinstance(value, list):
-                continue
-            totals[key] = totals.get(key, 0.0) + weight * value
-            norms[key] = norms.get(key, 0.0) + weight
+            if key != NUM_EXAMPLES and not isinstance(value, list):
+                entries.setdefault(key, []).append((weight, float(value)))
     secure_counts = {}
     if secure:
         secure_counts = {
@@ -108,7 +109,7 @@ def round_metrics(
             SECURE_FAILURES: train_round.secure_failures,
         }
     return {
-        **{key: total / norms[key] for key, total in totals.items()},
+        **{key: weighted_mean(pairs) for key, pairs in entries.items()},
         NUM_REPLIES: len(metrics),
         NUM_FAILURES: train_round.num_failures,
         NUM_DROPPED: sum(train_round.dropped.values()),
@@ -117,6 +118,18 @@ def round_metrics(
         BYTES_DOWN: train_round.bytes_down,
         **secure_counts,
     }
+
+
+def weighted_mean(pairs: Sequence[tuple[float, float]]) -> float:
+    """sum_k w_k v_k / sum_k w_k of finite (w_k > 0, v_k) pairs without overflow: weights and
+    values are scaled to at most 1 first, so two clients' 1e308 average to 1e308, not inf."""
+    weight_scale = max(weight for weight, _ in pairs)
+    value_scale = max(abs(value) for _, value in pairs) or 1.0
+    shares = [weight / weight_scale for weight, _ in pairs]
+    scaled = math.fsum(
+        share * (value / value_scale) for share, (_, value) in zip(shares, pairs, strict=True)
+    )
+    return scaled / math.fsum(shares) * value_scale
 
 
 @dataclass
@@ -130,10 +143,14 @@ class EmptyTally:
     dropped: Counter[str] = field(default_factory=Counter)
     secure_failures: int = 0
     secure_error: str = ""
+    non_finite: int = 0
+    """Aggregates refused because they held NaN or infinite values."""
 
-    def add(self, train_round: TrainRound, kept: int) -> None:
-        """Count one empty round; `kept` replies passed the checks (yet nothing came of it)."""
+    def add(self, train_round: TrainRound, kept: int, *, non_finite: bool = False) -> None:
+        """Count one empty round; `kept` replies passed the checks (yet nothing came of it,
+        or, if `non_finite`, an aggregate that was refused)."""
         self.rounds.append(train_round.server_round)
+        self.non_finite += non_finite
         self.sampled += len(train_round.node_ids)
         self.kept += kept
         self.dropped.update(train_round.dropped)
@@ -148,6 +165,8 @@ class EmptyTally:
             causes["failed"] = self.failures
         if self.secure_failures:
             causes["secure-sum"] = self.secure_failures
+        if self.non_finite:
+            causes[NON_FINITE_AGGREGATE] = self.non_finite
         return causes.most_common(1)[0][0] if causes else None
 
     def counts(self, secure: bool) -> str:

@@ -5,15 +5,16 @@ server's `evaluate_fn`) over a `StreamingGrid`, so replies reach `aggregate_trai
 arrive and the running sums hold one model, not one per node. `round_end_fn` is where a
 resumable run writes its checkpoint. `max_empty_rounds` consecutive rounds without an
 aggregate, or a run whose every round was empty, raise one `EmptyRoundsError` naming the drop
-counts and the commonest reason. Under DP a plan that cannot meet dp-target-epsilon is refused
-before round `first_round`, and the run ends cleanly before a round whose charge would exceed
-it (`PrivacyBudgetSpent`, logged).
+counts and the commonest reason. An aggregate that is not finite in the global's dtypes is
+refused (the round counts as empty, "non-finite-aggregate" 1). Under DP a plan that cannot
+meet dp-target-epsilon is refused before round `first_round`, and the run ends cleanly before
+a round whose charge would exceed it (`PrivacyBudgetSpent`, logged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -22,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
-from fedfields.flower.protocol import NUM_REPLIES
+from fedfields.flower.protocol import NON_FINITE_AGGREGATE, NUM_REPLIES, finite_arrays
 from fedfields.flower.round_ledger import EmptyTally
 from fedfields.flower.streaming import StreamingGrid
 
@@ -84,13 +85,18 @@ def run_rounds(
             break
         replies = grid.send_and_receive(messages=messages, timeout=timeout)
         new_arrays, train_metrics = strategy.aggregate_train(server_round, replies)
-        if new_arrays is not None:
+        refused = new_arrays is not None and not finite_arrays(new_arrays)
+        if refused:
+            log(ERROR, "round %d: the aggregate holds NaN or infinite values in the global's "
+                "dtypes and is refused; the global model stays", server_round)  # fmt: skip
+            train_metrics = MetricRecord({**(train_metrics or {}), NON_FINITE_AGGREGATE: 1})
+        if new_arrays is not None and not refused:
             arrays = result.arrays = new_arrays
             strategy.rounds_aggregated += 1
             empty = EmptyTally()
         else:
             kept = int((train_metrics or {}).get(NUM_REPLIES, 0))
-            empty.add(strategy.round_state(server_round), kept)
+            empty.add(strategy.round_state(server_round), kept, non_finite=refused)
         if train_metrics is not None:
             result.train_metrics_clientapp[server_round] = train_metrics
         messages = strategy.configure_evaluate(server_round, arrays, evaluate_config, grid)
@@ -135,6 +141,8 @@ def empty_reason(strategy: ProtocolStrategy, empty: EmptyTally) -> str:
         return "no node replied with a usable update (check the nodes' logs)"
     if cause == "failed":
         return "the nodes' replies were errors (their ClientApps raised or they left)"
+    if cause == NON_FINITE_AGGREGATE:
+        return "the aggregates held NaN or infinite values in the global model's dtypes"
     if cause == "secure-sum":
         return f"the secure sums failed ({empty.secure_error or 'see the errors above'})"
     return strategy.gate.drop_reason(cause, type(strategy).__name__)

@@ -18,6 +18,7 @@ from fedfields.aggregate import (
     SCAFFOLD_COST,
     scaffold_server_update_from_sums,
 )
+from fedfields.aggregate.robust import update_norm
 from fedfields.aggregate.states import check_scalar
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -26,10 +27,17 @@ from fedfields.flower.protocol import (
     CONTROL_DELTA,
     SERVER_CONTROL,
     STRATEGY,
+    BadReply,
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
+from fedfields.flower.reply_gate import CheckedReply
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, optional_cap
+
+DEFAULT_MAX_CONTROL_NORM = 1e6
+"""Cap on ||delta c_i||: a control variate estimates a mean gradient (at most about
+sqrt(d) for Adam-sized steps, under 1e4 for the fields here); 1e6 leaves room for any honest
+client and none for one that would scale every later gradient."""
 
 
 class Scaffold(ProtocolStrategy):
@@ -42,8 +50,13 @@ class Scaffold(ProtocolStrategy):
     N is the number of connected nodes when the round is sampled. Clients keep their own
     c_i in their node state (`ScaffoldClient`).
 
+    A plaintext reply's ||delta c_i|| above `max_control_norm` is dropped ("control-norm"):
+    honest controls estimate a mean gradient, while a 1e30 delta would become the server
+    control c that every client adds to each of its gradients.
+
     Args:
         global_lr: server step size lr_g.
+        max_control_norm: the cap on ||delta c_i|| (0 or None: no cap).
         **options: sampling, "local-steps" and `secure_aggregation` (`StrategyOptions`); under
             secure aggregation the server sums y_i - x and delta c_i and learns only the sums.
 
@@ -56,11 +69,18 @@ class Scaffold(ProtocolStrategy):
     strategy_name = "scaffold"
     secure_delta = (ARRAYS,)
     cost_model = SCAFFOLD_COST
-    config_keys = {"scaffold-global-lr": "global_lr"}
+    config_keys = {"scaffold-global-lr": "global_lr", "max-control-norm": "max_control_norm"}
 
-    def __init__(self, *, global_lr: float = 1.0, **options: Unpack[StrategyOptions]) -> None:
+    def __init__(
+        self,
+        *,
+        global_lr: float = 1.0,
+        max_control_norm: float | None = DEFAULT_MAX_CONTROL_NORM,
+        **options: Unpack[StrategyOptions],
+    ) -> None:
         super().__init__(**options)
         self.global_lr = check_scalar(global_lr, "global_lr")
+        self.max_control_norm = optional_cap(max_control_norm, "max_control_norm")
         self.server_control: dict[str, Tensor] = {}
         self.global_state: dict[str, Tensor] = {}
 
@@ -121,6 +141,19 @@ class Scaffold(ProtocolStrategy):
             global_lr=self.global_lr,
         )
         return state_to_arrays(new_global), self.summed_metrics(summed)
+
+    def check_update(self, reply: CheckedReply) -> None:
+        """The update-norm bound on y_i, then ||delta c_i|| at most `max_control_norm`."""
+        super().check_update(reply)
+        control = reply.states.get(CONTROL_DELTA)
+        if control is None or self.max_control_norm is None:
+            return
+        if not update_norm(control) <= self.max_control_norm:
+            raise BadReply(
+                "control-norm",
+                f"reply from node {reply.node_id}, record {CONTROL_DELTA!r}: ||delta c_i|| "
+                f"exceeds max-control-norm = {self.max_control_norm:g}",
+            )
 
 
 CLIENT_CONTROL = "scaffold-client-control"

@@ -542,7 +542,7 @@ class ProtocolStrategy(FlowerFedAvg):
         records: Mapping[str, Shapes],
         *,
         weighted: bool = False,
-        scalars: Sequence[str] = (),
+        scalars: Mapping[str, tuple[float, float]] | None = None,
     ) -> Iterator[CheckedReply]:
         """The plaintext replies that pass every check, the strategy's `check_update` last
         (`ReplyGate.checked`); a bad one is dropped before it reaches any sum. The rules that
