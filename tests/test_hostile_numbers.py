@@ -232,7 +232,8 @@ def test_an_aggregate_past_the_globals_dtype_is_refused_and_the_global_stays(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Finite float32 replies near the dtype's limit, every cap off: FedNova's normalised step
-    (tau_eff / tau_i up to 8) extrapolates past float32. The round is refused, counted, and the run says why."""
+    (tau_eff / tau_i up to 8) extrapolates past float32. The round is refused, counted, and
+    the run says why."""
     start = float32_global()
     big = {k: torch.full_like(v, 3e38) for k, v in start.items()}
     replies = [

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fedfields.aggregate import ALPHA_KEY, alpha_weighted_payload
 from fedfields.aggregate.robust import (
+    RobustRule,
     coordinate_median,
     coordinate_trimmed_mean,
     robust_aggregate,
@@ -474,7 +475,7 @@ def test_median_and_trimmed_mean_equal_numpy_and_scipy(count: int) -> None:
         for key, values in stacked.items():
             expected = stats.trim_mean(values, fraction, axis=0)
             np.testing.assert_allclose(trimmed[key].numpy(), expected, rtol=1e-6, atol=1e-7)
-    assert robust_aggregate("median", states)["a"].equal(median["a"])
+    assert robust_aggregate(RobustRule("median"), states)["a"].equal(median["a"])
 
 
 def test_robust_rules_round_integer_tensors_and_refuse_bad_arguments() -> None:
@@ -482,8 +483,8 @@ def test_robust_rules_round_integer_tensors_and_refuse_bad_arguments() -> None:
     assert coordinate_median(states)["steps"].tolist() == [2, 6]  # 1.5 -> 2, 5.5 -> 6
     with pytest.raises(ValueError, match=r"trim_fraction must be in \[0, 0.5\)"):
         coordinate_trimmed_mean(states, 0.5)
-    with pytest.raises(ValueError, match="'median' or 'trimmed-mean'"):
-        robust_aggregate("mean", states)
+    with pytest.raises(ValueError, match="robust rule must be one of"):
+        robust_aggregate(RobustRule("mean"), states)
     with pytest.raises(ValueError, match="shape"):
         coordinate_median([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}])
 

@@ -719,8 +719,10 @@ def _defaults(cls: type, package: str) -> dict[str, object]:
         (FedProx, flower_strategy.FedProx, {}),
         (FedAvg, flower_strategy.FedMedian, {}),  # FedAvg(aggregation_rule="median")
         (FedAvg, flower_strategy.FedTrimmedAvg, {"beta": "trim_fraction"}),
+        (FedAvg, flower_strategy.Krum, {"num_malicious_nodes": "num_malicious"}),
+        (FedAvg, flower_strategy.Bulyan, {"num_malicious_nodes": "num_malicious"}),
     ],
-    ids=["FedAvg", "FedProx", "FedMedian", "FedTrimmedAvg"],
+    ids=["FedAvg", "FedProx", "FedMedian", "FedTrimmedAvg", "Krum", "Bulyan"],
 )
 def test_constructor_defaults_match_flowers_strategies(
     ours: type, flowers: type, renamed: dict[str, str]

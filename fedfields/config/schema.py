@@ -29,7 +29,9 @@ MODES = ("federated", "split")
 HASH_BACKENDS = ("auto", "torch", "triton", "tcnn")
 LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
 OUTER_OPTIMIZERS = ("sgd", "adamw")
-AGGREGATION_RULES = ("mean", "trimmed-mean", "median")
+AGGREGATION_RULES = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan")
+KRUM_RULES = ("krum", "multi-krum", "bulyan")
+"""The rules that read `num-malicious` (f)."""
 ROBUST_STRATEGIES = ("fedavg", "fedprox", "fedmenf", "fedacg")
 """Strategies whose server step starts from FedAvg's mean, which `aggregation-rule` replaces."""
 SECURE_MIN_CLIENTS = 3
@@ -391,8 +393,15 @@ class RobustSection:
         1000.0, "drop a reply with ||g_k - g|| > this x max(||g||, 1) (0: no bound)"
     )
     max_num_examples: float = key(1e9, "drop a reply whose num-examples exceeds this (0: no cap)")
-    aggregation_rule: str = key("mean", "mean (weighted) | trimmed-mean | median (unweighted)")
+    aggregation_rule: str = key(
+        "mean",
+        "mean (weighted) | trimmed-mean | median (unweighted) | krum | multi-krum | bulyan",
+    )
     trim_fraction: float = key(0.2, "trimmed-mean: share of the replies cut at each end, [0, 0.5)")
+    num_malicious: int = key(
+        0, "krum, multi-krum, bulyan: f, the malicious clients assumed (bulyan: >= 4f+3 a round)"
+    )
+    krum_select: int = key(0, "multi-krum: m, the best-scored replies averaged (0: n - f)")
     max_empty_rounds: int = key(
         3,
         "this many rounds in a row without an aggregate end the run with an error (0: no "
@@ -404,6 +413,7 @@ class RobustSection:
         _check(self, ["max_empty_rounds"], lambda v: v >= 0, ">= 0 (0: no limit)")
         _check(self, ["max_update_norm", "max_num_examples"], _finite(0.0), "finite and >= 0")
         _check(self, ["trim_fraction"], lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
+        _check(self, ["num_malicious", "krum_select"], lambda v: v >= 0, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -543,6 +553,10 @@ class FederatedConfig:
             unread.setdefault("max-update-norm", "secure-aggregation=false (the server sees sums)")
         if self.robust.aggregation_rule != "trimmed-mean":
             unread.setdefault("trim-fraction", "aggregation-rule='trimmed-mean'")
+        if self.robust.aggregation_rule not in KRUM_RULES:
+            unread.setdefault("num-malicious", "aggregation-rule='krum', 'multi-krum' or 'bulyan'")
+        if self.robust.aggregation_rule != "multi-krum":
+            unread.setdefault("krum-select", "aggregation-rule='multi-krum'")
         if self.dp.dp_noise_multiplier == 0:
             unread |= {k: "dp-noise-multiplier > 0" for k in DP_KEYS if k not in unread}
         return unread
@@ -627,6 +641,21 @@ class FederatedConfig:
                 f"run-config {key!r} = {least} is above the {num_nodes} nodes of this "
                 f"federation{where}: no round could sample it"
             )
+        needed = 4 * self.robust.num_malicious + 3
+        if self.robust.aggregation_rule == "bulyan" and self.sampled_per_round(num_nodes) < needed:
+            raise ValueError(
+                f"run-config 'aggregation-rule' 'bulyan' with 'num-malicious' = "
+                f"{self.robust.num_malicious} needs 4f + 3 = {needed} clients a round; "
+                f"{num_nodes} nodes{where} give {self.sampled_per_round(num_nodes)}"
+            )
+
+    def sampled_per_round(self, num_nodes: int) -> int:
+        """The clients a round samples from `num_nodes` connected nodes: the meta tasks'
+        M, the scene's max(int(nodes x fraction-train), min-train-nodes), at most all."""
+        if self.common.task != "scene":
+            return min(self.meta_clients_per_round, num_nodes)
+        sampled = int(num_nodes * self.scene.fraction_train)
+        return min(max(sampled, self.deployment.min_train_nodes), num_nodes)
 
     def unused_sections(self) -> dict[str, str]:
         """Sections this run's task and mode do not read, with who reads them."""

@@ -1,17 +1,20 @@
 """FedAvg (McMahan et al. 2017) on the fedfields protocol: the example-weighted mean of states,
-or optionally a coordinate-wise robust rule (median, trimmed mean)."""
+or optionally a robust rule (median, trimmed mean, Krum, Multi-Krum, Bulyan)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import WARNING
 from typing import Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedfields.aggregate.robust import (
     AGGREGATION_RULES,
     DEFAULT_TRIM_FRACTION,
+    RobustRule,
     check_trim_fraction,
     robust_aggregate,
 )
@@ -24,6 +27,8 @@ class FedAvgOptions(StrategyOptions, total=False):
 
     aggregation_rule: str
     trim_fraction: float
+    num_malicious: int
+    krum_select: int
 
 
 class FedAvg(ProtocolStrategy):
@@ -53,11 +58,16 @@ class FedAvg(ProtocolStrategy):
         max_update_norm: a reply with ||g_k - g|| > max_update_norm * max(||g||, 1) is dropped
             (g: the arrays sent; 0/None: no bound).
         aggregation_rule: "mean" (the weighted mean, folded in as replies arrive), or the
-            coordinate-wise "median" or "trimmed-mean" (`fedfields.aggregate.robust`), which
-            ignore "num-examples" and hold every reply of the round in memory. Not with
-            secure aggregation (the server never sees one client's state).
+            coordinate-wise "median" or "trimmed-mean", or "krum", "multi-krum" or "bulyan"
+            (`fedfields.aggregate.robust`, as Flower's Krum, MultiKrum and Bulyan); these hold
+            every reply of the round in memory, and only Krum's and Multi-Krum's means weigh
+            by "num-examples". Not with secure aggregation (the server never sees one
+            client's state).
         trim_fraction: share of the replies cut from each end of each coordinate by
             "trimmed-mean", in [0, 0.5).
+        num_malicious: f, the malicious clients Krum, Multi-Krum and Bulyan assume; a Bulyan
+            round with fewer than 4f + 3 checked replies forms no aggregate.
+        krum_select: m, the states Multi-Krum averages (0: n - f).
         differential_privacy: client-level DP (`fedfields.privacy.dp.DPConfig`): each
             update g_k - g clipped to C, uniform weights, N(0, (z C)^2) on the sum (by the
             server, or in shares by the clients under secure aggregation); epsilon is
@@ -66,13 +76,20 @@ class FedAvg(ProtocolStrategy):
 
     strategy_name = "fedavg"
     secure_weight = NUM_EXAMPLES
-    config_keys = {"aggregation-rule": "aggregation_rule", "trim-fraction": "trim_fraction"}
+    config_keys = {
+        "aggregation-rule": "aggregation_rule",
+        "trim-fraction": "trim_fraction",
+        "num-malicious": "num_malicious",
+        "krum-select": "krum_select",
+    }
 
     def __init__(
         self,
         *,
         aggregation_rule: str = "mean",
         trim_fraction: float = DEFAULT_TRIM_FRACTION,
+        num_malicious: int = 0,
+        krum_select: int = 0,
         **options: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**options)
@@ -92,6 +109,13 @@ class FedAvg(ProtocolStrategy):
             )
         self.aggregation_rule = aggregation_rule
         self.trim_fraction = check_trim_fraction(trim_fraction)
+        self.robust_rule = RobustRule(
+            aggregation_rule if aggregation_rule != "mean" else "median",
+            trim_fraction,
+            num_malicious,
+            krum_select,
+        )
+        """The robust rule's settings (used when `aggregation_rule` is not "mean")."""
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -124,7 +148,12 @@ class FedAvg(ProtocolStrategy):
             kept.append(reply.states[ARRAYS])
             metrics.append(reply.metrics)
             weights.append(reply.weight)
-        if not kept:
+        if len(kept) < max(1, self.robust_rule.least_states()):
+            if kept:
+                rule, where = self.robust_rule, f"round {self.active_round.server_round}"
+                log(WARNING, "%s: %s with num-malicious = %d needs %d checked replies, got %d: "
+                    "no aggregate", where, rule.name, rule.num_malicious, rule.least_states(),
+                    len(kept))  # fmt: skip
             return None, self.train_metrics(metrics)
-        aggregate = robust_aggregate(self.aggregation_rule, kept, self.trim_fraction)
+        aggregate = robust_aggregate(self.robust_rule, kept, weights)
         return state_to_arrays(aggregate), self.train_metrics(metrics, weights)

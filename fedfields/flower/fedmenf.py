@@ -16,8 +16,7 @@ from typing import Unpack
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fedfields.aggregate.robust import DEFAULT_TRIM_FRACTION
-from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -75,9 +74,9 @@ class FedMeNF(FedAvg):
         num_clients: N, the nodes the first round waits for (unless `min_available_nodes`).
         min_available_nodes: the nodes the first round waits for instead of N.
         fraction_evaluate, min_evaluate_nodes, local_steps, aggregation_rule, trim_fraction,
-            max_num_examples, max_update_norm: as for `fedfields.flower.FedAvg` (a robust
-            `aggregation_rule` replaces the size-weighted mean by an unweighted median or
-            trimmed mean of the w_m).
+            num_malicious, krum_select, max_num_examples, max_update_norm: as for
+            `fedfields.flower.FedAvg` (a robust `aggregation_rule` replaces the size-weighted
+            mean of the w_m).
     """
 
     strategy_name = "fedmenf"
@@ -88,16 +87,12 @@ class FedMeNF(FedAvg):
         clients_per_round: int,
         num_clients: int,
         min_available_nodes: int | None = None,
-        aggregation_rule: str = "mean",
-        trim_fraction: float = DEFAULT_TRIM_FRACTION,
-        **options: Unpack[StrategyOptions],
+        **options: Unpack[FedAvgOptions],
     ) -> None:
         sampling = m_of_n_sampling(clients_per_round, num_clients, min_available_nodes)
         if clashes := sorted(set(sampling) & set(options)):
             raise ValueError(f"FedMeNF sets {clashes} from clients_per_round and num_clients")
-        super().__init__(
-            aggregation_rule=aggregation_rule, trim_fraction=trim_fraction, **sampling, **options
-        )
+        super().__init__(**sampling, **options)
 
 
 def meta_train_reply(

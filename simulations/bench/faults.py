@@ -5,13 +5,16 @@ error that ended the run.
 The job is the faces meta task (FedAvg over FedMeNF's local updates, 20 clients, 5 sampled per
 round) through Flower's simulation engine (Ray). Faults come from Flower client mods that wrap
 the real ClientApp: `Poison` corrupts a train reply of the nodes it names (NaN, a wrong shape,
-a missing key, an update scaled by 1e6, num-examples 1e12, int8 arrays, a NaN train-loss, and
-under secure aggregation a reply holding nothing back), `Crash` makes their ClientApp
+a missing key, an update scaled by 1e6, num-examples 1e12, int8 arrays, a NaN train-loss, a
+float64 1e39 in the float32 model, a client's own "dp-epsilon" metric, and under secure
+aggregation a reply holding nothing back), `Crash` makes their ClientApp
 raise (the server sees what a node dying mid-round looks like: an error reply). The killed
 server is real: `simulations.launch` runs the job, the simulation process that hosts the
 ServerApp is killed (SIGKILL) once round `--kill-after` is in metrics.jsonl, and
 `simulations.launch --resume` finishes the run. The all-empty row drops every reply
 (max-update-norm 1e-12): the run must end with EmptyRoundsError after max-empty-rounds rounds.
+The scaled update is also run with the norm check off under each aggregation rule (mean,
+trimmed mean, median, Krum, Multi-Krum, Bulyan with 7 clients a round).
 
     python -m simulations.bench.faults --rounds 8
 """
@@ -43,7 +46,17 @@ from simulations.run import run_with_ray
 OUT = APP_DIR / "runs" / "bench_faults"
 NUM_CLIENTS = 20
 FAULTY = frozenset(range(4))  # partition ids: about 1 of the 5 nodes sampled per round
-POISONS = ("nan", "shape", "missing-key", "scaled-1e6", "num-examples-1e12", "int8", "nan-metric")
+POISONS = (
+    "nan",
+    "shape",
+    "missing-key",
+    "scaled-1e6",
+    "num-examples-1e12",
+    "int8",
+    "nan-metric",
+    "float64-1e39",
+    "client-dp-epsilon",
+)
 SECURE_POISONS = ("no-held",)
 """Poisons of a secure-mode reply (which carries no arrays): `HELD` removed."""
 CallNext = Callable[[Message, Context], Message]
@@ -67,6 +80,9 @@ class Poison:
         if self.kind == "nan-metric":
             reply.content.metric_records[METRICS][TRAIN_LOSS] = float("nan")
             return reply
+        if self.kind == "client-dp-epsilon":  # a privacy loss the run never spent
+            reply.content.metric_records[METRICS]["dp-epsilon"] = 0.01
+            return reply
         arrays = reply.content.array_records[ARRAYS]
         first = next(iter(arrays))
         if self.kind == "nan":
@@ -83,6 +99,10 @@ class Poison:
         elif self.kind == "int8":
             for key in list(arrays):
                 arrays[key] = Array(arrays[key].numpy().astype(np.int8))
+        elif self.kind == "float64-1e39":  # finite as sent, inf in the float32 model
+            values = arrays[first].numpy().astype(np.float64)
+            values.flat[0] = 1e39
+            arrays[first] = Array(values)
         else:
             raise ValueError(f"unknown poison {self.kind!r}; known: {POISONS}")
         return reply
@@ -238,9 +258,26 @@ def main(argv: list[str] | None = None) -> None:
         )
     empty = {"max-update-norm": 1e-12}  # every reply dropped: EmptyRoundsError
     rows.append(("all-empty", lambda e=empty: simulated("all-empty", args.rounds, **e)))
-    for rule in ("mean", "trimmed-mean", "median"):  # the norm check off: the rule alone
+    float64 = {"max-update-norm": 0.0, "max-num-examples": 0.0}  # every cap off
+    rows.append(
+        (
+            "float64-1e39-unchecked",
+            lambda e=float64: simulated(
+                "float64-1e39-unchecked", args.rounds, (Poison("float64-1e39"),), **e
+            ),
+        )
+    )
+    robust: dict[str, dict[str, Any]] = {
+        "mean": {},
+        "trimmed-mean": {},
+        "median": {},
+        "krum": {"num-malicious": 1},
+        "multi-krum": {"num-malicious": 1},
+        "bulyan": {"num-malicious": 1, "clients-per-round": 7},  # 4f + 3 a round
+    }
+    for rule, settings in robust.items():  # the norm check off: the rule alone
         name = f"scaled-1e6-unchecked-{rule}"
-        extra = {"aggregation-rule": rule, "max-update-norm": 0.0}
+        extra = {"aggregation-rule": rule, "max-update-norm": 0.0, **settings}
         rows.append(
             (name, lambda n=name, e=extra: simulated(n, args.rounds, (Poison("scaled-1e6"),), **e))
         )
