@@ -232,6 +232,9 @@ MEANINGS = {
     "reads, in dB: the closer to its floor, the less leaks",
     "dp-epsilon": "client-level differential privacy spent so far: epsilon at dp-delta "
     "(smaller is more private; the accountant's bound, not a measurement)",
+    "dp-epsilon-pld": "the same rounds' epsilon through the tighter PLD accountant",
+    "dp-epsilon-without-replacement": "epsilon for what runs: k of n clients sampled without "
+    "replacement (replace-one neighbours)",
     "personal-psnr-floor": "the same score of a field that renders no person: no leak at all",
     "upload-personal-psnr": "personal content rendered from each user's own upload (what a "
     "server without secure aggregation reads), in dB",

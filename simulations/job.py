@@ -40,7 +40,6 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
-from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings
 from simulations.observers import Observer
@@ -264,10 +263,11 @@ def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
 
 
 def privacy_final(strategy: ProtocolStrategy) -> dict[str, float]:
-    """summary.json's final "dp-epsilon" of a DP run ({} without DP)."""
+    """summary.json's final "dp-epsilon" of a DP run, with its PLD and without-replacement
+    figures (`DPAccountant.report`; {} without DP)."""
     if strategy.accountant is None:
         return {}
-    return {EPSILON_METRIC: strategy.accountant.epsilon()}
+    return strategy.accountant.report()
 
 
 def privacy_report(config: FederatedConfig, strategy: ProtocolStrategy) -> dict[str, Any]:

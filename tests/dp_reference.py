@@ -8,16 +8,26 @@ from flwr.serverapp import RdpAccountant as FlowerRdpAccountant
 
 
 def flower_epsilons(
-    sampled: int, population: int, noise_multiplier: float, rounds: int, delta: float = 1e-5
+    sampled: int,
+    population: int,
+    noise_multiplier: float,
+    rounds: int,
+    delta: float = 1e-5,
+    *,
+    without_replacement: bool = False,
 ) -> list[float]:
     """Epsilon at `delta` after each of `rounds` rounds that sample `sampled` of `population`
-    clients with noise multiplier z (Poisson sampling, add-or-remove-one neighbours)."""
+    clients with noise multiplier z (Poisson sampling, add-or-remove-one neighbours; or, if
+    `without_replacement`, sampling without replacement, replace-one neighbours)."""
+    relation, method = NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.POISSON
+    if without_replacement:
+        relation, method = NeighboringRelation.REPLACE_ONE, SamplingMethod.WITHOUT_REPLACEMENT
     accountant = FlowerRdpAccountant(
         PrivacyConfig(
             target_delta=delta,
             population_size=population,
-            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-            sampling_method=SamplingMethod.POISSON,
+            neighboring_relation=relation,
+            sampling_method=method,
         )
     )
     event = GaussianPrivacyEvent(

@@ -6,6 +6,7 @@ epsilon; the run-config's dp-* keys and the job's refusal while DP is not wired 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from flwr.supercore.differential_privacy import (
 )
 
 from fedfields.config import FederatedConfig
+from fedfields.flower import FedAvg
 from fedfields.privacy.dp import (
+    DEFAULT_MAX_NOISE_RATIO,
+    EPSILON_METRIC,
+    EPSILON_WOR_METRIC,
     MAX_ROUNDS,
     DPAccountant,
     DPConfig,
@@ -33,9 +38,11 @@ from fedfields.privacy.dp import (
     distributed_noise_std,
     effective_noise_multiplier,
     epsilon_of,
+    epsilon_pld,
     gaussian_noise,
     mean_noise_std,
     noise_generator,
+    noise_ratio,
     rounds_within,
 )
 from simulations.server_app import run_job
@@ -316,7 +323,7 @@ def test_the_accountant_state_survives_a_resume() -> None:
         uninterrupted.charge(q, z)
         first.charge(q, z)
     saved = json.loads(json.dumps(first.state_dict()))
-    assert saved["charges"] == [[0.25, 1.0], [0.2, 0.9], [0.25, 1.0]]
+    assert saved["charges"] == [[0.25, 1.0, 0, 0], [0.2, 0.9, 0, 0], [0.25, 1.0, 0, 0]]
     resumed = DPAccountant.from_state_dict(saved)
     assert resumed.epsilon() == first.epsilon()
     assert resumed.charge(0.3, 1.1) == pytest.approx(uninterrupted.charge(0.3, 1.1), rel=1e-12)
@@ -324,6 +331,52 @@ def test_the_accountant_state_survives_a_resume() -> None:
                 {"delta": 2.0, "charges": []}, {"delta": 1e-5, "charges": [[0.1]]}):  # fmt: skip
         with pytest.raises(ValueError, match="DP accountant state is malformed"):
             DPAccountant.from_state_dict(bad)
+
+
+def test_epsilon_without_replacement_is_flowers_at_half_the_multiplier() -> None:
+    """What runs: 5 of 10 clients sampled without replacement, z = 1, 2 rounds. Replacing one
+    client's clipped update moves the sum by up to 2C, so Flower's without-replacement RDP
+    accountant (replace-one) at z/2 is the oracle: 15.4, against 5.38 as Poisson."""
+    delta = 1e-5
+    accountant = DPAccountant(delta)
+    for _ in range(2):
+        accountant.charge(0.5, 1.0, 5, 10)
+    report = accountant.report()
+    oracle = flower_epsilons(5, 10, 0.5, 2, delta, without_replacement=True)[-1]
+    assert report[EPSILON_WOR_METRIC] == pytest.approx(oracle, rel=1e-12)
+    assert report[EPSILON_WOR_METRIC] == pytest.approx(15.417, abs=1e-3)
+    assert report[EPSILON_METRIC] == pytest.approx(5.377, abs=1e-3)
+    assert report[EPSILON_METRIC] == pytest.approx(flower_epsilons(5, 10, 1.0, 2, delta)[-1])
+    unknown = DPAccountant(delta, [RoundCharge(0.5, 1.0)])  # an older checkpoint's charge
+    assert EPSILON_WOR_METRIC not in unknown.report()
+
+
+def test_pld_epsilon_is_dp_accountings_and_tighter_than_rdp() -> None:
+    """The PLD figure bounds dp-accounting's PLD accountant at its default (finer)
+    discretisation from above, within 1%, and lies below the RDP bound of the same rounds."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import PLDAccountant
+
+    delta, charges = 1e-5, [RoundCharge(0.05, 1.1)] * 100
+    reference = PLDAccountant()
+    reference.compose(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.1)), 100)
+    ours = epsilon_pld(charges, delta)
+    assert reference.get_epsilon(delta) <= ours <= 1.01 * reference.get_epsilon(delta)
+    assert ours < epsilon_of(charges, delta)
+    assert epsilon_pld([], delta) == 0.0
+    assert epsilon_pld([RoundCharge(0.5, 0.0)], delta) == math.inf
+    assert epsilon_pld([RoundCharge(0.5, 0.1)], delta) is None  # RDP's figure stands alone
+
+
+def test_an_older_accountant_state_of_pairs_still_loads() -> None:
+    state = {"delta": 1e-5, "orders": None, "charges": [[0.25, 1.0], [0.25, 1.0]]}
+    resumed = DPAccountant.from_state_dict(state)
+    assert resumed.charges == (RoundCharge(0.25, 1.0),) * 2
+    counted = DPAccountant(1e-5)
+    counted.charge(0.25, 1.0, 5, 20)
+    assert DPAccountant.from_state_dict(counted.state_dict()).charges == counted.charges
+    with pytest.raises(ValueError, match="DP accountant state is malformed"):
+        DPAccountant.from_state_dict({"delta": 1e-5, "charges": [[0.25, 1.0, 9, 5]]})
 
 
 # ---------------------------------------------------------------- configuration
@@ -397,3 +450,53 @@ def test_a_dp_run_config_parses_and_the_job_refuses_a_plan_beyond_the_target(
     with pytest.raises(ValueError, match="'dp-target-epsilon' = 0.5 cannot be met: "):
         run_job(UntouchableGrid(), planned)  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir()), "a refused plan wrote something"
+
+
+# ---------------------------------------------------------------- the pre-flight noise check
+
+
+def test_the_noise_ratio_is_the_noise_norm_on_the_mean_over_the_clip_norm() -> None:
+    """z sqrt(d) / n, checked by drawing the noise: the mean of n clipped updates carries
+    N(0, (z C / n)^2) per entry, whose norm over d entries is about z C sqrt(d) / n."""
+    z, clip, d, n = 1.5, 2.0, 40_000, 8
+    noise = gaussian_noise({"w": torch.zeros(d)}, central_noise_std(z, clip), noise_generator(5))
+    measured = float(noise["w"].double().norm()) / n / clip
+    assert noise_ratio(z, d, n) == pytest.approx(measured, rel=0.02)
+    assert noise_ratio(1.0, 311**2 * 9, 3) == pytest.approx(311.0)  # the issue's scene figure
+
+
+def one_dp_round(max_noise_ratio: float, params: int, clients: int) -> FedAvg:
+    """A central-DP FedAvg round over `clients` nodes on a model of `params` entries."""
+    from flower_harness import InProcessGrid
+    from flwr.app import ConfigRecord
+    from test_reply_faults import node
+
+    from fedfields.flower.protocol import ARRAYS, NUM_EXAMPLES, state_to_arrays
+
+    state = {"w": torch.zeros(params, dtype=torch.float64)}
+    grid = InProcessGrid([node({ARRAYS: state}, {NUM_EXAMPLES: 1.0})] * clients)
+    dp = DPConfig(1.0, 1.0, max_noise_ratio=max_noise_ratio)
+    strategy = FedAvg(min_available_nodes=clients, differential_privacy=dp)
+    strategy.privacy.noise = noise_generator(0)  # type: ignore[union-attr]
+    messages = strategy.configure_train(1, state_to_arrays(state), ConfigRecord(), grid)
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    return strategy
+
+
+def test_a_dp_run_whose_noise_drowns_every_update_is_refused_before_round_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """d = 400, n = 2, z = 1: ratio 10 passes with a warning; d = 484 (ratio 11) is refused
+    naming dp-max-noise-ratio before any message is sent; 0 lifts the limit."""
+    with caplog.at_level(logging.WARNING):
+        one_dp_round(DEFAULT_MAX_NOISE_RATIO, 400, 2)
+    assert any("z sqrt(d) / n = 10 times" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"= 11 times .* above dp-max-noise-ratio = 10"):
+        one_dp_round(DEFAULT_MAX_NOISE_RATIO, 484, 2)
+    assert one_dp_round(0.0, 484, 2).rounds_started == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        one_dp_round(DEFAULT_MAX_NOISE_RATIO, 4, 2)  # ratio 1: no warning
+    assert not any("z sqrt(d) / n" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="'dp-max-noise-ratio' must be finite and >= 0"):
+        DPConfig(1.0, 1.0, max_noise_ratio=-1.0)

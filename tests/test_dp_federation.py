@@ -160,7 +160,7 @@ def test_central_noise_has_std_z_c_on_the_sum_like_flowers_on_the_mean() -> None
     updates = [big_state(seed, 10 * clip_norm / math.sqrt(SIZE)) for seed in range(1, n + 1)]
     expected = plus(reference, {k: sum(clipped(u, clip_norm)[k] for u in updates) / n
                                 for k in reference})  # fmt: skip
-    dp = DPConfig(z, clip_norm)
+    dp = DPConfig(z, clip_norm, max_noise_ratio=0)  # the noise is what is measured
     ours = FedAvg(min_available_nodes=n, differential_privacy=dp)
     arrays, _ = train_round(ours, InProcessGrid(fixed_nodes(reference, updates, [1] * n)),
                             state_to_arrays(reference))  # fmt: skip
@@ -187,7 +187,9 @@ def test_central_noise_is_secret_unless_a_test_injects_a_generator() -> None:
 
     def aggregate(generator: torch.Generator | None) -> Tensor:
         strategy = FedAvg(
-            min_available_nodes=2, sampling_seed=3, differential_privacy=DPConfig(1.0, 0.5)
+            min_available_nodes=2,
+            sampling_seed=3,
+            differential_privacy=DPConfig(1.0, 0.5, max_noise_ratio=0),
         )
         assert strategy.privacy is not None
         strategy.privacy.noise = generator
@@ -333,7 +335,7 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     wrap = dropping_after_key_sharing(dropped)
     grid = InProcessGrid([wrap(node, k) for k, node in enumerate(nodes)])
     strategy = FedAvg(
-        min_available_nodes=n, differential_privacy=DPConfig(z, clip_norm),
+        min_available_nodes=n, differential_privacy=DPConfig(z, clip_norm, max_noise_ratio=0),
         secure_aggregation=SecureAggregationConfig(reconstruction_threshold=3),
     )  # fmt: skip
     arrays, metrics = train_round(strategy, grid, state_to_arrays(reference))
@@ -474,7 +476,7 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
         "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=1.0 dp-clip-norm=1.0 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
         "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
-        "client-eval-views=0"
+        "client-eval-views=0 dp-max-noise-ratio=0"
     )
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--crowd", str(crowd_dir)]

@@ -23,8 +23,10 @@ default, is refused with the setting that reads it and this run's task and mode:
 section the run does not use, a key split mode never reads, a strategy's own setting under
 another strategy, gamma, privacy-budget and memorising-bound under another meta-learner
 (gamma beside a privacy budget too), secagg-* without secure-aggregation, max-update-norm
-with it, trim-fraction beside another aggregation-rule, dp-clip-norm, dp-delta and
-dp-target-epsilon beside dp-noise-multiplier = 0 (`FederatedConfig.unread_keys`).
+with it, trim-fraction beside another aggregation-rule, num-malicious beside a rule other
+than krum, multi-krum and bulyan, krum-select beside another rule, and dp-clip-norm,
+dp-delta, dp-target-epsilon and dp-max-noise-ratio beside dp-noise-multiplier = 0
+(`FederatedConfig.unread_keys`).
 """
 
 

@@ -77,7 +77,7 @@ SECAGG_KEYS = (
     "secagg-clipping-range",
     "secagg-max-exponent",
 )
-DP_KEYS = ("dp-clip-norm", "dp-delta", "dp-target-epsilon")
+DP_KEYS = ("dp-clip-norm", "dp-delta", "dp-target-epsilon", "dp-max-noise-ratio")
 """Keys only read beside dp-noise-multiplier > 0."""
 
 
@@ -358,6 +358,11 @@ class DPSection:
     dp_target_epsilon: float = key(
         0.0, "stop before epsilon at dp-delta exceeds it; refuse plans that cannot (0: none)"
     )
+    dp_max_noise_ratio: float = key(
+        10.0,
+        "refuse a run whose noise on the mean update, z sqrt(d) / n, is above this many times "
+        "the clip norm (warned above 1; 0: no limit)",
+    )
 
     def __post_init__(self) -> None:
         self.dp_config()  # validates the dp-* keys
@@ -370,6 +375,7 @@ class DPSection:
                 clip_norm=self.dp_clip_norm,
                 delta=self.dp_delta,
                 target_epsilon=self.dp_target_epsilon,
+                max_noise_ratio=self.dp_max_noise_ratio,
             )
         except ValueError as error:
             raise ValueError(f"run-config {error}") from None

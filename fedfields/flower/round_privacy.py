@@ -13,7 +13,7 @@ noised sums ("dp-epsilon" after it); a plan beyond dp-target-epsilon is refused
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from logging import INFO
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from fedfields.flower.sum_replies import CentralPrivacy, RoundSum
 from fedfields.privacy.dp import (
     CLIP_NORM_KEY,
     EPSILON_METRIC,
+    MAX_NOISE_RATIO_KEY,
     DPAccountant,
     DPConfig,
     RoundCharge,
@@ -40,6 +41,7 @@ from fedfields.privacy.dp import (
     distributed_noise_std,
     effective_noise_multiplier,
     noise_generator,
+    noise_ratio,
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -137,6 +139,28 @@ class RoundPrivacy:
         ]
         return check_plan(self.config, [*self.accountant.charges, *planned])
 
+    def check_noise(self, num_sampled: int, num_params: int) -> float:
+        """The pre-flight z sqrt(d) / n of a round of `num_sampled` clients on a model of
+        `num_params` entries (`noise_ratio`): logged as a WARNING above 1, refused with a
+        ValueError naming dp-max-noise-ratio above it (0: no limit)."""
+        ratio = noise_ratio(self.config.noise_multiplier, num_params, num_sampled)
+        limit = self.config.max_noise_ratio
+        what = (
+            f"the DP noise on the mean update is z sqrt(d) / n = {ratio:.3g} times the largest "
+            f"update a client may send (z = {self.config.noise_multiplier:g}, d = {num_params} "
+            f"entries, n = {num_sampled} clients a round)"
+        )
+        if limit and ratio > limit:
+            raise ValueError(
+                f"differential privacy: {what}, above {MAX_NOISE_RATIO_KEY} = {limit:g}: the "
+                "rounds would move the model by noise. Sample more clients a round, lower z or "
+                f"use a smaller model; set {MAX_NOISE_RATIO_KEY}=0 to run anyway"
+            )
+        if ratio > 1:
+            log(WARNING, "differential privacy: %s; above 1 a round moves the model by more "
+                "noise than signal", what)  # fmt: skip
+        return ratio
+
     def check_budget(self, server_round: int, num_sampled: int, connected: int) -> None:
         """Raise PrivacyBudgetSpent when this round's worst-case charge would take epsilon
         above dp-target-epsilon (before anything of the round is sent)."""
@@ -156,14 +180,16 @@ class RoundPrivacy:
 
     def charge(self, train_round: TrainRound) -> dict[str, float]:
         """Charge the round's noised sums once (q = sampled / connected, z combined over its
-        sums); the DP train metrics. A round that released no sum is not charged."""
+        sums); the DP train metrics (epsilon three ways, `DPAccountant.report`). A round that
+        released no sum is not charged."""
         metrics: dict[str, float] = {}
         if not train_round.dp_charged and train_round.dp_multipliers:
             train_round.dp_charged = True
             z = combined_noise_multiplier(train_round.dp_multipliers)
-            self.accountant.charge(len(train_round.node_ids) / train_round.num_nodes_total, z)
+            sampled, connected = len(train_round.node_ids), train_round.num_nodes_total
+            self.accountant.charge(sampled / connected, z, sampled, connected)
             metrics[DP_ROUND_MULTIPLIER] = z
-        return {**metrics, DP_EPSILON: self.accountant.epsilon()}
+        return {**metrics, **self.accountant.report()}
 
     # The sums.
 

@@ -345,6 +345,9 @@ class ProtocolStrategy(FlowerFedAvg):
             node_ids = self.ordered_nodes(grid, sample)
             log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
         if node_ids and self.privacy is not None:
+            if self.rounds_started == 0:  # before anything is sent: the pre-flight check
+                num_params = sum(math.prod(array.shape) for array in arrays.values())
+                self.privacy.check_noise(len(node_ids), num_params)
             self.privacy.check_budget(server_round, len(node_ids), len(connected))
         self.rounds_started += 1
         dtypes = {key: str(array.dtype) for key, array in arrays.items()}
