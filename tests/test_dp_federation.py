@@ -514,6 +514,10 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     run_in_process(tiny(run_dir, **{"num-server-rounds": 1}, **settings))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"][DP_EPSILON] == pytest.approx(epsilon(1), rel=1e-12)
+    # beside it: the PLD figure (tighter) and the bound for what runs (fixed-size sampling)
+    pld = summary["final"]["dp-epsilon-pld"]
+    without = summary["final"]["dp-epsilon-without-replacement"]
+    assert 0 < pld < epsilon(1) < without
     assert summary["differential-privacy"]["form"] == "central (server)"
     run_in_process(tiny(run_dir, resume=True, **settings))  # a restarted server and nodes
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
