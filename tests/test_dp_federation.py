@@ -55,6 +55,7 @@ from fedfields.flower.protocol import (
     CONTROL_DELTA,
     NUM_DROPPED,
     NUM_EXAMPLES,
+    NUM_FAILURES,
     TRAIN_LOSS,
     arrays_to_state,
     state_to_arrays,
@@ -522,3 +523,49 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     run_in_process(tiny(run_dir, resume=True, **settings))  # a restarted server and nodes
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line[DP_EPSILON] for line in lines] == pytest.approx([epsilon(1), epsilon(2)])
+
+
+# ------------------------------------------------------------------ the node's own noise floor
+
+
+@pytest.mark.parametrize(
+    ("server_z", "secure_run", "refused"),
+    [(0.5, True, True), (1.0, True, False), (2.0, True, False), (0.0, False, True)],
+)
+def test_a_node_refuses_less_noise_than_its_node_config_floor(
+    server_z: float, secure_run: bool, refused: bool
+) -> None:
+    """node-config dp-min-noise-multiplier = 1 on one of 4 nodes: a secure DP round below
+    z = 1, or a plaintext one, gets an error reply from it (counted, before it trains), the
+    others still aggregate; at or above the floor it takes part."""
+    from fedfields.flower.secure_aggregation import NOISE_FLOOR_KEY
+
+    reference = big_state(0)
+    updates = [big_state(seed, 0.01) for seed in range(1, 5)]
+    nodes = fixed_nodes(reference, updates, [1] * 4)
+    trained: list[int] = []
+
+    def counting(node: Callable) -> Callable:
+        def handler(message: Message, context: Context) -> Message:
+            if message.metadata.message_type == "train":
+                trained.append(context.node_id)
+            return node(message, context)
+
+        return handler
+
+    grid = InProcessGrid([secure(counting(node)) for node in nodes])
+    guarded = next(iter(grid.contexts.values()))
+    guarded.node_config[NOISE_FLOOR_KEY] = 1.0
+    options: dict = {"min_available_nodes": 4}
+    if secure_run:
+        dp = DPConfig(server_z, 1.0, max_noise_ratio=0)
+        secure_config = SecureAggregationConfig(reconstruction_threshold=3)
+        options |= {"differential_privacy": dp, "secure_aggregation": secure_config}
+    arrays, metrics = train_round(FedAvg(**options), grid, state_to_arrays(reference))
+    assert arrays is not None and metrics is not None
+    assert metrics[NUM_FAILURES] == int(refused)
+    assert (guarded.node_id in trained) is not refused
+    errors = [r.error.reason for r in grid.received if r.has_error()]
+    assert len(errors) == int(refused)
+    if refused:
+        assert "dp-min-noise-multiplier = 1" in errors[0]

@@ -13,7 +13,9 @@ Distributed DP: when CONFIG carries "dp-clip-norm", "dp-noise-multiplier" z and
 "secure-delta-scale" s) are clipped to C over all of them jointly and N(0, z^2 C^2 / n) is
 added to every entry, from a secret-seeded generator, before anything is held: the secure sum
 of n clients then carries std z C, and no unnoised update leaves this function. The held
-metrics are not noised (docs/PRIVACY.md).
+metrics are not noised (docs/PRIVACY.md). A node whose node-config sets
+"dp-min-noise-multiplier" refuses (before training) every train or gradient message that
+does not carry distributed DP with at least that z: a server cannot talk it into less noise.
 
 Errors: Flower forwards a ClientApp exception's text to the server as the reply's error
 reason. In secure mode (a SecAgg+ stage, a message whose CONFIG asks for secure aggregation,
@@ -49,6 +51,7 @@ from fedfields.flower.protocol import (
     DP_CLIP_NORM,
     DP_NOISE_MULTIPLIER,
     DP_NUM_SAMPLED,
+    GRADIENT_QUERY,
     HELD,
     HELD_METRICS,
     HELD_RECORDS,
@@ -93,12 +96,38 @@ class SecureModeClientError(RuntimeError):
     """What the server learns of a ClientApp failure in secure mode: the exception's type."""
 
 
+NOISE_FLOOR_KEY = "dp-min-noise-multiplier"
+"""Node-config: the least noise multiplier z this node adds its share of (0 or absent: none)."""
+
+
+def check_noise_floor(msg: Message, context: Context) -> None:
+    """ValueError if this node's node-config sets a `NOISE_FLOOR_KEY` and `msg` (a train or
+    DecentNeRF gradient message) asks for less distributed DP: a plaintext or secure message
+    without "dp-noise-multiplier", or one below the floor."""
+    floor = float(context.node_config.get(NOISE_FLOOR_KEY, 0.0))
+    config = msg.content.config_records.get(CONFIG)
+    updating = msg.metadata.message_type in (MessageType.TRAIN, GRADIENT_QUERY)
+    if floor <= 0 or config is None or not updating:
+        return
+    if RECORD_KEY_CONFIGS in msg.content.config_records:  # a SecAgg+ stage of a checked one
+        return
+    secure = bool(config.get(SECURE_AGGREGATION, False))
+    z = float(config.get(DP_NOISE_MULTIPLIER, 0.0)) if secure else 0.0
+    if z < floor:
+        raise ValueError(
+            f"node-config {NOISE_FLOOR_KEY} = {floor:g}: this node adds its noise share only "
+            f"under secure aggregation with dp-noise-multiplier >= {floor:g}; the server asked "
+            f"for {'z = ' + format(z, 'g') if secure else 'a plaintext reply'}"
+        )
+
+
 def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Route SecAgg+ stages to Flower's mod; hold back replies of secure-mode messages.
 
     In secure mode (`in_secure_mode`) a failure below reaches the server as the exception's
     type only (module docstring); the full error is logged on this node.
     """
+    check_noise_floor(msg, context)
     if not in_secure_mode(msg, context):
         return _route(msg, context, call_next)
     try:
