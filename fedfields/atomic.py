@@ -87,6 +87,20 @@ def save_torch(path: str | Path, payload: Any) -> None:
         torch.save(payload, out)
 
 
+def load_torch(path: str | Path, what: str) -> Any:
+    """What `save_torch` wrote to `path`, on the CPU; a ValueError naming the file and `what`
+    it should hold when it is cut short or damaged (torch raises many kinds for that)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:
+        kind = type(error).__name__
+        raise ValueError(
+            f"{path} is not a readable {what} (cut short or damaged: {kind})"
+        ) from None
+
+
 def save_figure(path: str | Path, figure: Figure, **savefig: Any) -> None:
     """A matplotlib figure saved to `path` (format from its suffix), atomically."""
     with replacing(path) as out:

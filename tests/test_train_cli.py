@@ -81,6 +81,26 @@ def test_load_checkpoint_rejects_other_files(tmp_path):
         load_checkpoint(tmp_path / "other.pt")
 
 
+def test_a_damaged_checkpoint_is_one_line_and_exit_2(tiny_lego, tmp_path, capsys):
+    """A checkpoint cut short (its first half), or holding a field of other shapes: `fedfields
+    eval` prints one line naming the file and exits 2, no traceback (`fedfields audit` reads
+    checkpoints through the same `load_checkpoint`)."""
+    setup = default_setup("hashgrid", tiny_lego[0])
+    save_checkpoint(tmp_path / "good.pt", setup.field, setup.render_config, setup.occupancy)
+    data = (tmp_path / "good.pt").read_bytes()
+    cut = tmp_path / "checkpoint.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    argv = ["eval", "--checkpoint", str(cut), "--scene", str(LEGO), "--downscale", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint.pt is not a readable" in err[0], err
+    payload = torch.load(tmp_path / "good.pt", weights_only=True)
+    payload["state_dict"] = {k: torch.zeros(3) for k in payload["state_dict"]}
+    torch.save(payload, tmp_path / "wrong.pt")
+    with pytest.raises(ValueError, match="wrong.pt holds a damaged field"):
+        load_checkpoint(tmp_path / "wrong.pt")
+
+
 def test_train_config_needs_exactly_one_budget():
     with pytest.raises(ValueError, match="exactly one"):
         TrainConfig()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from fedfields import atomic
 from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
 from fedfields.config import meta_settings
 from fedfields.optim import resolve_device
@@ -62,7 +63,7 @@ audit repeats as recorded."""
 
 def load_theta(path: Path) -> dict[str, Tensor]:
     """theta's parameters from a meta run's checkpoint.pt; ValueError for anything else."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = atomic.load_torch(path, "meta-learning checkpoint")
     if not isinstance(payload, dict) or payload.get("format") != META_CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a meta-learning checkpoint (missing format tag)")
     return payload["state_dict"]

@@ -297,7 +297,7 @@ def save_transcript(path: Path, transcript: list[SplitExchange]) -> None:
 
 def load_transcript(path: Path) -> list[SplitExchange]:
     """The exchanges `save_transcript` wrote; ValueError if `path` holds something else."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = atomic.load_torch(path, "split transcript")
     if not isinstance(payload, dict) or payload.get("format") != TRANSCRIPT_FORMAT:
         raise ValueError(f"{path} is not a split transcript (missing format tag)")
     return [

@@ -6,8 +6,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedfields import atomic
 from fedfields.fields import Field, build_field
 from fedfields.render import OccupancyGrid, RenderConfig
@@ -45,11 +43,15 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = atomic.load_torch(path, "fedfields checkpoint")
     if not isinstance(payload, dict) or payload.get("format") != "fedfields-checkpoint-1":
         raise ValueError(f"{path} is not a fedfields checkpoint (missing format tag)")
-    field = build_field(payload["field"])
-    field.load_state_dict(payload["state_dict"])
+    try:
+        field = build_field(payload["field"])
+        field.load_state_dict(payload["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as error:
+        kind = type(error).__name__
+        raise ValueError(f"{path} holds a damaged field ({kind}: {error})"[:300]) from None
     field.eval()
     render = payload["render"]
     render_config = RenderConfig(
