@@ -211,8 +211,9 @@ def test_distributed_noise_shares_sum_to_z_c_and_dropouts_lower_it_as_charged() 
         assert effective == pytest.approx(z * math.sqrt((clients - dropped) / clients))
         assert float(survivors.std()) == pytest.approx(effective * clip_norm, rel=0.015)
     assert effective_noise_multiplier(z, clients, clients) == z
-    with pytest.raises(ValueError, match="summed clients must be in \\[0, 7\\]"):
-        effective_noise_multiplier(z, clients, 8)
+    assert effective_noise_multiplier(z, 5, clients) == pytest.approx(z * math.sqrt(7 / 5))
+    with pytest.raises(ValueError, match="summed clients must be >= 0"):
+        effective_noise_multiplier(z, clients, -1)
 
 
 def test_noise_is_reproducible_under_a_seed_and_secret_without_one() -> None:

@@ -20,7 +20,8 @@ import pytest
 import torch
 from dp_reference import flower_epsilons
 from flower_harness import InProcessGrid
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from test_secure_aggregation import (
@@ -62,7 +63,12 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
 from fedfields.flower.round_privacy import DP_EPSILON, DP_ROUND_MULTIPLIER
-from fedfields.flower.secure_aggregation import private_records, secure_aggregation_mod
+from fedfields.flower.secure_aggregation import (
+    CALIBRATED_STATE,
+    check_threshold,
+    private_records,
+    secure_aggregation_mod,
+)
 from fedfields.privacy.dp import (
     DPConfig,
     RoundCharge,
@@ -71,7 +77,7 @@ from fedfields.privacy.dp import (
     noise_generator,
     update_norm,
 )
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError
 
 ROOT = Path(__file__).resolve().parents[1]
 State = dict[str, Tensor]
@@ -297,6 +303,26 @@ def test_decentnerf_charges_both_noised_sums_of_a_round() -> None:
     )
 
 
+def test_an_unmasked_secure_sum_refused_afterwards_is_still_charged() -> None:
+    """Secure DecentNeRF under DP with z = 5: the payload's noised alpha sum lies within 3
+    noise stds of 0, so no aggregate is formed; the server saw that sum all the same, so the
+    round is charged for its 3 holders at t = 2 (z sqrt(3/2))."""
+    problems = heterogeneous_problems(3)
+    app = secure(least_squares_app(problems, 0.05, (0.5, 1.0, 1.5)))
+    strategy = DecentNeRF(
+        min_available_nodes=3, local_steps=1, alpha_lr=0.0, differential_privacy=DPConfig(
+            5.0, 1.0, max_noise_ratio=0), secure_aggregation=SecureAggregationConfig(),
+    )  # fmt: skip
+    arrays, metrics = train_round(
+        strategy, InProcessGrid([app] * 3), state_to_arrays(initial_state())
+    )
+    assert arrays is None and strategy.active_round.unmasked_holders == [3]
+    assert metrics is not None and metrics[DP_ROUND_MULTIPLIER] == pytest.approx(5 * math.sqrt(1.5))
+    assert metrics[DP_EPSILON] == pytest.approx(
+        epsilon_of([RoundCharge(1.0, 5 * math.sqrt(1.5))], 1e-5), rel=1e-12
+    )
+
+
 @pytest.mark.parametrize("kind", [FedNova, FedExP])
 def test_rules_reading_per_client_values_refuse_dp_naming_themselves(kind: type) -> None:
     with pytest.raises(ValueError, match=f"{kind.strategy_name} does not support client-level DP"):
@@ -311,12 +337,12 @@ def test_rules_reading_per_client_values_refuse_dp_naming_themselves(kind: type)
 def test_a_clients_private_records_are_clipped_jointly_then_noised() -> None:
     """The client's side of distributed DP: hostile records clipped to C jointly, plus its
     noise share of std z C / sqrt(n) (measured over 40k entries)."""
-    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1e-12, "dp-num-sampled": 4})
+    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1e-12, "dp-min-holders": 4})
     records = {ARRAYS: {"w": torch.full((30,), 1e150, dtype=F64)},
                CONTROL_DELTA: {"w": torch.full((30,), -1e150, dtype=F64)}}  # fmt: skip
     out = private_records(records, config, noise_generator(1))
     assert float(torch.cat([out[ARRAYS]["w"], out[CONTROL_DELTA]["w"]]).norm()) <= 0.5 + 1e-9
-    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1.7, "dp-num-sampled": 4})
+    config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1.7, "dp-min-holders": 4})
     zero = {ARRAYS: {key: torch.zeros_like(v) for key, v in big_state(0).items()}}
     share = flat(private_records(zero, config, noise_generator(2))[ARRAYS])
     ratio = float(share.std()) / distributed_noise_std(1.7, 0.5, 4)
@@ -326,9 +352,10 @@ def test_a_clients_private_records_are_clipped_jointly_then_noised() -> None:
 
 @pytest.mark.parametrize("dropped", [set(), {2}])
 def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int]) -> None:
-    """4 secure clients, updates 10x C: the secure aggregate minus the survivors' clipped
-    mean, times the survivors, is the summed noise: std z C, or z C sqrt(3/4) when one drops
-    after key sharing, which is the multiplier the accountant is charged."""
+    """4 secure clients, updates 10x C, reconstruction threshold t = 3: each noise share is
+    calibrated to t, so the secure aggregate minus the survivors' clipped mean, times the
+    survivors, is the summed noise of std z C sqrt(4/3), or exactly z C when one drops after
+    key sharing, which is the multiplier the accountant is charged."""
     z, clip_norm, n = 1.0, 0.5, 4
     reference = big_state(0)
     updates = [big_state(seed, 10 * clip_norm / math.sqrt(SIZE)) for seed in range(1, n + 1)]
@@ -346,7 +373,7 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     expected = plus(reference, {k: sum(clipped(u, clip_norm)[k] for u in survivors) / kept
                                 for k in reference})  # fmt: skip
     noise_on_sum = flat(plus(arrays_to_state(arrays), expected, -1.0)) * kept
-    effective = z * math.sqrt(kept / n)
+    effective = z * math.sqrt(kept / 3)
     ratio = float(noise_on_sum.std()) / (effective * clip_norm)
     print(f"distributed noise std / (z_eff C), {len(dropped)} dropped: {ratio:.4f}")
     assert abs(ratio - 1) < STD_TOLERANCE
@@ -356,7 +383,77 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     )
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
     assert all("secure-weight" not in m.content[CONFIG] for m in sent)  # uniform weights
-    assert all(m.content[CONFIG]["dp-num-sampled"] == n for m in sent)
+    assert all(m.content[CONFIG]["dp-min-holders"] == 3 for m in sent)
+
+
+def dropping_first(count: int) -> Callable:
+    """Node wrapper: the first `count` nodes to reach the payload's masked-vector stage fail it
+    (after key sharing, so their masks must be recovered from the others' shares)."""
+    failed: list[int] = []
+
+    def wrap(app: Callable, partition: int) -> Callable:
+        def node(message: Message, context: Context) -> Message:
+            config = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            if config is not None and config.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS:
+                if len(failed) < count or partition in failed:
+                    failed.append(partition)
+                    raise ConnectionError(f"partition {partition} went offline")
+            return app(message, context)
+
+        return node
+
+    return wrap
+
+
+@pytest.mark.parametrize(("dropped", "holders"), [(0, 20), (7, 13), (8, None), (12, None)])
+def test_secure_dp_never_exceeds_its_target_whatever_drops(
+    dropped: int, holders: int | None
+) -> None:
+    """20 of 40 sampled, z = 1, dp-target-epsilon = one round's epsilon at z = 1: the round
+    fixes t = 13 (SecAgg+'s threshold of 20) and sends it to the clients, whose noise shares
+    sum to z C over any 13. Down to 13 holders the sum is released and charged z sqrt(h / 13)
+    >= z; with 12 or fewer it is never unmasked, nothing is released or charged. Epsilon never
+    exceeds the target (the old plan let 9 of 20 through at z sqrt(9 / 20): 6.61 > 6)."""
+    z, clip_norm, population, size = 1.0, 1.0, 40, 64
+    target = epsilon_of([RoundCharge(0.5, z)], 1e-5) * (1 + 1e-9)
+    generator = torch.Generator().manual_seed(3)
+    reference = {"w": torch.zeros(size, dtype=F64)}
+    updates = [{"w": torch.randn(size, generator=generator, dtype=F64)} for _ in range(population)]
+    nodes = [secure(node) for node in fixed_nodes(reference, updates, [1.0] * population)]
+    wrap = dropping_first(dropped)
+    grid = InProcessGrid([wrap(node, k) for k, node in enumerate(nodes)])
+    dp = DPConfig(z, clip_norm, target_epsilon=target, max_noise_ratio=0)
+    strategy = FedAvg(
+        fraction_train=0.5, min_available_nodes=population, differential_privacy=dp,
+        secure_aggregation=SecureAggregationConfig(), sampling_seed=5,
+    )  # fmt: skip
+    arrays, metrics = train_round(strategy, grid, state_to_arrays(reference))
+    sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
+    assert len(sent) == 20 and all(m.content[CONFIG]["dp-min-holders"] == 13 for m in sent)
+    assert strategy.active_round.unmasked_holders == ([] if holders is None else [holders])
+    assert metrics is not None and metrics[DP_EPSILON] <= target
+    if holders is None:
+        assert arrays is None and metrics["secure-sum-failures"] == 1
+        assert DP_ROUND_MULTIPLIER not in metrics and metrics[DP_EPSILON] == 0
+    else:
+        assert arrays is not None
+        assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(z * math.sqrt(holders / 13))
+
+
+def test_a_client_refuses_a_secagg_setup_below_its_calibration() -> None:
+    """A client whose noise share was calibrated to t = 13 refuses a SecAgg+ setup asking for
+    a reconstruction threshold of 12 (a sum of 12 shares would carry less than z C), by name
+    and without values; 13 passes to Flower's mod."""
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    context.state[CALIBRATED_STATE] = ConfigRecord({"dp-min-holders": 13})
+
+    def setup(threshold: int) -> Message:
+        stage = ConfigRecord({Key.STAGE: Stage.SETUP, Key.THRESHOLD: threshold})
+        return Message(RecordDict({RECORD_KEY_CONFIGS: stage}), dst_node_id=1, message_type="train")
+
+    with pytest.raises(ValueFreeError, match="threshold of 12, below the dp-min-holders = 13"):
+        check_threshold(setup(12), context)
+    check_threshold(setup(13), context)
 
 
 def dp_strategy(name: str, secure: SecureAggregationConfig | None) -> ProtocolStrategy:
@@ -463,16 +560,18 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
     """The documented command as a user types it (`python -m simulations.launch`: `flwr run .`
     on Ray) with secure aggregation and distributed DP on the session's 3 users (all 3 a
     round: min-train-nodes 3, secure aggregation's floor, while the plan assumes the default
-    fraction-train 0.5), z = 1, C = 1,
-    dp-target-epsilon 9 over 3 rounds. The plan (3 rounds at q = 0.5: 6.48) passes; rounds 1-2
-    run; round 3's worst case (only SecAgg+'s threshold of 2 surviving: z sqrt(2/3)) would take
-    epsilon to 9.89, so the run stops cleanly after round 2, summary.json says why and the
-    launcher exits 0 (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3
-    of 3 sampled at z = 1, no dropouts."""
-    flower = flower_epsilons(3, 3, 1.0, rounds=3)
-    target = 9.0
+    fraction-train 0.5), z = 1, C = 1, dp-target-epsilon 7 over 3 rounds. Each round fixes
+    t = 2 (SecAgg+'s threshold of 3) and calibrates the noise shares to it, so 3 holders carry
+    z sqrt(3/2), the multiplier charged. The plan (3 rounds at q = 0.5: 6.48) passes; rounds
+    1-2 run; round 3's worst case (only t = 2 holders: z) would take epsilon to 7.75, so the
+    run stops cleanly after round 2, summary.json says why and the launcher exits 0
+    (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3 of 3 sampled at
+    z sqrt(3/2)."""
+    charged = math.sqrt(3 / 2)
+    flower = flower_epsilons(3, 3, charged, rounds=2)
+    target = 7.0
     assert epsilon_of([RoundCharge(0.5, 1.0)] * 3, 1e-5) <= target  # the plan passes
-    assert flower[1] <= target  # (without dropouts round 3 would spend flower[2] = 9.01)
+    assert epsilon_of([RoundCharge(1.0, charged)] * 2 + [RoundCharge(1.0, 1.0)], 1e-5) > target
     run_config = (
         "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=1.0 dp-clip-norm=1.0 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
@@ -489,11 +588,12 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["round"] for line in lines] == [1, 2]  # nothing of round 3
     assert [line[DP_EPSILON] for line in lines] == pytest.approx(flower[:2], rel=1e-9)
-    assert all(line[DP_ROUND_MULTIPLIER] == 1.0 and line["secure-sums"] == 1 for line in lines)
+    assert [line[DP_ROUND_MULTIPLIER] for line in lines] == pytest.approx([charged] * 2)
+    assert all(line["secure-sums"] == 1 for line in lines)
     summary = json.loads((run_dir / "summary.json").read_text())
     privacy = summary["differential-privacy"]
     assert privacy["form"].startswith("distributed") and privacy["rounds-charged"] == 2
-    assert privacy["stopped"].startswith("round 3 not run: its charge (q = 1, z = 0.8165)")
+    assert privacy["stopped"].startswith("round 3 not run: its charge (q = 1, z = 1)")
     assert "the run stops after round 2" in privacy["stopped"]
     assert summary["final"][DP_EPSILON] == pytest.approx(flower[1], rel=1e-9)
     assert summary["final"][DP_EPSILON] <= target

@@ -74,9 +74,10 @@ SECURE_DELTA_SCALE = "secure-delta-scale"
 DP_CLIP_NORM = "dp-clip-norm"
 """Secure DP: the client clips all its held records jointly to this L2 norm C."""
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
-"""Secure DP: z; the client adds N(0, z^2 C^2 / n) to its clipped records before masking."""
-DP_NUM_SAMPLED = "dp-num-sampled"
-"""Secure DP: n, the clients sampled this round, whose noise shares sum to std z C."""
+"""Secure DP: z; the client adds N(0, z^2 C^2 / t) to its clipped records before masking."""
+DP_MIN_HOLDERS = "dp-min-holders"
+"""Secure DP: t, the fewest clients a sum of this round is unmasked from (the SecAgg+
+reconstruction threshold of every stage): t noise shares sum to std z C."""
 
 # ------------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"

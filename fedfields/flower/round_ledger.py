@@ -59,12 +59,18 @@ class TrainRound:
     secure_error: str = ""
     """Why the round's last secure sum failed (value-free), for `EmptyRoundsError`."""
     secure_metrics: dict[str, float] | None = None
+    min_holders: int = 2
+    """Under secure aggregation, t: the fewest clients a sum of this round may be unmasked
+    from, fixed when the round sampled (`SecureAggregationConfig.min_holders`)."""
+    unmasked_holders: list[int] = field(default_factory=list)
+    """Holders of each secure sum the server unmasked this round, released or refused after."""
     reference: dict[str, Tensor] = field(default_factory=dict)
     """The arrays sent (read-only views): the update-norm check's and the plaintext deltas'
     reference; {} under secure aggregation."""
     reference_norm: float = 0.0
     dp_multipliers: list[float] = field(default_factory=list)
-    """Noise multiplier each DP sum of the round carried (effective under secure DP)."""
+    """Noise multiplier of each plaintext DP sum the round released (secure sums are charged
+    from `unmasked_holders`)."""
     dp_charged: bool = False
     """Whether the accountant has charged this round."""
 

@@ -2,8 +2,10 @@
 
 Plaintext sums clip each reply's update and the server adds N(0, (z C)^2) (central DP,
 `central`); under secure aggregation the clients clip and add their share of that noise
-before masking (distributed DP, `client_config`), and dropouts lower the multiplier the round
-carries (`effective_noise_multiplier`). Weights are uniform. One `DPAccountant` per run is
+before masking (distributed DP, `client_config`), calibrated to t, the fewest holders a sum
+of the round is unmasked from (`TrainRound.min_holders`), so every unmasked sum carries at
+least z, more with more holders (`effective_noise_multiplier`), and each is charged.
+Weights are uniform. One `DPAccountant` per run is
 charged once a round with q = sampled / connected and the multiplier combined over the round's
 noised sums ("dp-epsilon" after it); a plan beyond dp-target-epsilon is refused
 (`check_plan`) and a round whose worst-case charge would exceed it is not run
@@ -32,13 +34,14 @@ from fedfields.privacy.dp import (
     CLIP_NORM_KEY,
     EPSILON_METRIC,
     MAX_NOISE_RATIO_KEY,
+    NOISE_TAIL,
     DPAccountant,
     DPConfig,
     RoundCharge,
     central_noise_std,
     check_plan,
     combined_noise_multiplier,
-    distributed_noise_std,
+    distributed_noise_range,
     effective_noise_multiplier,
     noise_generator,
     noise_ratio,
@@ -49,9 +52,6 @@ DP_EPSILON = EPSILON_METRIC
 """Train metric: epsilon at dp-delta spent by the run so far (DP runs only)."""
 DP_ROUND_MULTIPLIER = "dp-round-noise-multiplier"
 """Train metric: the noise multiplier the accountant charged this round (DP runs only)."""
-NOISE_TAIL = 8.0
-"""A fixed SecAgg+ clipping range must hold a clipped value plus this many noise-share
-stds: |N(0, 1)| > 8 has probability 1.2e-15 per entry."""
 
 
 class RoundPrivacy:
@@ -89,16 +89,24 @@ class RoundPrivacy:
             log(INFO, message, secure_weight, reason)
         secure, dp = self.secure_aggregation, self.config
         if secure is not None and secure.clipping_range > 0:
-            num_clients = max(min_train_nodes, 2)
-            share = distributed_noise_std(dp.noise_multiplier, dp.clip_norm, num_clients)
-            needed = dp.clip_norm + NOISE_TAIL * share
+            holders = secure.min_holders(max(min_train_nodes, 2))
+            needed = distributed_noise_range(dp.noise_multiplier, dp.clip_norm, holders)
             if secure.clipping_range < needed:
                 raise ValueError(
                     f"secagg-clipping-range = {secure.clipping_range:g} leaves no room for the DP "
                     f"noise: a clipped value ({CLIP_NORM_KEY} = {dp.clip_norm:g}) plus "
                     f"{NOISE_TAIL:g} noise-share stds needs >= {needed:.4g}; raise it, or set it "
-                    "to 0 (automatic bounds, which see the noised values)"
+                    "to 0 (the range then follows from C, z and the round's holders)"
                 )
+
+    def secure_range(self, train_round: TrainRound) -> float:
+        """The SecAgg+ range of a secure DP sum of `train_round`: a fixed secagg-clipping-range
+        as set, else C plus the noise tail for its t holders (`distributed_noise_range`)."""
+        secure = self.secure_aggregation
+        if secure is not None and secure.clipping_range > 0:
+            return secure.clipping_range
+        z, clip_norm = self.config.noise_multiplier, self.config.clip_norm
+        return distributed_noise_range(z, clip_norm, train_round.min_holders)
 
     def client_config(self) -> dict[str, float | str]:
         """Train-config entries a secure client needs to clip and add its noise share."""
@@ -118,16 +126,12 @@ class RoundPrivacy:
 
     # The accountant: the plan, each round's budget and its charge.
 
-    def planned_multiplier(self, server_round: int, num_sampled: int | None = None) -> float:
-        """The noise multiplier a round is charged: z per sum, combined over its sums; with
-        `num_sampled` under secure aggregation, the worst case (only the reconstruction
-        threshold's clients survive each sum, `effective_noise_multiplier`)."""
-        z = self.config.noise_multiplier
-        secure = self.secure_aggregation
-        if num_sampled is not None and secure is not None and num_sampled > 1:
-            threshold = secure.shares_and_threshold(num_sampled)[1]
-            z = effective_noise_multiplier(z, num_sampled, max(2, min(threshold, num_sampled)))
-        return combined_noise_multiplier([z] * self.sums_per_round(server_round))
+    def planned_multiplier(self, server_round: int) -> float:
+        """The noise multiplier a round is charged at worst: z per sum (a secure sum is never
+        unmasked from fewer than the t holders its noise shares are calibrated to), combined
+        over its sums."""
+        sums = self.sums_per_round(server_round)
+        return combined_noise_multiplier([self.config.noise_multiplier] * sums)
 
     def check_plan(self, first_round: int, num_rounds: int, fraction_train: float) -> float:
         """The epsilon rounds `first_round`..`num_rounds` would spend at sampling rate
@@ -168,7 +172,7 @@ class RoundPrivacy:
         if target == 0:
             return
         sampling_rate = num_sampled / connected
-        z = self.planned_multiplier(server_round, num_sampled)
+        z = self.planned_multiplier(server_round)
         after = self.accountant.epsilon_after(sampling_rate, z)
         if after > target:
             self.stop = (
@@ -180,12 +184,20 @@ class RoundPrivacy:
 
     def charge(self, train_round: TrainRound) -> dict[str, float]:
         """Charge the round's noised sums once (q = sampled / connected, z combined over its
-        sums); the DP train metrics (epsilon three ways, `DPAccountant.report`). A round that
-        released no sum is not charged."""
+        sums: each plaintext sum released, each secure sum unmasked, used or not, at
+        z sqrt(h / t) for its h holders); the DP train metrics (epsilon three ways,
+        `DPAccountant.report`). A round that unmasked and released no sum is not charged."""
         metrics: dict[str, float] = {}
-        if not train_round.dp_charged and train_round.dp_multipliers:
+        multipliers = list(train_round.dp_multipliers)
+        if self.secure_aggregation is not None:
+            z, holders = self.config.noise_multiplier, train_round.min_holders
+            multipliers += [
+                effective_noise_multiplier(z, holders, summed)
+                for summed in train_round.unmasked_holders
+            ]
+        if not train_round.dp_charged and multipliers:
             train_round.dp_charged = True
-            z = combined_noise_multiplier(train_round.dp_multipliers)
+            z = combined_noise_multiplier(multipliers)
             sampled, connected = len(train_round.node_ids), train_round.num_nodes_total
             self.accountant.charge(sampled / connected, z, sampled, connected)
             metrics[DP_ROUND_MULTIPLIER] = z
@@ -207,14 +219,12 @@ class RoundPrivacy:
         deltas: Sequence[str],
         secure_delta: tuple[str, ...],
     ) -> RoundSum:
-        """Note the multiplier the sum carried (under secure aggregation lowered by the
-        dropouts), then its ARRAYS back in the form the strategy sums (`secure_delta` stays as
+        """Note a plaintext sum's multiplier z (a secure sum's is noted when unmasked,
+        `charge`), then its ARRAYS back in the form the strategy sums (`secure_delta` stays as
         differences): sum_k (x_k - s_k g) + (sum_k s_k) g, with the summed s (DecentNeRF's
         noised alpha sum) or the number summed."""
-        z = self.config.noise_multiplier
-        if self.secure_aggregation is not None:
-            z = effective_noise_multiplier(z, len(train_round.node_ids), len(summed.node_ids))
-        train_round.dp_multipliers.append(z)
+        if self.secure_aggregation is None:
+            train_round.dp_multipliers.append(self.config.noise_multiplier)
         for name in deltas:
             if name in secure_delta:
                 continue

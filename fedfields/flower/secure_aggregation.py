@@ -9,11 +9,13 @@ one-hots ("bounds") or the scaled payload ("payload"). The plaintext weight of e
 reply is 1 and its metrics are empty, so nothing but masked vectors identifies the client.
 
 Distributed DP: when CONFIG carries "dp-clip-norm", "dp-noise-multiplier" z and
-"dp-num-sampled" n, the held records (differences for "secure-delta" records, x - s g with
-"secure-delta-scale" s) are clipped to C over all of them jointly and N(0, z^2 C^2 / n) is
-added to every entry, from a secret-seeded generator, before anything is held: the secure sum
-of n clients then carries std z C, and no unnoised update leaves this function. The held
-metrics are not noised (docs/PRIVACY.md). A node whose node-config sets
+"dp-min-holders" t, the held records (differences for "secure-delta" records, x - s g with
+"secure-delta-scale" s) are clipped to C over all of them jointly and N(0, z^2 C^2 / t) is
+added to every entry, from a secret-seeded generator, before anything is held: a secure sum
+of t clients then carries std z C, and no unnoised update leaves this function. The client
+answers a SecAgg+ setup only if its reconstruction threshold is at least t, so no sum of
+fewer shares can be unmasked (`check_threshold`). The held metrics are not noised; under DP
+the server asks for none of them (docs/PRIVACY.md). A node whose node-config sets
 "dp-min-noise-multiplier" refuses (before training) every train or gradient message that
 does not carry distributed DP with at least that z: a server cannot talk it into less noise.
 
@@ -43,14 +45,15 @@ from flwr.app import (
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.logger import log
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from torch import Tensor
 
 from fedfields.flower.protocol import (
     CONFIG,
     DP_CLIP_NORM,
+    DP_MIN_HOLDERS,
     DP_NOISE_MULTIPLIER,
-    DP_NUM_SAMPLED,
     GRADIENT_QUERY,
     HELD,
     HELD_METRICS,
@@ -88,6 +91,8 @@ from fedfields.privacy.secure_sum import (
 
 HELD_PREFIX = "secure-held/"
 """context.state keys of the held records: HELD_PREFIX + record name."""
+CALIBRATED_STATE = "secure-dp-calibration"
+"""context.state key: the "dp-min-holders" t the held noise share was calibrated to."""
 SECURE_RUN_CONFIG = "secure-aggregation"
 """Run-config key that, when true, puts every message of the run in secure mode."""
 
@@ -164,6 +169,7 @@ def _route(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         if msg.metadata.message_type != MessageType.TRAIN:
             raise ValueError("SecAgg+ stages must arrive as 'train' messages")
+        check_threshold(msg, context)
         return secaggplus_mod(msg, context, _answer_stage)
     config = msg.content.config_records.get(CONFIG)
     if config is None or not bool(config.get(SECURE_AGGREGATION, False)):
@@ -200,6 +206,8 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
         held[name] = {key: value.double() * weight for key, value in state.items()}
     if DP_CLIP_NORM in config and held:
         held = private_records(held, config)
+        calibrated = {DP_MIN_HOLDERS: int(config[DP_MIN_HOLDERS])}
+        context.state[CALIBRATED_STATE] = ConfigRecord(calibrated)
     records = []
     for name, state in held.items():
         context.state[HELD_PREFIX + name] = state_to_arrays(state)
@@ -220,12 +228,13 @@ def private_records(
     generator: torch.Generator | None = None,
 ) -> dict[str, dict[str, Tensor]]:
     """The records clipped to "dp-clip-norm" jointly plus this client's share of the noise,
-    N(0, z^2 C^2 / n) per entry (`distributed_noise_std`); the generator is secret-seeded
-    unless a test passes one."""
+    N(0, z^2 C^2 / t) per entry (`distributed_noise_std`, t = "dp-min-holders"); the generator
+    is secret-seeded unless a test passes one."""
     clip_norm = float(config[DP_CLIP_NORM])
-    std = distributed_noise_std(
-        float(config[DP_NOISE_MULTIPLIER]), clip_norm, int(config[DP_NUM_SAMPLED])
-    )
+    holders = int(config[DP_MIN_HOLDERS])
+    if holders < 2:
+        raise ValueFreeError(f"{DP_MIN_HOLDERS} must be >= 2, got {holders}")
+    std = distributed_noise_std(float(config[DP_NOISE_MULTIPLIER]), clip_norm, holders)
     clipped = clip_records(records, clip_norm)[0]
     return noised_records(clipped, std, noise_generator() if generator is None else generator)
 
@@ -234,6 +243,26 @@ def _clear_held(context: Context) -> None:
     """Forget what an earlier message held back (a new reply replaces it)."""
     for key in [key for key in context.state if key.startswith(HELD_PREFIX)]:
         del context.state[key]
+    if CALIBRATED_STATE in context.state:
+        del context.state[CALIBRATED_STATE]
+
+
+def check_threshold(msg: Message, context: Context) -> None:
+    """ValueFreeError if `msg` is a SecAgg+ setup whose reconstruction threshold lies below
+    the t this client's held noise share was calibrated to: a sum of fewer shares would carry
+    less than z C, so this client drops out of it rather than take part."""
+    if CALIBRATED_STATE not in context.state:
+        return
+    stage = msg.content.config_records[RECORD_KEY_CONFIGS]
+    if stage.get(SecAggKey.STAGE) != Stage.SETUP:
+        return
+    calibrated = int(context.state[CALIBRATED_STATE][DP_MIN_HOLDERS])
+    threshold = int(stage.get(SecAggKey.THRESHOLD, 0))
+    if threshold < calibrated:
+        raise ValueFreeError(
+            f"SecAgg+ setup asks for a reconstruction threshold of {threshold}, below the "
+            f"{DP_MIN_HOLDERS} = {calibrated} this client's noise share was calibrated to"
+        )
 
 
 def _held_payload(context: Context) -> dict[str, dict[str, Tensor]]:

@@ -28,6 +28,7 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedfields.flower.protocol import (
+    METRICS,
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
     SECURE_SUM_MAX_EXPONENT,
@@ -111,7 +112,10 @@ class SecureSum:
     With `config.clipping_range` 0 it first sums per-tensor exponent one-hots (one SecAgg+
     run) to pick power-of-two scales, capped at 2^`config.max_exponent` whatever a client
     declares (`fedfields.privacy.secure_sum.plan_scales`), then sums the scaled payload (a
-    second run); with a fixed clipping range it runs once and clients refuse values beyond it.
+    second run); with a fixed clipping range it runs once and clients refuse values beyond it;
+    with `dp_range` (distributed DP) it runs once with every record's scale set from C, z and
+    t, reading nothing of the noised values. Every run takes `min_holders` t as its
+    reconstruction threshold: fewer than t clients' vectors are never unmasked.
     """
 
     def __init__(self, config: SecureAggregationConfig) -> None:
@@ -123,12 +127,29 @@ class SecureSum:
         node_ids: Sequence[int],
         layout: Sequence[LayoutEntry],
         server_round: int,
+        min_holders: int | None = None,
+        dp_range: float | None = None,
     ) -> SecureSumResult:
-        """Secure sum of `layout`'s tensors over `node_ids`; SecureAggregationError if halted."""
+        """Secure sum of `layout`'s tensors over `node_ids`, unmasked from at least
+        `min_holders` clients' vectors (default: the threshold of `node_ids`);
+        SecureAggregationError if halted or refused. With `dp_range` every record but METRICS
+        (the weights, 1 a client under DP) is scaled by it.
+        """
         node_ids = list(node_ids)
+        if min_holders is None:
+            min_holders = self.config.min_holders(len(node_ids))
+        if len(node_ids) < min_holders:
+            raise SecureAggregationError(
+                f"round {server_round}: {len(node_ids)} clients hold a payload, fewer than the "
+                f"{min_holders} a sum of this round may be unmasked from (the reconstruction "
+                "threshold of its sample); nothing was unmasked"
+            )
         bytes_up = 0
         common = {SECURE_SUM_LAYOUT: encode_layout(layout)}
-        if self.config.clipping_range > 0:
+        if dp_range is not None:
+            scales = [1.0 if record == METRICS else dp_range for record, _, _ in layout]
+            clipping = 1.0
+        elif self.config.clipping_range > 0:
             scales, clipping = [1.0] * len(layout), self.config.clipping_range
         else:
             bounds_config = {
@@ -136,7 +157,9 @@ class SecureSum:
                 SECURE_SUM_STAGE: "bounds",
                 SECURE_SUM_MAX_EXPONENT: self.config.max_exponent,
             }
-            bounds, node_ids = self._run(grid, node_ids, bounds_config, 1.0, server_round)
+            bounds, node_ids = self._run(
+                grid, node_ids, bounds_config, 1.0, server_round, min_holders
+            )
             bytes_up += _masked_bytes(bounds, len(node_ids))
             if any(vector.size != NUM_BUCKETS for vector in bounds):
                 raise SecureAggregationError("bounds stage returned vectors of the wrong length")
@@ -149,7 +172,9 @@ class SecureSum:
             SECURE_SUM_SCALES: scales,
             SECURE_SUM_CLIPPING: clipping,
         }
-        vectors, survivors = self._run(grid, node_ids, payload_config, clipping, server_round)
+        vectors, survivors = self._run(
+            grid, node_ids, payload_config, clipping, server_round, min_holders
+        )
         bytes_up += _masked_bytes(vectors, len(survivors))
         sums = unpack_sum(vectors, layout, scales)
         step = 2 * clipping / self.config.quantization_range(len(node_ids))
@@ -167,18 +192,21 @@ class SecureSum:
         fit_config: Mapping[str, object],
         clipping_range: float,
         server_round: int,
+        min_holders: int,
     ) -> tuple[list[np.ndarray], list[int]]:
-        """One SecAggPlusWorkflow over `node_ids`: the summed vectors and the survivors."""
+        """One SecAggPlusWorkflow over `node_ids` with reconstruction threshold `min_holders`
+        (a count): the summed vectors and the survivors."""
         stage = fit_config[SECURE_SUM_STAGE]
-        if len(node_ids) < 2:
+        if len(node_ids) < max(min_holders, 2):
             raise SecureAggregationError(
-                f"round {server_round}: a secure sum needs at least 2 clients, "
-                f"{len(node_ids)} reached the {stage} stage"
+                f"round {server_round}: a secure sum of this round needs at least "
+                f"{max(min_holders, 2)} clients, {len(node_ids)} reached the {stage} stage; "
+                "nothing was unmasked"
             )
         shim = _OneShotSum(node_ids, fit_config)
         workflow = SecAggPlusWorkflow(
             num_shares=self.config.flower_num_shares,
-            reconstruction_threshold=self.config.flower_threshold,
+            reconstruction_threshold=min_holders,
             max_weight=CLIENT_WEIGHT,
             clipping_range=clipping_range,
             quantization_range=self.config.quantization_range(len(node_ids)),
@@ -195,12 +223,12 @@ class SecureSum:
         recorder = _ErrorRecorder(grid)
         workflow(recorder, context)  # type: ignore[arg-type]  # it only sends and receives
         if not shim.aggregated or not shim.results:
-            shares, threshold = self.config.shares_and_threshold(len(node_ids))
+            shares = self.config.shares_and_threshold(len(node_ids))[0]
             reasons = "; ".join(recorder.errors[:3]) or "none reported (timeouts?)"
             raise SecureAggregationError(
                 f"round {server_round}: SecAgg+ {stage} stage over {len(node_ids)} clients halted: "
-                f"too few clients or key shares survived (each client needs {threshold} of its "
-                f"{min(shares, len(node_ids))} neighbours' shares); nothing was aggregated. "
+                f"too few clients or key shares survived (each client needs {min_holders} of its "
+                f"{min(shares, len(node_ids))} neighbours' shares); nothing was unmasked. "
                 f"Client errors: {reasons}"
             )
         survivors = sorted(proxy.node_id for proxy, _ in shim.results)

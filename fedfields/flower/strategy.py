@@ -35,7 +35,7 @@ from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
-    DP_NUM_SAMPLED,
+    DP_MIN_HOLDERS,
     LOCAL_STEPS,
     NUM_EXAMPLES,
     SECURE_AGGREGATION,
@@ -324,7 +324,7 @@ class ProtocolStrategy(FlowerFedAvg):
             )
         merged = {LOCAL_STEPS: DEFAULT_LOCAL_STEPS, **config, **own, SERVER_ROUND: server_round}
         if self.dp is not None and self.secure_aggregation is not None:
-            merged[DP_NUM_SAMPLED] = len(self.active_round.node_ids)
+            merged[DP_MIN_HOLDERS] = self.active_round.min_holders
         _check_local_steps(merged[LOCAL_STEPS], f"train config {LOCAL_STEPS!r}")
         return ConfigRecord(merged)
 
@@ -355,6 +355,8 @@ class ProtocolStrategy(FlowerFedAvg):
             server_round, node_ids, len(connected), shapes_of(arrays), dtypes, grid
         )
         self.current_round.users = self.users_of(node_ids)
+        if self.secure_aggregation is not None:
+            self.current_round.min_holders = self.secure_aggregation.min_holders(len(node_ids))
         if self.secure_aggregation is None or self.dp is not None:  # read-only views: the
             # norm check's and the DP updates' reference
             reference = arrays_to_state(arrays, copy=False)
@@ -606,7 +608,10 @@ class ProtocolStrategy(FlowerFedAvg):
             held = list(self.gate.successful(train_round, replies))  # metrics: payloads held
             if not held:
                 return None
-            summed = secure_sum(self.gate, train_round, self.secure_aggregation, held, records)
+            dp_range = None if self.privacy is None else self.privacy.secure_range(train_round)
+            summed = secure_sum(
+                self.gate, train_round, self.secure_aggregation, held, records, dp_range
+            )
         if summed is not None:
             train_round.summed_nodes = list(summed.node_ids)
         if summed is None or self.privacy is None:

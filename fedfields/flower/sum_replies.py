@@ -136,24 +136,32 @@ def secure_sum(
     config: SecureAggregationConfig,
     replies: Sequence[Message],
     records: Mapping[str, Shapes],
+    dp_range: float | None = None,
 ) -> RoundSum | None:
     """SecAgg+'s sum of the `records` the replying clients hold (weighted on the clients),
-    with the weight and their held metrics' weighted means (the round's secure metrics).
+    with the weight and their held metrics' weighted means (the round's secure metrics),
+    unmasked from at least the round's `min_holders` clients. Under distributed DP
+    (`dp_range`, `SecureSum`) only the weight is summed beside the noised records: the
+    clients' other metrics carry no noise and stay on the nodes.
 
     A reply that does not hold every record is dropped ("held"). A halted SecAgg+ run, a
     summed weight not above the sum's resolution or a non-finite sum is a secure-sum failure:
-    logged as an ERROR, counted, None.
+    logged as an ERROR, counted, None. Every unmasked sum's holders go to
+    `train_round.unmasked_holders`, used or not (DP charges each).
     """
     holding = gate.holding(train_round, replies, records)
     if not holding:
         return None
-    metric_keys = held_metric_keys(holding)
+    metric_keys = [WEIGHT_KEY] if dp_range is not None else held_metric_keys(holding)
     layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
     node_ids = [reply.metadata.src_node_id for reply in holding]
+    secure = SecureSum(config)
     try:
-        result = SecureSum(config)(train_round.grid, node_ids, layout, train_round.server_round)
+        result = secure(train_round.grid, node_ids, layout, train_round.server_round,
+                        train_round.min_holders, dp_range)  # fmt: skip
     except SecureAggregationError as error:
         return secure_failure(train_round, f"SecAgg+ halted: {error}")
+    train_round.unmasked_holders.append(len(result.node_ids))
     train_round.bytes_up += result.bytes_up
     held_metrics = result.sums.pop(METRICS)
     weight = float(held_metrics.pop(WEIGHT_KEY))

@@ -8,10 +8,11 @@ with noise multiplier z:
 - central DP: the server adds N(0, (z C)^2) to the sum (`central_noise_std`). Divided by the
   n sampled clients this is Flower's std z*C/n on the mean (`mean_noise_std`, Flower's
   `compute_stdv`), the same mechanism when the mean is uniform over n clients.
-- distributed DP (secure aggregation): each of the n sampled clients adds N(0, z^2 C^2 / n)
-  to its clipped update before masking (`distributed_noise_std`), so only the noised sum ever
-  exists; with d dropouts the sum carries z*sqrt((n-d)/n) (`effective_noise_multiplier`),
-  which is what the accountant must charge.
+- distributed DP (secure aggregation): the server fixes t, the fewest clients a sum may be
+  unmasked from, before the round; each client adds N(0, z^2 C^2 / t) to its clipped update
+  before masking (`distributed_noise_std`), so only the noised sum ever exists and any sum of
+  h >= t shares carries z*sqrt(h/t) >= z (`effective_noise_multiplier`), which is what the
+  accountant is charged; a sum of fewer than t is never unmasked.
 
 `DPAccountant` composes the rounds as Poisson-subsampled Gaussian mechanisms (add-or-remove-one
 client) in Renyi DP with Google's dp-accounting (what Flower's `RdpAccountant` wraps) and
@@ -271,19 +272,34 @@ def mean_noise_std(noise_multiplier: float, clip_norm: float, num_sampled: int) 
     return noise_multiplier * clip_norm / _positive_count(num_sampled, "sampled clients")
 
 
-def distributed_noise_std(noise_multiplier: float, clip_norm: float, num_sampled: int) -> float:
-    """Std each of n clients adds to its clipped update before secure aggregation, so that
-    the sum of n shares has std z C: z C / sqrt(n)."""
-    return noise_multiplier * clip_norm / math.sqrt(_positive_count(num_sampled, "sampled clients"))
+NOISE_TAIL = 8.0
+"""A noise share's entry exceeds this many stds with probability 1.2e-15 (|N(0, 1)| > 8): the
+room a SecAgg+ range leaves for the noise (`distributed_noise_range`)."""
 
 
-def effective_noise_multiplier(noise_multiplier: float, num_sampled: int, num_summed: int) -> float:
-    """The multiplier the secure sum really carries when only `num_summed` of the
-    `num_sampled` clients' noise shares arrived: z sqrt(num_summed / num_sampled)."""
-    sampled = _positive_count(num_sampled, "sampled clients")
-    if not 0 <= num_summed <= sampled:
-        raise ValueError(f"summed clients must be in [0, {sampled}], got {num_summed}")
-    return noise_multiplier * math.sqrt(num_summed / sampled)
+def distributed_noise_std(noise_multiplier: float, clip_norm: float, num_holders: int) -> float:
+    """Std each client adds to its clipped update before secure aggregation, so that the sum
+    of `num_holders` t shares has std z C: z C / sqrt(t)."""
+    return noise_multiplier * clip_norm / math.sqrt(_positive_count(num_holders, "holders"))
+
+
+def distributed_noise_range(noise_multiplier: float, clip_norm: float, num_holders: int) -> float:
+    """The largest |entry| a client's noised share may hold: a clipped value (at most C) plus
+    NOISE_TAIL noise-share stds (`distributed_noise_std`). It follows from C, z and t alone,
+    so a secure DP sum needs no bounds stage that would read the noised values."""
+    return clip_norm + NOISE_TAIL * distributed_noise_std(noise_multiplier, clip_norm, num_holders)
+
+
+def effective_noise_multiplier(
+    noise_multiplier: float, num_calibrated: int, num_summed: int
+) -> float:
+    """The multiplier a secure sum carries when `num_summed` shares, each calibrated so that
+    `num_calibrated` of them sum to std z C, were summed: z sqrt(num_summed / num_calibrated)
+    (above z with more holders, below it with fewer)."""
+    calibrated = _positive_count(num_calibrated, "calibrated holders")
+    if num_summed < 0:
+        raise ValueError(f"summed clients must be >= 0, got {num_summed}")
+    return noise_multiplier * math.sqrt(num_summed / calibrated)
 
 
 def _positive_count(count: int, what: str) -> int:

@@ -155,6 +155,13 @@ class SecureAggregationConfig:
             return shares, int(self.reconstruction_threshold)
         return shares, max(round(self.reconstruction_threshold * shares), 2)
 
+    def min_holders(self, num_sampled: int) -> int:
+        """t: the fewest clients whose masked vectors a sum over `num_sampled` sampled clients
+        may be unmasked from, fixed when the round samples: the reconstruction threshold of that
+        sample (at least 2). Every SecAgg+ run of the round uses it, whoever survived the run
+        before, so a released sum always holds >= t clients' shares."""
+        return max(self.shares_and_threshold(max(num_sampled, 2))[1], 2)
+
     @property
     def flower_num_shares(self) -> int | float:
         """`num_shares` typed as Flower reads it (int = count, float = fraction)."""
