@@ -323,6 +323,27 @@ def test_an_unmasked_secure_sum_refused_afterwards_is_still_charged() -> None:
     )
 
 
+def test_decentnerfs_gradient_query_has_its_own_clip_norm() -> None:
+    """dp-gradient-clip-norm C_G = 0.01 clips each G_k on its own: the G sent in round 2 is
+    the sum of 3 clipped G_k (norm <= 3 C_G, noise negligible), where with the payload's C = 2
+    (C_G = 0) the same G_k sum to a norm far above that."""
+
+    def round_two_gradient_norm(gradient_clip_norm: float) -> float:
+        problems = heterogeneous_problems(3)
+        app = least_squares_app(problems, 0.05, (0.5, 1.0, 1.5))
+        dp = DPConfig(1e-9, 2.0, gradient_clip_norm=gradient_clip_norm, max_noise_ratio=0)
+        strategy = DecentNeRF(min_available_nodes=3, local_steps=2, alpha_lr=0.0,
+                              differential_privacy=dp)  # fmt: skip
+        grid = InProcessGrid([app] * 3)
+        strategy.start(grid, state_to_arrays(initial_state()), 2)
+        sent = [m for m in grid.sent if "gradient" in m.content.array_records]
+        assert sent, "round 2 sent no G"
+        return float(flat(arrays_to_state(sent[0].content["gradient"])).norm())
+
+    assert round_two_gradient_norm(0.01) <= 0.03 * (1 + 1e-6)
+    assert round_two_gradient_norm(0.0) > 10 * 0.03
+
+
 @pytest.mark.parametrize("kind", [FedNova, FedExP])
 def test_rules_reading_per_client_values_refuse_dp_naming_themselves(kind: type) -> None:
     with pytest.raises(ValueError, match=f"{kind.strategy_name} does not support client-level DP"):
@@ -340,11 +361,11 @@ def test_a_clients_private_records_are_clipped_jointly_then_noised() -> None:
     config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1e-12, "dp-min-holders": 4})
     records = {ARRAYS: {"w": torch.full((30,), 1e150, dtype=F64)},
                CONTROL_DELTA: {"w": torch.full((30,), -1e150, dtype=F64)}}  # fmt: skip
-    out = private_records(records, config, noise_generator(1))
+    out = private_records(records, config, noise_generator(1))[0]
     assert float(torch.cat([out[ARRAYS]["w"], out[CONTROL_DELTA]["w"]]).norm()) <= 0.5 + 1e-9
     config = ConfigRecord({"dp-clip-norm": 0.5, "dp-noise-multiplier": 1.7, "dp-min-holders": 4})
     zero = {ARRAYS: {key: torch.zeros_like(v) for key, v in big_state(0).items()}}
-    share = flat(private_records(zero, config, noise_generator(2))[ARRAYS])
+    share = flat(private_records(zero, config, noise_generator(2))[0][ARRAYS])
     ratio = float(share.std()) / distributed_noise_std(1.7, 0.5, 4)
     print(f"one client's noise share std / (z C / sqrt(n)): {ratio:.4f}")
     assert abs(ratio - 1) < STD_TOLERANCE

@@ -20,6 +20,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from fedfields.optim import DEVICE_CHOICES, is_device_text
+from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -363,6 +364,21 @@ class DPSection:
         "refuse a run whose noise on the mean update, z sqrt(d) / n, is above this many times "
         "the clip norm (warned above 1; 0: no limit)",
     )
+    dp_adaptive_clipping: bool = key(
+        False,
+        "adapt dp-clip-norm each round towards the dp-target-quantile of the update norms "
+        "(Andrew et al. 2021), under the same epsilon; dp-clip-norm is then the first C",
+    )
+    dp_target_quantile: float = key(
+        0.5, "adaptive clipping: the fraction of updates C should leave unclipped, in [0, 1]"
+    )
+    dp_clip_norm_lr: float = key(0.2, "adaptive clipping: eta of C <- C exp(-eta (b - gamma))")
+    dp_clipped_count_stddev: float = key(
+        0.0, "adaptive clipping: noise std on the unclipped count (0: sampled clients / 20)"
+    )
+    dp_gradient_clip_norm: float = key(
+        0.0, "decentnerf: C of the gradient query's G_k, its own (0: dp-clip-norm)"
+    )
 
     def __post_init__(self) -> None:
         self.dp_config()  # validates the dp-* keys
@@ -376,10 +392,20 @@ class DPSection:
                 delta=self.dp_delta,
                 target_epsilon=self.dp_target_epsilon,
                 max_noise_ratio=self.dp_max_noise_ratio,
+                adaptive=self.adaptive_clipping(),
+                gradient_clip_norm=self.dp_gradient_clip_norm,
             )
         except ValueError as error:
             raise ValueError(f"run-config {error}") from None
         return config if config.enabled else None
+
+    def adaptive_clipping(self) -> AdaptiveClipping | None:
+        """The adaptive-clipping settings when `dp-adaptive-clipping` is on, else None."""
+        if not self.dp_adaptive_clipping:
+            return None
+        return AdaptiveClipping(
+            self.dp_target_quantile, self.dp_clip_norm_lr, self.dp_clipped_count_stddev
+        )
 
 
 @dataclass(frozen=True)

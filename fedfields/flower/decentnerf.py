@@ -47,7 +47,6 @@ from fedfields.flower.strategy import (
     optional_cap,
 )
 from fedfields.flower.sum_replies import secure_failure
-from fedfields.privacy.dp import central_noise_std
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
@@ -213,9 +212,10 @@ class DecentNeRF(ProtocolStrategy):
 
     @property
     def dp_noise_std(self) -> float:
-        """Std z C of the DP noise on each summed entry, the alpha sum's included."""
-        assert self.dp is not None
-        return central_noise_std(self.dp.noise_multiplier, self.dp.clip_norm)
+        """Std z C of the DP noise on each entry of the latest payload sum, the alpha sum's
+        included (at the C it was clipped to)."""
+        assert self.privacy is not None
+        return self.privacy.payload_noise_std
 
     def check_update(self, reply: CheckedReply) -> None:
         """A payload's alpha_k in [alpha_max * 1e-6, alpha_max], then the update-norm bound on

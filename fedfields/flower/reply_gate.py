@@ -31,6 +31,7 @@ from fedfields.flower.protocol import (
     HELD_RECORDS,
     METRICS,
     NUM_EXAMPLES,
+    PROTOCOL_HELD_METRICS,
     TRAIN_STEPS,
     BadReply,
     Shapes,
@@ -172,7 +173,8 @@ class ReplyGate:
                 self.drop(train_round, reply, bad)
                 continue
             try:
-                check_metric_names(held.get(HELD_METRICS, []), where)
+                names = set(held.get(HELD_METRICS, [])) - PROTOCOL_HELD_METRICS
+                check_metric_names(names, where)
             except BadReply as bad:
                 self.drop(train_round, reply, bad)
                 continue

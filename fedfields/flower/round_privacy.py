@@ -14,6 +14,7 @@ noised sums ("dp-epsilon" after it); a plan beyond dp-target-epsilon is refused
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
@@ -24,12 +25,17 @@ from flwr.common.logger import log
 from fedfields.flower.protocol import (
     ARRAYS,
     DP_CLIP_NORM,
+    DP_COUNT_STDDEV,
+    DP_GRADIENT_CLIP_NORM,
     DP_NOISE_MULTIPLIER,
+    DP_UNCLIPPED,
     SECURE_DELTA_SCALE,
+    WEIGHT_KEY,
 )
 from fedfields.flower.round_ledger import TrainRound
 from fedfields.flower.round_loop import PrivacyBudgetSpent
-from fedfields.flower.sum_replies import CentralPrivacy, RoundSum
+from fedfields.flower.sum_replies import CentralPrivacy, DistributedPrivacy, RoundSum
+from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
 from fedfields.privacy.dp import (
     CLIP_NORM_KEY,
     EPSILON_METRIC,
@@ -52,6 +58,8 @@ DP_EPSILON = EPSILON_METRIC
 """Train metric: epsilon at dp-delta spent by the run so far (DP runs only)."""
 DP_ROUND_MULTIPLIER = "dp-round-noise-multiplier"
 """Train metric: the noise multiplier the accountant charged this round (DP runs only)."""
+DP_NEXT_CLIP_NORM = "dp-next-clip-norm"
+"""Train metric under adaptive clipping: the clip norm C the next round will use."""
 
 
 class RoundPrivacy:
@@ -79,6 +87,36 @@ class RoundPrivacy:
         self.noise: torch.Generator | None = None
         """The central DP noise's generator, secret-seeded at first use (`noise_generator`);
         tests may set a seeded one. Never seeded from run-config: the server could subtract."""
+        self.clip_norm = config.clip_norm
+        """C of the next sum: dp-clip-norm, moved after each round under adaptive clipping."""
+        self.count_std = 0.0
+        """Adaptive clipping's sigma_b, fixed at the first round (`start`)."""
+        self.payload_noise_std = 0.0
+        """Std of the noise on each entry of the latest payload sum (at least; more holders
+        add more), z C at the C it was clipped to."""
+
+    def start(self, num_sampled: int) -> None:
+        """Fix adaptive clipping's sigma_b from the first round's sample (unless set or
+        resumed); ValueError naming the keys when it is too small for z."""
+        adaptive = self.config.adaptive
+        if adaptive is None:
+            return
+        if self.count_std == 0:
+            self.count_std = adaptive.count_noise_std(num_sampled)
+        update_noise_multiplier(self.config.noise_multiplier, self.count_std)
+
+    @property
+    def update_multiplier(self) -> float:
+        """The multiplier of a payload sum's noise: z, or under adaptive clipping z_Delta, which
+        with the count's sigma_b composes to z (`update_noise_multiplier`)."""
+        if self.config.adaptive is None:
+            return self.config.noise_multiplier
+        return update_noise_multiplier(self.config.noise_multiplier, self.count_std)
+
+    @property
+    def gradient_clip_norm(self) -> float:
+        """C of DecentNeRF's gradient query: dp-gradient-clip-norm, else the payload's C."""
+        return self.config.gradient_clip_norm or self.clip_norm
 
     def check_settings(self, secure_weight: str, min_train_nodes: int) -> None:
         """Log the uniform weights DP needs instead of `secure_weight`; refuse a fixed SecAgg+
@@ -99,21 +137,39 @@ class RoundPrivacy:
                     "to 0 (the range then follows from C, z and the round's holders)"
                 )
 
-    def secure_range(self, train_round: TrainRound) -> float:
-        """The SecAgg+ range of a secure DP sum of `train_round`: a fixed secagg-clipping-range
-        as set, else C plus the noise tail for its t holders (`distributed_noise_range`)."""
+    def distributed(self, train_round: TrainRound, payload: bool) -> DistributedPrivacy:
+        """A secure DP sum of `train_round`: the records' SecAgg+ range (a fixed
+        secagg-clipping-range as set, else C plus the noise tail for its t holders,
+        `distributed_noise_range`), the metrics' (the weight, 1 a client, and under adaptive
+        clipping the noised bits) and the metrics asked for; `payload` False for DecentNeRF's
+        gradient query (no bits)."""
+        holders = train_round.min_holders
+        adaptive = payload and self.config.adaptive is not None
+        if payload:
+            self.payload_noise_std = central_noise_std(self.update_multiplier, self.clip_norm)
         secure = self.secure_aggregation
         if secure is not None and secure.clipping_range > 0:
-            return secure.clipping_range
-        z, clip_norm = self.config.noise_multiplier, self.config.clip_norm
-        return distributed_noise_range(z, clip_norm, train_round.min_holders)
+            record_range = secure.clipping_range
+        else:
+            clip_norm = max(self.clip_norm, self.gradient_clip_norm)
+            record_range = distributed_noise_range(self.update_multiplier, clip_norm, holders)
+        metric_range = 1.0
+        if adaptive:
+            metric_range += NOISE_TAIL * self.count_std / math.sqrt(holders)
+        keys = (WEIGHT_KEY, DP_UNCLIPPED) if adaptive else (WEIGHT_KEY,)
+        return DistributedPrivacy(record_range, metric_range, keys)
 
     def client_config(self) -> dict[str, float | str]:
-        """Train-config entries a secure client needs to clip and add its noise share."""
+        """Train-config entries a secure client needs to clip and add its noise share (and
+        under adaptive clipping its noised bit; DecentNeRF's own G_k clip norm when set)."""
         entries: dict[str, float | str] = {
-            DP_CLIP_NORM: self.config.clip_norm,
-            DP_NOISE_MULTIPLIER: self.config.noise_multiplier,
+            DP_CLIP_NORM: self.clip_norm,
+            DP_NOISE_MULTIPLIER: self.update_multiplier,
         }
+        if self.config.adaptive is not None:
+            entries[DP_COUNT_STDDEV] = self.count_std
+        if self.config.gradient_clip_norm:
+            entries[DP_GRADIENT_CLIP_NORM] = self.config.gradient_clip_norm
         if self.delta_scale:
             entries[SECURE_DELTA_SCALE] = self.delta_scale
         return entries
@@ -188,6 +244,8 @@ class RoundPrivacy:
         z sqrt(h / t) for its h holders); the DP train metrics (epsilon three ways,
         `DPAccountant.report`). A round that unmasked and released no sum is not charged."""
         metrics: dict[str, float] = {}
+        if self.config.adaptive is not None:
+            metrics[DP_NEXT_CLIP_NORM] = self.clip_norm
         multipliers = list(train_round.dp_multipliers)
         if self.secure_aggregation is not None:
             z, holders = self.config.noise_multiplier, train_round.min_holders
@@ -205,12 +263,18 @@ class RoundPrivacy:
 
     # The sums.
 
-    def central(self) -> CentralPrivacy:
-        """The plaintext sum's clip and noise (std z C on the sum)."""
+    def central(self, payload: bool = True) -> CentralPrivacy:
+        """The plaintext sum's clip and noise: std z C on the sum (z_Delta C under adaptive
+        clipping); DecentNeRF's gradient query (`payload` False) at its own clip norm."""
         if self.noise is None:
             self.noise = noise_generator()
-        std = central_noise_std(self.config.noise_multiplier, self.config.clip_norm)
-        return CentralPrivacy(self.config.clip_norm, std, self.noise, self.delta_scale)
+        if not payload:
+            clip_norm = self.gradient_clip_norm
+            std = central_noise_std(self.config.noise_multiplier, clip_norm)
+            return CentralPrivacy(clip_norm, std, self.noise)
+        std = central_noise_std(self.update_multiplier, self.clip_norm)
+        self.payload_noise_std = std
+        return CentralPrivacy(self.clip_norm, std, self.noise, self.delta_scale)
 
     def released(
         self,
@@ -225,6 +289,8 @@ class RoundPrivacy:
         noised alpha sum) or the number summed."""
         if self.secure_aggregation is None:
             train_round.dp_multipliers.append(self.config.noise_multiplier)
+        if self.config.adaptive is not None and ARRAYS in summed.sums:
+            self.adapt(summed)
         for name in deltas:
             if name in secure_delta:
                 continue
@@ -236,11 +302,29 @@ class RoundPrivacy:
                 total[key] = total[key] + scale * value.double()
         return summed
 
+    def adapt(self, summed: RoundSum) -> None:
+        """Move C by the geometric update from the noised count of unclipped updates (the
+        secure sum of the clients' noised bits, or the exact count plus N(0, sigma_b^2))."""
+        adaptive = self.config.adaptive
+        assert adaptive is not None and summed.unclipped is not None
+        noised = summed.unclipped
+        if self.secure_aggregation is None:
+            assert self.noise is not None
+            noised += float(torch.randn((), generator=self.noise, dtype=torch.float64)) * (
+                self.count_std
+            )
+        self.clip_norm = next_clip_norm(self.clip_norm, noised, len(summed.node_ids), adaptive)
+
     # Resume.
 
     def resumable_state(self) -> dict[str, Any]:
-        """The accountant's charges, so a resumed run continues its epsilon."""
-        return {"dp-accountant": self.accountant.state_dict()}
+        """The accountant's charges, so a resumed run continues its epsilon, and the clip norm
+        and sigma_b adaptive clipping reached."""
+        return {
+            "dp-accountant": self.accountant.state_dict(),
+            "dp-clip-norm": self.clip_norm,
+            "dp-count-stddev": self.count_std,
+        }
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Take back what `resumable_state` returned; ValueError without it (epsilon would
@@ -248,3 +332,5 @@ class RoundPrivacy:
         if "dp-accountant" not in state:
             raise ValueError("the checkpoint holds no DP accountant: epsilon would restart")
         self.accountant = DPAccountant.from_state_dict(state["dp-accountant"])
+        self.clip_norm = float(state.get("dp-clip-norm", self.config.clip_norm))
+        self.count_std = float(state.get("dp-count-stddev", 0.0))

@@ -29,6 +29,7 @@ a loss, a norm or a shape of the client's data, is logged on the node only. A
 
 from __future__ import annotations
 
+import math
 from logging import ERROR
 
 import torch
@@ -52,8 +53,11 @@ from torch import Tensor
 from fedfields.flower.protocol import (
     CONFIG,
     DP_CLIP_NORM,
+    DP_COUNT_STDDEV,
+    DP_GRADIENT_CLIP_NORM,
     DP_MIN_HOLDERS,
     DP_NOISE_MULTIPLIER,
+    DP_UNCLIPPED,
     GRADIENT_QUERY,
     HELD,
     HELD_METRICS,
@@ -72,6 +76,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.privacy.adaptive_clipping import combined_noise_multiplier
 from fedfields.privacy.dp import (
     clip_records,
     distributed_noise_std,
@@ -117,13 +122,21 @@ def check_noise_floor(msg: Message, context: Context) -> None:
     if RECORD_KEY_CONFIGS in msg.content.config_records:  # a SecAgg+ stage of a checked one
         return
     secure = bool(config.get(SECURE_AGGREGATION, False))
-    z = float(config.get(DP_NOISE_MULTIPLIER, 0.0)) if secure else 0.0
+    z = requested_multiplier(config) if secure else 0.0
     if z < floor:
         raise ValueError(
             f"node-config {NOISE_FLOOR_KEY} = {floor:g}: this node adds its noise share only "
             f"under secure aggregation with dp-noise-multiplier >= {floor:g}; the server asked "
             f"for {'z = ' + format(z, 'g') if secure else 'a plaintext reply'}"
         )
+
+
+def requested_multiplier(config: ConfigRecord) -> float:
+    """The z a DP train config asks for: "dp-noise-multiplier", or under adaptive clipping
+    what it composes to with the count's "dp-clipped-count-stddev" (`combined_noise_multiplier`).
+    """
+    z = float(config.get(DP_NOISE_MULTIPLIER, 0.0))
+    return combined_noise_multiplier(z, float(config.get(DP_COUNT_STDDEV, 0.0)))
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -204,8 +217,10 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
         if name in delta_records:
             state = scaled_difference(state, arrays_to_state(msg.content[name]), scale_key)
         held[name] = {key: value.double() * weight for key, value in state.items()}
+    bit = None
     if DP_CLIP_NORM in config and held:
-        held = private_records(held, config)
+        query = msg.metadata.message_type == GRADIENT_QUERY
+        held, bit = private_records(held, config, gradient_query=query)
         calibrated = {DP_MIN_HOLDERS: int(config[DP_MIN_HOLDERS])}
         context.state[CALIBRATED_STATE] = ConfigRecord(calibrated)
     records = []
@@ -218,6 +233,8 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
         if not isinstance(value, list)
     }
     scalars[WEIGHT_KEY] = torch.tensor([weight], dtype=torch.float64)
+    if bit is not None:
+        scalars[DP_UNCLIPPED] = torch.tensor([bit], dtype=torch.float64)
     context.state[HELD_PREFIX + METRICS] = state_to_arrays(scalars)
     return ConfigRecord({HELD_RECORDS: records, HELD_METRICS: sorted(scalars)})
 
@@ -226,17 +243,32 @@ def private_records(
     records: dict[str, dict[str, Tensor]],
     config: ConfigRecord,
     generator: torch.Generator | None = None,
-) -> dict[str, dict[str, Tensor]]:
+    *,
+    gradient_query: bool = False,
+) -> tuple[dict[str, dict[str, Tensor]], float | None]:
     """The records clipped to "dp-clip-norm" jointly plus this client's share of the noise,
-    N(0, z^2 C^2 / t) per entry (`distributed_noise_std`, t = "dp-min-holders"); the generator
-    is secret-seeded unless a test passes one."""
-    clip_norm = float(config[DP_CLIP_NORM])
+    N(0, z^2 C^2 / t) per entry (`distributed_noise_std`, t = "dp-min-holders"); under adaptive
+    clipping ("dp-clipped-count-stddev" sigma_b) also the bit 1[norm <= C] plus
+    N(0, sigma_b^2 / t), else None. A DecentNeRF `gradient_query` is clipped to
+    "dp-gradient-clip-norm" (when sent) with the z the pair composes to, and has no bit. The
+    generator is secret-seeded unless a test passes one."""
     holders = int(config[DP_MIN_HOLDERS])
     if holders < 2:
         raise ValueFreeError(f"{DP_MIN_HOLDERS} must be >= 2, got {holders}")
-    std = distributed_noise_std(float(config[DP_NOISE_MULTIPLIER]), clip_norm, holders)
-    clipped = clip_records(records, clip_norm)[0]
-    return noised_records(clipped, std, noise_generator() if generator is None else generator)
+    clip_norm = float(config[DP_CLIP_NORM])
+    z = float(config[DP_NOISE_MULTIPLIER])
+    count_std = float(config.get(DP_COUNT_STDDEV, 0.0))
+    if gradient_query:
+        clip_norm = float(config.get(DP_GRADIENT_CLIP_NORM, clip_norm))
+        z, count_std = requested_multiplier(config), 0.0
+    generator = noise_generator() if generator is None else generator
+    clipped, norm = clip_records(records, clip_norm)
+    noised = noised_records(clipped, distributed_noise_std(z, clip_norm, holders), generator)
+    if not count_std:
+        return noised, None
+    share = count_std / math.sqrt(holders)
+    noise = float(torch.randn((), generator=generator, dtype=torch.float64))
+    return noised, float(norm <= clip_norm) + share * noise
 
 
 def _clear_held(context: Context) -> None:

@@ -128,12 +128,12 @@ class SecureSum:
         layout: Sequence[LayoutEntry],
         server_round: int,
         min_holders: int | None = None,
-        dp_range: float | None = None,
+        dp_range: tuple[float, float] | None = None,
     ) -> SecureSumResult:
         """Secure sum of `layout`'s tensors over `node_ids`, unmasked from at least
         `min_holders` clients' vectors (default: the threshold of `node_ids`);
-        SecureAggregationError if halted or refused. With `dp_range` every record but METRICS
-        (the weights, 1 a client under DP) is scaled by it.
+        SecureAggregationError if halted or refused. With `dp_range` (records, metrics) every
+        record is scaled by the first, METRICS (the weights and noised bits) by the second.
         """
         node_ids = list(node_ids)
         if min_holders is None:
@@ -147,7 +147,8 @@ class SecureSum:
         bytes_up = 0
         common = {SECURE_SUM_LAYOUT: encode_layout(layout)}
         if dp_range is not None:
-            scales = [1.0 if record == METRICS else dp_range for record, _, _ in layout]
+            record_range, metric_range = dp_range
+            scales = [metric_range if r == METRICS else record_range for r, _, _ in layout]
             clipping = 1.0
         elif self.config.clipping_range > 0:
             scales, clipping = [1.0] * len(layout), self.config.clipping_range

@@ -347,6 +347,7 @@ class ProtocolStrategy(FlowerFedAvg):
         if node_ids and self.privacy is not None:
             if self.rounds_started == 0:  # before anything is sent: the pre-flight check
                 num_params = sum(math.prod(array.shape) for array in arrays.values())
+                self.privacy.start(len(node_ids))
                 self.privacy.check_noise(len(node_ids), num_params)
             self.privacy.check_budget(server_round, len(node_ids), len(connected))
         self.rounds_started += 1
@@ -593,6 +594,7 @@ class ProtocolStrategy(FlowerFedAvg):
         train_round = self.active_round
         train_round.summed_nodes = []
         deltas = tuple(name for name in self.dp_deltas if name in records)
+        payload = ARRAYS in records  # not DecentNeRF's gradient query
         if self.secure_aggregation is None:
             summed = plain_sum(
                 self.gate,
@@ -602,15 +604,17 @@ class ProtocolStrategy(FlowerFedAvg):
                 self.check_update,
                 weighted=bool(self.secure_weight) and self.privacy is None,
                 deltas=deltas,
-                privacy=None if self.privacy is None else self.privacy.central(),
+                privacy=None if self.privacy is None else self.privacy.central(payload),
             )
         else:
             held = list(self.gate.successful(train_round, replies))  # metrics: payloads held
             if not held:
                 return None
-            dp_range = None if self.privacy is None else self.privacy.secure_range(train_round)
+            privacy = None
+            if self.privacy is not None:
+                privacy = self.privacy.distributed(train_round, payload)
             summed = secure_sum(
-                self.gate, train_round, self.secure_aggregation, held, records, dp_range
+                self.gate, train_round, self.secure_aggregation, held, records, privacy
             )
         if summed is not None:
             train_round.summed_nodes = list(summed.node_ids)

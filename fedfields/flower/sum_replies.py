@@ -28,7 +28,15 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from fedfields.aggregate.states import RunningSum
-from fedfields.flower.protocol import ARRAYS, HELD, HELD_METRICS, METRICS, WEIGHT_KEY, Shapes
+from fedfields.flower.protocol import (
+    ARRAYS,
+    DP_UNCLIPPED,
+    HELD,
+    HELD_METRICS,
+    METRICS,
+    WEIGHT_KEY,
+    Shapes,
+)
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
 from fedfields.flower.round_ledger import TrainRound
 from fedfields.flower.secure_sum import SecureSum
@@ -52,6 +60,9 @@ class RoundSum:
     """Each summed reply's weight (plaintext); None under secure aggregation."""
     resolution: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per record and key, the secure sum's error bound (a sum within it may be 0); {} plain."""
+    unclipped: float | None = None
+    """Under DP, how many summed updates were within the clip norm: exact (central, noised by
+    the caller) or the secure sum of the clients' noised bits (adaptive clipping only)."""
 
     def mean(self, record: str) -> dict[str, Tensor]:
         """sum_k w_k x_k / sum_k w_k of `record` (FedAvg's weighted mean), float64."""
@@ -68,6 +79,17 @@ class CentralPrivacy:
     noise_std: float
     generator: torch.Generator
     delta_scale: str = ""
+
+
+@dataclass(frozen=True)
+class DistributedPrivacy:
+    """Distributed DP of one secure sum: the SecAgg+ ranges of the noised records and of the
+    metrics (`SecureSum`'s dp_range), and the metrics the server asks for (the weight, and
+    under adaptive clipping the noised unclipped bits)."""
+
+    record_range: float
+    metric_range: float
+    metric_keys: tuple[str, ...]
 
 
 def plain_sum(
@@ -92,10 +114,12 @@ def plain_sum(
         raise ValueError("a DP sum weighs every reply 1: its sensitivity is the clip norm")
     totals = {name: RunningSum() for name in records}
     node_ids, metrics, weights = [], [], []
+    unclipped = 0
     for reply in gate.checked(train_round, replies, records, check_update, weighted=weighted):
         states: Mapping[str, Mapping[str, Tensor]] = reply.states
         if privacy is not None:
-            states = clipped_update(reply, train_round, deltas, privacy)
+            states, norm = clipped_update(reply, train_round, deltas, privacy)
+            unclipped += norm <= privacy.clip_norm
         for name, total in totals.items():
             total.add(states[name], reply.weight, checked=True)
         node_ids.append(reply.node_id)
@@ -107,7 +131,7 @@ def plain_sum(
     sums = {name: total.accumulated() for name, total in totals.items()}
     if privacy is not None:
         sums = noised_records(sums, privacy.noise_std, privacy.generator)
-        return RoundSum(sums, weight, node_ids, metrics, weights)
+        return RoundSum(sums, weight, node_ids, metrics, weights, unclipped=unclipped)
     for name in deltas:
         sums[name] = {
             key: value - weight * train_round.reference[key].double()
@@ -118,16 +142,16 @@ def plain_sum(
 
 def clipped_update(
     reply: CheckedReply, train_round: TrainRound, deltas: Sequence[str], privacy: CentralPrivacy
-) -> dict[str, dict[str, Tensor]]:
+) -> tuple[dict[str, dict[str, Tensor]], float]:
     """The reply's update, float64: `deltas` records as x - s g (g the arrays sent), the others
-    as they are, clipped to the clip norm over all records jointly."""
+    as they are, clipped to the clip norm over all records jointly; and its norm before."""
     update = {
         name: scaled_difference(state, train_round.reference, privacy.delta_scale)
         if name in deltas
         else {key: value.double() for key, value in state.items()}
         for name, state in reply.states.items()
     }
-    return clip_records(update, privacy.clip_norm)[0]
+    return clip_records(update, privacy.clip_norm)
 
 
 def secure_sum(
@@ -136,13 +160,13 @@ def secure_sum(
     config: SecureAggregationConfig,
     replies: Sequence[Message],
     records: Mapping[str, Shapes],
-    dp_range: float | None = None,
+    privacy: DistributedPrivacy | None = None,
 ) -> RoundSum | None:
     """SecAgg+'s sum of the `records` the replying clients hold (weighted on the clients),
     with the weight and their held metrics' weighted means (the round's secure metrics),
     unmasked from at least the round's `min_holders` clients. Under distributed DP
-    (`dp_range`, `SecureSum`) only the weight is summed beside the noised records: the
-    clients' other metrics carry no noise and stay on the nodes.
+    (`privacy`) only its metric keys are summed beside the noised records: the clients' other
+    metrics carry no noise and stay on the nodes.
 
     A reply that does not hold every record is dropped ("held"). A halted SecAgg+ run, a
     summed weight not above the sum's resolution or a non-finite sum is a secure-sum failure:
@@ -152,10 +176,11 @@ def secure_sum(
     holding = gate.holding(train_round, replies, records)
     if not holding:
         return None
-    metric_keys = [WEIGHT_KEY] if dp_range is not None else held_metric_keys(holding)
+    metric_keys = held_metric_keys(holding) if privacy is None else list(privacy.metric_keys)
     layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
     node_ids = [reply.metadata.src_node_id for reply in holding]
     secure = SecureSum(config)
+    dp_range = None if privacy is None else (privacy.record_range, privacy.metric_range)
     try:
         result = secure(train_round.grid, node_ids, layout, train_round.server_round,
                         train_round.min_holders, dp_range)  # fmt: skip
@@ -165,6 +190,7 @@ def secure_sum(
     train_round.bytes_up += result.bytes_up
     held_metrics = result.sums.pop(METRICS)
     weight = float(held_metrics.pop(WEIGHT_KEY))
+    unclipped = held_metrics.pop(DP_UNCLIPPED, None)
     if not (math.isfinite(weight) and weight > result.resolution[METRICS][WEIGHT_KEY]):
         return secure_failure(
             train_round, "the summed weight is not positive (not above the secure sum's resolution)"
@@ -178,7 +204,10 @@ def secure_sum(
     train_round.secure_metrics = metric_means
     summed = set(result.node_ids)
     metrics = [reply_metrics(r) for r in holding if r.metadata.src_node_id in summed]
-    return RoundSum(result.sums, weight, list(result.node_ids), metrics, None, result.resolution)
+    return RoundSum(
+        result.sums, weight, list(result.node_ids), metrics, None, result.resolution,
+        None if unclipped is None else float(unclipped),
+    )  # fmt: skip
 
 
 def secure_failure(train_round: TrainRound, reason: str) -> None:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedfields.privacy.adaptive_clipping import AdaptiveClipping
+
 State = Mapping[str, Tensor]
 
 NOISE_MULTIPLIER_KEY = "dp-noise-multiplier"
@@ -45,6 +47,7 @@ CLIP_NORM_KEY = "dp-clip-norm"
 DELTA_KEY = "dp-delta"
 TARGET_EPSILON_KEY = "dp-target-epsilon"
 MAX_NOISE_RATIO_KEY = "dp-max-noise-ratio"
+GRADIENT_CLIP_NORM_KEY = "dp-gradient-clip-norm"
 DEFAULT_MAX_NOISE_RATIO = 10.0
 """z sqrt(d) / n above which a DP run is refused: the noise on the mean update is then ten
 times the largest update a client may send, and rounds move the model by noise."""
@@ -74,9 +77,11 @@ class NonFiniteUpdateError(ValueError):
 class DPConfig:
     """Client-level DP settings, validated; each error names its run-config key.
 
-    noise_multiplier z (0: DP off), clip_norm C (> 0 when z > 0), delta of the reported
-    (epsilon, delta) in (0, 1), target_epsilon (0: no target) the run must not exceed,
-    max_noise_ratio (0: no limit) the pre-flight bound on z sqrt(d) / n (`noise_ratio`).
+    noise_multiplier z (0: DP off), clip_norm C (> 0 when z > 0; the first C under
+    `adaptive` clipping), delta of the reported (epsilon, delta) in (0, 1), target_epsilon (0:
+    no target) the run must not exceed, max_noise_ratio (0: no limit) the pre-flight bound on
+    z sqrt(d) / n (`noise_ratio`), `adaptive` clipping (`fedfields.privacy.adaptive_clipping`;
+    None: C fixed), gradient_clip_norm (DecentNeRF's gradient query G_k, fixed; 0: C).
     """
 
     noise_multiplier: float = 0.0
@@ -84,6 +89,8 @@ class DPConfig:
     delta: float = 1e-5
     target_epsilon: float = 0.0
     max_noise_ratio: float = DEFAULT_MAX_NOISE_RATIO
+    adaptive: AdaptiveClipping | None = None
+    gradient_clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.noise_multiplier, NOISE_MULTIPLIER_KEY, _finite_at_least(0.0), ">= 0")
@@ -91,6 +98,7 @@ class DPConfig:
         _require(self.delta, DELTA_KEY, lambda v: 0.0 < v < 1.0, "in (0, 1)")
         _require(self.target_epsilon, TARGET_EPSILON_KEY, _finite_at_least(0.0), ">= 0")
         _require(self.max_noise_ratio, MAX_NOISE_RATIO_KEY, _finite_at_least(0.0), ">= 0")
+        _require(self.gradient_clip_norm, GRADIENT_CLIP_NORM_KEY, _finite_at_least(0.0), ">= 0")
         if self.enabled and self.clip_norm == 0:
             raise ValueError(
                 f"'{CLIP_NORM_KEY}' must be > 0 when '{NOISE_MULTIPLIER_KEY}' = "
