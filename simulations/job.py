@@ -219,6 +219,8 @@ def run_rounds(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
     run_dir, checkpoint = open_run_dir(config)
     torch.manual_seed(config.common.seed)
     initial = job.initial_state()
+    if checkpoint is not None:  # the whole checkpoint, before any file is touched
+        checkpoint.check(initial, strategy)
     observers = job.observers(run_dir)
     report = job.report(run_dir, observers, initial)
     arrays = state_to_arrays(initial)

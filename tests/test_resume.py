@@ -267,3 +267,84 @@ def test_a_damaged_metrics_line_before_the_last_is_refused_naming_it(
     with pytest.raises(ResumeError, match=rf"{path} line 2 is damaged \({reason}"):
         resumed_history(tmp_path, last_round=3)
     assert path.read_text() == damaged  # left as found, for the user to look at
+
+
+def valid_payload() -> dict:
+    """What `save_round_checkpoint` writes for a 2-entry model after round 1."""
+    import random as stdlib_random
+
+    return {
+        "format": 1, "server-round": 1, "state": {"w": torch.ones(3), "b": torch.zeros(1)},
+        "strategy": {"rounds-started": 1}, "sampling-rng": stdlib_random.Random(0).getstate(),
+        "torch-rng": torch.get_rng_state(), "extra": {},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda p: p.pop("state"), r"lacks \['state'\]"),
+        (lambda p: p.update({"format": 9}), "has format 9"),
+        (lambda p: p.update({"server-round": 0}), "server-round 0, not a round >= 1"),
+        (lambda p: p.update({"server-round": "2"}), "server-round '2'"),
+        (lambda p: p["state"].update({"w": torch.tensor([1.0, float("nan"), 0.0])}), "NaN"),
+        (lambda p: p["state"].update({"w": [1.0, 2.0]}), "'w' that is not a named tensor"),
+        (lambda p: p.update({"state": {}}), "has no model state"),
+        (lambda p: p.update({"strategy": [1]}), "'strategy' of type list"),
+        (lambda p: p.update({"sampling-rng": (3, (1, 2), None)}), "damaged sampling-rng"),
+        (lambda p: p.update({"torch-rng": torch.zeros(3)}), "torch-rng that is not"),
+        (lambda p: p.update({"torch-rng": torch.zeros(3, dtype=torch.uint8)}), "damaged torch-rng"),
+    ],
+)
+def test_a_malformed_checkpoint_is_one_resume_error_naming_the_file(
+    tmp_path: Path, change, reason: str
+) -> None:
+    """Each damage a hostile or buggy writer could leave in resume.pt: a ResumeError naming the
+    file and what is wrong, never a KeyError or a torch error from deeper down."""
+    payload = valid_payload()
+    change(payload)
+    path = tmp_path / RESUME_FILE
+    torch.save(payload, path)
+    with pytest.raises(ResumeError, match=reason) as error:
+        load_round_checkpoint(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_checkpoint_of_another_model_fails_before_any_file_is_touched(tmp_path: Path) -> None:
+    """A resume.pt whose model has other shapes (or whose strategy state does not fit): the
+    meta job stops with a ResumeError naming resume.pt, and no file of the run directory was
+    written, metrics.jsonl included."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = FederatedConfig.from_run_config(tiny_meta(run_dir))
+    atomic_json = json.dumps(config.to_run_config())
+    (run_dir / "config.json").write_text(atomic_json)
+    (run_dir / "metrics.jsonl").write_text(WHOLE)
+    payload = valid_payload()
+    torch.save(payload, run_dir / RESUME_FILE)
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+    resume = FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+    with pytest.raises(ResumeError, match="resume.pt: its model has other keys"):
+        run_meta_job(InProcessGrid([]), resume)
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == before
+
+
+def test_a_strategy_state_that_does_not_fit_is_a_resume_error(tmp_path: Path) -> None:
+    """The same model but a strategy state without its keys (or a DP run's without its
+    accountant): ResumeError naming the file and the strategy."""
+    from fedfields.flower import FedAvg
+    from fedfields.flower.resume import parse_checkpoint
+    from fedfields.privacy.dp import DPConfig
+
+    payload = valid_payload()
+    payload["strategy"] = {}
+    checkpoint = parse_checkpoint(payload, "run/resume.pt")
+    with pytest.raises(ResumeError, match="run/resume.pt: its strategy state does not fit FedAvg"):
+        checkpoint.check(payload["state"], FedAvg())
+    payload["strategy"] = {"rounds-started": 1}
+    checkpoint = parse_checkpoint(payload, "run/resume.pt")
+    checkpoint.check(payload["state"], FedAvg())
+    with pytest.raises(ResumeError, match="no DP accountant"):
+        checkpoint.check(payload["state"], FedAvg(differential_privacy=DPConfig(1.0, 1.0)))
+    with pytest.raises(ResumeError, match=r"'w' is torch.float32 \(3,\), the run's model has"):
+        checkpoint.check({"w": torch.ones(4), "b": torch.zeros(1)}, FedAvg())
