@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from logging import INFO
@@ -69,11 +69,14 @@ class RunReport:
         self.tracker = RunTracker(self.run_dir, config.to_run_config(), settings, resumed_after)
         return self.tracker
 
-    def observe(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """What the observers measured of round `server_round`'s global `arrays`."""
+    def observe(
+        self, server_round: int, arrays: ArrayRecord, accepted: Collection[int] = ()
+    ) -> dict[str, Any]:
+        """What the observers measured of round `server_round`'s global `arrays` and of the
+        replies of the `accepted` nodes (the gate's; nothing else reaches an observer)."""
         observed: dict[str, Any] = {}
         for observer in self.observers:
-            observed |= observer.observe_round(server_round, arrays)
+            observed |= observer.observe_round(server_round, arrays, accepted)
         return observed
 
     def append_line(self, line: dict[str, Any]) -> None:
@@ -152,7 +155,9 @@ class StrategyReport(RunReport):
             return metric_record(self.score_initial(arrays))
         metrics = {"round": server_round, **self.score_round(server_round, arrays)}
         metrics |= round_users(self.strategy)
-        metrics |= self.observe(server_round, arrays)
+        latest = self.strategy.current_round
+        accepted = latest.summed_nodes if latest and latest.server_round == server_round else []
+        metrics |= self.observe(server_round, arrays, accepted)
         metrics |= self.derived(metrics)
         metrics["seconds"] = time.perf_counter() - self.started
         self.append_line(metrics)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from fedfields.train.builders import (
 )
 from fedfields.train.meta import privacy_metrics, rescaled_privacy_psnr
 from fedfields.train.meta_tasks import MetaTask
-from simulations.observers import Observer, ReplyTap, plaintext_uploads
+from simulations.observers import Observer, ReplyTap, plaintext_uploads, train_replies
 
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
@@ -103,6 +103,7 @@ class PrivacyAudit:
             self.model = meta_model(config, settings).to(server_device(config))
         self.steps = tto_schedule(settings.tto_steps)
         self.uploads: list[Upload] = []
+        self.replies: list[Message] = []
         self.last_uploads: list[Upload] = []
         self.latest: dict[int, dict[str, Tensor]] = {}  # each client's last upload (App. C)
         self.shadow_renders: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
@@ -112,13 +113,18 @@ class PrivacyAudit:
         return ReplyTap(grid, self.record)
 
     def record(self, replies: list[Message]) -> None:
-        """Keep the uploads (and their clients) of the successful train replies."""
-        for client, arrays in plaintext_uploads(replies):
-            self.uploads.append(Upload(client, arrays_to_state(arrays)))
-            self.latest[client] = self.uploads[-1].state
+        """Keep the successful train replies until the round's gate has judged them."""
+        self.replies += train_replies(replies)
 
-    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """Mean privacy metrics of the round's uploads and the clients they came from."""
+    def observe_round(
+        self, server_round: int, arrays: ArrayRecord, accepted: Collection[int] = ()
+    ) -> dict[str, Any]:
+        """Mean privacy metrics of the round's uploads from `accepted` nodes and the clients
+        they came from."""
+        replies, self.replies = self.replies, []
+        for client, upload in plaintext_uploads(replies, accepted, self.settings.num_clients):
+            self.uploads.append(Upload(client, arrays_to_state(upload)))
+            self.latest[client] = self.uploads[-1].state
         uploads, self.uploads = sorted(self.uploads, key=lambda u: u.client), []
         if not uploads:
             return {}

@@ -14,7 +14,7 @@ it returns is merged into that round's line of metrics.jsonl and into summary.js
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, Protocol
 
 from flwr.app import ArrayRecord, Message, MessageType
@@ -31,8 +31,12 @@ class Observer(Protocol):
         """The grid the job should use (`grid` itself, or a `ReplyTap` around it)."""
         ...
 
-    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """Metrics of round `server_round`'s global `arrays` (merged into metrics.jsonl)."""
+    def observe_round(
+        self, server_round: int, arrays: ArrayRecord, accepted: Collection[int] = ()
+    ) -> dict[str, Any]:
+        """Metrics of round `server_round`'s global `arrays` (merged into metrics.jsonl);
+        `accepted` are the nodes whose replies the strategy's gate let into the round: only
+        their replies may reach the audit."""
         ...
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -40,14 +44,28 @@ class Observer(Protocol):
         ...
 
 
-def plaintext_uploads(replies: Iterable[Message]) -> Iterator[tuple[int, ArrayRecord]]:
-    """(client index, arrays) of each successful train reply whose upload the server can read:
-    one naming its client in the CLIENT record (under secure aggregation none does)."""
+def train_replies(replies: Iterable[Message]) -> list[Message]:
+    """The successful train replies, kept as they came until the gate has judged them."""
+    return [
+        r for r in replies if r.metadata.message_type == MessageType.TRAIN and not r.has_error()
+    ]
+
+
+def plaintext_uploads(
+    replies: Iterable[Message], accepted: Collection[int], num_clients: int
+) -> Iterator[tuple[int, ArrayRecord]]:
+    """(client index, arrays) of each reply from an `accepted` node (the strategy's gate let it
+    into the round) whose upload the server can read: one naming its client, an index in
+    [0, `num_clients`), in the CLIENT record (under secure aggregation none does)."""
+    accepted = set(accepted)
     for reply in replies:
-        if reply.metadata.message_type != MessageType.TRAIN or reply.has_error():
+        if reply.metadata.src_node_id not in accepted:
             continue
-        if CLIENT in reply.content and ARRAYS in reply.content:
-            yield int(reply.content[CLIENT][CLIENT_INDEX]), reply.content[ARRAYS]
+        if CLIENT not in reply.content or ARRAYS not in reply.content:
+            continue
+        index = reply.content[CLIENT].get(CLIENT_INDEX)
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < num_clients:
+            yield index, reply.content[ARRAYS]
 
 
 class ReplyTap(ForwardingGrid):

@@ -20,6 +20,7 @@ must hold nothing per client, it goes to `<run-dir>.audit/` beside the run direc
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from fedfields.flower.protocol import arrays_to_state
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer
-from simulations.observers import ReplyTap, plaintext_uploads
+from simulations.observers import ReplyTap, plaintext_uploads, train_replies
 
 
 def audit_dir(run_dir: Path) -> Path:
@@ -60,26 +61,34 @@ class CrowdObserver:
         self.per_user_dir = audit_dir(run_dir) if config.secure.secure_aggregation else run_dir
         self.data = data
         self.renderer = FieldRenderer(config)
-        self.uploads: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.replies: list[Message] = []
 
     def wrap_grid(self, grid: Grid) -> Grid:
         """A `ReplyTap` keeping each plaintext upload of a user's global field."""
         return ReplyTap(grid, self.record)
 
     def record(self, replies: list[Message]) -> None:
-        """Keep (user, g_k) of successful train replies whose arrays the server can read."""
-        for user, arrays in plaintext_uploads(replies):  # secure aggregation: none
+        """Keep the successful train replies until the round's gate has judged them."""
+        self.replies += train_replies(replies)
+
+    def uploads(self, accepted: Collection[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """(user, g_k) of the accepted replies whose arrays the server can read."""
+        uploads = []
+        for user, arrays in plaintext_uploads(self.replies, accepted, len(self.data.users)):
             state = arrays_to_state(arrays)
             alpha = state.pop(ALPHA_KEY, None)
             if alpha is not None:  # DecentNeRF in plaintext: alpha_k g_k and alpha_k
                 state = {key: value / float(alpha.reshape(())) for key, value in state.items()}
-            self.uploads.append((user, state))
+            uploads.append((user, state))
+        return uploads
 
-    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+    def observe_round(
+        self, server_round: int, arrays: ArrayRecord, accepted: Collection[int] = ()
+    ) -> dict[str, Any]:
         """Score a spread of users' first views (and held-out views) of this round's field,
-        and each readable upload inside its user's masks."""
+        and each readable upload of an `accepted` node inside its user's masks."""
         metrics: dict[str, Any] = {}
-        uploads, self.uploads = self.uploads, []
+        uploads, self.replies = self.uploads(accepted), []
         if uploads:
             leaks = []
             for user, state in uploads:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -348,7 +348,9 @@ class SplitAudit:
                     continue
                 self.samples = RaySamples(rays["origins"], rays["directions"], rays["edges"])
 
-    def observe_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+    def observe_round(
+        self, server_round: int, arrays: ArrayRecord, accepted: Collection[int] = ()
+    ) -> dict[str, Any]:
         """Nothing per block: the attack runs once, on the whole record."""
         return {}
 

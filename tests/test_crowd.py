@@ -40,7 +40,7 @@ def lego_black():
 
 @pytest.fixture(scope="module")
 def crowd(lego_black) -> Crowd:
-    config = CrowdConfig(users=16, views_per_user=5, layout="front", seed=3)
+    config = CrowdConfig(users=16, views_per_user=5, layout="front", seed=3, hull_resolution=HULL)
     return build_crowd(lego_black, config, progress=False)
 
 

@@ -309,6 +309,38 @@ def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None
     assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
 
 
+@pytest.mark.parametrize("hostile", ["shape", "non-finite", "client-index"])
+def test_a_reply_the_gate_drops_never_reaches_the_privacy_audit(
+    tmp_path: Path, hostile: str
+) -> None:
+    """Node 0 replies with an upload the audit could not render (another shape, NaN) or that
+    names a client that does not exist: the gate drops the first two, and the audit (a
+    simulation observer tapping every reply) scores only the replies the gate let in, so the
+    round goes on and its "clients" and PSNR_p are the honest three's."""
+    config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "clients-per-round": 4})
+    honest = client_app(config)
+
+    def poisoned(message: Message, context: Context) -> Message:
+        reply = honest(message, context)
+        if message.metadata.message_type != MessageType.TRAIN or ARRAYS not in reply.content:
+            return reply
+        state = arrays_to_state(reply.content[ARRAYS])
+        if hostile == "shape":
+            state = {key: value[..., :1] for key, value in state.items()}
+        elif hostile == "non-finite":
+            state = {key: torch.full_like(value, float("nan")) for key, value in state.items()}
+        else:
+            reply.content[CLIENT][CLIENT_INDEX] = 999
+        reply.content[ARRAYS] = state_to_arrays(state)
+        return reply
+
+    grid = InProcessGrid([poisoned] + [honest] * 3)
+    run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
+    (line,) = metric_lines(run_dir)
+    assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
+    assert line[NUM_REPLIES] == (4 if hostile == "client-index" else 3)
+
+
 def test_deployed_faces_server_runs_from_run_config_alone(tmp_path: Path) -> None:
     config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "simulation-audit": False})
     deployed = FederatedConfig.from_run_config(config)

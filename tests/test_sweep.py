@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -444,9 +443,7 @@ def test_a_stopped_sweep_terminates_its_running_launchers() -> None:
     assert sweep.wait_or_stop(quick, stop) == 3
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stop.set()
-    started = time.perf_counter()
-    assert sweep.wait_or_stop(sleeper, stop) == -signal.SIGTERM
-    assert time.perf_counter() - started < 10
+    assert sweep.wait_or_stop(sleeper, stop) == -signal.SIGTERM  # killed, not run out
 
 
 def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path) -> None:
@@ -483,8 +480,6 @@ def test_a_tiny_sweep_through_the_launcher(crowd_dir: Path, tmp_path: Path) -> N
     assert float(rows["clean-psnr"]["mean"]) == pytest.approx(np.mean(clean), rel=1e-14)
     assert float(rows["clean-psnr"]["std"]) == pytest.approx(np.std(clean, ddof=1), rel=1e-14)
     assert {"clean-ssim", "personal-psnr", "heldout-psnr", "seconds"} <= set(rows)
-    started = time.perf_counter()
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "2 of 2 runs done" in again.stdout, again.stderr[-2000:]
-    assert "".join(path.read_text() for path in sweep_dir.rglob("*.log")) == logs
-    assert time.perf_counter() - started < 120
+    assert "".join(path.read_text() for path in sweep_dir.rglob("*.log")) == logs  # no launch
