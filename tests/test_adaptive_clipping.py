@@ -183,3 +183,11 @@ def test_the_run_config_builds_adaptive_clipping_and_refuses_bad_keys() -> None:
             "dp-target-quantile": 2.0,
         })  # fmt: skip
     assert np.isfinite(dp.clip_norm)
+
+
+def test_a_count_noise_too_small_is_refused_by_the_plan_before_any_file(tmp_path) -> None:
+    """dp-clipped-count-stddev = 0.4 with z = 1: the privacy plan, checked before the run
+    directory is made, refuses it naming the key."""
+    dp = DPConfig(1.0, 1.0, adaptive=AdaptiveClipping(count_stddev=0.4))
+    with pytest.raises(ValueError, match="dp-clipped-count-stddev = 0.4"):
+        FedAvg(differential_privacy=dp).check_privacy_plan(1, 3)

@@ -192,7 +192,11 @@ class RoundPrivacy:
     def check_plan(self, first_round: int, num_rounds: int, fraction_train: float) -> float:
         """The epsilon rounds `first_round`..`num_rounds` would spend at sampling rate
         `fraction_train` (on top of what the accountant holds); ValueError naming
-        dp-target-epsilon when it exceeds the target."""
+        dp-target-epsilon when it exceeds the target, or the adaptive-clipping keys when a set
+        dp-clipped-count-stddev is too small for z."""
+        adaptive = self.config.adaptive
+        if adaptive is not None and adaptive.count_stddev > 0:  # before anything is written
+            update_noise_multiplier(self.config.noise_multiplier, adaptive.count_stddev)
         planned = [
             RoundCharge(min(fraction_train, 1.0), self.planned_multiplier(server_round))
             for server_round in range(first_round, num_rounds + 1)
