@@ -109,13 +109,12 @@ class FedAvg(ProtocolStrategy):
             )
         self.aggregation_rule = aggregation_rule
         self.trim_fraction = check_trim_fraction(trim_fraction)
-        self.robust_rule = RobustRule(
-            aggregation_rule if aggregation_rule != "mean" else "median",
-            trim_fraction,
-            num_malicious,
-            krum_select,
+        self.robust_rule = (
+            None
+            if aggregation_rule == "mean"
+            else RobustRule(aggregation_rule, trim_fraction, num_malicious, krum_select)
         )
-        """The robust rule's settings (used when `aggregation_rule` is not "mean")."""
+        """The robust rule's settings; None for the mean."""
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -143,17 +142,19 @@ class FedAvg(ProtocolStrategy):
         self, replies: Iterable[Message], shapes: dict[str, Shapes]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The coordinate-wise robust rule over every checked reply (it needs all at once)."""
+        rule = self.robust_rule
+        assert rule is not None, "robust_aggregate runs for a robust aggregation_rule only"
         kept, metrics, weights = [], [], []
         for reply in self.checked_replies(replies, shapes, weighted=True):
             kept.append(reply.states[ARRAYS])
             metrics.append(reply.metrics)
             weights.append(reply.weight)
-        if len(kept) < max(1, self.robust_rule.least_states()):
+        if len(kept) < max(1, rule.least_states()):
             if kept:
-                rule, where = self.robust_rule, f"round {self.active_round.server_round}"
+                where = f"round {self.active_round.server_round}"
                 log(WARNING, "%s: %s with num-malicious = %d needs %d checked replies, got %d: "
                     "no aggregate", where, rule.name, rule.num_malicious, rule.least_states(),
                     len(kept))  # fmt: skip
             return None, self.train_metrics(metrics)
-        aggregate = robust_aggregate(self.robust_rule, kept, weights)
+        aggregate = robust_aggregate(rule, kept, weights)
         return state_to_arrays(aggregate), self.train_metrics(metrics, weights)
