@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from flower_harness import set_task_identity
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
@@ -25,15 +26,16 @@ the hull itself)."""
 
 @pytest.fixture(autouse=True)
 def seeded_randomness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test starts from global generators seeded by its own name and draws DP noise from
-    a generator seeded the same way (not the OS's secret randomness), so no outcome depends on
-    chance or on the tests run before it."""
+    """Every test starts from global generators seeded by its own name, draws DP noise from a
+    generator seeded the same way (not the OS's secret randomness) and builds Flower messages
+    as the server of run 1, so no outcome depends on chance or on the tests run before it."""
     seed = zlib.crc32(request.node.nodeid.encode())
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     seeded = SimpleNamespace(randbits=random.Random(seed).getrandbits)
     monkeypatch.setattr(dp, "secrets", seeded)  # what noise_generator() seeds from
+    set_task_identity()  # Flower's process-wide message identity, whatever ran before
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 from flwr.app import Context, RecordDict
 
 from clients.split_client import scene_dir
@@ -372,7 +373,8 @@ def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
         assert len(strategy.connected_nodes(grid)) == 3
         return time.monotonic() - started
 
-    assert seconds_to_start({"min-available-nodes": 3, "round-timeout": 30.0}) < 0.5
+    # did not wait for its 30 s round-timeout (a bound no load on the machine reaches)
+    assert seconds_to_start({"min-available-nodes": 3, "round-timeout": 30.0}) < 15.0
     assert seconds_to_start({"round-timeout": 0.6}) >= 0.6
 
 
@@ -410,7 +412,7 @@ def test_the_split_server_waits_round_timeout(tmp_path: Path) -> None:
             FederatedConfig.from_run_config({**config, "run-dir": str(tmp_path / "b")}),
             observers=[],
         )
-    assert 0.4 <= time.monotonic() - started < 5.0
+    assert time.monotonic() - started >= 0.4  # it waited round-timeout, then gave up
 
 
 # --------------------------------------------------- a node's data and state directories
@@ -506,3 +508,31 @@ def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
     with pytest.raises(ResumeError) as refused:  # past the comparison, at the missing resume.pt
         open_run_dir(resumed)
     assert "differs" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("personal.pt", b"\x80\x02 cut", "not a readable node state 'personal'"),
+        ("personal.pt", None, "not named tensors"),
+        ("alpha.json", b'{"alpha": 0.', "not a readable node state 'alpha'"),
+        ("alpha.json", b"[1, 2]", "not a JSON object"),
+    ],
+)
+def test_a_damaged_node_state_file_is_one_error_naming_it(
+    tmp_path: Path, name: str, content: bytes | None, reason: str
+) -> None:
+    """A node whose state file was cut short (a crash outside the atomic writes, a full disk)
+    or holds something else: one ValueError naming the file, not torch's or json's own."""
+    own = tmp_path / "own"
+    node_config = {"data-dir": str(own / "data"), "state-dir": str(own / "state")}
+    state = NodeState(_context(node_config, {}))
+    path = own / "state" / name
+    if content is None:
+        torch.save([1, 2], path)
+    else:
+        path.write_bytes(content)
+    read = state.tensors if name.endswith(".pt") else state.values
+    with pytest.raises(ValueError, match=reason) as error:
+        read(name.split(".")[0])
+    assert str(path) in str(error.value)

@@ -139,12 +139,20 @@ class NodeState:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def tensors(self, name: str) -> dict[str, Tensor] | None:
-        """The tensor dict saved under `name`, or None."""
+        """The tensor dict saved under `name`, or None; ValueError naming the file when it is
+        cut short or damaged (not a dict of named tensors)."""
         if self.directory is None:
             record = self.context.state.get(name)
             return arrays_to_state(record) if record is not None else None
         path = self.directory / f"{name}.pt"
-        return torch.load(path, weights_only=True) if path.is_file() else None
+        if not path.is_file():
+            return None
+        tensors = atomic.load_torch(path, f"node state {name!r}")
+        if not isinstance(tensors, dict) or not all(
+            isinstance(key, str) and isinstance(value, Tensor) for key, value in tensors.items()
+        ):
+            raise ValueError(f"{path} is not a readable node state {name!r}: not named tensors")
+        return tensors
 
     def put_tensors(self, name: str, tensors: Mapping[str, Tensor]) -> None:
         """Keep `tensors` under `name`."""
@@ -155,12 +163,21 @@ class NodeState:
         atomic.save_torch(self.directory / f"{name}.pt", tensors)
 
     def values(self, name: str) -> dict[str, Any] | None:
-        """The JSON-able dict saved under `name`, or None."""
+        """The JSON-able dict saved under `name`, or None; ValueError naming the file when it
+        is cut short or damaged (not a JSON object)."""
         if self.directory is None:
             record = self.context.state.get(name)
             return json.loads(str(record["json"])) if record is not None else None
         path = self.directory / f"{name}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is not a readable node state {name!r}: {error}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} is not a readable node state {name!r}: not a JSON object")
+        return values
 
     def put_values(self, name: str, values: Mapping[str, Any]) -> None:
         """Keep the JSON-able `values` under `name`."""
