@@ -536,3 +536,17 @@ def test_a_damaged_node_state_file_is_one_error_naming_it(
     with pytest.raises(ValueError, match=reason) as error:
         read(name.split(".")[0])
     assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("run_config", "reason"),
+    [
+        ({"round-timeout": 1e308}, r"'round-timeout' must be in \(0, 1e\+07\] seconds"),
+        ({"secure-aggregation": True, "secagg-timeout": 1e9}, r"secagg-timeout must be in \[0"),
+    ],
+)
+def test_a_timeout_python_cannot_wait_is_refused_when_parsed(run_config: dict, reason: str) -> None:
+    """threading.Event().wait(1e308) raises OverflowError: such a timeout, accepted, would
+    crash the first wait of the run; it is refused with the other run-config errors."""
+    with pytest.raises(ValueError, match=reason):
+        FederatedConfig.from_run_config(run_config)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from fedfields.optim import DEVICE_CHOICES, is_device_text
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secure_sum import MAX_TIMEOUT_SECONDS, SecureAggregationConfig
 
 TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]
@@ -479,7 +479,10 @@ class DeploymentSection:
     def __post_init__(self) -> None:
         _check(self, ["min_train_nodes"], lambda v: v >= 1, ">= 1")
         _check(self, ["min_available_nodes"], lambda v: v >= 0, ">= 0")
-        _check(self, ["round_timeout"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
+        _check(
+            self, ["round_timeout"], lambda v: math.isfinite(v) and 0 < v <= MAX_TIMEOUT_SECONDS,
+            f"in (0, {MAX_TIMEOUT_SECONDS:g}] seconds",
+        )  # fmt: skip
 
 
 SECTIONS: dict[str, type] = {

@@ -38,6 +38,10 @@ EXPONENT_MAX = 64
 NUM_BUCKETS = EXPONENT_MAX - EXPONENT_MIN + 1
 """Length of one tensor's exponent one-hot vector (exponents clamped to [-64, 64])."""
 
+MAX_TIMEOUT_SECONDS = 1e7
+"""The longest wait a timeout may ask for (about 116 days): beyond it Python's waits overflow
+(`threading.Event.wait(1e308)`: OverflowError), so a larger one is refused when parsed."""
+
 DEFAULT_MAX_EXPONENT = 32
 """Default `secagg-max-exponent`: |values| up to 2^32 (~4.3e9) per tensor, enough for metrics
 weighted by pixel counts; a liar can then coarsen a tensor's step to 2^33 / Q at most."""
@@ -105,8 +109,11 @@ class SecureAggregationConfig:
             raise ValueError(
                 f"secagg-reconstruction-threshold must be in (0, 1] or a count, got {threshold}"
             )
-        if not math.isfinite(self.timeout) or self.timeout < 0:
-            raise ValueError(f"secagg-timeout must be >= 0 seconds, got {self.timeout}")
+        if not (math.isfinite(self.timeout) and 0 <= self.timeout <= MAX_TIMEOUT_SECONDS):
+            raise ValueError(
+                f"secagg-timeout must be in [0, {MAX_TIMEOUT_SECONDS:g}] seconds, "
+                f"got {self.timeout}"
+            )
         if not math.isfinite(self.clipping_range) or self.clipping_range < 0:
             raise ValueError(f"secagg-clipping-range must be >= 0, got {self.clipping_range}")
         modulus = self.modulus_range
