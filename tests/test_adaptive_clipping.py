@@ -191,3 +191,31 @@ def test_a_count_noise_too_small_is_refused_by_the_plan_before_any_file(tmp_path
     dp = DPConfig(1.0, 1.0, adaptive=AdaptiveClipping(count_stddev=0.4))
     with pytest.raises(ValueError, match="dp-clipped-count-stddev = 0.4"):
         FedAvg(differential_privacy=dp).check_privacy_plan(1, 3)
+
+
+def test_a_secure_decentnerf_run_with_adaptive_clipping_and_its_own_gradient_clip() -> None:
+    """strategy.start (its summary reads the client config before sigma_b is fixed) with
+    SecAgg+, DP, adaptive clipping and dp-gradient-clip-norm: every round aggregates, rounds
+    2-3 unmask both sums, each charged z sqrt(4/3) (4 holders, t = 3) and combined over the
+    two, and C moves each round."""
+    from test_strategies import heterogeneous_problems, initial_state, least_squares_app
+
+    from fedfields.flower import DecentNeRF
+
+    problems = heterogeneous_problems(4)
+    app = secure(least_squares_app(problems, 0.05, (0.5, 1.0, 1.5, 1.0)))
+    dp = DPConfig(0.01, 2.0, max_noise_ratio=0, adaptive=AdaptiveClipping(count_stddev=1.0),
+                  gradient_clip_norm=0.5)  # fmt: skip
+    secure_config = SecureAggregationConfig()
+    strategy = DecentNeRF(min_available_nodes=4, local_steps=2, alpha_lr=0.0,
+                          differential_privacy=dp, secure_aggregation=secure_config)  # fmt: skip
+    result = strategy.start(InProcessGrid([app] * 4), state_to_arrays(initial_state()), 3)
+    metrics = result.train_metrics_clientapp
+    assert strategy.rounds_aggregated == 3
+    assert [metrics[r]["secure-sums"] for r in (1, 2, 3)] == [1, 2, 2]
+    per_sum = 0.01 * math.sqrt(4 / 3)
+    assert [metrics[r][DP_ROUND_MULTIPLIER] for r in (1, 2, 3)] == pytest.approx(
+        [per_sum, per_sum / math.sqrt(2), per_sum / math.sqrt(2)]
+    )
+    norms = [2.0] + [metrics[r][DP_NEXT_CLIP_NORM] for r in (1, 2, 3)]
+    assert all(a != b for a, b in zip(norms, norms[1:], strict=False))

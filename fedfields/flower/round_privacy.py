@@ -89,8 +89,8 @@ class RoundPrivacy:
         tests may set a seeded one. Never seeded from run-config: the server could subtract."""
         self.clip_norm = config.clip_norm
         """C of the next sum: dp-clip-norm, moved after each round under adaptive clipping."""
-        self.count_std = 0.0
-        """Adaptive clipping's sigma_b, fixed at the first round (`start`)."""
+        self.count_std = 0.0 if config.adaptive is None else config.adaptive.count_stddev
+        """Adaptive clipping's sigma_b: as set, else fixed at the first round (`start`)."""
         self.payload_noise_std = 0.0
         """Std of the noise on each entry of the latest payload sum (at least; more holders
         add more), z C at the C it was clipped to."""
@@ -108,8 +108,9 @@ class RoundPrivacy:
     @property
     def update_multiplier(self) -> float:
         """The multiplier of a payload sum's noise: z, or under adaptive clipping z_Delta, which
-        with the count's sigma_b composes to z (`update_noise_multiplier`)."""
-        if self.config.adaptive is None:
+        with the count's sigma_b composes to z (`update_noise_multiplier`); z while sigma_b
+        waits for the first round's sample (`start`)."""
+        if self.config.adaptive is None or self.count_std == 0:
             return self.config.noise_multiplier
         return update_noise_multiplier(self.config.noise_multiplier, self.count_std)
 
