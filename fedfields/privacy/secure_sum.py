@@ -174,12 +174,6 @@ class SecureAggregationConfig:
         """`num_shares` typed as Flower reads it (int = count, float = fraction)."""
         return int(self.num_shares) if _is_integer(self.num_shares) else float(self.num_shares)
 
-    @property
-    def flower_threshold(self) -> int | float:
-        """`reconstruction_threshold` typed as Flower reads it."""
-        threshold = self.reconstruction_threshold
-        return int(threshold) if _is_integer(threshold) else float(threshold)
-
 
 def _is_integer(value: float) -> bool:
     """True for counts (ints, or floats > 1 with no fractional part); 1.0 is a fraction."""
