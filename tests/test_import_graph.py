@@ -1,8 +1,10 @@
-"""fedfields' subpackages import one way (no cycle) and never the Flower App around them.
+"""fedfields' subpackages import one way (no cycle) and never the Flower App around them, and
+the modules of its Flower layer (fedfields/flower) import one way among themselves.
 
 Modules are parsed, not imported, so every import counts: relative ones, those inside
 functions and those under `if TYPE_CHECKING`. Nodes come from the filesystem: each
-subpackage of fedfields is one node, each top-level module its own.
+subpackage of fedfields is one node, each top-level module its own; inside fedfields/flower
+each module is a node, its `__init__` the package's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fedfields"
+FLOWER_LAYER = PACKAGE / "flower"
 APP_PACKAGES = ("strategies", "clients", "simulations")  # the repo's Flower App, not in the wheel
 
 Graph = dict[str, dict[str, list[str]]]  # node -> imported node -> ["path:line", ...]
@@ -78,6 +81,25 @@ def package_graph() -> Graph:
     return graph
 
 
+def flower_module_graph() -> Graph:
+    """Arrows between the modules of fedfields/flower, each with the file and line of every
+    import behind it; `from fedfields.flower.m import name` is an arrow to m."""
+    modules = {module_name(path) for path in FLOWER_LAYER.glob("*.py")}
+    graph: Graph = {}
+    for path, module, line in module_imports():
+        if path.parent != FLOWER_LAYER:
+            continue
+        source = module_name(path)
+        target = module if module in modules else module.rpartition(".")[0]
+        if target not in modules or target == source:
+            continue
+        places = graph.setdefault(source, {}).setdefault(target, [])
+        where = f"{path.relative_to(ROOT)}:{line}"
+        if where not in places:
+            places.append(where)
+    return graph
+
+
 def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str]:
     """One cycle of `graph` as [a, b, ..., a], or [] when there is none (depth-first, sorted)."""
     on_path: list[str] = []
@@ -115,6 +137,13 @@ def test_subpackages_import_one_way() -> None:
     assert len(graph) > 1, f"found almost no imports between fedfields' subpackages: {graph}"
     cycle = find_cycle(graph)
     assert not cycle, "package cycle in fedfields:\n" + describe_cycle(cycle, graph)
+
+
+def test_the_flower_layers_modules_import_one_way() -> None:
+    graph = flower_module_graph()
+    assert len(graph) > 5, f"found almost no imports between fedfields/flower's modules: {graph}"
+    cycle = find_cycle(graph)
+    assert not cycle, "module cycle in fedfields/flower:\n" + describe_cycle(cycle, graph)
 
 
 def test_library_never_imports_the_flower_app() -> None:

@@ -13,29 +13,63 @@ a round whose charge would exceed it (`PrivacyBudgetSpent`, logged).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from logging import ERROR, INFO, WARNING
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from fedfields.flower.protocol import NON_FINITE_AGGREGATE, NUM_REPLIES, finite_arrays
-from fedfields.flower.round_ledger import EmptyTally
+from fedfields.flower.reply_gate import ReplyGate
+from fedfields.flower.round_ledger import EmptyTally, TrainRound
+from fedfields.flower.round_privacy import PrivacyBudgetSpent
 from fedfields.flower.streaming import StreamingGrid
-
-if TYPE_CHECKING:
-    from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.privacy.dp import DPConfig
+from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
-class PrivacyBudgetSpent(RuntimeError):
-    """The next round's charge would take epsilon above dp-target-epsilon: the run ends
-    before it, cleanly (nothing of that round was sent; the rounds before it stand)."""
+class LoopStrategy(Protocol):
+    """What the loop needs of a strategy: Flower's train and evaluate pairs, and the
+    settings and counts the loop enforces."""
+
+    fraction_train: float
+    max_empty_rounds: int
+    rounds_aggregated: int
+    secure_aggregation: SecureAggregationConfig | None
+
+    @property
+    def dp(self) -> DPConfig | None: ...
+
+    @property
+    def gate(self) -> ReplyGate: ...
+
+    def summary(self) -> None: ...
+
+    def check_privacy_plan(self, first_round: int, num_rounds: int) -> float: ...
+
+    def round_state(self, server_round: int) -> TrainRound: ...
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None: ...
 
 
 class EmptyRoundsError(RuntimeError):
@@ -45,7 +79,7 @@ class EmptyRoundsError(RuntimeError):
 
 
 def run_rounds(
-    strategy: ProtocolStrategy,
+    strategy: LoopStrategy,
     grid: Grid,
     initial_arrays: ArrayRecord,
     num_rounds: int,
@@ -114,9 +148,7 @@ def run_rounds(
     return result
 
 
-def empty_rounds_message(
-    strategy: ProtocolStrategy, empty: EmptyTally, *, consecutive: bool
-) -> str:
+def empty_rounds_message(strategy: LoopStrategy, empty: EmptyTally, *, consecutive: bool) -> str:
     """One line: which rounds formed no aggregate, the drop counts, the commonest reason."""
     first, last = empty.rounds[0], empty.rounds[-1]
     span = f"{first}-{last}" if last != first else f"{first}"
@@ -134,7 +166,7 @@ def empty_rounds_message(
     return f"{head}; {counts}; commonest reason: {empty_reason(strategy, empty)}"
 
 
-def empty_reason(strategy: ProtocolStrategy, empty: EmptyTally) -> str:
+def empty_reason(strategy: LoopStrategy, empty: EmptyTally) -> str:
     """The commonest cause of the empty rounds, in a user's words."""
     cause = empty.commonest_cause()
     if cause is None:

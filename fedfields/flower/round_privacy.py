@@ -33,7 +33,6 @@ from fedfields.flower.protocol import (
     WEIGHT_KEY,
 )
 from fedfields.flower.round_ledger import TrainRound
-from fedfields.flower.round_loop import PrivacyBudgetSpent
 from fedfields.flower.sum_replies import CentralPrivacy, DistributedPrivacy, RoundSum
 from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
 from fedfields.privacy.dp import (
@@ -60,6 +59,11 @@ DP_ROUND_MULTIPLIER = "dp-round-noise-multiplier"
 """Train metric: the noise multiplier the accountant charged this round (DP runs only)."""
 DP_NEXT_CLIP_NORM = "dp-next-clip-norm"
 """Train metric under adaptive clipping: the clip norm C the next round will use."""
+
+
+class PrivacyBudgetSpent(RuntimeError):
+    """The next round's charge would take epsilon above dp-target-epsilon: the run ends
+    before it, cleanly (nothing of that round was sent; the rounds before it stand)."""
 
 
 class RoundPrivacy:

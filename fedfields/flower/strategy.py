@@ -58,13 +58,8 @@ from fedfields.flower.round_ledger import (
     TrainRound,
     round_metrics,
 )
-from fedfields.flower.round_loop import (
-    EmptyRoundsError,
-    EvaluateFn,
-    PrivacyBudgetSpent,
-    run_rounds,
-)
-from fedfields.flower.round_privacy import RoundPrivacy
+from fedfields.flower.round_loop import EmptyRoundsError, EvaluateFn, run_rounds
+from fedfields.flower.round_privacy import PrivacyBudgetSpent, RoundPrivacy
 from fedfields.flower.sum_replies import RoundSum, plain_sum, secure_sum
 from fedfields.flower.user_keys import UserKeys, fallback_key
 from fedfields.privacy.dp import DPAccountant, DPConfig
