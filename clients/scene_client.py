@@ -80,12 +80,12 @@ def train(call: ClientCall) -> ReplyParts:
             field, views.heldout, settings, call.device, EVAL_OCCUPANCY_PASSES
         )
     occupancy = _occupancy(state, field)
-    decentnerf = (
-        DecentNeRFClient(state, config.scene.alpha_lr) if DecentNeRFClient.wanted(msg) else None
-    )
+    decentnerf = None
+    if DecentNeRFClient.sent_by_decentnerf(msg):
+        decentnerf = DecentNeRFClient(state, config.scene.alpha_lr)
     user = call.client
     personal = _personal_field(state, config, scene, user) if decentnerf else None
-    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
+    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None
     local = LocalTrainConfig(
         steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
         learning_rate=config.scene.learning_rate,

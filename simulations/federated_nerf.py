@@ -23,19 +23,20 @@ from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import ProtocolStrategy
 from fedfields.flower.protocol import NUM_REPLIES, arrays_to_state
+from fedfields.flower.round import RoundOutcome
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.federated import federated_state
-from simulations.job import RoundJob, StrategyReport, run_rounds
+from simulations.job import RoundJob, StrategyReport, run_strategy_job
 from simulations.observers import Observer
 from simulations.scene_observer import CrowdObserver
 from strategies import make_strategy as make_named_strategy
 
 
 class RoundReport(StrategyReport):
-    """Flower's evaluate_fn of the scene job (`StrategyReport`): a line holds the clients'
+    """The scene job's report (`StrategyReport`): a line holds the clients'
     aggregated train metrics, the round's cost, the server's score on the public
     `eval-scene-dir` (if given) and what the observers measured; at the end the global
     field's checkpoint, its orbit and the server's final scores.
@@ -58,13 +59,11 @@ class RoundReport(StrategyReport):
                 config.common.eval_scene_dir, downscale=config.common.downscale
             )
 
-    def score_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """The clients' train metrics, the round's cost and the public scene's PSNR."""
-        train = dict(self.strategy.latest_train_metrics)
-        clients = int(train.get(NUM_REPLIES, 0))
+    def score_round(self, outcome: RoundOutcome, arrays: ArrayRecord) -> dict[str, Any]:
+        """The round's cost and the public scene's PSNR."""
+        clients = int(outcome.metrics.get(NUM_REPLIES, 0))
         cost = self.strategy.cost_model.round_cost(self.num_parameters, clients)
         metrics: dict[str, Any] = {
-            **train,
             "server-flops": float(cost.server_flops),
             "uplink-bytes": float(cost.uplink_bytes),
             "downlink-bytes": float(cost.downlink_bytes),
@@ -130,7 +129,7 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
 
 
 def run_federated_nerf(grid: Grid, config: FederatedConfig, observe: bool | None = None) -> Path:
-    """Run the whole job on `grid` (`simulations.job.run_rounds`); returns the run directory.
+    """Run the whole job on `grid` (`simulations.job.run_strategy_job`); returns the run directory.
 
     `observe` attaches the simulation-only crowd audit (it reads run-config `data-dir`); None
     attaches it when a simulation launcher set run-config `simulation-audit`.
@@ -153,4 +152,4 @@ def run_federated_nerf(grid: Grid, config: FederatedConfig, observe: bool | None
         observers=observers,
         report=report,
     )
-    return run_rounds(grid, config, job)
+    return run_strategy_job(grid, config, job)

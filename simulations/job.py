@@ -5,9 +5,11 @@ final report.
 `simulations.server_app.run_job` parses the run-config once into a `FederatedConfig` and
 passes it down. A strategy job (the scene's `simulations.federated_nerf`, the meta tasks'
 `simulations.meta_job`) supplies only its `RoundJob` parts: the strategy, the initial state,
-the train config, its observers and a `StrategyReport` that scores each round; `run_rounds`
-does the rest. The split job (`simulations.split_job`), which has no strategy round loop,
-uses `new_run_dir`, `attach` and `RunReport` around its own exchange loop.
+the train config, its observers and a `StrategyReport` that scores each round;
+`run_strategy_job` does the rest, handing each round's `RoundOutcome`
+(`fedfields.flower.round`) to the report, the observers and the round checkpoint. The split
+job (`simulations.split_job`), which has no strategy round loop, uses `new_run_dir`, `attach`
+and `RunReport` around its own exchange loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
@@ -40,6 +42,9 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
+from fedfields.flower.round import RoundOutcome
+from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_loop import RoundEndFn, RoundLoop
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings
 from simulations.observers import Observer
@@ -104,11 +109,12 @@ class RunReport:
 
 
 class StrategyReport(RunReport):
-    """Flower's evaluate_fn of a strategy job: one line of metrics.jsonl per round and the
+    """The report of a strategy job: one line of metrics.jsonl per round's outcome and the
     final report; a job supplies its scoring, its headline and its final files (checkpoint).
 
-    A line holds the round, the job's scores (`score_round`), what the observers measured,
-    the figures derived from both (`derived`) and the seconds since the start.
+    A line holds the round, the round's train metrics, the job's scores (`score_round`), the
+    sampled and summed users, what the observers measured, the figures derived from all of
+    them (`derived`) and the seconds since the start.
     """
 
     def __init__(
@@ -122,12 +128,13 @@ class StrategyReport(RunReport):
         self.config = config
         self.strategy = strategy
 
-    def score_initial(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """Round 0's figures (the initial state), not written to metrics.jsonl."""
-        return {"round": 0}
+    def score_initial(self, arrays: ArrayRecord) -> None:
+        """Before a fresh run's first round: what the job keeps of the initial state (nothing;
+        nothing of it goes to metrics.jsonl)."""
 
-    def score_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """The job's own figures of round `server_round`, before the observers'."""
+    def score_round(self, outcome: RoundOutcome, arrays: ArrayRecord) -> dict[str, Any]:
+        """The job's own figures of the round that ended in `outcome` with the global
+        `arrays`, after its train metrics and before the observers'."""
         raise NotImplementedError
 
     def derived(self, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -149,20 +156,18 @@ class StrategyReport(RunReport):
         """The job's final files (checkpoint, plots) and summary.json's "final" scores."""
         raise NotImplementedError
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        """Score round `server_round`; from round 1 append a line to metrics.jsonl."""
-        if server_round == 0:
-            return metric_record(self.score_initial(arrays))
-        metrics = {"round": server_round, **self.score_round(server_round, arrays)}
-        metrics |= round_users(self.strategy)
-        latest = self.strategy.current_round
-        accepted = latest.summed_nodes if latest and latest.server_round == server_round else []
-        metrics |= self.observe(server_round, arrays, accepted)
+    def end_round(self, outcome: RoundOutcome, arrays: ArrayRecord) -> None:
+        """Score the round that ended in `outcome` with the global `arrays`: a line of
+        metrics.jsonl, its observers shown the replies the round summed (the gate's)."""
+        server_round = outcome.server_round
+        metrics: dict[str, Any] = {"round": server_round, **outcome.metrics}
+        metrics |= self.score_round(outcome, arrays)
+        metrics |= round_users(outcome.ledger)
+        metrics |= self.observe(server_round, arrays, outcome.ledger.summed_nodes)
         metrics |= self.derived(metrics)
         metrics["seconds"] = time.perf_counter() - self.started
         self.append_line(metrics)
         log(INFO, "fedfields round %d: %s", server_round, self.headline(metrics))
-        return metric_record(metrics)
 
     def finish(self, arrays: ArrayRecord) -> dict[str, Any]:
         """The job's final files, the observers' final audits, summary.json and report.html."""
@@ -180,26 +185,16 @@ class StrategyReport(RunReport):
         return summary
 
 
-def round_users(strategy: ProtocolStrategy) -> dict[str, list[str]]:
+def round_users(ledger: TrainRound) -> dict[str, list[str]]:
     """The round's sampled users and the users whose replies its aggregate summed, by user
     key in the order they were summed (`fedfields.flower.user_keys`)."""
-    train_round = strategy.current_round
-    if train_round is None:
-        return {}
-    return {"users-sampled": list(train_round.users), "users-summed": train_round.summed_users}
-
-
-def metric_record(metrics: dict[str, Any]) -> MetricRecord:
-    """The scalar entries as floats (Flower's MetricRecord takes no None, strings or dicts)."""
-    return MetricRecord(
-        {key: float(value) for key, value in metrics.items() if isinstance(value, int | float)}
-    )
+    return {"users-sampled": list(ledger.users), "users-summed": ledger.summed_users}
 
 
 @dataclass
 class RoundJob:
-    """What a strategy job supplies to `run_rounds`; the skeleton calls the builders in this
-    order after opening the run directory: torch.manual_seed(seed), `initial_state`,
+    """What a strategy job supplies to `run_strategy_job`; the skeleton calls the builders in
+    this order after opening the run directory: torch.manual_seed(seed), `initial_state`,
     `observers(run_dir)`, `report(run_dir, observers, initial state)`."""
 
     strategy: ProtocolStrategy
@@ -209,18 +204,18 @@ class RoundJob:
     report: Callable[[Path, list[Observer], dict[str, Tensor]], StrategyReport]
 
 
-def run_rounds(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
+def run_strategy_job(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
     """Run `job`'s strategy on `grid` for run-config `num-server-rounds`, or resume it (run-config
     `resume`); returns the run directory holding the report.
 
-    A plan beyond `dp-target-epsilon`, or MLflow asked for and not installed, fails before
-    anything is written; the strategy's errors (no aggregate formed, the privacy budget spent)
-    end the run as they are raised, the launch's event file closed.
+    A plan beyond `dp-target-epsilon` (the `RoundLoop` a fresh run builds first), or MLflow
+    asked for and not installed, fails before anything is written; the strategy's errors (no
+    aggregate formed, the privacy budget spent) end the run as they are raised, the launch's
+    event file closed.
     """
-    strategy = job.strategy
+    strategy, num_rounds = job.strategy, config.common.num_server_rounds
     tracking = TrackingSettings.from_environ()
-    if not config.common.resume:
-        strategy.check_privacy_plan(1, config.common.num_server_rounds)
+    loop = None if config.common.resume else RoundLoop(strategy, num_rounds)
     run_dir, checkpoint = open_run_dir(config)
     torch.manual_seed(config.common.seed)
     initial = job.initial_state()
@@ -236,16 +231,17 @@ def run_rounds(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path:
         checkpoint.restore(strategy)
         arrays = checkpoint.arrays()
         log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)
+        loop = RoundLoop(strategy, num_rounds, checkpoint.server_round + 1)  # restored charges
+    assert loop is not None, "a fresh run builds its loop first, a resumed one from its checkpoint"
     with report.tracking(config, tracking, resumed_after):
-        result = strategy.start(
+        if checkpoint is None:
+            report.score_initial(arrays)
+        result = loop.run(
             attach(grid, observers),
             arrays,
-            num_rounds=config.common.num_server_rounds,
             timeout=config.deployment.round_timeout,
             train_config=job.train_config,
-            evaluate_fn=report,
-            first_round=1 if resumed_after is None else resumed_after + 1,
-            round_end_fn=round_checkpointer(run_dir, strategy),
+            round_end_fn=round_end(report, run_dir, strategy),
         )
         summary = report.finish(result.arrays)
     log(INFO, "fedfields: secure aggregation %s", json.dumps(summary["secure-aggregation"]))
@@ -272,9 +268,9 @@ def secure_aggregation_report(config: FederatedConfig) -> dict[str, Any]:
 def privacy_final(strategy: ProtocolStrategy) -> dict[str, float]:
     """summary.json's final "dp-epsilon" of a DP run, with its PLD and without-replacement
     figures (`DPAccountant.report`; {} without DP)."""
-    if strategy.accountant is None:
+    if strategy.privacy is None:
         return {}
-    return strategy.accountant.report()
+    return strategy.privacy.accountant.report()
 
 
 def privacy_report(config: FederatedConfig, strategy: ProtocolStrategy) -> dict[str, Any]:
@@ -282,15 +278,15 @@ def privacy_report(config: FederatedConfig, strategy: ProtocolStrategy) -> dict[
     (central on plaintext sums, distributed under SecAgg+), the rounds charged and why the
     run stopped early, if it did."""
     dp = config.dp.dp_config()
-    if dp is None or strategy.accountant is None:
+    if dp is None or strategy.privacy is None:
         return {"enabled": False}
     secure = config.secure.secure_aggregation
     return {
         "enabled": True,
         "form": "distributed (clients noise before SecAgg+)" if secure else "central (server)",
         **asdict(dp),
-        "rounds-charged": len(strategy.accountant.charges),
-        "stopped": strategy.privacy_stop,
+        "rounds-charged": len(strategy.privacy.accountant.charges),
+        "stopped": strategy.privacy.stop,
     }
 
 
@@ -341,13 +337,13 @@ def open_run_dir(config: FederatedConfig) -> tuple[Path, RoundCheckpoint | None]
     return run_dir, checkpoint
 
 
-def round_checkpointer(
-    run_dir: Path, strategy: ProtocolStrategy
-) -> Callable[[int, ArrayRecord], None]:
-    """`ProtocolStrategy.start`'s round_end_fn: the round's `RoundCheckpoint`, atomically."""
+def round_end(report: StrategyReport, run_dir: Path, strategy: ProtocolStrategy) -> RoundEndFn:
+    """The loop's round_end_fn: the report's line of the round's outcome, then the round's
+    `RoundCheckpoint`, atomically."""
 
-    def save(server_round: int, arrays: ArrayRecord) -> None:
-        checkpoint = RoundCheckpoint.capture(server_round, arrays, strategy)
+    def end(outcome: RoundOutcome, arrays: ArrayRecord) -> None:
+        report.end_round(outcome, arrays)
+        checkpoint = RoundCheckpoint.capture(outcome.server_round, arrays, strategy)
         save_round_checkpoint(run_dir / RESUME_FILE, checkpoint)
 
-    return save
+    return end

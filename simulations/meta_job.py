@@ -39,6 +39,7 @@ from fedfields.flower.protocol import (
     TRAIN_LOSS,
     arrays_to_state,
 )
+from fedfields.flower.round import RoundOutcome
 from fedfields.train.builders import (
     Quality,
     heldout_meta_tasks,
@@ -50,14 +51,14 @@ from fedfields.train.builders import (
 )
 from fedfields.train.checkpoint import META_CHECKPOINT_FORMAT
 from fedfields.train.federated import federated_state
-from simulations.job import RoundJob, StrategyReport, run_rounds
+from simulations.job import RoundJob, StrategyReport, run_strategy_job
 from simulations.meta_observer import meta_observers, present
 from simulations.observers import Observer
 from strategies import strategy_class
 
 
 class MetaReport(StrategyReport):
-    """Flower's evaluate_fn of the meta job (`StrategyReport`): a line holds the clients'
+    """The meta job's report (`StrategyReport`): a line holds the clients'
     aggregated train metrics, theta's TTO quality on the public held-out tasks (if any), what
     the observers measured and PSNR - PSNR_p; at the end theta's checkpoint and tto.png.
     """
@@ -83,18 +84,14 @@ class MetaReport(StrategyReport):
         self.steps = tto_schedule(settings.tto_steps)
         self.initial: dict[int, Quality] = {}
 
-    def score_initial(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """The random initialisation's TTO curve (for tto.png) and its final quality."""
+    def score_initial(self, arrays: ArrayRecord) -> None:
+        """The random initialisation's TTO curve, for tto.png."""
         self.initial = self.tto_curve(arrays_to_state(arrays)) if self.heldout else {}
-        return present(self.initial.get(self.steps[-1], {}))
 
-    def score_round(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
-        """The clients' train metrics and theta's quality after TTO, with the TTO curve."""
+    def score_round(self, outcome: RoundOutcome, arrays: ArrayRecord) -> dict[str, Any]:
+        """theta's quality after TTO, with the TTO curve."""
         curve = self.tto_curve(arrays_to_state(arrays)) if self.heldout else {}
-        metrics = {
-            **self.strategy.latest_train_metrics,
-            **present(curve.get(self.steps[-1], {})),
-        }
+        metrics: dict[str, Any] = present(curve.get(self.steps[-1], {}))
         if curve:
             metrics["tto"] = {str(step): quality["psnr"] for step, quality in curve.items()}
         return metrics
@@ -219,7 +216,7 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
 def run_meta_job(
     grid: Grid, config: FederatedConfig, observers: list[Observer] | None = None
 ) -> Path:
-    """Run the FedMeNF job on `grid` (`simulations.job.run_rounds`); returns the run directory.
+    """Run the FedMeNF job on `grid` (`simulations.job.run_strategy_job`); returns the run dir.
 
     `observers` None attaches `meta_observers(config)`: none unless a simulation launcher set
     run-config `simulation-audit`; [] runs without any.
@@ -239,4 +236,4 @@ def run_meta_job(
         observers=attached,
         report=report,
     )
-    return run_rounds(grid, config, job)
+    return run_strategy_job(grid, config, job)

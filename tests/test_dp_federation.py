@@ -316,7 +316,7 @@ def test_an_unmasked_secure_sum_refused_afterwards_is_still_charged() -> None:
     arrays, metrics = train_round(
         strategy, InProcessGrid([app] * 3), state_to_arrays(initial_state())
     )
-    assert arrays is None and strategy.active_round.unmasked_holders == [3]
+    assert arrays is None and strategy.round_of(1).ledger.unmasked_holders == [3]
     assert metrics is not None and metrics[DP_ROUND_MULTIPLIER] == pytest.approx(5 * math.sqrt(1.5))
     assert metrics[DP_EPSILON] == pytest.approx(
         epsilon_of([RoundCharge(1.0, 5 * math.sqrt(1.5))], 1e-5), rel=1e-12
@@ -451,7 +451,7 @@ def test_secure_dp_never_exceeds_its_target_whatever_drops(
     arrays, metrics = train_round(strategy, grid, state_to_arrays(reference))
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
     assert len(sent) == 20 and all(m.content[CONFIG]["dp-min-holders"] == 13 for m in sent)
-    assert strategy.active_round.unmasked_holders == ([] if holders is None else [holders])
+    assert strategy.round_of(1).ledger.unmasked_holders == ([] if holders is None else [holders])
     assert metrics is not None and metrics[DP_EPSILON] <= target
     if holders is None:
         assert arrays is None and metrics["secure-sum-failures"] == 1
@@ -550,7 +550,7 @@ def test_a_target_epsilon_stops_the_run_before_it_is_exceeded(
     strategy, grid, metrics = budget_run(target, rounds=5)
     assert sorted(metrics) == [1, 2]
     assert metrics[2][DP_EPSILON] == pytest.approx(two, rel=1e-12) and two <= target
-    assert "round 3 not run" in strategy.privacy_stop
+    assert strategy.privacy is not None and "round 3 not run" in strategy.privacy.stop
     assert "dp-target-epsilon reached" in caplog.text
     trained = {m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"}
     assert trained == {"1", "2"}  # nothing of round 3 was sent
@@ -564,9 +564,9 @@ def test_the_accountant_survives_a_resume(tmp_path: Path) -> None:
     save_round_checkpoint(tmp_path / "resume.pt", checkpoint)
     resumed = FedAvg(differential_privacy=DPConfig(1.0, 1.0, 1e-5, 100.0))
     load_round_checkpoint(tmp_path / "resume.pt").restore(resumed)
-    assert resumed.accountant is not None and strategy.accountant is not None
-    assert resumed.accountant.charges == strategy.accountant.charges
-    assert resumed.accountant.epsilon() == metrics[2][DP_EPSILON]
+    assert resumed.privacy is not None and strategy.privacy is not None
+    assert resumed.privacy.accountant.charges == strategy.privacy.accountant.charges
+    assert resumed.privacy.accountant.epsilon() == metrics[2][DP_EPSILON]
     without = RoundCheckpoint.capture(2, state_to_arrays({"w": torch.zeros(3)}), FedAvg())
     with pytest.raises(ValueError, match="no DP accountant"):
         without.restore(resumed)

@@ -111,13 +111,13 @@ def test_decentnerfs_gradient_past_float32_is_dropped_with_its_cap_off() -> None
     hostile = {**gradients[0], "bias": torch.tensor([1e39, 0.0], dtype=torch.float64)}
     replies = [({GRADIENT: g}, {}) for g in [*gradients, hostile]]
     grid = InProcessGrid([node(records, metrics) for records, metrics in replies])
-    strategy.begin_round(2, state_to_arrays(float32_global()), grid)
-    summed = strategy.gradient_sum(state_to_arrays(float32_global()), ConfigRecord(), grid)
+    opened = strategy.begin_round(2, state_to_arrays(float32_global()), grid)
+    summed = strategy.gradient_sum(opened, state_to_arrays(float32_global()), ConfigRecord(), grid)
     assert summed is not None
     for value in summed.values():
         assert value.dtype == F32 and bool(torch.isfinite(value).all())
         torch.testing.assert_close(value, HONEST * 0.01 * torch.ones_like(value))
-    assert strategy.active_round.dropped == {"non-finite": 1}
+    assert opened.ledger.dropped == {"non-finite": 1}
 
 
 def test_scaffolds_huge_control_delta_never_becomes_the_server_control() -> None:

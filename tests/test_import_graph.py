@@ -74,11 +74,15 @@ def package_graph() -> Graph:
         source, target = package_node(module_name(path)), package_node(module)
         if module.split(".")[0] != "fedfields" or source == target:
             continue
-        places = graph.setdefault(source, {}).setdefault(target, [])
-        where = f"{path.relative_to(ROOT)}:{line}"
-        if where not in places:
-            places.append(where)
+        add_arrow(graph, source, target, f"{path.relative_to(ROOT)}:{line}")
     return graph
+
+
+def add_arrow(graph: Graph, source: str, target: str, where: str) -> None:
+    """Record the import at `where` ("path:line") behind the arrow source -> target."""
+    places = graph.setdefault(source, {}).setdefault(target, [])
+    if where not in places:
+        places.append(where)
 
 
 def flower_module_graph() -> Graph:
@@ -93,10 +97,7 @@ def flower_module_graph() -> Graph:
         target = module if module in modules else module.rpartition(".")[0]
         if target not in modules or target == source:
             continue
-        places = graph.setdefault(source, {}).setdefault(target, [])
-        where = f"{path.relative_to(ROOT)}:{line}"
-        if where not in places:
-            places.append(where)
+        add_arrow(graph, source, target, f"{path.relative_to(ROOT)}:{line}")
     return graph
 
 

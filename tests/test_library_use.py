@@ -112,7 +112,7 @@ APP_FILES = {
                 optimiser.step()
             local = {k: v.detach().clone() for k, v in model.state_dict().items()}
             metrics = {"train-loss": float(loss), "from-wheel": float(_from_wheel())}
-            if DecentNeRFClient.wanted(msg):
+            if DecentNeRFClient.sent_by_decentnerf(msg):
                 client = DecentNeRFClient(NodeState(context))
                 reply = client.train_reply(msg, local, metrics)
                 reply.content[METRICS]["alpha"] = client.alpha

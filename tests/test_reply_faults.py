@@ -66,8 +66,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.strategy import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.user_keys import (
     USER_KEY_ACTION,
     USER_KEY_MESSAGE_TYPE,
@@ -392,7 +392,7 @@ def gradient_round(gradients: list[State], **options: object) -> tuple[State | N
     )
     carried = [arrays_to_state(m.content[GRADIENT]) for m in messages if GRADIENT in m.content]
     assert not carried or len(carried) == len(messages)
-    return (carried[0] if carried else None), dict(strategy.active_round.dropped)
+    return (carried[0] if carried else None), dict(strategy.round_of(2).ledger.dropped)
 
 
 def test_an_oversized_gradient_reply_is_dropped_from_g() -> None:

@@ -370,7 +370,8 @@ def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
         )
         strategy = make_meta_strategy(config, meta_settings(config))
         started = time.monotonic()
-        assert len(strategy.connected_nodes(grid)) == 3
+        wanted = max(strategy.min_available_nodes, strategy.min_train_nodes)
+        assert len(strategy.sampler.connected(grid, wanted, strategy.min_train_nodes)) == 3
         return time.monotonic() - started
 
     # did not wait for its 30 s round-timeout (a bound no load on the machine reaches)

@@ -36,8 +36,9 @@ from fedfields.flower import (
     Scaffold,
 )
 from fedfields.flower.protocol import ARRAYS, GRADIENT_QUERY, arrays_to_state, state_to_arrays
+from fedfields.flower.round import RoundOutcome
+from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.strategy import SECURE_FAILURES, SECURE_SUMS
 from fedfields.privacy.secure_sum import (
     EXPONENT_MIN,
     NUM_BUCKETS,
@@ -207,7 +208,8 @@ def test_sampling_ignores_the_global_random_state() -> None:
         strategy = make_strategy("fedavg", None, fraction_train=0.4, sampling_seed=3)
         if disturb:
             random.random()
-        samples.append(strategy.begin_round(1, state_to_arrays(initial_state()), grid).node_ids)
+        opened = strategy.begin_round(1, state_to_arrays(initial_state()), grid)
+        samples.append(opened.ledger.node_ids)
     assert samples[0] == samples[1]
 
 
@@ -353,11 +355,21 @@ def test_dropouts_beyond_the_threshold_fail_the_round_and_keep_the_model(
     def record_global(server_round: int, arrays: ArrayRecord) -> None:
         held[server_round] = arrays_to_state(arrays)
 
+    def record_outcome(outcome: RoundOutcome, arrays: ArrayRecord) -> None:
+        outcomes.append(outcome)
+
+    outcomes: list[RoundOutcome] = []
     with pytest.raises(EmptyRoundsError, match="the secure sums failed"):  # nothing trained
-        strategy.start(grid, state_to_arrays(start), num_rounds=1, evaluate_fn=record_global)
+        strategy.start(
+            grid,
+            state_to_arrays(start),
+            num_rounds=1,
+            evaluate_fn=record_global,
+            round_end_fn=record_outcome,
+        )
     assert sorted(held) == [0, 1]
     assert all(torch.equal(held[1][key], start[key]) for key in start)
-    assert strategy.latest_train_metrics[SECURE_FAILURES] == 1
+    assert [outcome.metrics[SECURE_FAILURES] for outcome in outcomes] == [1]
     assert "SecAgg+ payload stage over 5 clients halted" in caplog.text
     assert "went offline" in caplog.text
 
@@ -380,7 +392,7 @@ def test_decentnerf_alpha_travels_only_inside_the_masked_payload() -> None:
     replies = list(grid.send_and_receive(messages))
     assert all(set(reply.content.keys()) == {"held"} for reply in replies)
     payload = {"weight": (3,), "bias": (1,), ALPHA_KEY: (1,)}
-    summed = strategy.sum_replies(replies, {ARRAYS: payload})
+    summed = strategy.round_of(1).sum(replies, {ARRAYS: payload})
     payload_sum = summed.sums[ARRAYS]
     assert math.isclose(float(payload_sum[ALPHA_KEY]), sum(p.alpha for p in produced), rel_tol=1e-6)
     assert isinstance(

@@ -19,6 +19,7 @@ import torch
 from flower_harness import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategy
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.run import Run
@@ -73,6 +74,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.round import Round
 from fedfields.flower.sum_replies import RoundSum
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
@@ -417,14 +419,23 @@ class SecureSumStandIn(DecentNeRF):
         self.summed = summed
         self.calls: list[tuple[str, int]] = []
 
-    def sum_replies(
-        self, replies: Iterable[Message], records: Mapping[str, Mapping[str, tuple[int, ...]]]
-    ) -> RoundSum:
-        replies = list(replies)
-        metrics = [dict(reply.content[METRICS]) for reply in replies]
-        (record_name,) = records
-        self.calls.append((record_name, len(replies)))
-        return RoundSum({record_name: self.summed}, len(replies), [], metrics)
+    def begin_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> Round:
+        opened = super().begin_round(server_round, arrays, grid)
+
+        def fixed_sum(
+            replies: Iterable[Message],
+            records: Mapping[str, Mapping[str, tuple[int, ...]]],
+            **_: object,
+        ) -> RoundSum:
+            replies = list(replies)
+            metrics = [dict(reply.content[METRICS]) for reply in replies]
+            (record_name,) = records
+            self.calls.append((record_name, len(replies)))
+            opened.summed = RoundSum({record_name: self.summed}, len(replies), [], metrics)
+            return opened.summed
+
+        opened.sum = fixed_sum  # type: ignore[method-assign]
+        return opened
 
 
 def test_decentnerf_reads_only_summed_payloads() -> None:

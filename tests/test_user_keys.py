@@ -67,10 +67,10 @@ def sampled_round(seed: int, grid: InProcessGrid) -> tuple[list[str], dict[str, 
     streaming = StreamingGrid(grid)
     start = state_to_arrays(initial_state())
     messages = strategy.configure_train(1, start, ConfigRecord({"local-steps": 3}), streaming)
-    arrays, _ = strategy.aggregate_train(1, streaming.send_and_receive(messages))
-    assert strategy.current_round is not None and arrays is not None
-    assert strategy.current_round.summed_users == strategy.current_round.users
-    return strategy.current_round.users, arrays_to_state(arrays)
+    outcome = strategy.finish_round(1, streaming.send_and_receive(messages))
+    assert outcome.arrays is not None
+    assert outcome.ledger.summed_users == outcome.ledger.users
+    return outcome.ledger.users, arrays_to_state(outcome.arrays)
 
 
 def test_one_seed_samples_the_same_users_whatever_their_node_ids() -> None:

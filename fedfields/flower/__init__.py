@@ -22,14 +22,12 @@ from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts,
 from fedfields.flower.fednova import FedNova
 from fedfields.flower.fedprox import FedProx
 from fedfields.flower.node import NodeState, client_index
+from fedfields.flower.round_loop import EmptyRoundsError
+from fedfields.flower.sampling import InsufficientNodesError
 from fedfields.flower.scaffold import Scaffold, ScaffoldClient
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.strategy import (
-    EmptyRoundsError,
-    InsufficientNodesError,
-    ProtocolStrategy,
-    StrategyOptions,
-)
+from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy_options import StrategyOptions
 
 __all__ = [
     "DecentNeRF",

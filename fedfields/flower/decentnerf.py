@@ -9,7 +9,7 @@ from logging import ERROR, WARNING
 from typing import Any, Unpack
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
@@ -40,13 +40,10 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy import (
-    CheckedReply,
-    ProtocolStrategy,
-    StrategyOptions,
-    optional_cap,
-)
-from fedfields.flower.sum_replies import secure_failure
+from fedfields.flower.reply_gate import CheckedReply
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy_options import StrategyOptions, optional_cap
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh
@@ -74,12 +71,12 @@ class DecentNeRF(ProtocolStrategy):
     the users sampled in round m, so L in dL/dalpha is theirs. Clients own alpha_k: they
     update it (`alpha_update`, exact through the normalised aggregation), train, and reply
     ARRAYS = alpha_k g_k plus alpha_k under `ALPHA_KEY` (`alpha_weighted_payload`). The
-    server only sums (`sum_replies`, plaintext or SecAgg+) and divides by the
+    server only sums (the round's sum, plaintext or SecAgg+) and divides by the
     summed alpha (`decentnerf_aggregate`): it never reads one client's alpha and ignores
     "num-examples". A failed or missing reply is left out of a sum; dividing by the
     remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
     arrives, no GRADIENT is sent and clients keep their alpha. Without secure aggregation a
-    bad reply is dropped before it reaches a sum (`ProtocolStrategy.checked_replies`): besides
+    bad reply is dropped before it reaches a sum (`fedfields.flower.reply_gate`): besides
     the shared checks, a payload's alpha_k must lie in [alpha_max * 1e-6, alpha_max] and its g_k =
     payload / alpha_k obeys `max_update_norm`; a gradient reply's ||G_k|| must not exceed
     `max_gradient_norm`. Under DP (`differential_privacy`) a payload is summed as
@@ -153,8 +150,8 @@ class DecentNeRF(ProtocolStrategy):
         train_round = self.begin_round(server_round, arrays, grid)
         train_config = self.train_config(server_round, config)
         records: dict[str, ArrayRecord | ConfigRecord] = {ARRAYS: arrays, CONFIG: train_config}
-        if server_round >= 2 and train_round.node_ids:
-            gradient_sum = self.gradient_sum(arrays, train_config, grid)
+        if server_round >= 2 and train_round.ledger.node_ids:
+            gradient_sum = self.gradient_sum(train_round, arrays, train_config, grid)
             if gradient_sum is not None:
                 records[GRADIENT] = state_to_arrays(gradient_sum)
                 if self.last_aggregate is not None:
@@ -162,47 +159,43 @@ class DecentNeRF(ProtocolStrategy):
         return self.messages(RecordDict(records), MessageType.TRAIN)
 
     def gradient_sum(
-        self, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        self, train_round: Round, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> dict[str, Tensor] | None:
         """G = sum_k dL_k/dg at g^(m-1) over the sampled nodes (Algorithm 1, line 10)."""
-        train_round = self.active_round
         queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
-        summed = self.sum_replies(replies, {GRADIENT: train_round.shapes})
+        summed = train_round.sum(replies, {GRADIENT: train_round.shapes})
         if summed is None:
             return None
-        gradient = self.like_global(summed.sums[GRADIENT])
+        gradient = train_round.in_global_dtypes(summed.sums[GRADIENT])
         if not all(bool(torch.isfinite(value).all()) for value in gradient.values()):
             log(ERROR, "round %d: the summed gradient G holds NaN or infinite values in the "
-                "global's dtypes and is not sent", train_round.server_round)  # fmt: skip
+                "global's dtypes and is not sent", train_round.ledger.server_round)  # fmt: skip
             return None
         return gradient
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """g^(m) = sum_k alpha_k g_k / sum_k alpha_k from the summed payload alone (Algorithm 1,
-        line 18; `sum_replies`: under secure aggregation no alpha_k or g_k is ever seen);
+        line 18; the round's sum: under secure aggregation no alpha_k or g_k is ever seen);
         metrics unweighted."""
-        train_round = self.round_state(server_round)
         payload_shapes = {**train_round.shapes, ALPHA_KEY: (1,)}
-        summed = self.sum_replies(replies, {ARRAYS: payload_shapes})
+        summed = train_round.sum(replies, {ARRAYS: payload_shapes})
         if summed is None:
-            return None, self.summed_metrics(summed)
+            return train_round.outcome(None)
         payload_sum = summed.sums[ARRAYS]
         alpha_sum = float(payload_sum[ALPHA_KEY].double().sum())
         resolution = summed.resolution.get(ARRAYS, {}).get(ALPHA_KEY, 0.0)
         if not (math.isfinite(alpha_sum) and alpha_sum > resolution):
-            secure_failure(train_round, "the summed alpha_k is not positive: no aggregate")
-            return None, self.summed_metrics(summed)
+            train_round.fail_sum("the summed alpha_k is not positive: no aggregate")
+            return train_round.outcome(None)
         if self.dp is not None and alpha_sum <= DP_ALPHA_MARGIN * self.dp_noise_std:
             log(WARNING, "round %d: the noised alpha sum lies within %g noise stds of 0; "
-                "dividing by it would blow the noise up, no aggregate", server_round,
-                DP_ALPHA_MARGIN)  # fmt: skip
-            return None, self.summed_metrics(summed)
-        aggregate = self.like_global(decentnerf_aggregate(payload_sum))
-        self.last_aggregate = (server_round, alpha_sum)
-        return state_to_arrays(aggregate), self.summed_metrics(summed)
+                "dividing by it would blow the noise up, no aggregate",
+                train_round.ledger.server_round, DP_ALPHA_MARGIN)  # fmt: skip
+            return train_round.outcome(None)
+        aggregate = train_round.in_global_dtypes(decentnerf_aggregate(payload_sum))
+        self.last_aggregate = (train_round.ledger.server_round, alpha_sum)
+        return train_round.outcome(state_to_arrays(aggregate))
 
     @property
     def alpha_floor(self) -> float:
@@ -217,7 +210,7 @@ class DecentNeRF(ProtocolStrategy):
         assert self.privacy is not None
         return self.privacy.payload_noise_std
 
-    def check_update(self, reply: CheckedReply) -> None:
+    def check_update(self, train_round: Round, reply: CheckedReply) -> None:
         """A payload's alpha_k in [alpha_max * 1e-6, alpha_max], then the update-norm bound on
         its g_k = payload / alpha_k; a gradient reply's ||G_k|| at most `max_gradient_norm`."""
         payload = reply.states.get(ARRAYS)
@@ -238,7 +231,7 @@ class DecentNeRF(ProtocolStrategy):
                 f"reply from node {reply.node_id}, record {ARRAYS!r}: {ALPHA_KEY!r} is outside "
                 f"[alpha-max * {ALPHA_FLOOR:g}, alpha-max = {self.alpha_max:g}]",
             )
-        self.check_update_norm(reply.node_id, payload, scale=alpha)
+        train_round.check_update_norm(reply.node_id, payload, scale=alpha)
 
 
 ALPHA_STATE = "decentnerf-alpha"
@@ -259,7 +252,7 @@ class DecentNeRFClient:
         """eta when the message carries no "alpha-lr" (a DecentNeRF server always sends it)."""
 
     @staticmethod
-    def wanted(msg: Message) -> bool:
+    def sent_by_decentnerf(msg: Message) -> bool:
         """Whether `msg` comes from a DecentNeRF server (its CONFIG names the strategy)."""
         return msg.content[CONFIG].get(STRATEGY) == DecentNeRF.strategy_name
 

@@ -7,13 +7,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Unpack
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedfields.aggregate.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
 from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU, arrays_to_state, state_to_arrays
+from fedfields.flower.round import Round, RoundOutcome
 
 
 class FedACG(FedAvg):
@@ -69,14 +70,12 @@ class FedACG(FedAvg):
         lookahead = fedacg_lookahead(self.global_state, self.momentum, self.momentum_weight)
         return super().configure_train(server_round, state_to_arrays(lookahead), config, grid)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """FedAvg's mean of the replies, then m <- lambda m + (mean - x~), x <- x + m."""
-        mean, metrics = super().aggregate_train(server_round, replies)
+        mean = self.mean(train_round, replies)
         if mean is None:
-            return None, metrics
+            return train_round.outcome(None)
         new_global, self.momentum = fedacg_update(
             self.global_state, self.momentum, arrays_to_state(mean), self.momentum_weight
         )
-        return state_to_arrays(new_global), metrics
+        return train_round.outcome(state_to_arrays(new_global))

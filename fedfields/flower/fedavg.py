@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from logging import WARNING
 from typing import Unpack
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from torch import Tensor
 
 from fedfields.aggregate.robust import (
     AGGREGATION_RULES,
@@ -18,8 +19,10 @@ from fedfields.aggregate.robust import (
     check_trim_fraction,
     robust_aggregate,
 )
-from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, Shapes, state_to_arrays
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
+from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy_options import StrategyOptions
 
 
 class FedAvgOptions(StrategyOptions, total=False):
@@ -36,8 +39,8 @@ class FedAvg(ProtocolStrategy):
 
     Train messages carry ARRAYS and CONFIG ("server-round", "strategy", "local-steps" and the
     user's train config); replies must carry ARRAYS with the global's keys and shapes and
-    METRICS with a positive "num-examples". A bad reply (`ProtocolStrategy.checked_replies`)
-    is dropped and counted and the round aggregates the rest; failed replies are dropped, as
+    METRICS with a positive "num-examples". A bad reply (`fedfields.flower.reply_gate`) is
+    dropped and counted and the round aggregates the rest; failed replies are dropped, as
     in Flower's FedAvg. With no reply left the global model stays as it was.
 
     Args:
@@ -75,7 +78,7 @@ class FedAvg(ProtocolStrategy):
     """
 
     strategy_name = "fedavg"
-    secure_weight = NUM_EXAMPLES
+    weight_metric = NUM_EXAMPLES
     config_keys = {
         "aggregation-rule": "aggregation_rule",
         "trim-fraction": "trim_fraction",
@@ -124,37 +127,33 @@ class FedAvg(ProtocolStrategy):
         content = RecordDict({ARRAYS: arrays, CONFIG: self.train_config(server_round, config)})
         return self.messages(content, MessageType.TRAIN)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """sum_k n_k x_k / sum_k n_k over the replies (`sum_replies`: checked and folded in
-        as they arrive, or SecAgg+'s sum), or the robust rule over all of them."""
-        shapes = {ARRAYS: self.round_state(server_round).shapes}
-        if self.aggregation_rule != "mean":
-            return self.robust_aggregate(replies, shapes)
-        summed = self.sum_replies(replies, shapes)
-        if summed is None:
-            return None, self.summed_metrics(summed)
-        mean = self.like_global(summed.mean(ARRAYS))
-        return state_to_arrays(mean), self.summed_metrics(summed)
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
+        """The round's outcome with `mean` as the new global."""
+        return train_round.outcome(self.mean(train_round, replies))
 
-    def robust_aggregate(
-        self, replies: Iterable[Message], shapes: dict[str, Shapes]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The coordinate-wise robust rule over every checked reply (it needs all at once)."""
-        rule = self.robust_rule
-        assert rule is not None, "robust_aggregate runs for a robust aggregation_rule only"
-        kept, metrics, weights = [], [], []
-        for reply in self.checked_replies(replies, shapes, weighted=True):
-            kept.append(reply.states[ARRAYS])
-            metrics.append(reply.metrics)
-            weights.append(reply.weight)
-        if len(kept) < max(1, rule.least_states()):
-            if kept:
-                where = f"round {self.active_round.server_round}"
-                log(WARNING, "%s: %s with num-malicious = %d needs %d checked replies, got %d: "
-                    "no aggregate", where, rule.name, rule.num_malicious, rule.least_states(),
-                    len(kept))  # fmt: skip
-            return None, self.train_metrics(metrics)
-        aggregate = robust_aggregate(rule, kept, weights)
-        return state_to_arrays(aggregate), self.train_metrics(metrics, weights)
+    def mean(self, train_round: Round, replies: Iterable[Message]) -> ArrayRecord | None:
+        """sum_k n_k x_k / sum_k n_k over the replies (the round's sum: checked and folded in
+        as they arrive, or SecAgg+'s), or the robust rule over all of them; None: no aggregate."""
+        if self.robust_rule is not None:
+            return self.robust_mean(train_round, replies, self.robust_rule)
+        summed = train_round.sum(replies, {ARRAYS: train_round.shapes})
+        if summed is None:
+            return None
+        return state_to_arrays(train_round.in_global_dtypes(summed.mean(ARRAYS)))
+
+    def robust_mean(
+        self, train_round: Round, replies: Iterable[Message], rule: RobustRule
+    ) -> ArrayRecord | None:
+        """The coordinate-wise robust rule over every checked reply of the round's sum (it
+        needs all at once); None below the rule's fewest states."""
+        states: list[dict[str, Tensor]] = []
+        shapes = {ARRAYS: train_round.shapes}
+        summed = train_round.sum(replies, shapes, fold=lambda r: states.append(r.states[ARRAYS]))
+        if summed is None:
+            return None
+        if len(states) < rule.least_states():
+            log(WARNING, "round %d: %s with num-malicious = %d needs %d checked replies, got %d: "
+                "no aggregate", train_round.ledger.server_round, rule.name, rule.num_malicious,
+                rule.least_states(), len(states))  # fmt: skip
+            return None
+        return state_to_arrays(robust_aggregate(rule, states, summed.weights))

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Unpack
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
-from torch import Tensor
+from flwr.app import Message
 
 from fedfields.aggregate.fedexp import FEDEXP_EPSILON, FedExPSums
 from fedfields.aggregate.states import check_scalar
@@ -17,8 +15,10 @@ from fedfields.flower.fednova import (
     refuse_robust_rule,
     refuse_secure_aggregation,
 )
-from fedfields.flower.protocol import ARRAYS, arrays_to_state, state_to_arrays
-from fedfields.flower.strategy import StrategyOptions
+from fedfields.flower.protocol import ARRAYS, state_to_arrays
+from fedfields.flower.reply_gate import CheckedReply
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy_options import StrategyOptions
 
 SERVER_STEP = "fedexp-server-step"
 """Train metric: the round's eta_g (1 is FedAvg's step)."""
@@ -45,29 +45,16 @@ class FedExP(FedAvg):
         super().__init__(**options)
         refuse_robust_rule(self)
         self.epsilon = check_scalar(epsilon, "epsilon")
-        self.global_state: dict[str, Tensor] = {}
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's messages; x is kept for the extrapolated update."""
-        self.global_state = arrays_to_state(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
+        """The extrapolated update from the round's sum, each checked reply folded in as it
+        arrives; eta_g among the metrics."""
+        sums = FedExPSums(train_round.reference, self.epsilon)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The extrapolated update, folding each checked reply in as it arrives."""
-        train_round = self.round_state(server_round)
-        sums, metrics, weights = FedExPSums(self.global_state, self.epsilon), [], []
-        checked = self.checked_replies(replies, {ARRAYS: train_round.shapes}, weighted=True)
-        for reply in checked:
+        def fold(reply: CheckedReply) -> None:
             sums.add(reply.states[ARRAYS], reply.weight, checked=True)
-            metrics.append(reply.metrics)
-            weights.append(reply.weight)
-        if sums.count == 0:
-            return None, self.train_metrics(metrics)
-        aggregated = self.train_metrics(metrics, weights)
-        aggregated[SERVER_STEP] = sums.server_step()
-        self.latest_train_metrics[SERVER_STEP] = aggregated[SERVER_STEP]
-        return state_to_arrays(sums.update()), aggregated
+
+        if train_round.sum(replies, {ARRAYS: train_round.shapes}, fold=fold) is None:
+            return train_round.outcome(None)
+        step = {SERVER_STEP: sums.server_step()}
+        return train_round.outcome(state_to_arrays(sums.update()), step)

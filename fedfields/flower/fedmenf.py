@@ -31,7 +31,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.scaffold import ScaffoldClient
-from fedfields.flower.strategy import StrategyOptions
+from fedfields.flower.strategy_options import StrategyOptions
 from fedfields.train.federated import load_federated_state
 from fedfields.train.meta import MetaConfig, local_meta_update
 from fedfields.train.meta_tasks import MetaTask
@@ -120,7 +120,7 @@ def meta_train_parts(
         outer_steps=int(round_config.get(LOCAL_STEPS, meta.outer_steps)),
         proximal_mu=float(round_config.get(PROXIMAL_MU, meta.proximal_mu)),
     )
-    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.wanted(msg) else None
+    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None
     result = local_meta_update(
         model,
         tasks,

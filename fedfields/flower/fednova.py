@@ -5,20 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Unpack
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
-from torch import Tensor
+from flwr.app import ConfigRecord, Message
 
 from fedfields.aggregate.fednova import FedNovaSums
 from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.protocol import (
-    ARRAYS,
-    LOCAL_STEPS,
-    TRAIN_STEPS,
-    arrays_to_state,
-    state_to_arrays,
-)
-from fedfields.flower.strategy import StrategyOptions
+from fedfields.flower.protocol import ARRAYS, LOCAL_STEPS, TRAIN_STEPS, state_to_arrays
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy_options import StrategyOptions
 
 
 def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
@@ -68,7 +61,6 @@ class FedNova(FedAvg):
         refuse_differential_privacy("fednova", options)
         super().__init__(**options)
         refuse_robust_rule(self)
-        self.global_state: dict[str, Tensor] = {}
         self.sent_steps = 1
         """The round's "local-steps": the most "train-steps" a reply may report."""
 
@@ -78,30 +70,16 @@ class FedNova(FedAvg):
         self.sent_steps = int(train_config[LOCAL_STEPS])
         return train_config
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """FedAvg's messages; x is kept for the normalised update."""
-        self.global_state = arrays_to_state(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The normalised update, folding each checked reply in as it arrives."""
-        train_round = self.round_state(server_round)
-        sums, metrics, weights = FedNovaSums(self.global_state), [], []
-        checked = self.checked_replies(
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
+        """The normalised update from the round's sum, each checked reply folded in as it
+        arrives with its tau_i."""
+        sums = FedNovaSums(train_round.reference)
+        summed = train_round.sum(
             replies,
             {ARRAYS: train_round.shapes},
-            weighted=True,
             scalars={TRAIN_STEPS: (1.0, float(self.sent_steps))},
+            fold=lambda reply: sums.add(
+                reply.states[ARRAYS], reply.weight, reply.scalars[TRAIN_STEPS], checked=True
+            ),
         )
-        for reply in checked:
-            steps = reply.scalars[TRAIN_STEPS]
-            sums.add(reply.states[ARRAYS], reply.weight, steps, checked=True)
-            metrics.append(reply.metrics)
-            weights.append(reply.weight)
-        if sums.count == 0:
-            return None, self.train_metrics(metrics)
-        return state_to_arrays(sums.update()), self.train_metrics(metrics, weights)
+        return train_round.outcome(None if summed is None else state_to_arrays(sums.update()))

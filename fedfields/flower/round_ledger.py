@@ -55,9 +55,11 @@ class TrainRound:
     dropped: dict[str, int] = field(default_factory=dict)
     """Replies dropped by a check, per check ("non-finite", "shape", ...)."""
     secure_sums: int = 0
-    secure_failures: int = 0
-    secure_error: str = ""
-    """Why the round's last secure sum failed (value-free), for `EmptyRoundsError`."""
+    failed_sums: int = 0
+    """Sums that formed nothing usable: halted or unusable secure sums, and DecentNeRF's alpha
+    sums that were not positive (`sum_replies.sum_failure`)."""
+    sum_error: str = ""
+    """Why the round's last failed sum failed (value-free), for `EmptyRoundsError`."""
     secure_metrics: dict[str, float] | None = None
     min_holders: int = 2
     """Under secure aggregation, t: the fewest clients a sum of this round may be unmasked
@@ -112,7 +114,7 @@ def round_metrics(
     if secure:
         secure_counts = {
             SECURE_SUMS: train_round.secure_sums,
-            SECURE_FAILURES: train_round.secure_failures,
+            SECURE_FAILURES: train_round.failed_sums,
         }
     return {
         **{key: weighted_mean(pairs) for key, pairs in entries.items()},
@@ -147,8 +149,8 @@ class EmptyTally:
     kept: int = 0
     failures: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
-    secure_failures: int = 0
-    secure_error: str = ""
+    failed_sums: int = 0
+    sum_error: str = ""
     non_finite: int = 0
     """Aggregates refused because they held NaN or infinite values."""
 
@@ -161,16 +163,16 @@ class EmptyTally:
         self.kept += kept
         self.dropped.update(train_round.dropped)
         self.failures += train_round.num_failures - sum(train_round.dropped.values())
-        self.secure_failures += train_round.secure_failures
-        self.secure_error = train_round.secure_error or self.secure_error
+        self.failed_sums += train_round.failed_sums
+        self.sum_error = train_round.sum_error or self.sum_error
 
     def commonest_cause(self) -> str | None:
-        """The check that dropped most replies, "failed" (error replies) or "secure-sum"."""
+        """The check that dropped most replies, "failed" (error replies) or "failed-sum"."""
         causes = Counter(self.dropped)
         if self.failures:
             causes["failed"] = self.failures
-        if self.secure_failures:
-            causes["secure-sum"] = self.secure_failures
+        if self.failed_sums:
+            causes["failed-sum"] = self.failed_sums
         if self.non_finite:
             causes[NON_FINITE_AGGREGATE] = self.non_finite
         return causes.most_common(1)[0][0] if causes else None
@@ -182,4 +184,4 @@ class EmptyTally:
             f"{self.sampled} replies asked, {self.kept} kept, {sum(self.dropped.values())} "
             f"dropped{f' ({drops})' if drops else ''}, {self.failures} failed"
         )
-        return line + (f", {self.secure_failures} secure sums failed" if secure else "")
+        return line + (f", {self.failed_sums} secure sums failed" if secure else "")

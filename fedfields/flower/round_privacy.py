@@ -99,6 +99,17 @@ class RoundPrivacy:
         """Std of the noise on each entry of the latest payload sum (at least; more holders
         add more), z C at the C it was clipped to."""
 
+    def before_round(
+        self, server_round: int, num_sampled: int, connected: int, num_params: int, first: bool
+    ) -> None:
+        """Before anything of a round is sent: at the run's `first` round adaptive clipping's
+        sigma_b (`start`) and the pre-flight noise check (`check_noise`), then the round's
+        budget (`check_budget`: PrivacyBudgetSpent)."""
+        if first:
+            self.start(num_sampled)
+            self.check_noise(num_sampled, num_params)
+        self.check_budget(server_round, num_sampled, connected)
+
     def start(self, num_sampled: int) -> None:
         """Fix adaptive clipping's sigma_b from the first round's sample (unless set or
         resumed); ValueError naming the keys when it is too small for z."""
@@ -123,13 +134,13 @@ class RoundPrivacy:
         """C of DecentNeRF's gradient query: dp-gradient-clip-norm, else the payload's C."""
         return self.config.gradient_clip_norm or self.clip_norm
 
-    def check_settings(self, secure_weight: str, min_train_nodes: int) -> None:
-        """Log the uniform weights DP needs instead of `secure_weight`; refuse a fixed SecAgg+
+    def check_settings(self, weight_metric: str, min_train_nodes: int) -> None:
+        """Log the uniform weights DP needs instead of `weight_metric`; refuse a fixed SecAgg+
         clipping range without room for the noise shares of `min_train_nodes` clients."""
-        if secure_weight:
+        if weight_metric:
             reason = "the sum's sensitivity to one client is then the clip norm C"
             message = "differential privacy: replies weigh 1 each, not %r: %s"
-            log(INFO, message, secure_weight, reason)
+            log(INFO, message, weight_metric, reason)
         secure, dp = self.secure_aggregation, self.config
         if secure is not None and secure.clipping_range > 0:
             holders = secure.min_holders(max(min_train_nodes, 2))
@@ -180,10 +191,10 @@ class RoundPrivacy:
         return entries
 
     @staticmethod
-    def deltas(secure_delta: tuple[str, ...]) -> tuple[str, ...]:
-        """Records summed as differences from what was sent: `secure_delta` and ARRAYS (what DP
+    def deltas(delta_records: tuple[str, ...]) -> tuple[str, ...]:
+        """Records summed as differences from what was sent: `delta_records` and ARRAYS (what DP
         clips is the update, not the model)."""
-        return secure_delta if ARRAYS in secure_delta else (*secure_delta, ARRAYS)
+        return delta_records if ARRAYS in delta_records else (*delta_records, ARRAYS)
 
     # The accountant: the plan, each round's budget and its charge.
 
@@ -290,10 +301,10 @@ class RoundPrivacy:
         summed: RoundSum,
         train_round: TrainRound,
         deltas: Sequence[str],
-        secure_delta: tuple[str, ...],
+        delta_records: tuple[str, ...],
     ) -> RoundSum:
         """Note a plaintext sum's multiplier z (a secure sum's is noted when unmasked,
-        `charge`), then its ARRAYS back in the form the strategy sums (`secure_delta` stays as
+        `charge`), then its ARRAYS back in the form the strategy sums (`delta_records` stays as
         differences): sum_k (x_k - s_k g) + (sum_k s_k) g, with the summed s (DecentNeRF's
         noised alpha sum) or the number summed."""
         if self.secure_aggregation is None:
@@ -301,7 +312,7 @@ class RoundPrivacy:
         if self.config.adaptive is not None and ARRAYS in summed.sums:
             self.adapt(summed)
         for name in deltas:
-            if name in secure_delta:
+            if name in delta_records:
                 continue
             total = summed.sums[name]
             scale = summed.weight

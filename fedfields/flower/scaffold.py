@@ -9,7 +9,7 @@ from logging import INFO
 from typing import Any, Unpack
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
@@ -32,7 +32,9 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.reply_gate import CheckedReply
-from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions, optional_cap
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy_options import StrategyOptions, optional_cap
 
 DEFAULT_MAX_CONTROL_NORM = 1e6
 """Cap on ||delta c_i||: a control variate estimates a mean gradient (at most about
@@ -45,7 +47,7 @@ class Scaffold(ProtocolStrategy):
 
     Train messages carry ARRAYS (x), SERVER_CONTROL (c, zeros at first, same keys as x) and
     CONFIG; replies carry ARRAYS (y_i), CONTROL_DELTA (delta c_i) and optional METRICS. A bad
-    reply (`ProtocolStrategy.checked_replies`; ||y_i - x|| bounded by `max_update_norm`) is
+    reply (`fedfields.flower.reply_gate`; ||y_i - x|| bounded by `max_update_norm`) is
     dropped whole and counted.
     N is the number of connected nodes when the round is sampled. Clients keep their own
     c_i in their node state (`ScaffoldClient`).
@@ -67,7 +69,7 @@ class Scaffold(ProtocolStrategy):
     """
 
     strategy_name = "scaffold"
-    secure_delta = (ARRAYS,)
+    delta_records = (ARRAYS,)
     cost_model = SCAFFOLD_COST
     config_keys = {"scaffold-global-lr": "global_lr", "max-control-norm": "max_control_norm"}
 
@@ -120,31 +122,28 @@ class Scaffold(ProtocolStrategy):
         )
         return self.messages(content, MessageType.TRAIN)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """x and c from the sums of y_i - x and delta c_i (Algorithm 1, lines 16-17) over the
-        replies (`sum_replies`: a bad reply is dropped whole, neither its y_i nor its delta
+        replies (the round's sum: a bad reply is dropped whole, neither its y_i nor its delta
         c_i is used); x and c stay as they were if nothing was summed."""
-        train_round = self.round_state(server_round)
         shapes = train_round.shapes
-        summed = self.sum_replies(replies, {ARRAYS: shapes, CONTROL_DELTA: shapes})
+        summed = train_round.sum(replies, {ARRAYS: shapes, CONTROL_DELTA: shapes})
         if summed is None:
-            return None, self.summed_metrics(summed)
+            return train_round.outcome(None)
         new_global, self.server_control = scaffold_server_update_from_sums(
             self.global_state,
             summed.sums[ARRAYS],
             summed.sums[CONTROL_DELTA],
             len(summed.node_ids),
             self.server_control,
-            num_clients_total=train_round.num_nodes_total,
+            num_clients_total=train_round.ledger.num_nodes_total,
             global_lr=self.global_lr,
         )
-        return state_to_arrays(new_global), self.summed_metrics(summed)
+        return train_round.outcome(state_to_arrays(new_global))
 
-    def check_update(self, reply: CheckedReply) -> None:
+    def check_update(self, train_round: Round, reply: CheckedReply) -> None:
         """The update-norm bound on y_i, then ||delta c_i|| at most `max_control_norm`."""
-        super().check_update(reply)
+        super().check_update(train_round, reply)
         control = reply.states.get(CONTROL_DELTA)
         if control is None or self.max_control_norm is None:
             return
@@ -171,8 +170,8 @@ class ScaffoldClient:
     state: NodeState
 
     @classmethod
-    def wanted(cls, msg: Message) -> bool:
-        """Whether `msg` is a Scaffold train message (it names the strategy)."""
+    def sent_by_scaffold(cls, msg: Message) -> bool:
+        """Whether `msg` comes from a Scaffold server (its CONFIG names the strategy)."""
         return msg.content[CONFIG].get(STRATEGY) == Scaffold.strategy_name
 
     @classmethod

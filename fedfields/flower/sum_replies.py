@@ -1,12 +1,14 @@
 """One sum of a round's replies, in plaintext or through Flower's SecAgg+.
 
-Every fedfields strategy whose server step is linear in the clients' records (FedAvg, FedProx,
-FedACG, FedMeNF, Scaffold, DecentNeRF) aggregates sum_k w_k x_k and sum_k w_k: the plaintext
-sum folds each checked reply in as it arrives (`RunningSum`, O(model) memory), the secure sum
-is SecAgg+'s over what the clients hold back, so the server never sees one client's record.
-Records the clients send as differences from what they received (`deltas`) are summed as
-such in both modes. A halted or unusable secure sum is logged, counted in the round's
-"secure-sum-failures" and gives None: nothing raises.
+Every fedfields strategy aggregates through it (`fedfields.flower.round.Round.sum`). A server
+step linear in the clients' records (FedAvg, FedProx, FedACG, FedMeNF, Scaffold, DecentNeRF)
+takes sum_k w_k x_k and sum_k w_k: the plaintext sum folds each checked reply in as it
+arrives (`RunningSum`, O(model) memory), the secure sum is SecAgg+'s over what the clients
+hold back, so the server never sees one client's record. Records the clients send as
+differences from what they received (`deltas`) are summed as such in both modes. FedNova,
+FedExP and the robust rules pass their own `ReplyFold` to the plaintext sum, which checks and
+counts each reply as for any other. A halted or unusable secure sum is logged, counted in the
+round's "secure-sum-failures" and gives None: nothing raises.
 
 Central DP (`CentralPrivacy`, plaintext): each checked reply's update (its `deltas` records
 as differences from the arrays sent, the others as they are) is clipped to C over all its
@@ -53,6 +55,7 @@ class RoundSum:
     """sum_k w_k x_k per record (float64), sum_k w_k, and what the summed replies reported."""
 
     sums: dict[str, dict[str, Tensor]]
+    """Per record, sum_k w_k x_k; {} when a `ReplyFold` took the replies instead."""
     weight: float
     node_ids: list[int]
     metrics: list[dict[str, Any]]
@@ -92,34 +95,40 @@ class DistributedPrivacy:
     metric_keys: tuple[str, ...]
 
 
+ReplyFold = Callable[[CheckedReply], None]
+"""How a server step that is not linear in the records (FedNova, FedExP, the robust rules)
+takes each checked reply in, instead of the sums."""
+
+
 def plain_sum(
-    gate: ReplyGate,
-    train_round: TrainRound,
-    replies: Iterable[Message],
-    records: Mapping[str, Shapes],
-    check_update: Callable[[CheckedReply], None],
+    checked: Iterable[CheckedReply],
+    records: Iterable[str],
+    reference: Mapping[str, Tensor],
     *,
-    weighted: bool,
     deltas: Sequence[str] = (),
     privacy: CentralPrivacy | None = None,
+    fold: ReplyFold | None = None,
 ) -> RoundSum | None:
-    """The checked replies' records summed as they arrive (a bad reply is dropped whole
-    first), weighted by "num-examples" if `weighted`; `deltas` records (ARRAYS only) are
-    summed as y_k - g with g the arrays sent. With `privacy` each reply's update is clipped
-    before it is added (weight 1) and the sum is noised. None when no reply passed."""
+    """The `checked` replies' records summed as they arrive, each with its weight; `deltas`
+    records (ARRAYS only) are summed as y_k - g with g the arrays sent (`reference`). With
+    `privacy` each reply's update is clipped before it is added (weight 1) and the sum is
+    noised. With `fold` each reply goes to it instead and the sum's records are {}. None when
+    no reply passed."""
     for name in deltas:
         if name != ARRAYS:
             raise ValueError(f"only {ARRAYS!r} can be summed as a difference, not {name!r}")
-    if privacy is not None and weighted:
-        raise ValueError("a DP sum weighs every reply 1: its sensitivity is the clip norm")
-    totals = {name: RunningSum() for name in records}
+    if privacy is not None and fold is not None:
+        raise ValueError("a DP sum clips each update: no other fold bounds its sensitivity")
+    totals = {} if fold is not None else {name: RunningSum() for name in records}
     node_ids, metrics, weights = [], [], []
     unclipped = 0
-    for reply in gate.checked(train_round, replies, records, check_update, weighted=weighted):
+    for reply in checked:
         states: Mapping[str, Mapping[str, Tensor]] = reply.states
         if privacy is not None:
-            states, norm = clipped_update(reply, train_round, deltas, privacy)
+            states, norm = clipped_update(reply, reference, deltas, privacy)
             unclipped += norm <= privacy.clip_norm
+        if fold is not None:
+            fold(reply)
         for name, total in totals.items():
             total.add(states[name], reply.weight, checked=True)
         node_ids.append(reply.node_id)
@@ -134,19 +143,21 @@ def plain_sum(
         return RoundSum(sums, weight, node_ids, metrics, weights, unclipped=unclipped)
     for name in deltas:
         sums[name] = {
-            key: value - weight * train_round.reference[key].double()
-            for key, value in sums[name].items()
+            key: value - weight * reference[key].double() for key, value in sums[name].items()
         }
     return RoundSum(sums, weight, node_ids, metrics, weights)
 
 
 def clipped_update(
-    reply: CheckedReply, train_round: TrainRound, deltas: Sequence[str], privacy: CentralPrivacy
+    reply: CheckedReply,
+    reference: Mapping[str, Tensor],
+    deltas: Sequence[str],
+    privacy: CentralPrivacy,
 ) -> tuple[dict[str, dict[str, Tensor]], float]:
     """The reply's update, float64: `deltas` records as x - s g (g the arrays sent), the others
     as they are, clipped to the clip norm over all records jointly; and its norm before."""
     update = {
-        name: scaled_difference(state, train_round.reference, privacy.delta_scale)
+        name: scaled_difference(state, reference, privacy.delta_scale)
         if name in deltas
         else {key: value.double() for key, value in state.items()}
         for name, state in reply.states.items()
@@ -185,21 +196,21 @@ def secure_sum(
         result = secure(train_round.grid, node_ids, layout, train_round.server_round,
                         train_round.min_holders, dp_range)  # fmt: skip
     except SecureAggregationError as error:
-        return secure_failure(train_round, f"SecAgg+ halted: {error}")
+        return sum_failure(train_round, f"SecAgg+ halted: {error}")
     train_round.unmasked_holders.append(len(result.node_ids))
     train_round.bytes_up += result.bytes_up
     held_metrics = result.sums.pop(METRICS)
     weight = float(held_metrics.pop(WEIGHT_KEY))
     unclipped = held_metrics.pop(DP_UNCLIPPED, None)
     if not (math.isfinite(weight) and weight > result.resolution[METRICS][WEIGHT_KEY]):
-        return secure_failure(
+        return sum_failure(
             train_round, "the summed weight is not positive (not above the secure sum's resolution)"
         )
     if not all(bool(torch.isfinite(v).all()) for s in result.sums.values() for v in s.values()):
-        return secure_failure(train_round, "a summed record holds NaN or infinite values")
+        return sum_failure(train_round, "a summed record holds NaN or infinite values")
     metric_means = {key: float(value) / weight for key, value in held_metrics.items()}
     if not all(math.isfinite(value) for value in metric_means.values()):
-        return secure_failure(train_round, "a summed metric is NaN or infinite")
+        return sum_failure(train_round, "a summed metric is NaN or infinite")
     train_round.secure_sums += 1
     train_round.secure_metrics = metric_means
     summed = set(result.node_ids)
@@ -210,12 +221,13 @@ def secure_sum(
     )  # fmt: skip
 
 
-def secure_failure(train_round: TrainRound, reason: str) -> None:
-    """Count a secure sum that cannot be used ("secure-sum-failures") and log it; None."""
-    train_round.secure_failures += 1
-    train_round.secure_error = reason
+def sum_failure(train_round: TrainRound, reason: str) -> None:
+    """Count a sum that cannot be used (a halted or unusable secure sum, DecentNeRF's alpha sum
+    that is not positive; "secure-sum-failures" under secure aggregation) and log it; None."""
+    train_round.failed_sums += 1
+    train_round.sum_error = reason
     where = f"round {train_round.server_round}"
-    log(ERROR, "%s: secure aggregation failed, nothing of it is used: %s", where, reason)
+    log(ERROR, "%s: the sum failed, nothing of it is used: %s", where, reason)
 
 
 def held_metric_keys(replies: Sequence[Message]) -> list[str]:
