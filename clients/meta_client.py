@@ -24,7 +24,7 @@ from fedfields.config.schema import META_TASKS
 from fedfields.flower import meta_train_parts
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import ReplyParts
-from fedfields.train.builders import client_meta_tasks, meta_config, meta_model
+from fedfields.train.builders import client_meta_tasks, client_seed, meta_config, meta_model
 
 
 def train(call: ClientCall) -> ReplyParts:
@@ -37,7 +37,7 @@ def train(call: ClientCall) -> ReplyParts:
         settings,
         outer_steps=settings.outer_steps,
         proximal_mu=0.0,
-        seed=config.common.seed * 100_003 + call.federated_round() * 1009 + client,
+        seed=client_seed(config.common.seed, client, call.federated_round()),
     )
     meta = dataclasses.replace(meta, device=call.device)
     object_dir = node_data_dir(call.context, "object") if config.common.task == "objects" else None

@@ -39,8 +39,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.render import OccupancyGrid
-from fedfields.train.builders import check_scene_fits, global_field, render_config
+from fedfields.render import OccupancyGrid, RenderConfig
+from fedfields.train.builders import check_scene_fits, client_seed, global_field, render_config
 from fedfields.train.federated import (
     LocalTrainConfig,
     ScaffoldControls,
@@ -73,9 +73,9 @@ def train(call: ClientCall) -> ReplyParts:
     views = _user_views(call)
     scene = views.train
     field = _global_field(call)
+    settings = render_config(config, scene)  # the held-out views share the scene's bounds
     metrics: dict[str, float] = {}
     if views.heldout is not None:
-        settings = render_config(config, views.heldout)
         metrics[CLIENT_EVAL] = heldout_psnr(
             field, views.heldout, settings, call.device, EVAL_OCCUPANCY_PASSES
         )
@@ -84,7 +84,7 @@ def train(call: ClientCall) -> ReplyParts:
     if DecentNeRFClient.sent_by_decentnerf(msg):
         decentnerf = DecentNeRFClient(state, config.scene.alpha_lr)
     user = call.client
-    personal = _personal_field(state, config, scene, user) if decentnerf else None
+    personal = _personal_field(state, config, settings, len(scene), user) if decentnerf else None
     scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None
     local = LocalTrainConfig(
         steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
@@ -95,14 +95,14 @@ def train(call: ClientCall) -> ReplyParts:
         beta_min=config.scene.beta_min,
         proximal_mu=float(call.round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
-        seed=config.common.seed * 100_003 + call.federated_round() * 1009 + user,
+        seed=client_seed(config.common.seed, user, call.federated_round()),
         device=call.device,
     )
     result = local_train(
         field,
         scene,
         local,
-        render_config(config, scene),
+        settings,
         occupancy,
         personal_field=personal,
         global_reference=federated_state(field),
@@ -127,7 +127,8 @@ def gradient(call: ClientCall) -> ReplyParts:
     """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
     config, state = call.config, call.state
     scene = _user_views(call).train
-    personal = _personal_field(state, config, scene, call.client)
+    settings = render_config(config, scene)
+    personal = _personal_field(state, config, settings, len(scene), call.client)
     seed = config.common.seed + call.federated_round()
 
     def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -136,7 +137,7 @@ def gradient(call: ClientCall) -> ReplyParts:
         return loss_gradient_of(
             field,
             scene,
-            render_config(config, scene),
+            settings,
             _occupancy(state, field),
             personal_field=personal,
             num_rays=GRADIENT_RAYS,
@@ -181,13 +182,13 @@ def _global_field(call: ClientCall) -> HashGridField:
 
 
 def _personal_field(
-    state: NodeState, config: FederatedConfig, scene: Scene, user: int
+    state: NodeState, config: FederatedConfig, settings: RenderConfig, num_images: int, user: int
 ) -> PersonalField:
-    """The personal field kept on this node (created on first use from a per-user seed)."""
-    box = render_config(config, scene).aabb
+    """The personal field over `settings`' box for `num_images` views, kept on this node
+    (created on first use from a per-user seed)."""
     with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
-        torch.manual_seed(config.common.seed * 100_003 + user)
-        personal = PersonalField(PersonalFieldConfig(num_images=len(scene), aabb=box))
+        torch.manual_seed(client_seed(config.common.seed, user))
+        personal = PersonalField(PersonalFieldConfig(num_images=num_images, aabb=settings.aabb))
     saved = state.tensors(PERSONAL)
     if saved is not None:
         personal.load_state_dict(saved)

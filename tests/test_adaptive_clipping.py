@@ -23,13 +23,14 @@ from fedfields.config import FederatedConfig
 from fedfields.flower import FedAvg
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 from fedfields.flower.round_privacy import DP_EPSILON, DP_NEXT_CLIP_NORM, DP_ROUND_MULTIPLIER
+from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.adaptive_clipping import (
     AdaptiveClipping,
     combined_noise_multiplier,
     next_clip_norm,
     update_noise_multiplier,
 )
-from fedfields.privacy.dp import DPConfig, RoundCharge, epsilon_of, noise_generator
+from fedfields.privacy.dp import DPConfig, noise_generator
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 F64 = torch.float64

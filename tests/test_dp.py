@@ -22,28 +22,30 @@ from flwr.supercore.differential_privacy import (
 
 from fedfields.config import FederatedConfig
 from fedfields.flower import FedAvg
-from fedfields.privacy.dp import (
-    DEFAULT_MAX_NOISE_RATIO,
+from fedfields.privacy.accountant import (
     EPSILON_METRIC,
     EPSILON_WOR_METRIC,
     MAX_ROUNDS,
     DPAccountant,
+    RoundCharge,
+    epsilon_of,
+    epsilon_pld,
+    rounds_within,
+)
+from fedfields.privacy.dp import (
+    DEFAULT_MAX_NOISE_RATIO,
     DPConfig,
     NonFiniteUpdateError,
-    RoundCharge,
     add_gaussian_noise,
     central_noise_std,
     clip_model_update,
     clip_update,
     distributed_noise_std,
     effective_noise_multiplier,
-    epsilon_of,
-    epsilon_pld,
     gaussian_noise,
     mean_noise_std,
     noise_generator,
     noise_ratio,
-    rounds_within,
 )
 from simulations.server_app import run_job
 

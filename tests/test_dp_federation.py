@@ -69,14 +69,8 @@ from fedfields.flower.secure_aggregation import (
     private_records,
     secure_aggregation_mod,
 )
-from fedfields.privacy.dp import (
-    DPConfig,
-    RoundCharge,
-    distributed_noise_std,
-    epsilon_of,
-    noise_generator,
-    update_norm,
-)
+from fedfields.privacy.accountant import RoundCharge, epsilon_of
+from fedfields.privacy.dp import DPConfig, distributed_noise_std, noise_generator, update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -64,6 +64,7 @@ from fedfields.flower.protocol import (
     TRAIN_STEPS,
     BadReply,
     arrays_to_state,
+    checked_samples,
     state_to_arrays,
 )
 from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
@@ -74,7 +75,7 @@ from fedfields.flower.user_keys import (
     answer_user_key,
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
-from simulations.split_job import checked_samples, run_split_job
+from simulations.split_job import run_split_job
 
 State = dict[str, Tensor]
 F64 = torch.float64

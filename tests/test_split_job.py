@@ -20,7 +20,8 @@ from fedfields.config import FederatedConfig
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
 from simulations.run import client_app, with_run_config
-from simulations.split_job import run_split_job, split_observers
+from simulations.split_job import run_split_job
+from simulations.split_observer import split_observers
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"  # the bundled scene
 

@@ -30,8 +30,8 @@ from fedfields import atomic
 from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
 from fedfields.config import meta_settings
 from fedfields.optim import resolve_device
+from fedfields.privacy.accountant import EPSILON_METRIC
 from fedfields.privacy.attacks.inference import AttackConfig, train_attack
-from fedfields.privacy.dp import EPSILON_METRIC
 from fedfields.train.builders import (
     as_image_batch,
     client_meta_tasks,

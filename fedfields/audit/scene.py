@@ -20,7 +20,7 @@ from fedfields.audit.common import (
     last_values,
 )
 from fedfields.data.crowd import CrowdData
-from fedfields.privacy.dp import EPSILON_METRIC
+from fedfields.privacy.accountant import EPSILON_METRIC
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer
 

@@ -412,3 +412,19 @@ def reply_metric(
     if at_least is not None and value < at_least:
         raise BadReply(key, f"{where}: metric {key!r} is below its floor {at_least:g}")
     return float(value)
+
+
+def checked_samples(reply: Message, max_rays: int, samples: int) -> dict[str, Tensor]:
+    """The SAMPLES record as float32 tensors, or `BadReply`: "origins" and "directions"
+    [R, 3], "edges" [R, samples + 1], 1 <= R <= max_rays, finite (`reply_state`)."""
+    record = reply.content.get(SAMPLES)
+    origins = record.get("origins") if isinstance(record, ArrayRecord) else None
+    count = origins.shape[0] if origins is not None and len(origins.shape) == 2 else 1
+    if not 1 <= count <= max_rays:
+        raise BadReply(
+            "batch-size",
+            f"reply from node {reply.metadata.src_node_id}, record {SAMPLES!r}: {count} rays, "
+            f"outside [1, split-batch-rays = {max_rays}]",
+        )
+    shapes = {"origins": (count, 3), "directions": (count, 3), "edges": (count, samples + 1)}
+    return reply_state(reply, SAMPLES, shapes, dict.fromkeys(shapes, "float32"))

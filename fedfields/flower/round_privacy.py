@@ -34,17 +34,14 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import TrainRound
 from fedfields.flower.sum_replies import CentralPrivacy, DistributedPrivacy, RoundSum
+from fedfields.privacy.accountant import EPSILON_METRIC, DPAccountant, RoundCharge, check_plan
 from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
 from fedfields.privacy.dp import (
     CLIP_NORM_KEY,
-    EPSILON_METRIC,
     MAX_NOISE_RATIO_KEY,
     NOISE_TAIL,
-    DPAccountant,
     DPConfig,
-    RoundCharge,
     central_noise_std,
-    check_plan,
     combined_noise_multiplier,
     distributed_noise_range,
     effective_noise_multiplier,

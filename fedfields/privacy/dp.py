@@ -14,26 +14,16 @@ with noise multiplier z:
   h >= t shares carries z*sqrt(h/t) >= z (`effective_noise_multiplier`), which is what the
   accountant is charged; a sum of fewer than t is never unmasked.
 
-`DPAccountant` composes the rounds as Poisson-subsampled Gaussian mechanisms (add-or-remove-one
-client) in Renyi DP with Google's dp-accounting (what Flower's `RdpAccountant` wraps) and
-reports epsilon at delta. Beside it (`DPAccountant.report`): the same Poisson rounds through
-dp-accounting's privacy-loss-distribution accountant (PLD, tighter), and what actually runs,
-k of n clients sampled without replacement, which dp-accounting bounds for replace-one
-neighbours only: replacing one client's clipped update moves the sum by up to 2C, so each
-round is the without-replacement subsampled Gaussian of multiplier z/2 (Wang et al. 2019).
-Pure PyTorch; updates are state dicts (`dict[str, Tensor]`).
+The accountant that charges each round is `fedfields.privacy.accountant`. Pure PyTorch;
+updates are state dicts (`dict[str, Tensor]`).
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 import math
 import secrets
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,22 +41,6 @@ GRADIENT_CLIP_NORM_KEY = "dp-gradient-clip-norm"
 DEFAULT_MAX_NOISE_RATIO = 10.0
 """z sqrt(d) / n above which a DP run is refused: the noise on the mean update is then ten
 times the largest update a client may send, and rounds move the model by noise."""
-EPSILON_METRIC = "dp-epsilon"
-"""Metric (metrics.jsonl, summary.json's final): epsilon at dp-delta the run has spent
-(Poisson-subsampled rounds, Renyi DP: the figure dp-target-epsilon is held to)."""
-EPSILON_PLD_METRIC = "dp-epsilon-pld"
-"""Metric: the same rounds' epsilon through the PLD accountant (tighter than RDP)."""
-EPSILON_WOR_METRIC = "dp-epsilon-without-replacement"
-"""Metric: epsilon for what runs, k of n sampled without replacement (replace-one neighbours,
-Renyi DP); absent when a round's counts are unknown (a run resumed from an older checkpoint)."""
-PLD_INTERVAL = 1e-2
-"""dp-accounting's PLD value discretisation: pessimistic, so still an upper bound; 0.2% above
-the default 1e-4's epsilon for 100 rounds of q = 0.05, z = 1.1, and 70x faster."""
-PLD_MIN_MULTIPLIER = 0.5
-"""Below this noise multiplier the PLD figure is left out: its privacy loss spans too wide a
-range to discretise in seconds (and epsilon is in the hundreds, RDP says as much)."""
-MAX_ROUNDS = 1 << 40
-"""`rounds_within` stops counting here: a plan this long is never the binding constraint."""
 
 
 class NonFiniteUpdateError(ValueError):
@@ -247,21 +221,6 @@ def combined_noise_multiplier(multipliers: Sequence[float]) -> float:
     return 1.0 / math.sqrt(math.fsum(1.0 / z**2 for z in multipliers))
 
 
-def check_plan(config: DPConfig, charges: Sequence[RoundCharge]) -> float:
-    """The planned rounds' epsilon at `config.delta`; ValueError naming dp-target-epsilon when
-    it exceeds a set target (a plan that cannot meet it is refused before it starts)."""
-    epsilon = epsilon_of(charges, config.delta)
-    if config.target_epsilon > 0 and epsilon > config.target_epsilon:
-        raise ValueError(
-            f"'{TARGET_EPSILON_KEY}' = {config.target_epsilon:g} cannot be met: {len(charges)} "
-            f"rounds (sampling rate {charges[-1].sampling_rate:.4g} ahead) with "
-            f"'{NOISE_MULTIPLIER_KEY}' = {config.noise_multiplier:g} spend epsilon "
-            f"{epsilon:.4g} at '{DELTA_KEY}' = {config.delta:g}; raise the noise, sample "
-            "fewer clients or plan fewer rounds"
-        )
-    return epsilon
-
-
 def noise_ratio(noise_multiplier: float, num_params: int, num_sampled: int) -> float:
     """z sqrt(d) / n: the norm of the DP noise on the mean of n clipped updates (z C sqrt(d)
     / n over d entries) against the largest update one client may send (C). Above 1 a round
@@ -342,258 +301,3 @@ def add_gaussian_noise(state: State, std: float, generator: torch.Generator) -> 
         key: (tensor.detach().double() + noise[key].to(tensor.device)).to(tensor.dtype)
         for key, tensor in state.items()
     }
-
-
-@dataclass(frozen=True)
-class RoundCharge:
-    """One round as the accountant sees it: clients sampled with probability q, noise
-    multiplier z (the effective one where dropouts lowered it), and, when known, the k
-    clients sampled of the n connected (0, 0: unknown)."""
-
-    sampling_rate: float
-    noise_multiplier: float
-    sampled: int = 0
-    population: int = 0
-
-    def __post_init__(self) -> None:
-        q, z = self.sampling_rate, self.noise_multiplier
-        if isinstance(q, bool) or not (math.isfinite(q) and 0.0 <= q <= 1.0):
-            raise ValueError(f"sampling rate must be in [0, 1], got {q!r}")
-        if isinstance(z, bool) or not (math.isfinite(z) and z >= 0.0):
-            raise ValueError(f"noise multiplier must be finite and >= 0, got {z!r}")
-        k, n = self.sampled, self.population
-        if not (isinstance(k, int) and isinstance(n, int) and 0 <= k <= n):
-            raise ValueError(f"sampled and population must be integers 0 <= k <= n, got {k}, {n}")
-
-    @property
-    def counted(self) -> bool:
-        """Whether the round's k of n are known (sampling without replacement accountable)."""
-        return self.population > 0
-
-
-def _check_delta(delta: float) -> float:
-    if isinstance(delta, bool) or not (math.isfinite(delta) and 0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    return float(delta)
-
-
-def _rdp_accountant(orders: Sequence[float] | None) -> Any:
-    """A fresh dp-accounting RDP accountant (add-or-remove-one neighbours)."""
-    from dp_accounting.rdp import RdpAccountant
-
-    return RdpAccountant(orders=None if orders is None else list(orders))
-
-
-def _compose(accountant: Any, charge: RoundCharge, count: int) -> None:
-    """Compose `count` rounds of `charge` as Poisson-subsampled Gaussian mechanisms.
-
-    dp-accounting logs a warning for each fractional order whose series does not converge
-    (q >= ~0.25) and leaves that order out, which can only raise epsilon; the warnings are
-    kept out of the run's log.
-    """
-    from dp_accounting import dp_event
-
-    gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier)
-    event = dp_event.PoissonSampledDpEvent(charge.sampling_rate, gaussian)
-    _quiet_compose(accountant, event, count)
-
-
-def _quiet_compose(accountant: Any, event: Any, count: int) -> None:
-    """`accountant.compose(event, count)` without dp-accounting's per-order warnings."""
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        accountant.compose(event, count)
-    finally:
-        absl_logger.setLevel(level)
-
-
-def epsilon_pld(charges: Iterable[RoundCharge], delta: float) -> float | None:
-    """Epsilon at `delta` of the Poisson-subsampled rounds through dp-accounting's PLD
-    accountant (pessimistic estimate, discretisation `PLD_INTERVAL`); 0 for no rounds, inf
-    for a sampled round without noise, None below `PLD_MIN_MULTIPLIER` or where dp-accounting
-    cannot discretise the loss."""
-    from dp_accounting import dp_event
-    from dp_accounting.pld import PLDAccountant
-
-    delta = _check_delta(delta)
-    accountant = PLDAccountant(value_discretization_interval=PLD_INTERVAL)
-    for charge, count in Counter(charges).items():
-        if charge.sampling_rate == 0:
-            continue
-        if charge.noise_multiplier == 0:
-            return math.inf
-        if charge.noise_multiplier < PLD_MIN_MULTIPLIER:
-            return None
-        gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier)
-        event = dp_event.PoissonSampledDpEvent(charge.sampling_rate, gaussian)
-        try:
-            _quiet_compose(accountant, event, count)
-        except (ValueError, MemoryError):
-            return None
-    return float(accountant.get_epsilon(delta))
-
-
-def epsilon_without_replacement(charges: Iterable[RoundCharge], delta: float) -> float | None:
-    """Epsilon at `delta` of the rounds as run: k of n sampled without replacement, each a
-    Gaussian of multiplier z/2 under replace-one neighbours (sensitivity 2C; Renyi DP). None
-    when a round's k and n are unknown."""
-    from dp_accounting import NeighboringRelation, dp_event
-    from dp_accounting.rdp import RdpAccountant
-
-    charges = list(charges)
-    if not all(charge.counted for charge in charges):
-        return None
-    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
-    for charge, count in Counter(charges).items():
-        gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier / 2)
-        population, sampled = charge.population, charge.sampled
-        event = dp_event.SampledWithoutReplacementDpEvent(population, sampled, gaussian)
-        _quiet_compose(accountant, event, count)
-    return float(accountant.get_epsilon(_check_delta(delta)))
-
-
-def epsilon_of(
-    charges: Iterable[RoundCharge], delta: float, orders: Sequence[float] | None = None
-) -> float:
-    """Epsilon at `delta` of the composed rounds (Renyi DP of Poisson-subsampled Gaussians,
-    add-or-remove-one client; dp-accounting's default orders unless `orders` is given).
-    inf when a sampled round had no noise; 0 for no rounds."""
-    accountant = _rdp_accountant(orders)
-    for charge, count in Counter(charges).items():
-        _compose(accountant, charge, count)
-    return float(accountant.get_epsilon(_check_delta(delta)))
-
-
-def rounds_within(
-    target_epsilon: float,
-    sampling_rate: float,
-    noise_multiplier: float,
-    delta: float,
-    spent: Iterable[RoundCharge] = (),
-    orders: Sequence[float] | None = None,
-) -> int:
-    """How many more rounds of (q, z) keep epsilon at `delta` <= `target_epsilon` after the
-    rounds already `spent` (at most MAX_ROUNDS). A plan of more rounds cannot meet it."""
-    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon!r}")
-    charge = RoundCharge(sampling_rate, noise_multiplier)
-    _check_delta(delta)
-    base = _rdp_accountant(orders)
-    for previous, count in Counter(spent).items():
-        _compose(base, previous, count)
-    return _rounds_within(base, target_epsilon, charge, delta)
-
-
-def _rounds_within(base: Any, target_epsilon: float, charge: RoundCharge, delta: float) -> int:
-    """Largest R <= MAX_ROUNDS with epsilon(base + R x charge) <= target (epsilon grows with
-    R): doubling, then bisection, each probe one composition with a count."""
-
-    def fits(rounds: int) -> bool:
-        probe = copy.deepcopy(base)
-        _compose(probe, charge, rounds)
-        return float(probe.get_epsilon(delta)) <= target_epsilon
-
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while fits(high):
-        if high == MAX_ROUNDS:
-            return MAX_ROUNDS
-        low, high = high, min(2 * high, MAX_ROUNDS)
-    while high - low > 1:  # fits(low), not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
-
-
-class DPAccountant:
-    """The privacy loss of a run so far: one charge (q, z) per aggregated round, epsilon at
-    `delta` after each; `state_dict` / `from_state_dict` carry it across a resume."""
-
-    def __init__(
-        self,
-        delta: float,
-        charges: Iterable[RoundCharge] = (),
-        orders: Sequence[float] | None = None,
-    ) -> None:
-        self.delta = _check_delta(delta)
-        self.orders = None if orders is None else tuple(float(order) for order in orders)
-        self._charges = list(charges)
-        self._backend = _rdp_accountant(self.orders)
-        for charge, count in Counter(self._charges).items():
-            _compose(self._backend, charge, count)
-
-    @property
-    def charges(self) -> tuple[RoundCharge, ...]:
-        """The rounds charged so far, in order."""
-        return tuple(self._charges)
-
-    def charge(
-        self, sampling_rate: float, noise_multiplier: float, sampled: int = 0, population: int = 0
-    ) -> float:
-        """Charge one round of sampling rate q and noise multiplier z (with its k sampled of
-        n connected when known); epsilon afterwards."""
-        charge = RoundCharge(sampling_rate, noise_multiplier, sampled, population)
-        _compose(self._backend, charge, 1)
-        self._charges.append(charge)
-        return self.epsilon()
-
-    def epsilon(self) -> float:
-        """Epsilon at `delta` spent by the rounds charged so far."""
-        return float(self._backend.get_epsilon(self.delta))
-
-    def report(self) -> dict[str, float]:
-        """Epsilon three ways: Poisson RDP (`EPSILON_METRIC`, what the target holds to),
-        Poisson PLD (unless dp-accounting cannot discretise it) and, when every round's counts
-        are known, sampling without replacement."""
-        others = {
-            EPSILON_PLD_METRIC: epsilon_pld(self._charges, self.delta),
-            EPSILON_WOR_METRIC: epsilon_without_replacement(self._charges, self.delta),
-        }
-        found = {name: value for name, value in others.items() if value is not None}
-        return {EPSILON_METRIC: self.epsilon(), **found}
-
-    def epsilon_after(
-        self, sampling_rate: float, noise_multiplier: float, rounds: int = 1
-    ) -> float:
-        """Epsilon if `rounds` more rounds of (q, z) were charged; charges nothing."""
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}")
-        probe = copy.deepcopy(self._backend)
-        _compose(probe, RoundCharge(sampling_rate, noise_multiplier), rounds)
-        return float(probe.get_epsilon(self.delta))
-
-    def rounds_left(
-        self, target_epsilon: float, sampling_rate: float, noise_multiplier: float
-    ) -> int:
-        """How many more rounds of (q, z) keep epsilon <= `target_epsilon`."""
-        if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-            raise ValueError(f"target epsilon must be finite and > 0, got {target_epsilon!r}")
-        charge = RoundCharge(sampling_rate, noise_multiplier)
-        return _rounds_within(self._backend, target_epsilon, charge, self.delta)
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: delta, orders and the (q, z, k, n) of every charged round
-        (a state of (q, z) pairs, from before k and n were kept, still loads)."""
-        return {
-            "delta": self.delta,
-            "orders": None if self.orders is None else list(self.orders),
-            "charges": [
-                [c.sampling_rate, c.noise_multiplier, c.sampled, c.population]
-                for c in self._charges
-            ],
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> DPAccountant:
-        """The accountant `state_dict` saved; ValueError naming what is malformed."""
-        try:
-            charges = [
-                RoundCharge(float(q), float(z), *(int(count) for count in counts))
-                for q, z, *counts in state["charges"]
-            ]
-            return cls(float(state["delta"]), charges, state.get("orders"))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"DP accountant state is malformed: {error}") from None

@@ -85,6 +85,13 @@ def check_scene_fits(config: FederatedConfig, scene: Scene, where: str) -> None:
         )
 
 
+def client_seed(seed: int, client: int, server_round: int = 0) -> int:
+    """The seed of one client's work in one round of run `seed` (round 0: what the client
+    builds once, its personal field): seed * 100_003 + round * 1009 + client, distinct for
+    every run, round and client while clients < 1009 and rounds < 99."""
+    return seed * 100_003 + server_round * 1009 + client
+
+
 def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
     """Occupancy-marching settings: the field's box, the scene's near/far and background
     (a server without a scene takes the NeRF-synthetic defaults)."""

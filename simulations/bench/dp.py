@@ -52,7 +52,8 @@ from matplotlib.figure import Figure
 from fedfields import atomic
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower.protocol import ARRAYS, NUM_REPLIES, arrays_to_state
-from fedfields.privacy.dp import EPSILON_METRIC, scaled_difference
+from fedfields.privacy.accountant import EPSILON_METRIC
+from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
