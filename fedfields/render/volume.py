@@ -106,11 +106,14 @@ def render_packed(
     num_rays: int,
     background: Tensor,
     backend: CompositeBackend = "auto",
+    kept: Tensor | None = None,
 ) -> tuple[RenderOutputs, Tensor]:
     """Per-ray outputs and per-sample weights [S] of packed samples sorted by ray.
 
     The same sums as `packed_weights` then `composite_packed`, differentiable in densities,
     colours (and deltas, depths, background when they need gradients) on either backend.
+    `kept` ([] int64), when given: samples from that index on are padding of zero density
+    and delta on the last ray; the triton kernels skip them (the torch sums add zeros).
     """
     if composite_backend(backend, densities.device) == "torch":
         weights = packed_weights(densities, deltas, ray_index, num_rays)
@@ -121,6 +124,8 @@ def render_packed(
     # where each ray's samples start (and the last ends), without a host sync
     rays = torch.arange(num_rays + 1, device=ray_index.device, dtype=ray_index.dtype)
     starts = torch.searchsorted(ray_index, rays)
+    if kept is not None:
+        starts[num_rays] = kept
     weights, color, depth, opacity = PackedComposite.apply(densities, deltas, t_mid, rgb, starts)
     color = color + (1.0 - opacity)[:, None] * background
     return RenderOutputs(rgb=color, depth=depth, opacity=opacity), weights
