@@ -97,6 +97,7 @@ def train(call: ClientCall) -> ReplyParts:
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=config.common.seed * 100_003 + call.federated_round() * 1009 + user,
         device=call.device,
+        step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
     )
     result = local_train(
         field,
