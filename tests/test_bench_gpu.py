@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench.gpu import Options, target_rows
+from simulations.bench.gpu import Options, main, target_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKER = """
@@ -93,3 +93,19 @@ def test_non_positive_sizes_are_refused(flag: str, tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"{flag} must be positive, got 0" in done.stderr
+
+
+def test_without_a_crowd_the_table_still_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "bench"
+    missing = tmp_path / "no-crowd"
+    argv = ["--smoke", "--crowd", str(missing), "--backends", "torch", "--device", "cpu",
+            "--seconds", "0.5", "--methods", "fednerf", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["what"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
+    assert rows["centralised 25x25, torch"]["value"].endswith(" dB")
+    for what in ("one user's one-epoch FedNeRF round, CPU, 2 threads",
+                 "2-user round, FedNeRF (FedAvg, global field only)"):  # fmt: skip
+        assert rows[what]["value"].startswith("unavailable: no crowd"), rows[what]
+    assert capsys.readouterr().out.strip().endswith((out / "table.md").read_text().strip())

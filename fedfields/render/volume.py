@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedfields.fields.encodings import triton_available, triton_runs_on
+from fedfields.fields.encodings import triton_available, triton_runs_on, triton_works
 
 CompositeBackend = Literal["auto", "torch", "triton"]
 
@@ -82,8 +82,8 @@ def composite_packed(
 def composite_backend(
     backend: CompositeBackend, device: torch.device
 ) -> Literal["torch", "triton"]:
-    """'auto': triton for CUDA tensors when it imports, else torch; 'triton' where it cannot
-    run raises one clear error."""
+    """'auto': triton for CUDA tensors where it works (`triton_works`), else torch; 'triton'
+    where it cannot run raises one clear error."""
     if backend == "triton":
         if not triton_runs_on(device):
             raise RuntimeError(
@@ -92,7 +92,7 @@ def composite_backend(
                 "set before triton is imported); use 'auto' or 'torch'"
             )
         return "triton"
-    if backend == "auto" and device.type == "cuda" and triton_available():
+    if backend == "auto" and triton_works(device):
         return "triton"
     return "torch"
 

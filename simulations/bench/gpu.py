@@ -222,12 +222,13 @@ def centralised(options: Options, device: torch.device, backend: str) -> dict[st
 
 
 def load_crowd(options: Options) -> CrowdData:
-    """The crowd's first --users users."""
+    """The crowd's first --users users; ValueError says why there is none (the parts that
+    need it then report it, and the table still prints)."""
     if options.crowd is None:
-        raise SystemExit("--crowd is required: build one with `fedfields data crowd`")
+        raise ValueError("--crowd is required: build one with `fedfields data crowd`")
     data = CrowdData.load(options.crowd, options.crowd_downscale)
     if len(data.users) < options.users:
-        raise SystemExit(f"--users {options.users}: {options.crowd} holds {len(data.users)}")
+        raise ValueError(f"--users {options.users}: {options.crowd} holds {len(data.users)}")
     return replace(data, users=data.users[: options.users])
 
 
@@ -452,10 +453,17 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
     for backend in options.backends:
         attempt(central, backend, lambda b=backend: centralised(options, device, b))
     found["centralised"] = central
-    data = load_crowd(options)
+    try:  # inside the guard: without a crowd the other parts say so and the table prints
+        data, no_crowd = load_crowd(options), None
+    except Exception as error:
+        log.error("crowd failed to load:\n%s", traceback.format_exc())
+        data, no_crowd = None, f"unavailable: no crowd ({type(error).__name__}: {error})"
     local: dict[str, Any] = {}
     try:
-        local.update(local_rounds(options, device, data))
+        if data is None:
+            local["gpu_error"] = local["cpu_error"] = no_crowd
+        else:
+            local.update(local_rounds(options, device, data))
     except Exception as error:
         log.error("local round failed:\n%s", traceback.format_exc())
         local["gpu_error" if device.type == "cuda" else "cpu_error"] = f"failed: {error}"
@@ -465,11 +473,13 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
     federated: dict[str, Any] = {}
     trains_on = LocalTrainConfig(steps=1).device
     for method in options.methods:
-        if resolve_device(trains_on) != device:
+        if data is None:
+            federated[method] = {"error": no_crowd}
+        elif resolve_device(trains_on) != device:
             federated[method] = {"error": f"unavailable: run_federated trains on "
                                           f"{trains_on!r}, not {device}"}  # fmt: skip
-            continue
-        attempt(federated, method, lambda m=method: federated_round(options, device, data, m))
+        else:
+            attempt(federated, method, lambda m=method: federated_round(options, device, data, m))
     found["federated"] = federated
     if device.type == "cuda":  # each part resets the peak: the run's is the largest part's
         parts = [*central.values(), local, *federated.values()]
