@@ -28,10 +28,14 @@ from fedfields.fields.base import FieldOutputs
 from fedfields.geometry.rays import Rays, intersect_aabb
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import default_setup, train
-from fedfields.train.federated import LocalTrainConfig, local_train
+from fedfields.train.federated import FINITE_CHECK_EVERY, LocalTrainConfig, local_train
 from fedfields.train.static_step import (
+    MIN_BATCH_RAYS,
     StaticStep,
+    first_static_batch,
+    max_samples_per_ray,
     set_learning_rate,
+    static_capacity,
     static_loss,
     static_optimizer,
 )
@@ -296,6 +300,45 @@ def test_static_training_counts_its_samples_at_the_checks(tiny_lego: Scene) -> N
     assert [record["step"] for record in result.history] == [2, 4]
     assert result.samples > 5 * 64  # every step's count, the last one's after the loop
     assert result.history[0]["samples_per_ray"] * 64 * 2 <= result.samples
+
+
+@pytest.mark.parametrize("target_samples", [None, 1 << 10, 1 << 12, 1 << 14, 1 << 16])
+def test_the_first_static_batch_fits_the_capacity_in_the_worst_case(
+    tiny_lego: Scene, target_samples: int | None
+) -> None:
+    render = default_setup("hashgrid", tiny_lego, implementation="torch").render_config
+    worst = max_samples_per_ray(render)
+    assert worst == 199  # far - near = 4 over lego's step 3 sqrt(3) / 256: 198 steps, +1
+    capacity = static_capacity(target_samples, 1024, render)
+    assert capacity >= max(target_samples or 0, MIN_BATCH_RAYS * worst)
+    first = first_static_batch(1024, capacity, render, maximum=1 << 18)
+    assert MIN_BATCH_RAYS <= first <= 1024 and first * worst <= capacity
+    assert first == 1024 or 1024 * worst > capacity
+
+
+def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
+    """The grid starts fully occupied: the configured 1024 rays overflow a 2^12-sample buffer
+    (most rays dropped); the first window's batch, sized from the worst case, drops none
+    (the bound `first_static_batch` documents: 0), in training and in a local round."""
+    field, sampler, render, grid = _static_case(tiny_lego)
+    capacity = static_capacity(1 << 12, 1024, render)
+    torch.manual_seed(0)
+    configured = static_loss(field, sampler, render, grid, 1024, capacity)
+    assert int(configured.dropped_rays) > 1024 // 2  # what a start at the configured batch does
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    config = setup.train_config(
+        steps=4, batch_rays=1024, target_samples=1 << 12, progress=False, log_every=4,
+        device="cpu", step_mode="static",
+    )  # fmt: skip
+    result = train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+    first = result.history[0]
+    assert first["dropped_rays"] == 0 and first["batch_rays"] < 1024
+    assert result.dropped_rays == 0 and result.samples > 4 * MIN_BATCH_RAYS
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    local = LocalTrainConfig(steps=FINITE_CHECK_EVERY // 4, batch_rays=1024,
+                             target_samples=1 << 12, device="cpu", step_mode="static")  # fmt: skip
+    round_ = local_train(setup.field, tiny_lego, local, setup.render_config, setup.occupancy)
+    assert round_.dropped_rays == 0 and round_.rays < local.steps * 1024
 
 
 def test_cuda_graph_is_refused_on_a_cpu_run(tiny_lego: Scene) -> None:

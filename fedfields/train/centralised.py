@@ -25,10 +25,13 @@ from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.static_step import (
     STEP_MODES,
+    CheckWindow,
     StaticStep,
     StepMode,
+    first_static_batch,
     set_learning_rate,
     static_batch_rays,
+    static_capacity,
     static_loss,
     static_optimizer,
 )
@@ -76,6 +79,7 @@ class TrainResult:
     samples: int
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    dropped_rays: int = 0  # static steps: rays left out of the loss (their samples overflowed)
 
     @property
     def rays_per_second(self) -> float:
@@ -161,16 +165,6 @@ def checked_losses(losses: list[Tensor], first_step: int, what: str) -> list[flo
     return values
 
 
-def static_capacity(
-    target_samples: int | None, batch_rays: int, render_config: RenderConfig
-) -> int:
-    """Sample slots of a static step: `target_samples`, else every step of `batch_rays`
-    rays (a fixed batch then never overflows)."""
-    if target_samples is not None:
-        return target_samples
-    return batch_rays * (math.ceil(render_config.max_ray_length / render_config.step_size) + 1)
-
-
 def adapt_batch_rays(batch_rays: int, num_samples: int, target: int, maximum: int) -> int:
     """Next batch size so a step holds about `target` field samples (nerfacc's dynamic batch)."""
     proposed = batch_rays * target / max(num_samples, 1)
@@ -214,7 +208,7 @@ def train(
             return static_loss(field, sampler, render_config, grid, rays, capacity)
 
         static = StaticStep(loss_fn, optimizer, occupancy, config.step_mode == "cuda-graph")
-    pending_samples: list[Tensor] = []  # static steps' sample counts, still on the device
+    window = CheckWindow()  # static steps' counts, still on the device
     budget_seconds = config.minutes * 60.0 if config.minutes is not None else None
     result = TrainResult(steps=0, rays=0, samples=0, seconds=0.0)
     # The bar counts steps for a step budget and seconds for a time budget.
@@ -226,6 +220,8 @@ def train(
         mininterval=1.0,
     )
     batch_rays = config.batch_rays
+    if static is not None and occupancy is not None:
+        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
     unchecked: list[Tensor] = []  # losses since the last finiteness check, still on the device
     start = time.perf_counter()
     while True:
@@ -252,7 +248,7 @@ def train(
         else:
             outputs = static(batch_rays)
             loss = outputs.loss
-            pending_samples.append(outputs.samples)
+            window.add(outputs)
         unchecked.append(loss.detach())
         result.steps += 1
         result.rays += batch_rays
@@ -262,11 +258,13 @@ def train(
             last = checked_losses(unchecked, result.steps - len(unchecked), "training")[-1]
             unchecked.clear()
             samples_per_ray = num_samples / batch_rays if static is None else 0.0
-            if static is not None:  # the window's sample counts, read at the loss check
-                window = sum(torch.stack(pending_samples).tolist())
-                samples_per_ray = window / (len(pending_samples) * batch_rays)
-                result.samples += window
-                pending_samples.clear()
+            dropped: dict[str, int] = {}
+            if static is not None:  # the window's counts, read at the loss check
+                steps = len(window)
+                samples, dropped["dropped_rays"] = window.read()
+                samples_per_ray = samples / (steps * batch_rays)
+                result.samples += samples
+                result.dropped_rays += dropped["dropped_rays"]
             record = {
                 "step": result.steps,
                 "seconds": time.perf_counter() - start,
@@ -274,6 +272,7 @@ def train(
                 "psnr": -10.0 * math.log10(max(last, 1e-10)),
                 "samples_per_ray": samples_per_ray,
                 "batch_rays": batch_rays,
+                **dropped,
             }
             result.history.append(record)
             bar.set_postfix(
@@ -288,7 +287,9 @@ def train(
                 batch_rays, num_samples, config.target_samples, config.max_batch_rays
             )
     checked_losses(unchecked, result.steps - len(unchecked), "training")
-    result.samples += sum(torch.stack(pending_samples).tolist()) if pending_samples else 0
+    samples, dropped_rays = window.read()
+    result.samples += samples
+    result.dropped_rays += dropped_rays
     result.seconds = time.perf_counter() - start
     bar.close()
     return result

@@ -26,14 +26,17 @@ from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.render.renderer import RayOutputs
-from fedfields.train.centralised import adapt_batch_rays, checked_losses, static_capacity
+from fedfields.train.centralised import adapt_batch_rays, checked_losses
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
 from fedfields.train.static_step import (
     STEP_MODES,
+    CheckWindow,
     Proximal,
     StaticStep,
     StepMode,
+    first_static_batch,
     static_batch_rays,
+    static_capacity,
     static_loss,
     static_optimizer,
 )
@@ -133,6 +136,7 @@ class LocalTrainResult:
     psnr: float  # of that loss
     num_examples: int  # pixels in the client's scene (FedAvg's weight)
     client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+ (the upload: c_i+ - c_i)
+    dropped_rays: int = 0  # static steps: rays left out of the loss (their samples overflowed)
 
     @property
     def rays_per_second(self) -> float:
@@ -305,8 +309,10 @@ def _static_local_train(
     step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph)
     recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
     unchecked: list[Tensor] = []
-    pending: list[Tensor] = []  # sample counts since the last check, on the device
-    batch_rays, total_rays, total_samples, steps = config.batch_rays, 0, 0, 0
+    window = CheckWindow()  # counts since the last check, on the device
+    batch_rays, total_rays, total_samples, dropped_rays, steps = config.batch_rays, 0, 0, 0, 0
+    if occupancy is not None:
+        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
     epoch_rays = config.epochs * scene.images.shape[:3].numel()
     start = time.perf_counter()
     for index in range(config.steps):
@@ -317,22 +323,23 @@ def _static_local_train(
         outputs = step(batch_rays)
         recent.append(outputs.photometric.detach())
         unchecked.append(outputs.loss.detach())
-        pending.append(outputs.samples)
+        window.add(outputs)
         steps += 1
         total_rays += batch_rays
         if steps % FINITE_CHECK_EVERY == 0:
             checked_losses(unchecked, steps - len(unchecked), "local training")
-            window = sum(torch.stack(pending).tolist())
-            total_samples += window
-            spr = window / (len(pending) * batch_rays)
+            window_rays = len(window) * batch_rays
+            samples, dropped = window.read()
+            total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
+            spr = samples / window_rays
             unchecked.clear()
-            pending.clear()
             batch_rays = static_batch_rays(spr, capacity, config.max_batch_rays)
     optimizer.zero_grad(set_to_none=True)
     checked_losses(unchecked, steps - len(unchecked), "local training")
-    total_samples += sum(torch.stack(pending).tolist()) if pending else 0
-    window = torch.stack(list(recent)).tolist()
-    mean_loss = sum(window) / len(window)
+    samples, dropped = window.read()
+    total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
+    losses = torch.stack(list(recent)).tolist()
+    mean_loss = sum(losses) / len(losses)
     return LocalTrainResult(
         steps=steps,
         rays=total_rays,
@@ -341,6 +348,7 @@ def _static_local_train(
         loss=mean_loss,
         psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
         num_examples=scene.images.shape[:3].numel(),
+        dropped_rays=dropped_rays,
     )
 
 

@@ -39,6 +39,8 @@ WARMUP_STEPS = 2
 CAPACITY_FILL = 0.9
 """`static_batch_rays` aims the expected samples at this share of the capacity."""
 LADDER_STEPS_PER_OCTAVE = 4
+MIN_BATCH_RAYS = 64
+"""The ladder's lowest rung; the capacity always holds its worst case (`static_capacity`)."""
 
 
 @dataclass
@@ -49,6 +51,32 @@ class StepOutputs:
     photometric: Tensor  # [] mean squared colour error over the complete rays
     samples: Tensor  # [] int64 occupied samples marching found (before the cap)
     dropped_rays: Tensor  # [] int64 rays left out of the loss: their samples overflowed
+
+
+class CheckWindow:
+    """Static steps' sample and dropped-ray counts since the last check, kept on the device
+    and read together in one host sync (`read`)."""
+
+    def __init__(self) -> None:
+        self.samples: list[Tensor] = []
+        self.dropped: list[Tensor] = []
+
+    def add(self, outputs: StepOutputs) -> None:
+        self.samples.append(outputs.samples)
+        self.dropped.append(outputs.dropped_rays)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self) -> tuple[int, int]:
+        """(samples, dropped rays) of the window's steps, then an empty window."""
+        if not self.samples:
+            return 0, 0
+        counts = torch.stack([torch.stack(self.samples), torch.stack(self.dropped)])
+        samples, dropped = (int(total) for total in counts.sum(dim=1).tolist())
+        self.samples.clear()
+        self.dropped.clear()
+        return samples, dropped
 
 
 @dataclass(frozen=True)
@@ -84,11 +112,46 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, value: float) -> None:
 
 
 def static_batch_rays(samples_per_ray: float, capacity: int, maximum: int) -> int:
-    """The next ray batch: the largest rung of 2^(k/4), at least 64 and at most `maximum`,
-    whose expected samples fill at most CAPACITY_FILL of the capacity (few distinct shapes)."""
+    """The next ray batch: the largest rung of 2^(k/4), at least MIN_BATCH_RAYS and at most
+    `maximum`, whose expected samples fill at most CAPACITY_FILL of the capacity (few
+    distinct shapes)."""
     wanted = CAPACITY_FILL * capacity / max(samples_per_ray, 1e-6)
-    rung = math.floor(LADDER_STEPS_PER_OCTAVE * math.log2(max(wanted, 64.0)))
-    return max(64, min(int(2 ** (rung / LADDER_STEPS_PER_OCTAVE)), maximum))
+    rung = math.floor(LADDER_STEPS_PER_OCTAVE * math.log2(max(wanted, MIN_BATCH_RAYS)))
+    return max(MIN_BATCH_RAYS, min(int(2 ** (rung / LADDER_STEPS_PER_OCTAVE)), maximum))
+
+
+def max_samples_per_ray(render_config: RenderConfig) -> int:
+    """The most samples marching gives one ray: every step of `march_fixed`'s fixed count
+    (the longest interval in the box, +1), reached where the grid is fully occupied."""
+    return math.ceil(render_config.max_ray_length / render_config.step_size) + 1
+
+
+def static_capacity(
+    target_samples: int | None, batch_rays: int, render_config: RenderConfig
+) -> int:
+    """Sample slots of a static step: `target_samples`, else every step of `batch_rays`
+    rays (a fixed batch then never overflows); at least MIN_BATCH_RAYS rays' worst case, so
+    every rung of the ladder can be sized to fit it."""
+    worst = max_samples_per_ray(render_config)
+    if target_samples is None:
+        return batch_rays * worst
+    return max(target_samples, MIN_BATCH_RAYS * worst)
+
+
+def first_static_batch(
+    batch_rays: int, capacity: int, render_config: RenderConfig, maximum: int
+) -> int:
+    """The batch of the first check window, before any sample count is read: `batch_rays`
+    when its worst case fits the capacity, else the ladder's rung for the worst case.
+
+    The grid starts fully occupied and its updates within the window are unread, so only
+    the worst case (`max_samples_per_ray`) is safe: with it no ray of the first window
+    overflows (tests/test_host_syncs.py), where the configured batch could drop most rays.
+    """
+    worst = max_samples_per_ray(render_config)
+    if batch_rays * worst <= capacity:
+        return batch_rays
+    return static_batch_rays(worst, capacity, maximum)
 
 
 def static_loss(
