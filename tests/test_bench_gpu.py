@@ -145,6 +145,7 @@ def test_without_a_crowd_the_table_still_prints(
     rows = {row["what"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
     assert rows["centralised 25x25, torch, dynamic"]["value"].endswith(" dB")
     assert rows["centralised 25x25, torch, static"]["value"].endswith(" dB")
+    assert " rays dropped (overflow)" in rows["centralised 25x25, torch, static"]["note"]
     assert rows["centralised 25x25, torch, cuda-graph"]["value"] == (
         "unavailable: step mode cuda-graph needs a CUDA device (device cpu)"
     )

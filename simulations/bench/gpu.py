@@ -231,6 +231,8 @@ def centralised(
         "steps_per_s": result.steps / clock["seconds"],
         "rays_per_s": result.rays / clock["seconds"],
         "samples_per_ray": result.samples / max(result.rays, 1),
+        "rays": result.rays,
+        "dropped_rays": result.dropped_rays,
         "psnr": score,
         "peak_mib": peak_mib(device),
     }
@@ -452,6 +454,8 @@ def measurement_rows(options: Options, found: dict[str, Any]) -> list[Row]:
                 f"{entry['steps']} steps in {entry['seconds']:.1f} s, "
                 f"{entry['samples_per_ray']:.1f} samples/ray, {options.eval_views} held-out views"
             )
+            if mode != "dynamic":  # rays whose samples overflowed the static step's buffer
+                note += f", {entry['dropped_rays']} of {entry['rays']} rays dropped (overflow)"
             rows.append(Row(what, value, note=note + mib(entry.get("peak_mib"))))
     local = found.get("local", {})
     labelled = [(f"GPU, {mode}", local.get("gpu", {}).get(mode)) for mode in options.step_modes]
