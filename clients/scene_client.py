@@ -97,6 +97,7 @@ def train(call: ClientCall) -> ReplyParts:
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=client_seed(config.common.seed, user, call.federated_round()),
         device=call.device,
+        step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
     )
     result = local_train(
         field,

@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument("--out", required=True, type=Path, help="output directory")
     train_parser.add_argument("--background", choices=sorted(BACKGROUNDS), default="white")
     train_parser.add_argument("--seed", type=int, default=0)
+    steps = train_parser.add_mutually_exclusive_group()
+    steps.add_argument(
+        "--static-step",
+        action="store_true",
+        help="fixed-shape steps with no host sync (fedfields.train.static_step)",
+    )
+    steps.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="static steps captured once per batch shape as CUDA graphs (needs CUDA)",
+    )
     train_parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     eval_parser = commands.add_parser(
@@ -311,8 +322,13 @@ def run_train(args: argparse.Namespace) -> int:
     train_scene, eval_scene = split_views(scene, args.holdout)
     setup = default_setup(args.model, train_scene)
     field, render_config, occupancy = setup.field, setup.render_config, setup.occupancy
+    step_mode = "cuda-graph" if args.cuda_graph else "static" if args.static_step else "dynamic"
     config = setup.train_config(
-        steps=args.steps, minutes=args.minutes, seed=args.seed, progress=not args.no_progress
+        steps=args.steps,
+        minutes=args.minutes,
+        seed=args.seed,
+        progress=not args.no_progress,
+        step_mode=step_mode,
     )
     result = train(field, train_scene, config, render_config, occupancy)
     evaluation = evaluate(field, eval_scene, render_config, occupancy, progress=config.progress)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.bench.gpu import Options, target_rows
+from simulations.bench.gpu import Options, federation, main, parse, target_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKER = """
@@ -36,26 +36,30 @@ def test_the_smoke_run_prints_one_table_and_says_why_gpu_rows_are_missing(
     table = (out / "table.md").read_text()
     assert done.stdout.strip().endswith(table.strip())  # the table is printed last
     rows = {row["what"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
-    torch_row = rows["centralised 25x25, torch"]
+    torch_row = rows["centralised 25x25, torch, dynamic"]
     steps_per_s, _, rest = torch_row["value"].partition(" steps/s")
     assert float(steps_per_s) > 0 and rest.endswith(" dB")
-    assert rows["centralised 25x25, triton"]["value"].startswith("unavailable: RuntimeError")
-    assert "cannot run on cpu" in rows["centralised 25x25, triton"]["value"]
-    gpu_round = rows["one user's one-epoch FedNeRF round, GPU"]["value"]
+    triton_row = rows["centralised 25x25, triton, dynamic"]["value"]
+    assert triton_row.startswith("unavailable: RuntimeError") and "cannot run on cpu" in triton_row
+    gpu_round = rows["one user's one-epoch FedNeRF round, GPU, dynamic"]["value"]
     assert gpu_round == "unavailable: no CUDA device (device cpu)"
-    assert rows["one user's one-epoch FedNeRF round, CPU, 2 threads"]["value"].endswith(" s")
-    assert rows["1-user round, FedNeRF (FedAvg, global field only)"]["value"].endswith(" s")
+    cpu_round = rows["one user's one-epoch FedNeRF round, CPU, 2 threads, dynamic"]
+    assert cpu_round["value"].endswith(" s")
+    fednerf = rows["1-user round, FedNeRF (FedAvg, global field only), dynamic"]
+    assert fednerf["value"].endswith(" s")
     targets = [row for what, row in rows.items() if what.startswith("target:")]
-    assert len(targets) == 5
+    assert len(targets) == 5  # CPU's default step modes: the dynamic step alone
     assert all(row["verdict"] == "n/a: not a GPU run (device cpu)" for row in targets)
     assert (out / "bench.log").is_file()
-    assert (out / "profile" / "centralised-torch.txt").read_text().count("aten::") > 5
+    profile = out / "profile" / "centralised-torch-dynamic.txt"
+    assert profile.read_text().count("aten::") > 5
     assert (out / "profile" / "local-round-cpu.txt").is_file()
 
 
 def _options(**overrides: object) -> Options:
     values = dict(device="cuda", seconds=30.0, resolution=200, eval_views=20,
-                  target_samples=None, backends=("torch", "triton"), crowd=None,
+                  target_samples=None, backends=("torch", "triton"),
+                  step_modes=("dynamic", "cuda-graph"), crowd=None,
                   crowd_downscale=1.0, users=16, rounds=2, max_local_steps=400,
                   methods=("fednerf", "decentnerf"), cpu_threads=2, repeats=3, run_config="",
                   profile=False, profile_steps=8, out=Path("."))  # fmt: skip
@@ -67,24 +71,42 @@ def test_targets_are_ratios_of_the_run_s_own_figures() -> None:
 
     found = {
         "centralised": {
-            "torch": {"steps_per_s": 80.0, "psnr": 32.0},
-            "triton": {"steps_per_s": 400.0, "psnr": 33.5},
+            "dynamic": {"torch": {"steps_per_s": 80.0, "psnr": 32.0},
+                        "triton": {"steps_per_s": 240.0, "psnr": 32.5}},
+            "cuda-graph": {"torch": {"steps_per_s": 160.0, "psnr": 32.8},
+                           "triton": {"steps_per_s": 400.0, "psnr": 33.5}},
         },  # fmt: skip
-        "federated": {"fednerf": {"round_seconds": 2.5}, "decentnerf": {"round_seconds": 3.0}},
-        "local": {"gpu_seconds": 0.5, "cpu_seconds": 10.0},
-    }
+        "federated": {
+            "dynamic": {"fednerf": {"round_seconds": 2.5}, "decentnerf": {"round_seconds": 3.0}},
+            "cuda-graph": {"fednerf": {"round_seconds": 1.5}},
+        },  # fmt: skip
+        "local": {"cpu": {"seconds": 10.0},
+                  "gpu": {"dynamic": {"seconds": 0.5}, "cuda-graph": {"seconds": 0.25}}},
+    }  # fmt: skip
     rows = target_rows(_options(), torch.device("cuda"), found)
     verdicts = {row.what: (row.value, row.verdict) for row in rows}
-    assert verdicts["target: triton / torch centralised steps/s"] == ("5.00x", "met")
-    assert verdicts["target: lego PSNR after 30 s (triton)"] == ("33.50 dB", "met")
-    assert verdicts["target: FedNeRF round"] == ("2.50 s", "missed")
-    assert verdicts["target: DecentNeRF round"] == ("3.00 s", "met")
-    assert verdicts["target: GPU local round vs CPU"] == ("20.00x", "missed")
+    assert verdicts == {
+        "target: triton (dynamic) / torch (dynamic) centralised steps/s": ("3.00x", "missed"),
+        "target: lego PSNR after 30 s (triton, dynamic)": ("32.50 dB", "missed"),
+        "target: FedNeRF round (dynamic)": ("2.50 s", "missed"),
+        "target: DecentNeRF round (dynamic)": ("3.00 s", "met"),
+        "target: GPU local round (dynamic) vs CPU (dynamic)": ("20.00x", "missed"),
+        # the captured step against the torch backend's dynamic step (the baseline)
+        "target: triton (cuda-graph) / torch (dynamic) centralised steps/s": ("5.00x", "met"),
+        "target: lego PSNR after 30 s (triton, cuda-graph)": ("33.50 dB", "met"),
+        "target: FedNeRF round (cuda-graph)": ("1.50 s", "met"),
+        "target: GPU local round (cuda-graph) vs CPU (dynamic)": ("40.00x", "met"),
+    }
+    notes = {row.what: row.note for row in rows}
+    assert notes["target: triton (cuda-graph) / torch (dynamic) centralised steps/s"] == (
+        "triton / torch both cuda-graph: 2.50x"
+    )
     smaller = target_rows(_options(seconds=5.0), torch.device("cuda"), found)
     assert all(row.verdict.startswith("n/a: settings differ") for row in smaller)
-    found["centralised"]["triton"] = {"error": "unavailable: RuntimeError: no triton"}
-    rows = target_rows(_options(), torch.device("cuda"), found)
-    assert rows[0].verdict == "not measured" and rows[1].what.endswith("(torch)")
+    found["centralised"]["cuda-graph"]["triton"] = {"error": "unavailable: RuntimeError: x"}
+    rows = target_rows(_options(step_modes=("cuda-graph",)), torch.device("cuda"), found)
+    assert rows[0].verdict == "not measured" and rows[1].what.endswith("(torch, cuda-graph)")
+    assert len(rows) == 4  # DecentNeRF's round has the dynamic step only
 
 
 @pytest.mark.parametrize("flag", ["--seconds", "--users", "--rounds"])
@@ -93,3 +115,51 @@ def test_non_positive_sizes_are_refused(flag: str, tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"{flag} must be positive, got 0" in done.stderr
+
+
+def test_step_modes_default_to_what_the_device_runs_and_the_round_takes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert parse(["--device", "cpu", "--out", str(tmp_path)]).step_modes == ("dynamic",)
+    argv = ["--device", "cpu", "--step-modes", "cuda-graph", "static", "cuda-graph",
+            "--out", str(tmp_path)]  # fmt: skip
+    options = parse(argv)
+    assert options.step_modes == ("cuda-graph", "static")
+    _, settings = federation(options, rounds=1, mode="static")
+    assert settings.local(1, 0, personal=False).step_mode == "static"
+    with pytest.raises(SystemExit) as refused:
+        parse(["--run-config", "cuda-graph=true", "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    assert "'cuda-graph' is set per part by --step-modes" in capsys.readouterr().err
+
+
+def test_without_a_crowd_the_table_still_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "bench"
+    missing = tmp_path / "no-crowd"
+    argv = ["--smoke", "--crowd", str(missing), "--backends", "torch", "--device", "cpu",
+            "--seconds", "0.5", "--methods", "fednerf", "decentnerf",
+            "--step-modes", "dynamic", "static", "cuda-graph", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["what"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
+    assert rows["centralised 25x25, torch, dynamic"]["value"].endswith(" dB")
+    assert rows["centralised 25x25, torch, static"]["value"].endswith(" dB")
+    assert " rays dropped (overflow)" in rows["centralised 25x25, torch, static"]["note"]
+    assert rows["centralised 25x25, torch, cuda-graph"]["value"] == (
+        "unavailable: step mode cuda-graph needs a CUDA device (device cpu)"
+    )
+    for what in ("one user's one-epoch FedNeRF round, CPU, 2 threads, dynamic",
+                 "2-user round, FedNeRF (FedAvg, global field only), dynamic",
+                 "2-user round, FedNeRF (FedAvg, global field only), static",
+                 "2-user round, DecentNeRF (learned alpha), cuda-graph"):  # fmt: skip
+        assert rows[what]["value"].startswith("unavailable: no crowd"), rows[what]
+    gpu_round = rows["one user's one-epoch FedNeRF round, GPU, static"]["value"]
+    assert gpu_round == "unavailable: no CUDA device (device cpu)"
+    whats = list(rows)  # each backend's step modes side by side
+    assert whats.index("centralised 25x25, torch, static") == 1 + whats.index(
+        "centralised 25x25, torch, dynamic"
+    )
+    targets = [what for what in rows if what.startswith("target:")]
+    assert len(targets) == 5 + 4 + 4  # DecentNeRF's target: the dynamic step only
+    assert capsys.readouterr().out.strip().endswith((out / "table.md").read_text().strip())

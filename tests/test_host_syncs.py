@@ -1,27 +1,44 @@
-"""The training steps read nothing back from the device each step (issue 34, point 2).
+"""The training steps read nothing back from the device each step (issue 34, point 2;
+issue 44, point 1).
 
 A host read (`.item()`, `.tolist()`, `float(t)`, `bool(t)`) stalls a GPU's stream until every
 queued kernel finished. On CPU nothing stalls, so the reads fedfields' own code makes are
-counted instead; marching's sample count (a nonzero) is the one sync left and is not counted.
+counted instead; the dynamic step's marching count (a nonzero) is not counted there. The
+static step is checked below the Python level (`HostTraffic`, a dispatch mode): no read, no
+data-shaped op and no host-to-device copy in a step, and the same loss and gradients as the
+dynamic step.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedfields.data import holdout_indices, load_scene
+from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.fields.base import FieldOutputs
 from fedfields.geometry.rays import Rays, intersect_aabb
-from fedfields.render import OccupancyGrid, RenderConfig
+from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import default_setup, train
-from fedfields.train.federated import LocalTrainConfig, local_train
+from fedfields.train.federated import FINITE_CHECK_EVERY, LocalTrainConfig, local_train
+from fedfields.train.static_step import (
+    MIN_BATCH_RAYS,
+    StaticStep,
+    first_static_batch,
+    max_samples_per_ray,
+    set_learning_rate,
+    static_capacity,
+    static_loss,
+    static_optimizer,
+)
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -162,3 +179,215 @@ def test_max_ray_length_bounds_every_interval_in_the_box() -> None:
     longest = (t_far - t_near).max().item()
     assert config.max_ray_length == pytest.approx(24**0.5)
     assert 0.9 * config.max_ray_length < longest <= config.max_ray_length + 1e-5
+
+
+# ------------------------------------------------------------------ the static step (issue 44)
+
+HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
+DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique")
+"""Ops whose output shape is the data's: the host must read a count before going on."""
+
+
+class HostTraffic(TorchDispatchMode):
+    """Every op that waits for the device or moves host data onto it, as the dispatcher sees
+    it (below Python: the scene box built by `torch.tensor(...).to(device)` counts too).
+
+    On CPU a copy to the device is a no-op, so tensors made from host data (`lift_fresh`,
+    what `torch.tensor` and `new_tensor` dispatch) are counted: on a GPU each is a copy.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = str(func)
+        kwargs = kwargs or {}
+        if name in HOST_READS or name.startswith(DATA_SHAPED) or "lift_fresh" in name:
+            self.events.append(name)
+        elif name.startswith(("aten._to_copy", "aten.copy_")) and _host_to_device(args, kwargs):
+            self.events.append(name)
+        return func(*args, **kwargs)
+
+
+def _host_to_device(args: tuple, kwargs: dict) -> bool:
+    """A copy whose source is on the CPU and whose target is not."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return False
+    target = kwargs.get("device")
+    if target is None and len(tensors) > 1:  # copy_(self, src): self is the target
+        target, source = tensors[0].device, tensors[1].device
+    else:
+        source = tensors[0].device
+    return source.type == "cpu" and target is not None and torch.device(target).type != "cpu"
+
+
+def _static_case(tiny_lego: Scene) -> tuple:
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    torch.manual_seed(0)
+    setup.occupancy.update(setup.field.density, setup.render_config.step_size)
+    return setup.field, PixelSampler(tiny_lego, True), setup.render_config, setup.occupancy
+
+
+def _gradients(field: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, list(field.parameters())))
+
+
+def test_the_static_step_gives_the_dynamic_step_s_loss_and_gradients(tiny_lego: Scene) -> None:
+    field, sampler, render, grid = _static_case(tiny_lego)
+    torch.manual_seed(3)
+    batch = sampler.sample(256)
+    rendered, num_samples = render_rays(field, batch.rays, render, grid, True, batch.background)
+    squared = (rendered.rgb - batch.colors).square().mean(-1)
+    dynamic_loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+    dynamic = _gradients(field, dynamic_loss)
+    torch.manual_seed(3)  # the same draws: pixels, background, marching offsets
+    static = static_loss(field, sampler, render, grid, 256, capacity=num_samples + 500)
+    assert int(static.samples) == num_samples > 1000 and int(static.dropped_rays) == 0
+    torch.testing.assert_close(static.loss, dynamic_loss, rtol=1e-6, atol=0)
+    for got, expected in zip(_gradients(field, static.loss), dynamic, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-9)
+    # a buffer too small: the rays whose samples overflow leave the loss, counted
+    torch.manual_seed(3)
+    short = static_loss(field, sampler, render, grid, 256, capacity=num_samples // 2)
+    ray_samples = torch.bincount(
+        grid.march(batch.rays, *_interval(batch.rays, render), render.step_size, False,
+                   render.max_ray_length).ray_index, minlength=256,
+    )  # fmt: skip
+    complete = torch.cumsum(ray_samples, 0) <= num_samples // 2
+    assert 0 < int(short.dropped_rays) == int((~complete).sum()) < 256
+    torch.testing.assert_close(short.loss, squared[complete].mean(), rtol=1e-5, atol=0)
+
+
+def _interval(rays: Rays, render: RenderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return intersect_aabb(rays, render.aabb_tensor, render.near, render.far)
+
+
+def test_a_static_step_waits_on_nothing_and_copies_nothing_from_the_host(
+    tiny_lego: Scene,
+) -> None:
+    field, sampler, render, grid = _static_case(tiny_lego)
+    optimizer = static_optimizer(field, 1e-2, 1e-6, torch.device("cpu"))
+    step = StaticStep(
+        lambda g, rays: static_loss(field, sampler, render, g, rays, 1 << 14), optimizer, grid,
+        cuda_graph=False,
+    )  # fmt: skip
+    step(128)  # Adam makes its state on the first step
+    with HostTraffic() as traffic:
+        for _ in range(3):
+            set_learning_rate(optimizer, 5e-3)
+            outputs = step(128)
+        grid.update(field.density, render.step_size)  # between steps, every 16: no read either
+    assert traffic.events == []
+    assert float(outputs.samples) > 0  # it did march
+    # the counter sees what the dynamic step does: nonzero per march, the box built per call
+    with HostTraffic() as traffic:
+        batch = sampler.sample(128)
+        render_rays(field, batch.rays, render, grid, True, batch.background)
+        render.aabb_tensor.to(batch.rays.origins.device)
+    assert "aten.nonzero.default" in traffic.events
+    assert "aten.lift_fresh.default" in traffic.events
+
+
+def test_static_training_counts_its_samples_at_the_checks(tiny_lego: Scene) -> None:
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    config = setup.train_config(
+        steps=5, batch_rays=64, target_samples=1 << 12, progress=False, log_every=2,
+        device="cpu", step_mode="static",
+    )  # fmt: skip
+    result = train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+    assert [record["step"] for record in result.history] == [2, 4]
+    assert result.samples > 5 * 64  # every step's count, the last one's after the loop
+    assert result.history[0]["samples_per_ray"] * 64 * 2 <= result.samples
+
+
+@pytest.mark.parametrize("target_samples", [None, 1 << 10, 1 << 12, 1 << 14, 1 << 16])
+def test_the_first_static_batch_fits_the_capacity_in_the_worst_case(
+    tiny_lego: Scene, target_samples: int | None
+) -> None:
+    render = default_setup("hashgrid", tiny_lego, implementation="torch").render_config
+    worst = max_samples_per_ray(render)
+    assert worst == 199  # far - near = 4 over lego's step 3 sqrt(3) / 256: 198 steps, +1
+    capacity = static_capacity(target_samples, 1024, render)
+    assert capacity >= max(target_samples or 0, MIN_BATCH_RAYS * worst)
+    first = first_static_batch(1024, capacity, render, maximum=1 << 18)
+    assert MIN_BATCH_RAYS <= first <= 1024 and first * worst <= capacity
+    assert first == 1024 or 1024 * worst > capacity
+
+
+def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
+    """The grid starts fully occupied: the configured 1024 rays overflow a 2^12-sample buffer
+    (most rays dropped); the first window's batch, sized from the worst case, drops none
+    (the bound `first_static_batch` documents: 0), in training and in a local round."""
+    field, sampler, render, grid = _static_case(tiny_lego)
+    capacity = static_capacity(1 << 12, 1024, render)
+    torch.manual_seed(0)
+    configured = static_loss(field, sampler, render, grid, 1024, capacity)
+    assert int(configured.dropped_rays) > 1024 // 2  # what a start at the configured batch does
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    config = setup.train_config(
+        steps=4, batch_rays=1024, target_samples=1 << 12, progress=False, log_every=4,
+        device="cpu", step_mode="static",
+    )  # fmt: skip
+    result = train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+    first = result.history[0]
+    assert first["dropped_rays"] == 0 and first["batch_rays"] < 1024
+    assert result.dropped_rays == 0 and result.samples > 4 * MIN_BATCH_RAYS
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    local = LocalTrainConfig(steps=FINITE_CHECK_EVERY // 4, batch_rays=1024,
+                             target_samples=1 << 12, device="cpu", step_mode="static")  # fmt: skip
+    round_ = local_train(setup.field, tiny_lego, local, setup.render_config, setup.occupancy)
+    assert round_.dropped_rays == 0 and round_.rays < local.steps * 1024
+
+
+def test_cuda_graph_is_refused_on_a_cpu_run(tiny_lego: Scene) -> None:
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    config = setup.train_config(steps=1, progress=False, device="cpu", step_mode="cuda-graph")
+    with pytest.raises(
+        ValueError, match="'cuda-graph' .*needs a CUDA device; this run trains on cpu"
+    ):
+        train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+
+
+def test_a_cpu_node_asked_for_cuda_graph_runs_the_static_step(tiny_lego: Scene) -> None:
+    results = {}
+    for mode in ("static", "cuda-graph"):
+        torch.manual_seed(0)  # the same initial field
+        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        config = LocalTrainConfig(steps=3, batch_rays=64, device="cpu", step_mode=mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results[mode] = local_train(
+                setup.field, tiny_lego, config, setup.render_config, setup.occupancy
+            )
+        warned = [str(w.message).split(";")[0] for w in caught]
+        assert warned == (["step mode 'cuda-graph' needs CUDA"] if mode == "cuda-graph" else [])
+    assert results["static"].loss == results["cuda-graph"].loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_captured_step_gives_the_uncaptured_step_s_numbers(tiny_lego: Scene) -> None:
+    """Both runs take the same draws (one generator state per step), so the losses and the
+    trained weights agree: the graph replays the eager step."""
+    runs = {}
+    for captured in (False, True):
+        torch.manual_seed(0)
+        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        field, grid = setup.field.cuda(), setup.occupancy.to("cuda")
+        scene = tiny_lego.to("cuda")
+        sampler = PixelSampler(scene, True)
+        optimizer = static_optimizer(field, 1e-2, 1e-6, torch.device("cuda"))
+        step = StaticStep(
+            lambda g, rays: static_loss(field, sampler, setup.render_config, g, rays, 1 << 14),  # noqa: B023
+            optimizer, grid, cuda_graph=captured,
+        )  # fmt: skip
+        losses = []
+        for index in range(8):
+            torch.manual_seed(100 + index)
+            if index % 4 == 0:
+                grid.update(field.density, setup.render_config.step_size)
+            losses.append(step(128).loss)
+        runs[captured] = (torch.stack(losses).cpu(), field.encoding.table.detach().cpu())
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-3, atol=1e-5)

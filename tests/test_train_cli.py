@@ -181,6 +181,11 @@ def test_cli_reports_bad_input_without_writing(tmp_path, capsys):
     )
     assert "holds out every view" in capsys.readouterr().err
     assert not out.exists()
+    if not torch.cuda.is_available():
+        command = ["train", "--scene", str(LEGO), "--steps", "1", "--cuda-graph", "--out", str(out)]
+        assert main([*command, "--downscale", "8", "--no-progress"]) == 2
+        assert "'cuda-graph' (--cuda-graph) needs a CUDA device" in capsys.readouterr().err
+        assert not out.exists()
     with pytest.raises(SystemExit):
         main(["train", "--scene", str(LEGO), "--steps", "1", "--minutes", "1", "--out", str(out)])
 

@@ -200,6 +200,10 @@ def _run_triton(device: str) -> dict[str, object]:
     field = _field("triton")
     results["field/state"] = {k: tuple(v.shape) for k, v in field.state_dict().items()}
     results["field/render"] = _exchanged_field(_field("torch").state_dict(), "triton", device)
+    from fedfields.fields.hashgrid_triton import check_launch
+
+    check_launch(torch.device(device))  # 'auto''s one-off check passes where triton runs
+    results["check_launch"] = True
     return results
 
 
@@ -304,3 +308,59 @@ def test_default_backend_trains_and_renders_without_triton() -> None:
 
 if __name__ == "__main__":
     torch.save(_run_triton("cpu"), sys.argv[1])
+
+
+def test_auto_s_one_off_check_passes_where_triton_runs(triton_results: dict) -> None:
+    assert triton_results["check_launch"] is True
+
+
+def test_auto_falls_back_to_torch_with_one_warning_when_the_check_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device where triton imports but cannot compile or launch (no C compiler, a broken
+    driver): 'auto' warns once and runs torch; an explicit 'triton' still refuses."""
+    from fedfields.fields import encodings, hashgrid_triton
+    from fedfields.render.volume import composite_backend
+
+    def broken(device: torch.device) -> None:
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(encodings, "triton_available", lambda: True)
+    monkeypatch.setattr(encodings, "_TRITON_WORKS", {})
+    monkeypatch.setattr(hashgrid_triton, "check_launch", broken)
+    device = torch.device("cuda", 0)
+    with pytest.warns(RuntimeWarning, match="triton cannot run on cuda:0 .*C compiler") as caught:
+        chosen = [
+            encodings.resolve_implementation(HashGridConfig(implementation="auto"), device),
+            composite_backend("auto", device),
+            encodings.resolve_implementation(HashGridConfig(implementation="auto"), device),
+        ]
+    assert chosen == ["torch", "torch", "torch"] and len(caught) == 1
+    monkeypatch.setattr(encodings, "_TRITON_WORKS", {})
+    monkeypatch.setattr(hashgrid_triton, "check_launch", lambda device: None)
+    assert composite_backend("auto", device) == "triton"
+    assert composite_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_every_triton_launch_sits_inside_a_device_guard() -> None:
+    """Triton launches on the current CUDA device: each `kernel[grid](...)` call is inside
+    `with triton_launch_guard(tensor.device)`, which makes the tensors' device current."""
+    import ast
+
+    from fedfields.fields.encodings import triton_launch_guard
+
+    for module in ("fedfields/fields/hashgrid_triton.py", "fedfields/render/composite_triton.py"):
+        tree = ast.parse((ROOT / module).read_text())
+        guarded: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.With) and "triton_launch_guard" in ast.unparse(node.items[0]):
+                guarded |= {id(inner) for inner in ast.walk(node)}
+        launches = [
+            node for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+        ]  # fmt: skip
+        assert launches, module
+        assert all(id(launch) in guarded for launch in launches), module
+    assert triton_launch_guard(torch.device("cuda", 1)).idx == 1
+    with triton_launch_guard(torch.device("cpu")):
+        pass

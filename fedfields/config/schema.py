@@ -59,6 +59,7 @@ FEDERATED_ONLY = (
     "learning-rate",
     "personal-learning-rate",
     "target-samples",
+    "cuda-graph",
     "personal-density-weight",
     "beta-min",
     "eval-views-per-round",
@@ -216,6 +217,11 @@ class SceneSection:
         "auto",
         "auto (triton on a CUDA node, torch on CPU) | torch | triton (a node without CUDA "
         "refuses) | tcnn (needs tinycudann+CUDA; federates only with tcnn nodes)",
+    )
+    cuda_graph: bool = key(
+        False,
+        "static-shape local steps captured once per batch shape as CUDA graphs (global field "
+        "only: not with DecentNeRF or Scaffold); a node without CUDA runs them uncaptured",
     )
     scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
     eval_views_per_round: int = key(4, "simulation observer: user views it scores per round")
@@ -532,6 +538,11 @@ class FederatedConfig:
             )
         if task == "scene" and strategy == "fedmenf":
             raise ValueError("run-config 'strategy' 'fedmenf' is for the meta tasks, not 'scene'")
+        if self.scene.cuda_graph and strategy in ("decentnerf", "scaffold"):
+            raise ValueError(
+                f"run-config 'cuda-graph' = true captures a global field's step alone; strategy "
+                f"{strategy!r} trains a personal field or corrects gradients: set it false"
+            )
         for name, used in self.unused_sections().items():
             section = getattr(self, name)
             for changed in _changed_keys(section):

@@ -4,8 +4,9 @@ Hash-grid backends (`HashGridConfig.implementation`):
 - "torch": pure PyTorch, the reference and the CPU path;
 - "triton": Triton kernels (fedfields.fields.hashgrid_triton) for CUDA tensors, compiled at
   run time (no nvcc); with TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests);
-- "auto" (default): triton when the table is on a CUDA device and triton imports, else torch,
-  decided at every forward, so a grid built on CPU and moved with .to("cuda") goes fast;
+- "auto" (default): triton when the table is on a CUDA device where a tiny triton launch
+  works (`triton_works`, checked once per device), else torch with one warning, decided at
+  every forward, so a grid built on CPU and moved with .to("cuda") goes fast;
 - "tcnn": tinycudann, only when asked: its parameters are laid out its own way, so it
   exchanges weights only with other tcnn grids.
 torch and triton share the `table` parameter and its indexing, so their state_dicts match and
@@ -14,8 +15,10 @@ CPU and GPU nodes federate.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -137,6 +140,38 @@ def triton_runs_on(device: torch.device) -> bool:
     return on_device and triton_available()
 
 
+def triton_launch_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` current around a Triton launch (Triton launches on the current CUDA
+    device, so a node on cuda:1 would otherwise launch on cuda:0); nothing for CPU tensors."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+_TRITON_WORKS: dict[torch.device, bool] = {}
+
+
+def triton_works(device: torch.device) -> bool:
+    """'auto''s check, once per device: a CUDA device where triton imports and a tiny hash-grid
+    kernel compiles, launches and gives the torch result. A failure warns once and 'auto'
+    falls back to torch (a missing C compiler or driver surfaces here, not mid-training)."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    if device not in _TRITON_WORKS:
+        try:
+            from fedfields.fields.hashgrid_triton import check_launch
+
+            check_launch(device)
+            _TRITON_WORKS[device] = True
+        except Exception as error:  # any toolchain failure: fall back, say why once
+            warnings.warn(
+                f"triton cannot run on {device} ({type(error).__name__}: {error}); the 'auto' "
+                "backends use torch there",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _TRITON_WORKS[device] = False
+    return _TRITON_WORKS[device]
+
+
 def resolve_implementation(
     config: HashGridConfig, device: torch.device | str | None = None
 ) -> Literal["torch", "triton", "tcnn"]:
@@ -163,7 +198,7 @@ def resolve_implementation(
                 "set before triton is imported); use implementation='auto' or 'torch'"
             )
         return "triton"
-    if config.implementation == "auto" and device.type == "cuda" and triton_available():
+    if config.implementation == "auto" and triton_works(device):
         return "triton"
     return "torch"
 

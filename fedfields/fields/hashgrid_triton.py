@@ -14,6 +14,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fedfields.fields.encodings import triton_launch_guard
+
 BLOCK = 128  # points per program; each program handles one level
 
 
@@ -37,7 +39,7 @@ def _pick(lower, upper, lower_weight, upper_weight, take_upper: tl.constexpr):
         return lower, lower_weight
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_points"])  # one variant for every batch size
 def _level_sums(
     points_ptr, table_ptr, grad_ptr, resolutions_ptr, strides_ptr, offsets_ptr,
     num_points, num_dense_levels, hash_mask,
@@ -132,8 +134,21 @@ def _launch(
         return
     resolutions, strides, offsets = levels
     width = table.shape[1]
-    _level_sums[(triton.cdiv(points.shape[0], BLOCK), resolutions.numel())](
-        points, table, features, resolutions, strides, offsets, points.shape[0], *settings,
-        FEATURES=width, FEATURES_POW2=triton.next_power_of_2(width), LEVELS=resolutions.numel(),
-        BLOCK=BLOCK, BACKWARD=backward,
-    )  # fmt: skip
+    with triton_launch_guard(points.device):
+        _level_sums[(triton.cdiv(points.shape[0], BLOCK), resolutions.numel())](
+            points, table, features, resolutions, strides, offsets, points.shape[0], *settings,
+            FEATURES=width, FEATURES_POW2=triton.next_power_of_2(width),
+            LEVELS=resolutions.numel(), BLOCK=BLOCK, BACKWARD=backward,
+        )  # fmt: skip
+
+
+def check_launch(device: torch.device) -> None:
+    """Compile and launch the forward on one point of a 2^3 grid; raise unless it gives the
+    mean of the 8 corner rows (what trilinear weights give at the cell's centre)."""
+    table = torch.arange(16.0, device=device).view(8, 2)
+    levels = (torch.ones(1, device=device), torch.tensor([[1, 2, 4]], dtype=torch.int32,
+              device=device), torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+    features = torch.empty(1, 2, device=device)
+    _launch(torch.full((1, 3), 0.5, device=device), table, features, levels, (1, 7), False)
+    if not torch.allclose(features.cpu(), table.mean(0).cpu()[None]):
+        raise RuntimeError(f"the check kernel gave {features.tolist()}, not the corner mean")

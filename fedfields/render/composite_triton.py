@@ -14,10 +14,12 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fedfields.fields.encodings import triton_launch_guard
+
 BLOCK = 64  # rays per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rays"])  # one variant for every batch size
 def _composite_forward(
     densities_ptr, deltas_ptr, t_ptr, rgb_ptr, starts_ptr,
     weights_ptr, color_ptr, depth_ptr, opacity_ptr, num_rays,
@@ -69,7 +71,7 @@ def _sample_grad(
     return grad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rays"])
 def _composite_backward(
     densities_ptr, deltas_ptr, t_ptr, rgb_ptr, starts_ptr, weights_ptr,
     grad_weights_ptr, grad_color_ptr, grad_depth_ptr, grad_opacity_ptr,
@@ -144,9 +146,10 @@ class PackedComposite(torch.autograd.Function):
         color = inputs[0].new_zeros(num_rays, 3)
         depth, opacity = inputs[0].new_zeros(num_rays), inputs[0].new_zeros(num_rays)
         if num_rays > 0 and weights.numel() > 0:  # no kernel on empty tensors (null pointers)
-            _composite_forward[_grid(num_rays)](
-                *inputs, starts, weights, color, depth, opacity, num_rays, BLOCK=BLOCK
-            )
+            with triton_launch_guard(starts.device):
+                _composite_forward[_grid(num_rays)](
+                    *inputs, starts, weights, color, depth, opacity, num_rays, BLOCK=BLOCK
+                )
         ctx.save_for_backward(*inputs, starts, weights)
         return weights, color, depth, opacity
 
@@ -166,13 +169,14 @@ class PackedComposite(torch.autograd.Function):
         grad_t = torch.zeros_like(t_mid) if need_t else grad_densities
         if num_rays > 0 and densities.numel() > 0:
             has_weights_grad = grad_weights is not None
-            _composite_backward[_grid(num_rays)](
-                densities, deltas, t_mid, rgb, starts, weights,
-                grad_weights.float().contiguous() if has_weights_grad else weights,
-                *per_ray, grad_densities, grad_deltas, grad_t, grad_rgb, num_rays,
-                HAS_GRAD_WEIGHTS=has_weights_grad, NEED_DELTAS=need_deltas, NEED_T=need_t,
-                BLOCK=BLOCK,
-            )  # fmt: skip
+            with triton_launch_guard(starts.device):
+                _composite_backward[_grid(num_rays)](
+                    densities, deltas, t_mid, rgb, starts, weights,
+                    grad_weights.float().contiguous() if has_weights_grad else weights,
+                    *per_ray, grad_densities, grad_deltas, grad_t, grad_rgb, num_rays,
+                    HAS_GRAD_WEIGHTS=has_weights_grad, NEED_DELTAS=need_deltas, NEED_T=need_t,
+                    BLOCK=BLOCK,
+                )  # fmt: skip
         return (
             grad_densities,
             grad_deltas if need_deltas else None,

@@ -1,7 +1,9 @@
 """Occupancy grid for empty-space skipping (Instant-NGP Sec. 5.1; nerfacc's OccGridEstimator).
 
 The grid keeps a decaying maximum of the field's density per cell. Marching takes uniform
-steps along each ray and keeps only the samples that fall in occupied cells.
+steps along each ray and keeps only the samples that fall in occupied cells: `march` packs
+exactly those (their count, read by a `nonzero`, sets every later shape); `march_fixed` writes
+them into a buffer of fixed capacity with a mask, so a step's shapes never depend on the data.
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ class PackedSamples:
     ray_index: Tensor  # [S] int64
     t_mid: Tensor  # [S]
     deltas: Tensor  # [S]
+
+
+@dataclass
+class FixedSamples(PackedSamples):
+    """`capacity` sample slots: the kept samples first, in ray order, then padding.
+
+    Overflow rule: samples are kept in ray order up to the capacity; a ray whose samples do
+    not all fit is not `complete` (the static step leaves it out of the loss). Padding slots
+    lie on the last ray at t = 0 with delta 0, so they composite to nothing.
+    """
+
+    valid: Tensor  # [C] bool: a kept sample, not padding
+    complete: Tensor  # [R] bool: every occupied sample of the ray was kept
+    count: Tensor  # [] int64: occupied samples before the cap
+    kept: Tensor  # [] int64: min(count, capacity)
 
 
 class OccupancyGrid:
@@ -87,7 +104,7 @@ class OccupancyGrid:
         fresh = torch.cat([density_fn(part) for part in points.split(chunk)]).view(res, res, res)
         self.density = torch.maximum(self.density * self.decay, fresh)
         opacity = 1.0 - torch.exp(-self.density * step_size)
-        threshold = min(self.opacity_threshold, opacity.mean().item())
+        threshold = opacity.mean().clamp(max=self.opacity_threshold)  # on the device: no read
         self.occupied = opacity > threshold
 
     def cell_index(self, points: Tensor) -> Tensor:
@@ -117,10 +134,67 @@ class OccupancyGrid:
         unit directions), fixes the step count without reading the batch; None reads it.
         """
         self.to(rays.origins.device)
-        hit = t_far > t_near
         if len(rays) == 0:
             empty = rays.origins.new_zeros(0)
             return PackedSamples(empty.long(), empty, empty)
+        t, occupied = self._occupied_steps(rays, t_near, t_far, step_size, perturb, max_length)
+        # The one host sync left per batch: the sample count sets every later shape.
+        row, column = torch.nonzero(occupied, as_tuple=True)
+        t_mid = t[row, column]
+        return PackedSamples(row, t_mid, torch.full_like(t_mid, step_size))
+
+    @torch.no_grad()
+    def march_fixed(
+        self,
+        rays: Rays,
+        t_near: Tensor,
+        t_far: Tensor,
+        step_size: float,
+        perturb: bool,
+        max_length: float,
+        capacity: int,
+    ) -> FixedSamples:
+        """`march`'s samples in `capacity` fixed slots, found without a host sync.
+
+        The same random draws and samples as `march` (given `max_length`); each occupied
+        sample's slot is its rank (a cumulative sum), those past the capacity go to one
+        spare slot that is dropped (`FixedSamples` states the overflow rule).
+        """
+        self.to(rays.origins.device)
+        t, occupied = self._occupied_steps(rays, t_near, t_far, step_size, perturb, max_length)
+        num_rays, num_steps = occupied.shape
+        flat = occupied.reshape(-1)
+        rank = torch.cumsum(flat, dim=0) - 1
+        slot = torch.where(flat & (rank < capacity), rank, capacity)
+        rows = torch.arange(num_rays, device=t.device)[:, None].expand(num_rays, num_steps)
+        last_ray = torch.full((capacity + 1,), num_rays - 1, device=t.device)
+        ray_index = last_ray.scatter(0, slot, rows.reshape(-1))[:capacity]
+        t_mid = t.new_zeros(capacity + 1).scatter(0, slot, t.reshape(-1))[:capacity]
+        count = rank[-1] + 1
+        kept = count.clamp(max=capacity)
+        valid = torch.arange(capacity, device=t.device) < kept
+        ray_end = torch.cumsum(occupied.sum(dim=1), dim=0)  # one past each ray's last rank
+        return FixedSamples(
+            ray_index=ray_index,
+            t_mid=t_mid,
+            deltas=valid * step_size,
+            valid=valid,
+            complete=ray_end <= capacity,
+            count=count,
+            kept=kept,
+        )
+
+    def _occupied_steps(
+        self,
+        rays: Rays,
+        t_near: Tensor,
+        t_far: Tensor,
+        step_size: float,
+        perturb: bool,
+        max_length: float | None,
+    ) -> tuple[Tensor, Tensor]:
+        """Every uniform step's depth [R, K] and whether it is inside the ray and occupied."""
+        hit = t_far > t_near
         if max_length is None:  # the batch's longest interval: a host read (stalls a GPU)
             longest = torch.where(hit, t_far - t_near, 0.0).max()
             num_steps = int(torch.ceil(longest / step_size).item())
@@ -132,8 +206,4 @@ class OccupancyGrid:
         inside = (t < t_far[:, None]) & hit[:, None]
         points = rays.origins[:, None, :] + t[..., None] * rays.directions[:, None, :]
         cell = self.cell_index(points)
-        occupied = self.occupied.view(-1)[cell] & inside
-        # The one host sync left per batch: the sample count sets every later shape.
-        row, column = torch.nonzero(occupied, as_tuple=True)
-        t_mid = t[row, column]
-        return PackedSamples(row, t_mid, torch.full_like(t_mid, step_size))
+        return t, self.occupied.view(-1)[cell] & inside

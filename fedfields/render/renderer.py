@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from fedfields.fields.base import Field, FieldOutputs
 from fedfields.geometry.cameras import Cameras
 from fedfields.geometry.rays import Rays, image_rays, intersect_aabb
-from fedfields.render.occupancy import OccupancyGrid
+from fedfields.render.occupancy import FixedSamples, OccupancyGrid
 from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import (
     CompositeBackend,
@@ -40,10 +41,25 @@ class RenderConfig:
     def aabb_tensor(self) -> Tensor:
         return torch.tensor(self.aabb, dtype=torch.float32).view(2, 3)
 
+    def aabb_on(self, device: torch.device) -> Tensor:
+        """The scene box [2, 3] resident on `device`: built once, never copied per step."""
+        return device_constant(self.aabb, device).view(2, 3)
+
+    def background_on(self, device: torch.device) -> Tensor:
+        """The background colour [3] resident on `device`."""
+        return device_constant(self.background, device)
+
     @property
     def max_ray_length(self) -> float:
         """Longest [t_near, t_far] of a unit-direction ray in the box: what marching covers."""
         return min(self.far - self.near, math.dist(self.aabb[:3], self.aabb[3:]))
+
+
+@cache
+def device_constant(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """A float32 tensor of `values` made once per device (a host-to-device copy at every call
+    would wait for the stream); shared, so never written to."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 @dataclass
@@ -76,10 +92,8 @@ def render_rays(
     A background (and the grid, `OccupancyGrid.march`) elsewhere follows the rays' device.
     """
     device = rays.origins.device
-    t_near, t_far = intersect_aabb(rays, config.aabb_tensor.to(device), config.near, config.far)
-    if background is None:
-        background = torch.tensor(config.background, dtype=torch.float32, device=device)
-    background = background.to(device)
+    t_near, t_far = intersect_aabb(rays, config.aabb_on(device), config.near, config.far)
+    background = config.background_on(device) if background is None else background.to(device)
     if occupancy is not None:
         samples = occupancy.march(
             rays, t_near, t_far, config.step_size, perturb, config.max_ray_length
@@ -119,6 +133,35 @@ def render_rays(
     if outputs.uncertainty is not None:
         uncertainty = (weights * outputs.uncertainty.view(mids.shape)).sum(-1)
     return _with_samples(rendered, outputs, uncertainty), mids.numel()
+
+
+def render_rays_fixed(
+    field: Field,
+    rays: Rays,
+    config: RenderConfig,
+    occupancy: OccupancyGrid,
+    capacity: int,
+    perturb: bool,
+    background: Tensor,
+) -> tuple[RenderOutputs, FixedSamples]:
+    """`render_rays` through the grid with `capacity` sample slots: shapes fixed by the batch
+    and the capacity, no host sync. Padding slots get zero density, so they add nothing to
+    the outputs or gradients; rays not `complete` (overflow) render only their kept samples.
+    """
+    device = rays.origins.device
+    t_near, t_far = intersect_aabb(rays, config.aabb_on(device), config.near, config.far)
+    samples = occupancy.march_fixed(
+        rays, t_near, t_far, config.step_size, perturb, config.max_ray_length, capacity
+    )
+    directions = rays.directions[samples.ray_index]
+    points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
+    outputs = field(points, directions)
+    density = torch.where(samples.valid, outputs.density, 0.0)
+    rendered, _ = render_packed(
+        density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index, len(rays),
+        background, config.composite, samples.kept,
+    )  # fmt: skip
+    return rendered, samples
 
 
 def _device_of(field: Field) -> torch.device:

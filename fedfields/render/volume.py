@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedfields.fields.encodings import triton_available, triton_runs_on
+from fedfields.fields.encodings import triton_available, triton_runs_on, triton_works
 
 CompositeBackend = Literal["auto", "torch", "triton"]
 
@@ -82,8 +82,8 @@ def composite_packed(
 def composite_backend(
     backend: CompositeBackend, device: torch.device
 ) -> Literal["torch", "triton"]:
-    """'auto': triton for CUDA tensors when it imports, else torch; 'triton' where it cannot
-    run raises one clear error."""
+    """'auto': triton for CUDA tensors where it works (`triton_works`), else torch; 'triton'
+    where it cannot run raises one clear error."""
     if backend == "triton":
         if not triton_runs_on(device):
             raise RuntimeError(
@@ -92,7 +92,7 @@ def composite_backend(
                 "set before triton is imported); use 'auto' or 'torch'"
             )
         return "triton"
-    if backend == "auto" and device.type == "cuda" and triton_available():
+    if backend == "auto" and triton_works(device):
         return "triton"
     return "torch"
 
@@ -106,11 +106,14 @@ def render_packed(
     num_rays: int,
     background: Tensor,
     backend: CompositeBackend = "auto",
+    kept: Tensor | None = None,
 ) -> tuple[RenderOutputs, Tensor]:
     """Per-ray outputs and per-sample weights [S] of packed samples sorted by ray.
 
     The same sums as `packed_weights` then `composite_packed`, differentiable in densities,
     colours (and deltas, depths, background when they need gradients) on either backend.
+    `kept` ([] int64), when given: samples from that index on are padding of zero density
+    and delta on the last ray; the triton kernels skip them (the torch sums add zeros).
     """
     if composite_backend(backend, densities.device) == "torch":
         weights = packed_weights(densities, deltas, ray_index, num_rays)
@@ -121,6 +124,8 @@ def render_packed(
     # where each ray's samples start (and the last ends), without a host sync
     rays = torch.arange(num_rays + 1, device=ray_index.device, dtype=ray_index.dtype)
     starts = torch.searchsorted(ray_index, rays)
+    if kept is not None:
+        starts[num_rays] = kept
     weights, color, depth, opacity = PackedComposite.apply(densities, deltas, t_mid, rgb, starts)
     color = color + (1.0 - opacity)[:, None] * background
     return RenderOutputs(rgb=color, depth=depth, opacity=opacity), weights

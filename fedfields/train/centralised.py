@@ -23,6 +23,18 @@ from fedfields.fields import (
 )
 from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
+from fedfields.train.static_step import (
+    STEP_MODES,
+    CheckWindow,
+    StaticStep,
+    StepMode,
+    first_static_batch,
+    set_learning_rate,
+    static_batch_rays,
+    static_capacity,
+    static_loss,
+    static_optimizer,
+)
 
 ModelName = Literal["hashgrid", "nerf"]
 HashImplementation = Literal["auto", "torch", "triton", "tcnn"]
@@ -45,8 +57,11 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 25
     progress: bool = True
+    step_mode: StepMode = "dynamic"  # "static": fixed shapes, no host sync; "cuda-graph": captured
 
     def __post_init__(self) -> None:
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, got {self.step_mode!r}")
         if (self.steps is None) == (self.minutes is None):
             raise ValueError("give exactly one training budget: steps or minutes")
         if self.steps is not None and self.steps <= 0:
@@ -64,6 +79,7 @@ class TrainResult:
     samples: int
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    dropped_rays: int = 0  # static steps: rays left out of the loss (their samples overflowed)
 
     @property
     def rays_per_second(self) -> float:
@@ -165,17 +181,34 @@ def train(
 ) -> TrainResult:
     """Fit `field` to the views of `scene` with Adam on the photometric MSE.
 
-    A step's one host sync is marching's sample count; losses are checked for finiteness at
-    log steps and at the end, naming the first bad step.
+    A dynamic step's one host sync is marching's sample count; a static step has none
+    (`fedfields.train.static_step`; its batch follows `target_samples` at log steps only).
+    Losses are checked for finiteness at log steps and at the end, naming the first bad step.
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
+    if config.step_mode == "cuda-graph" and device.type != "cuda":
+        raise ValueError(
+            f"step mode 'cuda-graph' (--cuda-graph) needs a CUDA device; this run trains on "
+            f"{device}: use the static or the dynamic step"
+        )
     field.to(device).train()
     scene = scene.to(device)
     if occupancy is not None:
         occupancy.to(device)
-    optimizer = make_optimizer(field, config.learning_rate, config.weight_decay)
     sampler = PixelSampler(scene, config.random_background)
+    static = None
+    if config.step_mode == "dynamic":
+        optimizer = make_optimizer(field, config.learning_rate, config.weight_decay)
+    else:
+        optimizer = static_optimizer(field, config.learning_rate, config.weight_decay, device)
+        capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
+
+        def loss_fn(grid: OccupancyGrid | None, rays: int):
+            return static_loss(field, sampler, render_config, grid, rays, capacity)
+
+        static = StaticStep(loss_fn, optimizer, occupancy, config.step_mode == "cuda-graph")
+    window = CheckWindow()  # static steps' counts, still on the device
     budget_seconds = config.minutes * 60.0 if config.minutes is not None else None
     result = TrainResult(steps=0, rays=0, samples=0, seconds=0.0)
     # The bar counts steps for a step budget and seconds for a time budget.
@@ -187,6 +220,8 @@ def train(
         mininterval=1.0,
     )
     batch_rays = config.batch_rays
+    if static is not None and occupancy is not None:
+        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
     unchecked: list[Tensor] = []  # losses since the last finiteness check, still on the device
     start = time.perf_counter()
     while True:
@@ -197,34 +232,47 @@ def train(
             progress = result.steps / config.steps
         if progress >= 1.0:
             break
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * learning_rate_factor(progress)
+        set_learning_rate(optimizer, config.learning_rate * learning_rate_factor(progress))
         if occupancy is not None and result.steps % config.occupancy_update_every == 0:
             occupancy.update(field.density, render_config.step_size)
-        batch = sampler.sample(batch_rays)
-        rendered, num_samples = render_rays(
-            field, batch.rays, render_config, occupancy, perturb=True, background=batch.background
-        )
-        loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        if static is None:
+            batch = sampler.sample(batch_rays)
+            rendered, num_samples = render_rays(
+                field, batch.rays, render_config, occupancy, True, batch.background
+            )
+            loss = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            result.samples += num_samples
+        else:
+            outputs = static(batch_rays)
+            loss = outputs.loss
+            window.add(outputs)
         unchecked.append(loss.detach())
         result.steps += 1
         result.rays += batch_rays
-        result.samples += num_samples
         ticks = result.steps if budget_seconds is None else int(time.perf_counter() - start)
         bar.update(min(ticks, bar.total) - bar.n)
         if result.steps % config.log_every == 0:
             last = checked_losses(unchecked, result.steps - len(unchecked), "training")[-1]
             unchecked.clear()
+            samples_per_ray = num_samples / batch_rays if static is None else 0.0
+            dropped: dict[str, int] = {}
+            if static is not None:  # the window's counts, read at the loss check
+                steps = len(window)
+                samples, dropped["dropped_rays"] = window.read()
+                samples_per_ray = samples / (steps * batch_rays)
+                result.samples += samples
+                result.dropped_rays += dropped["dropped_rays"]
             record = {
                 "step": result.steps,
                 "seconds": time.perf_counter() - start,
                 "loss": last,
                 "psnr": -10.0 * math.log10(max(last, 1e-10)),
-                "samples_per_ray": num_samples / batch_rays,
+                "samples_per_ray": samples_per_ray,
                 "batch_rays": batch_rays,
+                **dropped,
             }
             result.history.append(record)
             bar.set_postfix(
@@ -232,11 +280,16 @@ def train(
                 psnr=f"{record['psnr']:.2f}",
                 spr=f"{record['samples_per_ray']:.1f}",
             )
-        if config.target_samples is not None:
+            if static is not None and config.target_samples is not None:
+                batch_rays = static_batch_rays(samples_per_ray, capacity, config.max_batch_rays)
+        if config.target_samples is not None and static is None:
             batch_rays = adapt_batch_rays(
                 batch_rays, num_samples, config.target_samples, config.max_batch_rays
             )
     checked_losses(unchecked, result.steps - len(unchecked), "training")
+    samples, dropped_rays = window.read()
+    result.samples += samples
+    result.dropped_rays += dropped_rays
     result.seconds = time.perf_counter() - start
     bar.close()
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,18 @@ from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_r
 from fedfields.render.renderer import RayOutputs
 from fedfields.train.centralised import adapt_batch_rays, checked_losses
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
+from fedfields.train.static_step import (
+    STEP_MODES,
+    CheckWindow,
+    Proximal,
+    StaticStep,
+    StepMode,
+    first_static_batch,
+    static_batch_rays,
+    static_capacity,
+    static_loss,
+    static_optimizer,
+)
 
 LOSS_WINDOW = 10
 FINITE_CHECK_EVERY = 16  # steps between reads of the losses (each read stalls a GPU's stream)
@@ -86,8 +99,11 @@ class LocalTrainConfig:
     weight_decay: float = 1e-6
     seed: int = 0
     device: str | torch.device = "auto"  # CUDA when visible; "cpu", "cuda", "cuda:N"
+    step_mode: StepMode = "dynamic"  # "static" / "cuda-graph": fedfields.train.static_step
 
     def __post_init__(self) -> None:
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step_mode must be one of {STEP_MODES}, got {self.step_mode!r}")
         for name in ("steps", "batch_rays", "max_batch_rays", "occupancy_update_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -120,6 +136,7 @@ class LocalTrainResult:
     psnr: float  # of that loss
     num_examples: int  # pixels in the client's scene (FedAvg's weight)
     client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+ (the upload: c_i+ - c_i)
+    dropped_rays: int = 0  # static steps: rays left out of the loss (their samples overflowed)
 
     @property
     def rays_per_second(self) -> float:
@@ -149,9 +166,22 @@ def local_train(
     c_i - c + (x - y_i) / (K lr) equals under SGD; under Adam (x - y_i) / (K lr) is a
     normalised step of order 1 per coordinate whatever the gradient's scale, so we take the
     mean directly to keep controls in gradient units (tests/test_federated_training.py).
+
+    A static step (`config.step_mode`) trains the global field alone (FedProx included; a
+    personal field or Scaffold is a ValueError); 'cuda-graph' on a node without CUDA runs
+    the static step uncaptured, with one warning, so one run-config serves CPU and GPU nodes.
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
+    if config.step_mode != "dynamic":
+        if personal_field is not None or scaffold is not None:
+            raise ValueError(
+                f"step mode {config.step_mode!r} trains a global field alone: DecentNeRF's "
+                "personal field and Scaffold's corrections need the dynamic step"
+            )
+        return _static_local_train(
+            global_field, scene, config, render_config, occupancy, global_reference, device
+        )
     global_field.to(device).train()
     if personal_field is not None:
         personal_field.to(device).train()
@@ -239,6 +269,87 @@ def local_train(
             name: to_wire(total / steps) for name, total in gradient_sum.items()
         }
     return result
+
+
+def _static_local_train(
+    global_field: Field,
+    scene: Scene,
+    config: LocalTrainConfig,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    global_reference: Mapping[str, Tensor] | None,
+    device: torch.device,
+) -> LocalTrainResult:
+    """`local_train` with static steps: the ray batch follows `target_samples` at the finite
+    checks (every FINITE_CHECK_EVERY steps), where the losses and sample counts are read."""
+    cuda_graph = config.step_mode == "cuda-graph" and device.type == "cuda"
+    if config.step_mode == "cuda-graph" and not cuda_graph:
+        warnings.warn(
+            f"step mode 'cuda-graph' needs CUDA; this node trains on {device}: static step, "
+            "uncaptured",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    global_field.to(device).train()
+    scene = scene.to(device)
+    if occupancy is not None:
+        occupancy.to(device)
+    parameters = dict(global_field.named_parameters())
+    proximal = None
+    if config.proximal_mu > 0:
+        reference = _on_device(global_reference, parameters, "global_reference")
+        proximal = Proximal(parameters, reference, config.proximal_mu)
+    optimizer = static_optimizer(global_field, config.learning_rate, config.weight_decay, device)
+    sampler = PixelSampler(scene, config.random_background)
+    capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
+
+    def loss_fn(grid: OccupancyGrid | None, rays: int):
+        return static_loss(global_field, sampler, render_config, grid, rays, capacity, proximal)
+
+    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph)
+    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
+    unchecked: list[Tensor] = []
+    window = CheckWindow()  # counts since the last check, on the device
+    batch_rays, total_rays, total_samples, dropped_rays, steps = config.batch_rays, 0, 0, 0, 0
+    if occupancy is not None:
+        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
+    epoch_rays = config.epochs * scene.images.shape[:3].numel()
+    start = time.perf_counter()
+    for index in range(config.steps):
+        if epoch_rays and total_rays >= epoch_rays:
+            break
+        if occupancy is not None and index % config.occupancy_update_every == 0:
+            occupancy.update(global_field.density, render_config.step_size)
+        outputs = step(batch_rays)
+        recent.append(outputs.photometric.detach())
+        unchecked.append(outputs.loss.detach())
+        window.add(outputs)
+        steps += 1
+        total_rays += batch_rays
+        if steps % FINITE_CHECK_EVERY == 0:
+            checked_losses(unchecked, steps - len(unchecked), "local training")
+            window_rays = len(window) * batch_rays
+            samples, dropped = window.read()
+            total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
+            spr = samples / window_rays
+            unchecked.clear()
+            batch_rays = static_batch_rays(spr, capacity, config.max_batch_rays)
+    optimizer.zero_grad(set_to_none=True)
+    checked_losses(unchecked, steps - len(unchecked), "local training")
+    samples, dropped = window.read()
+    total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
+    losses = torch.stack(list(recent)).tolist()
+    mean_loss = sum(losses) / len(losses)
+    return LocalTrainResult(
+        steps=steps,
+        rays=total_rays,
+        samples=total_samples,
+        seconds=time.perf_counter() - start,
+        loss=mean_loss,
+        psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
+        num_examples=scene.images.shape[:3].numel(),
+        dropped_rays=dropped_rays,
+    )
 
 
 def loss_gradient(

@@ -6,15 +6,20 @@ rays/s and PSNR on --eval-views held-out views; (b) one user's one-epoch FedNeRF
 round (novel_blender's in-process path) on the GPU and on --cpu-threads CPU threads (2: a
 2-core machine); (c) one --users Novel Blender round of FedNeRF, DecentNeRF(-L) and
 DecentNeRF (novel_blender.run_federated; the last of --rounds is timed, so DecentNeRF's
-gradient query counts); (d) peak GPU memory per part. The targets follow as ratios of this
-run's own figures, each met or missed; --profile writes torch.profiler tables of a few
-steps per path under --out/profile/. Imports neither Flower nor Ray.
+gradient query counts); (d) peak GPU memory per part. (a), (b)'s GPU round and (c) run once
+per --step-modes (issue 44: dynamic, static, cuda-graph; default dynamic and cuda-graph on
+CUDA, dynamic elsewhere), the federated ones through LocalTrainConfig.step_mode, the
+run-config's `cuda-graph`; DecentNeRF's personal field has the dynamic step only. The
+targets follow as ratios of this run's own figures, each met or missed, per step mode;
+--profile writes torch.profiler tables of a few steps per path under --out/profile/.
+Imports neither Flower nor Ray.
 
 The prepared device call (one H100; the repo's working tree travels, data/lego with it;
 build the 100x100 crowd here first, 4.6 MB, and carry it):
 
     fedfields data crowd --scene data/lego --downscale 2 --out runs/crowd_lego_nb_16x5_ds2
     run(command="python -m simulations.bench.gpu --crowd runs/crowd_lego_nb_16x5_ds2
+        --backends torch triton --methods fednerf decentnerf --step-modes dynamic cuda-graph
         --out $OUT/gpu --profile", carry=["runs/crowd_lego_nb_16x5_ds2"], timeout_s=560)
 
 On CPU (what the tests run): python -m simulations.bench.gpu --smoke --crowd DIR --out DIR
@@ -31,6 +36,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,7 @@ from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.builders import global_field
 from fedfields.train.centralised import Setup, default_setup, train
 from fedfields.train.federated import LocalTrainConfig, local_train
+from fedfields.train.static_step import STEP_MODES, StepMode
 from simulations.bench import novel_blender
 
 LEGO = Path(__file__).resolve().parents[2] / "data" / "lego"
@@ -72,6 +79,7 @@ class Options:
     eval_views: int
     target_samples: int | None
     backends: tuple[str, ...]
+    step_modes: tuple[StepMode, ...]
     crowd: Path | None
     crowd_downscale: float
     users: int
@@ -170,11 +178,21 @@ def heldout_psnr(
     return statistics.fmean(values)
 
 
-def centralised(options: Options, device: torch.device, backend: str) -> dict[str, Any]:
-    """Warm up on CUDA (Triton compiles on first call), then train a fresh field for --seconds."""
+def mode_unavailable(mode: StepMode, device: torch.device) -> str | None:
+    """Why `mode` cannot run on `device` (a captured step needs CUDA), else None."""
+    if mode == "cuda-graph" and device.type != "cuda":
+        return f"unavailable: step mode cuda-graph needs a CUDA device (device {device})"
+    return None
+
+
+def centralised(
+    options: Options, device: torch.device, backend: str, mode: StepMode
+) -> dict[str, Any]:
+    """Warm up on CUDA (Triton compiles on first call), then train a fresh field for --seconds
+    with step mode `mode`."""
     train_scene, eval_scene = lego_split(options.resolution, options.eval_views)
 
-    overrides: dict[str, Any] = {"progress": False, "device": str(device)}
+    overrides: dict[str, Any] = {"progress": False, "device": str(device), "step_mode": mode}
     if options.target_samples is not None:
         overrides["target_samples"] = options.target_samples
 
@@ -197,7 +215,7 @@ def centralised(options: Options, device: torch.device, backend: str) -> dict[st
     score = heldout_psnr(setup.field, eval_scene, setup.render_config, setup.occupancy)
     write_profile(
         options,
-        f"centralised-{backend}",
+        f"centralised-{backend}-{mode}",
         device,
         lambda: train(
             setup.field,
@@ -213,6 +231,8 @@ def centralised(options: Options, device: torch.device, backend: str) -> dict[st
         "steps_per_s": result.steps / clock["seconds"],
         "rays_per_s": result.rays / clock["seconds"],
         "samples_per_ray": result.samples / max(result.rays, 1),
+        "rays": result.rays,
+        "dropped_rays": result.dropped_rays,
         "psnr": score,
         "peak_mib": peak_mib(device),
     }
@@ -222,19 +242,25 @@ def centralised(options: Options, device: torch.device, backend: str) -> dict[st
 
 
 def load_crowd(options: Options) -> CrowdData:
-    """The crowd's first --users users."""
+    """The crowd's first --users users; ValueError says why there is none (the parts that
+    need it then report it, and the table still prints)."""
     if options.crowd is None:
-        raise SystemExit("--crowd is required: build one with `fedfields data crowd`")
+        raise ValueError("--crowd is required: build one with `fedfields data crowd`")
     data = CrowdData.load(options.crowd, options.crowd_downscale)
     if len(data.users) < options.users:
-        raise SystemExit(f"--users {options.users}: {options.crowd} holds {len(data.users)}")
+        raise ValueError(f"--users {options.users}: {options.crowd} holds {len(data.users)}")
     return replace(data, users=data.users[: options.users])
 
 
-def federation(options: Options, rounds: int) -> tuple[FederatedConfig, novel_blender.Settings]:
-    """The field's run-config and novel_blender's settings for `rounds` rounds."""
+def federation(
+    options: Options, rounds: int, mode: StepMode
+) -> tuple[FederatedConfig, novel_blender.Settings]:
+    """The field's run-config and novel_blender's settings for `rounds` rounds of local steps
+    in step mode `mode` (the run-config's `cuda-graph` is --step-modes' to set)."""
     config = FederatedConfig.from_run_config(novel_blender.parse_run_config(options.run_config))
-    settings = novel_blender.Settings(rounds=rounds, max_steps=options.max_local_steps)
+    settings = novel_blender.Settings(
+        rounds=rounds, max_steps=options.max_local_steps, step_mode=mode
+    )
     if options.target_samples is not None:
         settings = replace(settings, target_samples=options.target_samples)
     return config, settings
@@ -259,38 +285,44 @@ def local_round(
     return clock["seconds"], run
 
 
-def local_rounds(options: Options, device: torch.device, data: CrowdData) -> dict[str, Any]:
-    """User 0's round on the GPU (warm-up, then the median of --repeats) and on the CPU with
-    --cpu-threads threads (one run: it is the slow one)."""
-    config, settings = federation(options, rounds=1)
-    measured: dict[str, Any] = {}
-    if device.type == "cuda":
-        local_round(data, config, settings, device)  # warm-up: Triton compiles here
-        reset_peak(device)
-        runs = [local_round(data, config, settings, device) for _ in range(options.repeats)]
-        measured["gpu_seconds"] = statistics.median(seconds for seconds, _ in runs)
-        measured["gpu_peak_mib"] = peak_mib(device)
-        write_profile(options, "local-round-gpu", device, runs[0][1])
+def gpu_local_round(
+    options: Options, device: torch.device, data: CrowdData, mode: StepMode
+) -> dict[str, Any]:
+    """User 0's round on the GPU in step mode `mode`: a warm-up, then the median of --repeats."""
+    config, settings = federation(options, 1, mode)
+    local_round(data, config, settings, device)  # warm-up: Triton compiles here
+    reset_peak(device)
+    runs = [local_round(data, config, settings, device) for _ in range(options.repeats)]
+    write_profile(options, f"local-round-gpu-{mode}", device, runs[0][1])
+    return {"seconds": statistics.median(seconds for seconds, _ in runs),
+            "peak_mib": peak_mib(device)}  # fmt: skip
+
+
+def cpu_local_round(options: Options, data: CrowdData) -> dict[str, Any]:
+    """User 0's round with the dynamic step on --cpu-threads CPU threads (one run: it is the
+    slow one), the reference of every step mode's GPU round."""
+    config, settings = federation(options, 1, "dynamic")
     threads = torch.get_num_threads()
     torch.set_num_threads(options.cpu_threads)
     try:
         cpu = torch.device("cpu")
-        measured["cpu_seconds"], again = local_round(data, config, settings, cpu)
+        seconds, again = local_round(data, config, settings, cpu)
         write_profile(options, "local-round-cpu", cpu, again)
     finally:
         torch.set_num_threads(threads)
-    return measured
+    return {"seconds": seconds}
 
 
 # ---------------------------------------------------------------- (c) federated rounds
 
 
 def federated_round(
-    options: Options, device: torch.device, data: CrowdData, method: str
+    options: Options, device: torch.device, data: CrowdData, method: str, mode: StepMode
 ) -> dict[str, Any]:
-    """--rounds rounds of `method` with every user; the last round's seconds (local training,
-    DecentNeRF's gradient query, aggregation and the bench's per-round scoring)."""
-    config, settings = federation(options, options.rounds)
+    """--rounds rounds of `method` with every user in step mode `mode`; the last round's
+    seconds (local training, DecentNeRF's gradient query, aggregation and the bench's
+    per-round scoring)."""
+    config, settings = federation(options, options.rounds, mode)
     reset_peak(device)
     with timed(device):
         result = novel_blender.run_federated(method, data, config, settings)
@@ -316,104 +348,145 @@ def verdict(value: float | None, target: float, at_least: bool, why_not: str | N
 
 
 def target_rows(options: Options, device: torch.device, found: dict[str, Any]) -> list[Row]:
-    """Issue 34's targets as ratios of this run's figures."""
+    """Issue 34's targets as ratios of this run's figures, once per step mode."""
     why_not = None
     if device.type != "cuda":
         why_not = f"not a GPU run (device {device})"
     elif not options.target_sized:
         why_not = "settings differ from the target's (30 s, 200x200, 16 users)"
-    central = found.get("centralised", {})
-    torch_rate = central.get("torch", {}).get("steps_per_s")
+    rows = []
+    for mode in options.step_modes:
+        rows += mode_target_rows(options, mode, found, why_not)
+    return rows
+
+
+def mode_target_rows(
+    options: Options, mode: StepMode, found: dict[str, Any], why_not: str | None
+) -> list[Row]:
+    """The targets for step mode `mode`: triton in this mode against the torch backend's
+    dynamic step (the baseline), lego's PSNR, the rounds, the GPU round against the CPU's
+    dynamic one. DecentNeRF's round has the dynamic step only."""
+    centralised = found.get("centralised", {})
+    central = centralised.get(mode, {})
+    torch_rate = centralised.get("dynamic", {}).get("torch", {}).get("steps_per_s")
     triton_rate = central.get("triton", {}).get("steps_per_s")
     speedup = triton_rate / torch_rate if torch_rate and triton_rate else None
+    same_mode_torch = central.get("torch", {}).get("steps_per_s")
+    kernels_only = ""
+    if mode != "dynamic" and same_mode_torch and triton_rate:
+        kernels_only = f"triton / torch both {mode}: {triton_rate / same_mode_torch:.2f}x"
     default = "triton" if "psnr" in central.get("triton", {}) else "torch"
     lego = central.get(default, {}).get("psnr")
-    rounds = found.get("federated", {})
+    rounds = found.get("federated", {}).get(mode, {})
     fednerf = rounds.get("fednerf", {}).get("round_seconds")
-    decent = rounds.get("decentnerf", {}).get("round_seconds")
     local = found.get("local", {})
-    ratio = None
-    if local.get("gpu_seconds") and local.get("cpu_seconds"):
-        ratio = local["cpu_seconds"] / local["gpu_seconds"]
+    gpu_seconds = local.get("gpu", {}).get(mode, {}).get("seconds")
+    cpu_seconds = local.get("cpu", {}).get("seconds")
+    ratio = cpu_seconds / gpu_seconds if gpu_seconds and cpu_seconds else None
     threads = f"CPU: torch.set_num_threads({options.cpu_threads}) on this machine"
 
     def fmt(value: float | None, unit: str) -> str:
         return "-" if value is None else f"{value:.2f}{unit}"
 
-    return [
+    rows = [
         Row(
-            "target: triton / torch centralised steps/s",
+            f"target: triton ({mode}) / torch (dynamic) centralised steps/s",
             fmt(speedup, "x"),
             ">= 4x",
             verdict(speedup, TARGETS["speedup"], True, why_not),
+            kernels_only,
         ),  # fmt: skip
         Row(
-            f"target: lego PSNR after {options.seconds:g} s ({default})",
+            f"target: lego PSNR after {options.seconds:g} s ({default}, {mode})",
             fmt(lego, " dB"),
             ">= 33 dB",
             verdict(lego, TARGETS["psnr"], True, why_not),
         ),  # fmt: skip
         Row(
-            "target: FedNeRF round",
+            f"target: FedNeRF round ({mode})",
             fmt(fednerf, " s"),
             "<= 2 s",
             verdict(fednerf, TARGETS["fednerf"], False, why_not),
         ),  # fmt: skip
+    ]
+    if mode == "dynamic":
+        decent = rounds.get("decentnerf", {}).get("round_seconds")
+        rows.append(
+            Row(
+                "target: DecentNeRF round (dynamic)",
+                fmt(decent, " s"),
+                "<= 4 s",
+                verdict(decent, TARGETS["decentnerf"], False, why_not),
+            )  # fmt: skip
+        )
+    rows.append(
         Row(
-            "target: DecentNeRF round",
-            fmt(decent, " s"),
-            "<= 4 s",
-            verdict(decent, TARGETS["decentnerf"], False, why_not),
-        ),  # fmt: skip
-        Row(
-            "target: GPU local round vs CPU",
+            f"target: GPU local round ({mode}) vs CPU (dynamic)",
             fmt(ratio, "x"),
             ">= 30x",
             verdict(ratio, TARGETS["gpu_vs_cpu"], True, why_not),
             threads,
-        ),  # fmt: skip
-    ]
+        )  # fmt: skip
+    )
+    return rows
 
 
 def measurement_rows(options: Options, found: dict[str, Any]) -> list[Row]:
-    """One row per measured (or unavailable) path."""
+    """One row per measured (or unavailable) path, each backend's and method's step modes
+    side by side."""
     rows = []
     side = f"{options.resolution}x{options.resolution}"
-    for backend, entry in found.get("centralised", {}).items():
-        what = f"centralised {side}, {backend}"
-        if "error" in entry:
-            rows.append(Row(what, entry["error"]))
-            continue
-        value = (
-            f"{entry['steps_per_s']:.3g} steps/s, {entry['rays_per_s'] / 1e3:.0f}k rays/s, "
-            f"{entry['psnr']:.2f} dB"
-        )
-        note = (
-            f"{entry['steps']} steps in {entry['seconds']:.1f} s, "
-            f"{entry['samples_per_ray']:.1f} samples/ray, {options.eval_views} held-out views"
-        )
-        rows.append(Row(what, value, note=note + mib(entry.get("peak_mib"))))
+    central = found.get("centralised", {})
+    for backend in options.backends:
+        for mode in options.step_modes:
+            entry = central.get(mode, {}).get(backend)
+            if entry is None:
+                continue
+            what = f"centralised {side}, {backend}, {mode}"
+            if "error" in entry:
+                rows.append(Row(what, entry["error"]))
+                continue
+            value = (
+                f"{entry['steps_per_s']:.3g} steps/s, {entry['rays_per_s'] / 1e3:.0f}k rays/s, "
+                f"{entry['psnr']:.2f} dB"
+            )
+            note = (
+                f"{entry['steps']} steps in {entry['seconds']:.1f} s, "
+                f"{entry['samples_per_ray']:.1f} samples/ray, {options.eval_views} held-out views"
+            )
+            if mode != "dynamic":  # rays whose samples overflowed the static step's buffer
+                note += f", {entry['dropped_rays']} of {entry['rays']} rays dropped (overflow)"
+            rows.append(Row(what, value, note=note + mib(entry.get("peak_mib"))))
     local = found.get("local", {})
-    for key, label in (("gpu", "GPU"), ("cpu", f"CPU, {options.cpu_threads} threads")):
+    labelled = [(f"GPU, {mode}", local.get("gpu", {}).get(mode)) for mode in options.step_modes]
+    labelled.append((f"CPU, {options.cpu_threads} threads, dynamic", local.get("cpu")))
+    for label, entry in labelled:
         what = f"one user's one-epoch FedNeRF round, {label}"
-        if f"{key}_seconds" in local:
-            note = mib(local.get(f"{key}_peak_mib")).lstrip(", ")
-            rows.append(Row(what, f"{local[f'{key}_seconds']:.2f} s", note=note))
-        elif f"{key}_error" in local:
-            rows.append(Row(what, local[f"{key}_error"]))
-    for method, entry in found.get("federated", {}).items():
-        what = f"{options.users}-user round, {novel_blender.LABELS[method]}"
+        if entry is None:
+            continue
         if "error" in entry:
             rows.append(Row(what, entry["error"]))
             continue
-        note = (
-            f"last of {options.rounds} rounds; local training "
-            f"{entry['train_seconds_per_round']:.2f} s/round; clean PSNR "
-            f"{entry['clean_psnr']:.2f} dB"
-        )
-        rows.append(
-            Row(what, f"{entry['round_seconds']:.2f} s", note=note + mib(entry.get("peak_mib")))
-        )
+        note = mib(entry.get("peak_mib")).lstrip(", ")
+        rows.append(Row(what, f"{entry['seconds']:.2f} s", note=note))
+    federated = found.get("federated", {})
+    for method in options.methods:
+        for mode in options.step_modes:
+            entry = federated.get(mode, {}).get(method)
+            if entry is None:
+                continue
+            what = f"{options.users}-user round, {novel_blender.LABELS[method]}, {mode}"
+            if "error" in entry:
+                rows.append(Row(what, entry["error"]))
+                continue
+            note = (
+                f"last of {options.rounds} rounds; local training "
+                f"{entry['train_seconds_per_round']:.2f} s/round; clean PSNR "
+                f"{entry['clean_psnr']:.2f} dB"
+            )
+            rows.append(
+                Row(what, f"{entry['round_seconds']:.2f} s", note=note + mib(entry.get("peak_mib")))
+            )
     if found.get("peak_mib") is not None:
         rows.append(Row("peak GPU memory (whole run)", f"{found['peak_mib']:.0f} MiB"))
     return rows
@@ -432,14 +505,25 @@ def markdown(rows: list[Row]) -> str:
 # ---------------------------------------------------------------- running it
 
 
-def attempt(found: dict[str, Any], key: str, work: Callable[[], dict[str, Any]]) -> None:
-    """Store `work()`'s figures under `key`, or why it could not run (the rest still runs)."""
+def attempt(
+    found: dict[str, Any], key: str, work: Callable[[], dict[str, Any]], label: str = ""
+) -> None:
+    """Store `work()`'s figures under `key`, or why it could not run (the rest still runs);
+    `label` names the part in the log."""
+    name = f"{label} {key}".strip()
     try:
         found[key] = work()
     except Exception as error:  # one broken path must not cost the GPU visit
-        log.error("%s failed:\n%s", key, traceback.format_exc())
+        log.error("%s failed:\n%s", name, traceback.format_exc())
         found[key] = {"error": f"unavailable: {type(error).__name__}: {error}"}
-    log.info("%s: %s", key, json.dumps(found[key]))
+    log.info("%s: %s", name, json.dumps(found[key]))
+
+
+def personal_unavailable(method: str, mode: StepMode) -> str | None:
+    """Why `method` cannot train in `mode`: a personal field has the dynamic step only."""
+    if method != "fednerf" and mode != "dynamic":
+        return f"n/a: {novel_blender.LABELS[method]}'s personal field has the dynamic step only"
+    return None
 
 
 def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
@@ -448,32 +532,55 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
     if device.type == "cuda":
         found["card"] = torch.cuda.get_device_name(device)
         torch.cuda.reset_peak_memory_stats(device)
-    central: dict[str, Any] = {}
+    central: dict[str, dict[str, Any]] = {mode: {} for mode in options.step_modes}
     for backend in options.backends:
-        attempt(central, backend, lambda b=backend: centralised(options, device, b))
+        for mode in options.step_modes:
+            why = mode_unavailable(mode, device)
+            if why is not None:
+                central[mode][backend] = {"error": why}
+                continue
+            work = partial(centralised, options, device, backend, mode)
+            attempt(central[mode], backend, work, f"centralised {mode}")
     found["centralised"] = central
-    data = load_crowd(options)
-    local: dict[str, Any] = {}
-    try:
-        local.update(local_rounds(options, device, data))
+    try:  # inside the guard: without a crowd the other parts say so and the table prints
+        data, no_crowd = load_crowd(options), None
     except Exception as error:
-        log.error("local round failed:\n%s", traceback.format_exc())
-        local["gpu_error" if device.type == "cuda" else "cpu_error"] = f"failed: {error}"
-    if device.type != "cuda":
-        local["gpu_error"] = f"unavailable: no CUDA device (device {device})"
+        log.error("crowd failed to load:\n%s", traceback.format_exc())
+        data, no_crowd = None, f"unavailable: no crowd ({type(error).__name__}: {error})"
+    gpu: dict[str, Any] = {}
+    local: dict[str, Any] = {"gpu": gpu}
+    for mode in options.step_modes:
+        if device.type != "cuda":
+            gpu[mode] = {"error": f"unavailable: no CUDA device (device {device})"}
+        elif data is None:
+            gpu[mode] = {"error": no_crowd}
+        else:
+            attempt(gpu, mode, partial(gpu_local_round, options, device, data, mode), "local GPU")
+    if data is None:
+        local["cpu"] = {"error": no_crowd}
+    else:
+        attempt(local, "cpu", partial(cpu_local_round, options, data), "local")
     found["local"] = local
-    federated: dict[str, Any] = {}
+    federated: dict[str, dict[str, Any]] = {mode: {} for mode in options.step_modes}
     trains_on = LocalTrainConfig(steps=1).device
     for method in options.methods:
-        if resolve_device(trains_on) != device:
-            federated[method] = {"error": f"unavailable: run_federated trains on "
-                                          f"{trains_on!r}, not {device}"}  # fmt: skip
-            continue
-        attempt(federated, method, lambda m=method: federated_round(options, device, data, m))
+        for mode in options.step_modes:
+            why = mode_unavailable(mode, device) or personal_unavailable(method, mode)
+            if data is None:
+                federated[mode][method] = {"error": no_crowd}
+            elif why is not None:
+                federated[mode][method] = {"error": why}
+            elif resolve_device(trains_on) != device:
+                federated[mode][method] = {"error": f"unavailable: run_federated trains on "
+                                                    f"{trains_on!r}, not {device}"}  # fmt: skip
+            else:
+                work = partial(federated_round, options, device, data, method, mode)
+                attempt(federated[mode], method, work, f"federated {mode}")
     found["federated"] = federated
     if device.type == "cuda":  # each part resets the peak: the run's is the largest part's
-        parts = [*central.values(), local, *federated.values()]
-        peaks = [part.get(key) for part in parts for key in ("peak_mib", "gpu_peak_mib")]
+        parts = [*gpu.values()]
+        parts += [entry for per_mode in (central, federated) for entry in per_mode.values()]
+        peaks = [part.get("peak_mib") for part in parts]
         found["peak_mib"] = max((peak for peak in peaks if peak is not None), default=None)
     rows = measurement_rows(options, found) + target_rows(options, device, found)
     return rows, found
@@ -482,6 +589,11 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
 SMOKE = {"seconds": 2.0, "resolution": 25, "eval_views": 2, "target_samples": 1 << 11,
          "users": 2, "rounds": 2, "max_local_steps": 3, "repeats": 1, "profile_steps": 2,
          "run_config": "hash-levels=4 hash-log2-size=12"}  # fmt: skip
+
+
+def default_step_modes(device: str) -> tuple[StepMode, ...]:
+    """Without and with the captured step where CUDA runs; the dynamic step elsewhere."""
+    return ("dynamic", "cuda-graph") if resolve_device(device).type == "cuda" else ("dynamic",)
 
 
 def parse(argv: list[str] | None) -> Options:
@@ -502,6 +614,13 @@ def parse(argv: list[str] | None) -> Options:
     parser.add_argument("--rounds", type=int, help="rounds per method; the last is timed (2)")
     parser.add_argument("--max-local-steps", type=int, help="cap on a user's local steps (400)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--step-modes",
+        nargs="+",
+        choices=STEP_MODES,
+        help="training steps measured side by side (default: dynamic cuda-graph on CUDA, "
+        "dynamic elsewhere)",
+    )
     parser.add_argument("--cpu-threads", type=int, default=2, help="threads of the CPU round")
     parser.add_argument("--repeats", type=int, help="GPU local rounds, median taken (3)")
     parser.add_argument("--run-config", help="the federated field's run-config, 'key=value ...'")
@@ -523,7 +642,15 @@ def parse(argv: list[str] | None) -> Options:
         value = values.get(name, getattr(args, name))
         if not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    try:
+        federated_keys = novel_blender.parse_run_config(values["run_config"])
+    except ValueError as error:
+        parser.error(f"--run-config {values['run_config']!r}: {error}")
+    if "cuda-graph" in federated_keys:
+        parser.error("--run-config: 'cuda-graph' is set per part by --step-modes")
+    step_modes = tuple(dict.fromkeys(args.step_modes or default_step_modes(args.device)))
     return Options(device=args.device, backends=tuple(args.backends), crowd=args.crowd,
+                   step_modes=step_modes,
                    crowd_downscale=args.crowd_downscale, methods=tuple(args.methods),
                    cpu_threads=args.cpu_threads, profile=args.profile, out=args.out,
                    **values)  # fmt: skip

@@ -61,6 +61,7 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
+from fedfields.train.static_step import StepMode
 from simulations.bench.devices import add_device_argument
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
@@ -110,6 +111,7 @@ class Settings:
     seed: int = 0
     run_config: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"  # every user's local training and every render (the field's device)
+    step_mode: StepMode = "dynamic"  # local steps (run-config cuda-graph: "cuda-graph")
 
     def local(self, round_: int, user: int, personal: bool) -> LocalTrainConfig:
         """One user's round: about `epochs` passes, NeRF-W loss when it has a personal field."""
@@ -123,6 +125,7 @@ class Settings:
             beta_min=self.beta_min,
             seed=self.seed * 100_003 + round_ * 1009 + user,
             device=self.device,
+            step_mode=self.step_mode,
         )
 
 
@@ -502,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
                         device=args.device,
+                        step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
                         beta_min=args.beta_min, run_config=run_config,
                         personal_learning_rate=args.personal_lr,
                         transient_density_weight=args.transient_density_weight,

@@ -1,0 +1,261 @@
+"""A training step of fixed shapes and no host sync, optionally captured once as a CUDA graph.
+
+The dynamic step (`centralised.train`, `federated.local_train`) lets marching's sample count
+set every later shape: one `nonzero` per step, so the host waits for the GPU. Here the ray
+batch is fixed per shape and marching fills `capacity` sample slots with a mask
+(`OccupancyGrid.march_fixed`); rays whose samples overflow the slots are left out of the loss
+and counted (`StepOutputs.dropped_rays`). Every constant sits on the field's device, Adam is
+fused (capturable on CUDA, with tensor learning rates) and nothing is read back inside the
+step. Given the same random draws, its loss and gradients are the dynamic step's
+(tests/test_host_syncs.py).
+
+`cuda_graph`: the first `WARMUP_STEPS` steps of a shape run eagerly on a side stream (Triton
+compiles, Adam makes its state), the next one captures the step (torch.cuda.graphs, one
+private memory pool per shape) and every later one replays it; the random draws advance at
+each replay. The batch sizes come from a short ladder (`static_batch_rays`), so few shapes
+are ever captured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fedfields.aggregate import proximal_term
+from fedfields.data.pixels import PixelSampler
+from fedfields.fields import Field
+from fedfields.optim import adam_groups
+from fedfields.render import OccupancyGrid, RenderConfig, render_rays
+from fedfields.render.renderer import render_rays_fixed
+
+StepMode = Literal["dynamic", "static", "cuda-graph"]
+STEP_MODES: tuple[StepMode, ...] = ("dynamic", "static", "cuda-graph")
+WARMUP_STEPS = 2
+CAPACITY_FILL = 0.9
+"""`static_batch_rays` aims the expected samples at this share of the capacity."""
+LADDER_STEPS_PER_OCTAVE = 4
+MIN_BATCH_RAYS = 64
+"""The ladder's lowest rung; the capacity always holds its worst case (`static_capacity`)."""
+
+
+@dataclass
+class StepOutputs:
+    """What one step leaves on the device; read back only at the caller's checks."""
+
+    loss: Tensor  # [] the optimised loss (photometric, plus FedProx's term when set)
+    photometric: Tensor  # [] mean squared colour error over the complete rays
+    samples: Tensor  # [] int64 occupied samples marching found (before the cap)
+    dropped_rays: Tensor  # [] int64 rays left out of the loss: their samples overflowed
+
+
+class CheckWindow:
+    """Static steps' sample and dropped-ray counts since the last check, kept on the device
+    and read together in one host sync (`read`)."""
+
+    def __init__(self) -> None:
+        self.samples: list[Tensor] = []
+        self.dropped: list[Tensor] = []
+
+    def add(self, outputs: StepOutputs) -> None:
+        self.samples.append(outputs.samples)
+        self.dropped.append(outputs.dropped_rays)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self) -> tuple[int, int]:
+        """(samples, dropped rays) of the window's steps, then an empty window."""
+        if not self.samples:
+            return 0, 0
+        counts = torch.stack([torch.stack(self.samples), torch.stack(self.dropped)])
+        samples, dropped = (int(total) for total in counts.sum(dim=1).tolist())
+        self.samples.clear()
+        self.dropped.clear()
+        return samples, dropped
+
+
+@dataclass(frozen=True)
+class Proximal:
+    """FedProx's mu/2 ||w - w_ref||^2 on `parameters` (w_ref on the same device)."""
+
+    parameters: Mapping[str, Tensor]
+    reference: Mapping[str, Tensor]
+    mu: float
+
+
+def static_optimizer(
+    module: torch.nn.Module, learning_rate: float, weight_decay: float, device: torch.device
+) -> torch.optim.Adam:
+    """`fedfields.optim.make_optimizer`'s Adam, fused, with one learning-rate tensor per group
+    on `device` and capturable state on CUDA: its step reads nothing back."""
+    groups = [
+        {**group, "lr": torch.tensor(learning_rate, device=device)}
+        for group in adam_groups(module, weight_decay)
+    ]
+    return torch.optim.Adam(
+        groups, betas=(0.9, 0.99), eps=1e-15, fused=True, capturable=device.type == "cuda"
+    )
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, value: float) -> None:
+    """Every group's learning rate: in place where it is a tensor (a captured step reads it)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], Tensor):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+
+
+def static_batch_rays(samples_per_ray: float, capacity: int, maximum: int) -> int:
+    """The next ray batch: the largest rung of 2^(k/4), at least MIN_BATCH_RAYS and at most
+    `maximum`, whose expected samples fill at most CAPACITY_FILL of the capacity (few
+    distinct shapes)."""
+    wanted = CAPACITY_FILL * capacity / max(samples_per_ray, 1e-6)
+    rung = math.floor(LADDER_STEPS_PER_OCTAVE * math.log2(max(wanted, MIN_BATCH_RAYS)))
+    return max(MIN_BATCH_RAYS, min(int(2 ** (rung / LADDER_STEPS_PER_OCTAVE)), maximum))
+
+
+def max_samples_per_ray(render_config: RenderConfig) -> int:
+    """The most samples marching gives one ray: every step of `march_fixed`'s fixed count
+    (the longest interval in the box, +1), reached where the grid is fully occupied."""
+    return math.ceil(render_config.max_ray_length / render_config.step_size) + 1
+
+
+def static_capacity(
+    target_samples: int | None, batch_rays: int, render_config: RenderConfig
+) -> int:
+    """Sample slots of a static step: `target_samples`, else every step of `batch_rays`
+    rays (a fixed batch then never overflows); at least MIN_BATCH_RAYS rays' worst case, so
+    every rung of the ladder can be sized to fit it."""
+    worst = max_samples_per_ray(render_config)
+    if target_samples is None:
+        return batch_rays * worst
+    return max(target_samples, MIN_BATCH_RAYS * worst)
+
+
+def first_static_batch(
+    batch_rays: int, capacity: int, render_config: RenderConfig, maximum: int
+) -> int:
+    """The batch of the first check window, before any sample count is read: `batch_rays`
+    when its worst case fits the capacity, else the ladder's rung for the worst case.
+
+    The grid starts fully occupied and its updates within the window are unread, so only
+    the worst case (`max_samples_per_ray`) is safe: with it no ray of the first window
+    overflows (tests/test_host_syncs.py), where the configured batch could drop most rays.
+    """
+    worst = max_samples_per_ray(render_config)
+    if batch_rays * worst <= capacity:
+        return batch_rays
+    return static_batch_rays(worst, capacity, maximum)
+
+
+def static_loss(
+    field: Field,
+    sampler: PixelSampler,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    batch_rays: int,
+    capacity: int,
+    proximal: Proximal | None = None,
+) -> StepOutputs:
+    """Draw `batch_rays` pixels and render them in fixed shapes; the MSE over complete rays.
+
+    The draws are the dynamic step's (pixels, background, marching offsets), so with no
+    overflow the loss equals `mse_loss(render_rays(...).rgb, colors)`.
+    """
+    batch = sampler.sample(batch_rays)
+    if occupancy is None:  # stratified samples: their count is fixed already
+        rendered, num_samples = render_rays(
+            field, batch.rays, render_config, None, perturb=True, background=batch.background
+        )
+        photometric = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+        samples = torch.full((), num_samples, device=photometric.device)
+        dropped = torch.zeros((), dtype=torch.int64, device=photometric.device)
+    else:
+        rendered, fixed = render_rays_fixed(
+            field, batch.rays, render_config, occupancy, capacity, True, batch.background
+        )
+        squared = (rendered.rgb - batch.colors).square().sum(-1)
+        complete = fixed.complete.sum()
+        photometric = torch.where(fixed.complete, squared, 0.0).sum() / (3 * complete.clamp(min=1))
+        samples, dropped = fixed.count, batch_rays - complete
+    loss = photometric
+    if proximal is not None:
+        loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
+    return StepOutputs(loss, photometric, samples, dropped)
+
+
+class StaticStep:
+    """One optimiser step of `static_loss` per call; with `cuda_graph`, captured per shape."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[[OccupancyGrid | None, int], StepOutputs],
+        optimizer: torch.optim.Optimizer,
+        occupancy: OccupancyGrid | None,
+        cuda_graph: bool,
+    ) -> None:
+        self.loss_fn, self.optimizer, self.occupancy = loss_fn, optimizer, occupancy
+        self.cuda_graph = cuda_graph
+        self.graphs: dict[int, _CapturedStep] = {}
+        self.eager_steps: dict[int, int] = {}
+
+    def __call__(self, batch_rays: int) -> StepOutputs:
+        if not self.cuda_graph:
+            return self._eager(self.occupancy, batch_rays)
+        captured = self.graphs.get(batch_rays)
+        if captured is not None:
+            return captured.replay(self.occupancy)
+        if self.eager_steps.get(batch_rays, 0) < WARMUP_STEPS:
+            self.eager_steps[batch_rays] = self.eager_steps.get(batch_rays, 0) + 1
+            return self._on_side_stream(lambda: self._eager(self.occupancy, batch_rays))
+        captured = _CapturedStep(self, batch_rays)
+        self.graphs[batch_rays] = captured
+        return captured.replay(self.occupancy)
+
+    def _eager(self, occupancy: OccupancyGrid | None, batch_rays: int) -> StepOutputs:
+        outputs = self.loss_fn(occupancy, batch_rays)
+        self.optimizer.zero_grad(set_to_none=True)
+        outputs.loss.backward()
+        self.optimizer.step()
+        return outputs
+
+    @staticmethod
+    def _on_side_stream(work: Callable[[], StepOutputs]) -> StepOutputs:
+        """Warm-up before a capture runs on a side stream (torch.cuda.graphs' recipe)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outputs = work()
+        torch.cuda.current_stream().wait_stream(side)
+        return outputs
+
+
+class _CapturedStep:
+    """One shape's step captured as a CUDA graph, reading its own copy of the grid's mask."""
+
+    def __init__(self, step: StaticStep, batch_rays: int) -> None:
+        grid = step.occupancy
+        self.mirror = None
+        if grid is not None:  # the grid rebinds its mask when updated: the graph reads a copy
+            self.mirror = OccupancyGrid(grid.aabb.clone(), grid.resolution)
+            self.mirror.occupied.copy_(grid.occupied)
+        self.source: Tensor | None = None if grid is None else grid.occupied
+        self.graph = torch.cuda.CUDAGraph()
+        step.optimizer.zero_grad(set_to_none=True)  # gradients live in the graph's pool
+        with torch.cuda.graph(self.graph):
+            self.outputs = step.loss_fn(self.mirror, batch_rays)
+            self.outputs.loss.backward()
+            step.optimizer.step()
+
+    def replay(self, grid: OccupancyGrid | None) -> StepOutputs:
+        if grid is not None and self.mirror is not None and grid.occupied is not self.source:
+            self.mirror.occupied.copy_(grid.occupied)
+            self.source = grid.occupied
+        self.graph.replay()
+        return StepOutputs(*(value.clone() for value in vars(self.outputs).values()))
