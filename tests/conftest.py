@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import zlib
 from pathlib import Path
@@ -22,6 +23,15 @@ HULL_RESOLUTION = 48
 """Voxels per axis of the crowd's visual hull: at 25x25 pixels 48^3 gives the persons their
 depth as well as the default 128^3 does, at a fraction of its cost (tests/test_crowd.py tests
 the hull itself)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One compute thread per test process and per process a test starts (OMP_NUM_THREADS
+    is inherited): the suite runs its modules on parallel workers (pytest-xdist, one per
+    core), and tiny tensors gain nothing from a second thread while two threads per process
+    on busy cores spin-wait each other (a small convolution: 20x slower)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
