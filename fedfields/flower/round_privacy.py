@@ -204,7 +204,7 @@ class RoundPrivacy:
 
     def check_plan(self, first_round: int, num_rounds: int, fraction_train: float) -> float:
         """The epsilon rounds `first_round`..`num_rounds` would spend at sampling rate
-        `fraction_train` (on top of what the accountant holds); ValueError naming
+        `fraction_train` (on top of what the accountant holds), logged; ValueError naming
         dp-target-epsilon when it exceeds the target, or the adaptive-clipping keys when a set
         dp-clipped-count-stddev is too small for z."""
         adaptive = self.config.adaptive
@@ -214,7 +214,11 @@ class RoundPrivacy:
             RoundCharge(min(fraction_train, 1.0), self.planned_multiplier(server_round))
             for server_round in range(first_round, num_rounds + 1)
         ]
-        return check_plan(self.config, [*self.accountant.charges, *planned])
+        epsilon = check_plan(self.config, [*self.accountant.charges, *planned])
+        plan = f"q = fraction-train {fraction_train:g}, no dropouts"
+        log(INFO, "differential privacy: the plan (%s) spends epsilon %.4g at delta %g", plan,
+            epsilon, self.config.delta)  # fmt: skip
+        return epsilon
 
     def check_noise(self, num_sampled: int, num_params: int) -> float:
         """The pre-flight z sqrt(d) / n of a round of `num_sampled` clients on a model of
