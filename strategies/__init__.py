@@ -16,11 +16,15 @@ from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower import (
     DecentNeRF,
     FedACG,
+    FedAdagrad,
+    FedAdam,
     FedAvg,
+    FedAvgM,
     FedExP,
     FedMeNF,
     FedNova,
     FedProx,
+    FedYogi,
     ProtocolStrategy,
     Scaffold,
     StrategyOptions,
@@ -37,6 +41,10 @@ STRATEGIES: dict[str, tuple[type[ProtocolStrategy], type[StrategySettings]]] = {
         FedACG,
         DecentNeRF,
         FedMeNF,
+        FedAvgM,
+        FedAdam,
+        FedYogi,
+        FedAdagrad,
     )
 }
 

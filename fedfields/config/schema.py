@@ -113,7 +113,7 @@ class CommonSection:
     strategy: str = key(
         "",
         '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold | '
-        "fednova | fedexp | fedacg",
+        "fednova | fedexp | fedacg | fedavgm | fedadam | fedyogi | fedadagrad",
     )
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(
