@@ -8,7 +8,8 @@ its default (naming the task or mode that uses it), and values that contradict e
 (secure aggregation with fewer than 3 clients per round, more clients per round than nodes,
 a robust aggregation rule the strategy or secure aggregation cannot take), all before
 anything runs. Field names are the keys in snake_case;
-each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`).
+each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`);
+each strategy's own keys come from the App's registry (`from_run_config`'s `strategies`).
 """
 
 from __future__ import annotations
