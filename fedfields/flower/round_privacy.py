@@ -131,6 +131,23 @@ class RoundPrivacy:
         """C of DecentNeRF's gradient query: dp-gradient-clip-norm, else the payload's C."""
         return self.config.gradient_clip_norm or self.clip_norm
 
+    @classmethod
+    def of_strategy(
+        cls,
+        config: DPConfig | None,
+        secure_aggregation: SecureAggregationConfig | None,
+        sums_per_round: Callable[[int], int],
+        delta_scale: str,
+        checks: tuple[str, int],
+    ) -> RoundPrivacy | None:
+        """A strategy's DP state, its settings checked against `checks`, the strategy's
+        (weight metric, min-train-nodes) (`check_settings`); None without DP."""
+        if config is None or not config.enabled:
+            return None
+        privacy = cls(config, secure_aggregation, sums_per_round, delta_scale)
+        privacy.check_settings(*checks)
+        return privacy
+
     def check_settings(self, weight_metric: str, min_train_nodes: int) -> None:
         """Log the uniform weights DP needs instead of `weight_metric`; refuse a fixed SecAgg+
         clipping range without room for the noise shares of `min_train_nodes` clients."""

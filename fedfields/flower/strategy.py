@@ -1,14 +1,9 @@
 """ProtocolStrategy: Flower's FedAvg sampling and evaluation with the fedfields train protocol.
 
-A strategy is Flower glue and its paper's hooks: the constructor's options, node sampling among
-the connected nodes, the train config and the messages; each strategy module fills in
-`configure_train` and `aggregate` with its paper's equations (and `check_update` with its own
-reply checks). What a round does with its replies belongs to the round
-(`fedfields.flower.round`): `begin_round` samples and opens a `Round`, which owns the reply
-gate, the one sum (plaintext or SecAgg+), client-level DP (`round_privacy`) and the ledger
-(`round_ledger`), and ends in a `RoundOutcome`; `start` runs Flower's loop over such rounds
-(`round_loop`), resumable, stopping a run that cannot train or whose next round would exceed
-its privacy budget.
+A strategy is Flower glue and its paper's hooks (options, sampling, train config, messages;
+`configure_train`, `aggregate`, `check_update`); what a round does with its replies belongs to
+the `Round` that `begin_round` opens (`fedfields.flower.round`: gate -> sum -> privacy ->
+ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`).
 """
 
 from __future__ import annotations
@@ -62,16 +57,10 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     """Flower FedAvg's sampling and evaluation with the fedfields train protocol.
 
     Subclasses set `strategy_name`, extend `protocol_config` and implement `configure_train`
-    (with `begin_round`, `train_config` and `messages`) and `aggregate` (through the `Round`'s
-    one sum). Constructor arguments (`StrategyOptions`) are documented on
-    `fedfields.flower.FedAvg`. With `secure_aggregation` set, replies are held back by the
-    clients and summed through Flower SecAgg+ only; otherwise each reply is checked and a bad
-    one dropped before it reaches the sum (`fedfields.flower.reply_gate`).
-
-    Nodes come and go: a round samples among the nodes connected now (the first round waits
-    up to `node_timeout` for `min_available_nodes`, every round for `min_train_nodes`, and
-    raises `InsufficientNodesError` only when fewer stay connected); an error reply (a node
-    that died, a ClientApp that raised) is logged and counted, never raised.
+    (`begin_round`, `train_config`, `messages`) and `aggregate` (through the `Round`'s one
+    sum); constructor arguments (`StrategyOptions`) are documented on `fedfields.flower.FedAvg`.
+    Nodes come and go: a round samples among those connected now (`NodeSampler`), and an error
+    reply (a node that died, a ClientApp that raised) is logged and counted, never raised.
     """
 
     strategy_name: ClassVar[str]
@@ -135,17 +124,13 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_started = 0
         self.rounds_aggregated = 0
         """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
-        self.privacy: RoundPrivacy | None = None
+        checks = (self.weight_metric, self.min_train_nodes)
+        self.privacy = RoundPrivacy.of_strategy(
+            differential_privacy, secure_aggregation, self.dp_sums_per_round, self.dp_delta_scale,
+            checks,
+        )  # fmt: skip
         """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
         accountant and why it stopped early; None without DP."""
-        if differential_privacy is not None and differential_privacy.enabled:
-            self.privacy = RoundPrivacy(
-                differential_privacy,
-                secure_aggregation,
-                self.dp_sums_per_round,
-                self.dp_delta_scale,
-            )
-            self.privacy.check_settings(self.weight_metric, self.min_train_nodes)
 
     @property
     def dp(self) -> DPConfig | None:
