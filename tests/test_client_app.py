@@ -74,10 +74,10 @@ class ParseCounter:
         self._inside = False
         real = FederatedConfig.from_run_config
 
-        def counted(run_config: Mapping[str, Any]) -> FederatedConfig:
+        def counted(run_config: Mapping[str, Any], strategies: Any = None) -> FederatedConfig:
             if self._inside:
                 self.per_message[-1] += 1
-            return real(run_config)
+            return real(run_config, strategies)
 
         monkeypatch.setattr(FederatedConfig, "from_run_config", staticmethod(counted))
 
