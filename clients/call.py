@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, Message
 from fedfields.config import FederatedConfig
 from fedfields.flower.node import NodeState, client_index, node_device, pin_simulated_threads
 from fedfields.flower.protocol import CONFIG, SERVER_ROUND, ReplyParts
+from strategies import parse_app_config
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ClientCall:
         return cls(
             msg=msg,
             context=context,
-            config=FederatedConfig.from_run_config(context.run_config),
+            config=parse_app_config(context.run_config),
             state=NodeState(context),
             device=node_device(context),
             server_round=int(round_config[SERVER_ROUND]) if SERVER_ROUND in round_config else None,

@@ -26,6 +26,7 @@ from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
 from fedfields.flower import DecentNeRFClient, NodeState, ScaffoldClient
+from fedfields.flower.decentnerf import DecentNeRFSettings
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -82,7 +83,9 @@ def train(call: ClientCall) -> ReplyParts:
     occupancy = _occupancy(state, field)
     decentnerf = None
     if DecentNeRFClient.sent_by_decentnerf(msg):
-        decentnerf = DecentNeRFClient(state, config.scene.alpha_lr)
+        own = config.settings
+        alpha_lr = (own if isinstance(own, DecentNeRFSettings) else DecentNeRFSettings()).alpha_lr
+        decentnerf = DecentNeRFClient(state, alpha_lr)
     user = call.client
     personal = _personal_field(state, config, settings, len(scene), user) if decentnerf else None
     scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None

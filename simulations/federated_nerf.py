@@ -32,7 +32,7 @@ from fedfields.train.federated import federated_state
 from simulations.job import RoundJob, StrategyReport, run_strategy_job
 from simulations.observers import Observer
 from simulations.scene_observer import CrowdObserver
-from strategies import make_strategy as make_named_strategy
+from strategies import make_strategy as make_registered_strategy
 
 
 class RoundReport(StrategyReport):
@@ -112,9 +112,8 @@ class RoundReport(StrategyReport):
 
 def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
     """The strategy named by run-config, sampling `fraction-train` of the connected nodes."""
-    return make_named_strategy(
-        config.strategy_name,
-        config.to_run_config(),
+    return make_registered_strategy(
+        config,
         fraction_train=config.scene.fraction_train,
         min_train_nodes=config.deployment.min_train_nodes,
         min_available_nodes=max(

@@ -54,7 +54,7 @@ from fedfields.train.federated import federated_state
 from simulations.job import RoundJob, StrategyReport, run_strategy_job
 from simulations.meta_observer import meta_observers, present
 from simulations.observers import Observer
-from strategies import strategy_class
+from strategies import make_strategy, strategy_class
 
 
 class MetaReport(StrategyReport):
@@ -200,17 +200,11 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
         "sampling_seed": config.common.seed,
         "differential_privacy": config.dp.dp_config(),
     }
-    cls = strategy_class(config.strategy_name)
-    if issubclass(cls, FedMeNF):
-        return cls(
-            clients_per_round=clients,
-            num_clients=settings.num_clients,
-            min_available_nodes=wanted,
-            **cls.own_config(config.to_run_config()),  # reply bounds, aggregation-rule
-            **common,
-        )
+    if issubclass(strategy_class(config.strategy_name), FedMeNF):
+        meta_sampling = {"clients_per_round": clients, "num_clients": settings.num_clients}
+        return make_strategy(config, min_available_nodes=wanted, **common, **meta_sampling)
     sampling = m_of_n_sampling(clients, settings.num_clients, wanted)
-    return cls.from_config(config.to_run_config(), **common, **sampling)
+    return make_strategy(config, **common, **sampling)
 
 
 def run_meta_job(

@@ -30,7 +30,7 @@ from flwr.common.config import parse_config_args
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
-from strategies import strategy_class
+from strategies import parse_app_config, strategy_class
 
 ENVIRONMENT = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -101,7 +101,7 @@ def job_config(run_config: str) -> FederatedConfig:
     with (APP_DIR / "pyproject.toml").open("rb") as file:
         declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
     overrides = parse_config_args([run_config]) if run_config.strip() else {}
-    config = FederatedConfig.from_run_config({**declared, **overrides})
+    config = parse_app_config({**declared, **overrides})
     strategy_class(config.strategy_name)  # an unknown strategy stops here, naming the known
     return config
 

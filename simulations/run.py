@@ -20,12 +20,12 @@ from flwr.clientapp.typing import Mod
 from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
-from fedfields.config import FederatedConfig
 from fedfields.flower.protocol import GRADIENT_QUERY
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.optim import resolve_device
 from simulations.server_app import run_job
+from strategies import parse_app_config
 
 
 def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
@@ -84,7 +84,7 @@ def run_with_ray(
     min-train-nodes above it) raises ValueError before anything starts."""
     from flwr.simulation import run_simulation
 
-    FederatedConfig.from_run_config(run_config).check_node_count(num_supernodes, "num-supernodes")
+    parse_app_config(run_config).check_node_count(num_supernodes, "num-supernodes")
     if resolve_device(client_device).type == "cpu" and torch.cuda.is_available():
         os.environ["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # Ray hides the GPUs
     else:

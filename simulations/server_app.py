@@ -16,17 +16,17 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedfields.config import FederatedConfig
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.split_job import run_split_job
+from strategies import parse_app_config
 
 app = ServerApp()
 
 
 def run_job(grid: Grid, run_config: dict[str, Any]) -> Path:
     """Run the run-config's job over the grid's nodes; returns its run directory."""
-    config = FederatedConfig.from_run_config(run_config)  # the server's one parse
+    config = parse_app_config(run_config)  # the server's one parse
     if config.common.mode == "split":
         return run_split_job(grid, config)
     if config.common.task == "scene":

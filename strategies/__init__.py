@@ -1,9 +1,9 @@
-"""This app's one registry of strategy names: run-config `strategy` -> a fedfields.flower class.
+"""This app's one registry of strategies: run-config `strategy` -> (class, settings class).
 
 Adding a strategy: one module in `fedfields/flower/` (a `ProtocolStrategy` subclass with its
-`strategy_name` and `config_keys`) and one line here; its own run-config keys also need a
-field in `fedfields/config/schema.py` and a line in pyproject.toml, and a strategy taking the
-robust aggregation rules its name in the schema's ROBUST_STRATEGIES (docs/LIBRARY.md).
+`strategy_name` and, if it has run-config keys of its own, a `StrategySettings` dataclass as
+its `settings_class`) and one line here; the schema, pyproject.toml and docs/RUN_CONFIG.md
+read its keys from this registry (docs/LIBRARY.md).
 """
 
 from __future__ import annotations
@@ -11,22 +11,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Unpack
 
+from fedfields.config import FederatedConfig
+from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower import (
     DecentNeRF,
     FedACG,
+    FedAdagrad,
+    FedAdam,
     FedAvg,
+    FedAvgM,
     FedExP,
     FedMeNF,
     FedNova,
     FedProx,
+    FedYogi,
     ProtocolStrategy,
     Scaffold,
     StrategyOptions,
 )
 
-STRATEGIES: dict[str, type[ProtocolStrategy]] = {
-    cls.strategy_name: cls
-    for cls in (FedAvg, FedProx, Scaffold, FedNova, FedExP, FedACG, DecentNeRF, FedMeNF)
+STRATEGIES: dict[str, tuple[type[ProtocolStrategy], type[StrategySettings]]] = {
+    cls.strategy_name: (cls, cls.settings_class)
+    for cls in (
+        FedAvg,
+        FedProx,
+        Scaffold,
+        FedNova,
+        FedExP,
+        FedACG,
+        DecentNeRF,
+        FedMeNF,
+        FedAvgM,
+        FedAdam,
+        FedYogi,
+        FedAdagrad,
+    )
 }
 
 
@@ -36,11 +55,42 @@ def strategy_class(name: str) -> type[ProtocolStrategy]:
         raise ValueError(
             f"run-config 'strategy' {name!r} is unknown; known: {', '.join(STRATEGIES)}"
         )
-    return STRATEGIES[name]
+    return STRATEGIES[name][0]
 
 
-def make_strategy(
-    name: str, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]
-) -> ProtocolStrategy:
-    """The strategy `name` with its own run-config settings and the shared `options`."""
-    return strategy_class(name).from_config(run_config, **options)
+def strategy_settings() -> dict[str, type[StrategySettings]]:
+    """Each registered strategy's settings class: what the schema reads their keys from."""
+    return {name: settings for name, (_, settings) in STRATEGIES.items()}
+
+
+def parse_app_config(run_config: Mapping[str, Any]) -> FederatedConfig:
+    """The App's one parse of a Flower run-config: the sections and every registered
+    strategy's own keys (`FederatedConfig.from_run_config`)."""
+    return FederatedConfig.from_run_config(run_config, strategy_settings())
+
+
+def shared_options(config: FederatedConfig, cls: type[ProtocolStrategy]) -> dict[str, Any]:
+    """The run-config's reply bounds for any strategy, and the robust rule for one whose
+    server step starts from FedAvg's mean (`StrategySettings.robust_rules`)."""
+    robust = config.robust
+    options: dict[str, Any] = {
+        "max_num_examples": robust.max_num_examples,
+        "max_update_norm": robust.max_update_norm,
+        "max_empty_rounds": robust.max_empty_rounds,
+    }
+    if cls.settings_class.robust_rules:
+        options |= {
+            "aggregation_rule": robust.aggregation_rule,
+            "trim_fraction": robust.trim_fraction,
+            "num_malicious": robust.num_malicious,
+            "krum_select": robust.krum_select,
+        }
+    return options
+
+
+def make_strategy(config: FederatedConfig, **options: Unpack[StrategyOptions]) -> ProtocolStrategy:
+    """The run's strategy with its typed settings, the run-config's reply bounds and robust
+    rule, and the `options` the job chooses (sampling, secure aggregation, DP)."""
+    cls = strategy_class(config.strategy_name)
+    settings = config.settings or cls.settings_class()
+    return cls.from_settings(settings, **shared_options(config, cls), **options)

@@ -19,7 +19,6 @@ from flwr.supercore.differential_privacy import (
 )
 from test_dp_federation import fixed_nodes, secure, train_round
 
-from fedfields.config import FederatedConfig
 from fedfields.flower import FedAvg
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 from fedfields.flower.round_privacy import DP_EPSILON, DP_NEXT_CLIP_NORM, DP_ROUND_MULTIPLIER
@@ -32,6 +31,7 @@ from fedfields.privacy.adaptive_clipping import (
 )
 from fedfields.privacy.dp import DPConfig, noise_generator
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from strategies import parse_app_config
 
 F64 = torch.float64
 NORMS = (0.5, 1.0, 2.0, 4.0)
@@ -170,7 +170,7 @@ def test_distributed_adaptive_clipping_moves_c_as_the_central_round_does(
 
 
 def test_the_run_config_builds_adaptive_clipping_and_refuses_bad_keys() -> None:
-    config = FederatedConfig.from_run_config({
+    config = parse_app_config({
         "dp-noise-multiplier": 1.0, "dp-clip-norm": 0.5, "dp-adaptive-clipping": True,
         "dp-target-quantile": 0.7, "dp-clip-norm-lr": 0.1, "dp-clipped-count-stddev": 2.0,
         "dp-gradient-clip-norm": 0.05,
@@ -179,7 +179,7 @@ def test_the_run_config_builds_adaptive_clipping_and_refuses_bad_keys() -> None:
     assert dp is not None and dp.adaptive == AdaptiveClipping(0.7, 0.1, 2.0)
     assert dp.gradient_clip_norm == 0.05
     with pytest.raises(ValueError, match="'dp-target-quantile' must be in \\[0, 1\\]"):
-        FederatedConfig.from_run_config({
+        parse_app_config({
             "dp-noise-multiplier": 1.0, "dp-clip-norm": 0.5, "dp-adaptive-clipping": True,
             "dp-target-quantile": 2.0,
         })  # fmt: skip

@@ -24,7 +24,7 @@ WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save"}
 """Calls that write a file in place: pathlib's, matplotlib's, torch's, numpy's and PIL's."""
 IN_PLACE_ALLOWED = {
     "fedfields/atomic.py": "the one implementation",
-    "fedfields/config/reference.py": "a developer tool regenerating docs/RUN_CONFIG.md",
+    "strategies/reference.py": "a developer tool regenerating docs/RUN_CONFIG.md",
     "fedfields/data/crowd/writer.py": "builds the crowd in a hidden staging folder, renamed whole",
     "fedfields/data/objects.py": "builds the collection in a hidden staging folder, renamed whole",
     "fedfields/report.py:_curve_group": "draws into an in-memory buffer",

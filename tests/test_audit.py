@@ -16,7 +16,7 @@ from flower_harness import InProcessGrid
 from PIL import Image
 
 from fedfields.cli import main as fedfields_main
-from fedfields.config import FederatedConfig, meta_settings
+from fedfields.config import meta_settings
 from fedfields.data.crowd import CrowdData
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import UPLOAD_LEAK
@@ -34,6 +34,7 @@ from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.split_job import run_split_job
+from strategies import parse_app_config
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 SMALL_GRID = {"hash-log2-size": 12, "hash-levels": 4, "hash-max-resolution": 64}  # a fast field
@@ -59,7 +60,7 @@ def scene_run(root: Path, crowd: Path) -> Path:
     }
     return run_federated_nerf(
         InProcessGrid([client_app(config)] * 3, raise_errors=True),
-        FederatedConfig.from_run_config(config),
+        parse_app_config(config),
     )
 
 
@@ -80,7 +81,7 @@ def meta_run(root: Path) -> Path:
     }
     return run_meta_job(
         InProcessGrid([client_app(config)] * 4, raise_errors=True),
-        FederatedConfig.from_run_config(config),
+        parse_app_config(config),
     )
 
 
@@ -115,7 +116,7 @@ def split_run(root: Path) -> Path:
     }
     return run_split_job(
         InProcessGrid([client_app(config)], raise_errors=True),
-        FederatedConfig.from_run_config(config),
+        parse_app_config(config),
     )
 
 
@@ -204,7 +205,7 @@ def test_scene_leakage_is_the_personal_psnr_of_the_servers_field(
     runs: dict[str, Path], audited: tuple[str, dict[str, dict]]
 ) -> None:
     report, run_dir = audited[1]["scene"], runs["scene"]
-    config = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
+    config = parse_app_config(json.loads((run_dir / "config.json").read_text()))
     renderer = FieldRenderer.from_checkpoint(config, run_dir / "checkpoint.pt")
     users = CrowdData.load(config.deployment.data_dir, config.common.downscale).users
     personal, floor, clean = [], [], []
@@ -225,7 +226,7 @@ def test_meta_audit_scores_theta_as_the_meta_jobs_evaluation(
     runs: dict[str, Path], audited: tuple[str, dict[str, dict]]
 ) -> None:
     report, run_dir = audited[1]["meta"], runs["meta"]
-    config = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
+    config = parse_app_config(json.loads((run_dir / "config.json").read_text()))
     settings = meta_settings(config)
     model = meta_model(config, settings)
     theta = torch.load(run_dir / "checkpoint.pt", weights_only=True)["state_dict"]

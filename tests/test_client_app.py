@@ -42,6 +42,7 @@ from fedfields.flower.protocol import (
 from fedfields.privacy import split_field
 from fedfields.train.builders import global_field, joint_field, meta_model
 from fedfields.train.federated import federated_state
+from strategies import parse_app_config
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 
@@ -73,10 +74,10 @@ class ParseCounter:
         self._inside = False
         real = FederatedConfig.from_run_config
 
-        def counted(run_config: Mapping[str, Any]) -> FederatedConfig:
+        def counted(run_config: Mapping[str, Any], strategies: Any = None) -> FederatedConfig:
             if self._inside:
                 self.per_message[-1] += 1
-            return real(run_config)
+            return real(run_config, strategies)
 
         monkeypatch.setattr(FederatedConfig, "from_run_config", staticmethod(counted))
 
@@ -120,7 +121,7 @@ def send(grid: InProcessGrid, content: dict, message_type: str = "train") -> Mes
 
 def scene_content(run_config: dict, server_round: int) -> dict:
     """A DecentNeRF server's message of `server_round`: a fresh global field and its CONFIG."""
-    field = global_field(FederatedConfig.from_run_config(run_config))
+    field = global_field(parse_app_config(run_config))
     config = {SERVER_ROUND: server_round, STRATEGY: "decentnerf", LOCAL_STEPS: 1}
     return {ARRAYS: state_to_arrays(federated_state(field)), CONFIG: ConfigRecord(config)}
 
@@ -155,7 +156,7 @@ def test_scene_rounds_parse_once_per_message_and_time_the_query_once(
 
 def test_meta_train_parses_the_run_config_once(tmp_path: Path, counter: ParseCounter) -> None:
     config = tiny_meta(tmp_path / "run", strategy="fedmenf")
-    parsed = FederatedConfig.from_run_config(config)
+    parsed = parse_app_config(config)
     theta = federated_state(meta_model(parsed, meta_settings(parsed)))
     grid = node_grid(counter.node, config, tmp_path)
     round_config = ConfigRecord({SERVER_ROUND: 1, STRATEGY: "fedmenf"})
@@ -171,7 +172,7 @@ def test_split_stages_parse_once_and_carry_no_round_entries(
     """start, step 0 (zero embeddings of the right shape) and finish: one parse each; split
     replies carry neither client-seconds nor the CLIENT record, as before."""
     config = SPLIT
-    server, _ = split_field(joint_field(FederatedConfig.from_run_config(config)))
+    server, _ = split_field(joint_field(parse_app_config(config)))
     grid = node_grid(counter.node, config, tmp_path)
     start = send(grid, {CONFIG: ConfigRecord({SPLIT_STAGE: "start"})})
     assert set(start.content) == {SAMPLES}
@@ -204,7 +205,7 @@ def test_every_valid_mode_and_task_has_its_half() -> None:
     for mode in MODES:
         for task in TASKS:
             try:
-                config = FederatedConfig.from_run_config({"mode": mode, "task": task})
+                config = parse_app_config({"mode": mode, "task": task})
             except ValueError:
                 continue  # split trains a scene only
             picked[mode, task] = half_for(config).name

@@ -34,6 +34,7 @@ from simulations.planner import (
     stop_pids,
     stop_tree,
 )
+from strategies import parse_app_config
 
 USERS = 3
 TINY_RUN_CONFIG = (
@@ -198,16 +199,16 @@ def test_planner_gives_each_node_its_own_folder(tmp_path: Path) -> None:
     ]  # fmt: skip
 
     objects = fake_collection(tmp_path / "objects", "object", 7)
-    config = FederatedConfig.from_run_config({"task": "objects", "num-clients": 5})
+    config = parse_app_config({"task": "objects", "num-clients": 5})
     meta = plan_nodes(config, DataOptions(objects=objects), {})
     assert meta.folders == tuple(objects / f"object_{i:02d}" for i in range(5))
     assert meta.name == "objects-fedmenf-fedmenf" and meta.eval_scene_dir is not None
     heldout = {path.name for path in meta.eval_scene_dir.iterdir()}
     assert heldout and heldout <= {"object_05", "object_06"}  # never a client's object
-    faces = plan_nodes(FederatedConfig.from_run_config({"task": "faces"}), data, {})
+    faces = plan_nodes(parse_app_config({"task": "faces"}), data, {})
     assert faces.folders == (None,) * 20 and faces.data_root is None
 
-    split = plan_nodes(FederatedConfig.from_run_config({"mode": "split"}), data, {})
+    split = plan_nodes(parse_app_config({"mode": "split"}), data, {})
     assert split.folders == (data.scene.resolve(),) and split.name == "split"
 
 

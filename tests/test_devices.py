@@ -23,7 +23,6 @@ from flwr.app import Context, RecordDict
 
 import clients.meta_client as meta_client
 import clients.scene_client as scene_client
-from fedfields.config import FederatedConfig
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
@@ -42,6 +41,7 @@ from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.split_job import run_split_job
+from strategies import parse_app_config
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -104,11 +104,10 @@ def test_a_device_in_node_config_marks_a_deployed_node(tmp_path: Path) -> None:
 
 
 def test_server_device_is_a_checked_run_config_key() -> None:
-    from fedfields.config import FederatedConfig
 
-    assert FederatedConfig.from_run_config({}).common.server_device == "auto"
+    assert parse_app_config({}).common.server_device == "auto"
     with pytest.raises(ValueError, match=r"run-config 'server-device' must be auto, cpu, cuda"):
-        FederatedConfig.from_run_config({"server-device": "gpu"})
+        parse_app_config({"server-device": "gpu"})
 
 
 # ------------------------------------------------------------------ the wire
@@ -260,7 +259,7 @@ def test_node_config_device_reaches_every_scene_client_call(
     grid = InProcessGrid([client_app(config)] * 2, raise_errors=True)
     folders = [crowd_dir / f"user_{i:02d}" for i in range(2)]
     _deployed_nodes(grid, ["cuda", "cpu"], folders, tmp_path / "nodes")
-    run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=False)
+    run_federated_nerf(grid, parse_app_config(config), observe=False)
     assert seen == Counter(
         {
             ("train", CUDA): 2,
@@ -305,7 +304,7 @@ def test_node_config_device_reaches_meta_learning(
             "num-partitions": 2,
             "device": device,
         }
-    run_meta_job(grid, FederatedConfig.from_run_config(config), observers=[])
+    run_meta_job(grid, parse_app_config(config), observers=[])
     assert seen == Counter({CUDA: 1, CPU: 1})
     assert _reply_dtypes(grid) == {np.dtype("float32")}
 
@@ -333,7 +332,7 @@ def test_split_node_on_the_cpu_while_cuda_looks_visible(tmp_path: Path, cuda_vis
         "state-dir": str(tmp_path / "node"),
         "device": "cpu",
     }
-    run_split_job(grid, FederatedConfig.from_run_config(config), observers=[])
+    run_split_job(grid, parse_app_config(config), observers=[])
     assert _reply_dtypes(grid) == {np.dtype("float32")}
 
 

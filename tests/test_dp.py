@@ -48,6 +48,7 @@ from fedfields.privacy.dp import (
     noise_ratio,
 )
 from simulations.server_app import run_job
+from strategies import parse_app_config
 
 INTEGER_ORDERS = tuple(range(2, 65))
 """Orders at which the sampled Gaussian's RDP has a closed form (and fast to compose)."""
@@ -425,7 +426,7 @@ def test_dp_config_validation_names_the_run_config_key() -> None:
 )
 def test_bad_dp_run_config_gets_one_error_naming_the_key(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)
 
 
 @pytest.mark.parametrize("task", ["scene", "faces"])
@@ -440,9 +441,9 @@ def test_a_dp_run_config_parses_and_the_job_refuses_a_plan_beyond_the_target(
         "dp-delta": 1e-6,
         "dp-target-epsilon": 8,
     }
-    config = FederatedConfig.from_run_config(run_config)
+    config = parse_app_config(run_config)
     assert config.dp.dp_config() == DPConfig(1.1, 0.5, 1e-6, 8.0)
-    assert FederatedConfig.from_run_config({"task": "faces", **run_config}).dp.dp_config()
+    assert parse_app_config({"task": "faces", **run_config}).dp.dp_config()
     assert FederatedConfig().dp.dp_config() is None
 
     class UntouchableGrid:

@@ -16,7 +16,6 @@ from flwr.app import ArrayRecord
 from clients.scene_client import PERSONAL
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
-from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
@@ -24,6 +23,7 @@ from fedfields.render.orbit import ORBIT_FILE
 from fedfields.report import REPORT_FILE
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app, run_with_ray
+from strategies import parse_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def tiny(crowd_dir: Path, run_dir: Path, strategy: str, **overrides: object) -> 
 
 def _run_in_process(config: dict, users: int = 3) -> tuple[Path, InProcessGrid]:
     grid = InProcessGrid([client_app(config)] * users, raise_errors=True)
-    return run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=True), grid
+    return run_federated_nerf(grid, parse_app_config(config), observe=True), grid
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_decentnerf_run_writes_the_report(
     ]
     assert len(list((run_dir / "renders").glob("user_*.png"))) == 3
     saved = json.loads((run_dir / "config.json").read_text())
-    assert FederatedConfig.from_run_config(saved).common.strategy == "decentnerf"
+    assert parse_app_config(saved).common.strategy == "decentnerf"
     # The server's checkpoint is what `fedfields eval` reads.
     code = fedfields_main(
         [
@@ -191,24 +191,24 @@ def test_one_round_through_flowers_ray_simulation_engine(crowd_dir: Path, tmp_pa
 def test_run_config_in_pyproject_matches_the_job_settings() -> None:
     with (ROOT / "pyproject.toml").open("rb") as file:
         declared = tomllib.load(file)["tool"]["flwr"]["app"]["config"]
-    assert FederatedConfig.from_run_config(declared) == FederatedConfig()
-    assert declared == FederatedConfig().to_run_config()
+    assert parse_app_config(declared) == parse_app_config({})
+    assert declared == parse_app_config({}).to_run_config()
 
 
 def test_bad_run_config_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown run-config key 'local-stepz'"):
-        FederatedConfig.from_run_config({"local-stepz": 3})
+        parse_app_config({"local-stepz": 3})
     with pytest.raises(ValueError, match="'strategy' 'fedsgd' is unknown; known: fedavg, fedprox"):
         run_federated_nerf(
             InProcessGrid([]),
-            FederatedConfig.from_run_config({"strategy": "fedsgd", "run-dir": str(tmp_path)}),
+            parse_app_config({"strategy": "fedsgd", "run-dir": str(tmp_path)}),
         )
     with pytest.raises(ValueError, match="'local-steps' must be int"):
-        FederatedConfig.from_run_config({"local-steps": 2.5})
+        parse_app_config({"local-steps": 2.5})
     with pytest.raises(FileNotFoundError, match="no user_NN folders"):
         run_federated_nerf(
             InProcessGrid([]),
-            FederatedConfig.from_run_config({"data-dir": str(tmp_path)}),
+            parse_app_config({"data-dir": str(tmp_path)}),
             observe=True,
         )
     assert not list(tmp_path.iterdir()), "a refused run wrote something"
@@ -220,7 +220,7 @@ def test_rejects_a_used_run_directory(crowd_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="not empty"):
         run_federated_nerf(
             InProcessGrid([]),
-            FederatedConfig.from_run_config(tiny(crowd_dir, tmp_path / "used", "fedavg")),
+            parse_app_config(tiny(crowd_dir, tmp_path / "used", "fedavg")),
         )
     shutil.rmtree(tmp_path / "used")
 

@@ -19,7 +19,6 @@ from fedfields.aggregate.robust import (
     robust_aggregate,
     squared_distances,
 )
-from fedfields.config import FederatedConfig
 from fedfields.flower import FedAvg, FedMeNF
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -29,6 +28,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from strategies import parse_app_config
 
 State = dict[str, torch.Tensor]
 
@@ -170,9 +170,9 @@ def test_run_config_reaches_the_rules_and_bulyan_checks_the_node_count() -> None
 
     run_config = {"strategy": "fedprox", "aggregation-rule": "multi-krum", "num-malicious": 2,
                   "krum-select": 4}  # fmt: skip
-    config = FederatedConfig.from_run_config(run_config)
+    config = parse_app_config(run_config)
     assert "num-malicious" not in config.unread_keys()
-    strategy = make_strategy("fedprox", config.to_run_config())
+    strategy = make_strategy(config)
     assert isinstance(strategy, FedAvg)
     assert strategy.robust_rule == RobustRule("multi-krum", 0.2, 2, 4)
     meta = FedMeNF.from_config(
@@ -180,8 +180,8 @@ def test_run_config_reaches_the_rules_and_bulyan_checks_the_node_count() -> None
     )
     assert meta.robust_rule.name == "bulyan" and meta.robust_rule.num_malicious == 1
     with pytest.raises(ValueError, match="'num-malicious' = 1 is read only with aggregation"):
-        FederatedConfig.from_run_config({"strategy": "fedavg", "num-malicious": 1})
-    bulyan_run = FederatedConfig.from_run_config(
+        parse_app_config({"strategy": "fedavg", "num-malicious": 1})
+    bulyan_run = parse_app_config(
         {"strategy": "fedavg", "aggregation-rule": "bulyan", "num-malicious": 1}
     )
     bulyan_run.check_node_count(16)  # 8 of 16 a round >= 7

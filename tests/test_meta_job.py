@@ -48,6 +48,7 @@ from simulations.meta_job import run_meta_job
 from simulations.meta_observer import meta_observers
 from simulations.observers import Observer
 from simulations.run import client_app
+from strategies import parse_app_config
 
 State = dict[str, torch.Tensor]
 TINY_OBJECTS = CollectionConfig(count=2, views=4, resolution=8, mean_support=1, mean_query=1)
@@ -78,9 +79,9 @@ def tiny(run_dir: Path, task: str = "faces", **overrides: object) -> dict:
 def run_in_process(
     config: dict, observers: list[Observer] | None = None
 ) -> tuple[Path, InProcessGrid]:
-    num_clients = meta_settings(FederatedConfig.from_run_config(config)).num_clients
+    num_clients = meta_settings(parse_app_config(config)).num_clients
     grid = InProcessGrid([client_app(config)] * num_clients, raise_errors=True)
-    return run_meta_job(grid, FederatedConfig.from_run_config(config), observers), grid
+    return run_meta_job(grid, parse_app_config(config), observers), grid
 
 
 def simulation_root(collection: Path, num_clients: int, root: Path) -> Path:
@@ -180,7 +181,7 @@ def test_faces_run_writes_the_report(faces_run: tuple[Path, InProcessGrid]) -> N
     assert {m.content[CONFIG][STRATEGY] for m in train_messages} == {"fedmenf"}
     for reply in train_replies(grid, "1") + train_replies(grid, "2"):
         assert 0.0 <= reply.content[METRICS][GAMMA] <= 1.0
-    saved = FederatedConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
+    saved = parse_app_config(json.loads((run_dir / "config.json").read_text()))
     assert saved.common.task == "faces" and saved.strategy_name == "fedmenf"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"] == lines[-1] and set(summary["initial"]) == {"0", "1", "2", "4"}
@@ -282,7 +283,7 @@ def test_video_photos_and_objects_run_in_process(tmp_path: Path) -> None:
 def test_photos_clients_hold_two_crops_each_and_none_is_held_out() -> None:
     """Task photos: 20 clients x 2 colour crops, 10 held-out crops no client holds; an RGB
     SIREN (x, y) -> (r, g, b)."""
-    config = FederatedConfig.from_run_config({"task": "photos"})
+    config = parse_app_config({"task": "photos"})
     settings = meta_settings(config)
     held = {task.name for task in heldout_meta_tasks(config, settings)}
     owned = [
@@ -303,7 +304,7 @@ def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None
         raise RuntimeError("node lost its data")
 
     grid = InProcessGrid([broken] + [client_app(config)] * 3)
-    run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
+    run_dir = run_meta_job(grid, parse_app_config(config))
     (line,) = metric_lines(run_dir)
     assert line[NUM_FAILURES] == 1 and line[NUM_REPLIES] == 3
     assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
@@ -335,7 +336,7 @@ def test_a_reply_the_gate_drops_never_reaches_the_privacy_audit(
         return reply
 
     grid = InProcessGrid([poisoned] + [honest] * 3)
-    run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
+    run_dir = run_meta_job(grid, parse_app_config(config))
     (line,) = metric_lines(run_dir)
     assert line["clients"] == [1, 2, 3] and 0 < line["psnr_p"] < 60
     assert line[NUM_REPLIES] == (4 if hostile == "client-index" else 3)
@@ -343,7 +344,7 @@ def test_a_reply_the_gate_drops_never_reaches_the_privacy_audit(
 
 def test_deployed_faces_server_runs_from_run_config_alone(tmp_path: Path) -> None:
     config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "simulation-audit": False})
-    deployed = FederatedConfig.from_run_config(config)
+    deployed = parse_app_config(config)
     assert meta_observers(deployed) == []  # a deployment: no simulation audit
     run_dir, _ = run_in_process(config)
     (line,) = metric_lines(run_dir)
@@ -370,7 +371,7 @@ def test_deployed_objects_server_opens_no_client_data(tmp_path: Path) -> None:
     for node_id, context in grid.contexts.items():  # each node holds only its own object
         context.node_config["data-dir"] = str(clients / f"object_{node_id - 101:03d}")
     with OPENS.server():
-        run_dir = run_meta_job(grid, FederatedConfig.from_run_config(config))
+        run_dir = run_meta_job(grid, parse_app_config(config))
     assert OPENS.paths("node", clients)  # the hook sees the nodes read their objects
     assert OPENS.paths("server", public)  # and the server its public held-out object
     assert OPENS.paths("server", clients) == []
@@ -380,16 +381,16 @@ def test_deployed_objects_server_opens_no_client_data(tmp_path: Path) -> None:
 
 def test_bad_run_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'decentnerf' is for task 'scene' only"):
-        FederatedConfig.from_run_config({"task": "faces", "strategy": "decentnerf"})
+        parse_app_config({"task": "faces", "strategy": "decentnerf"})
     with pytest.raises(ValueError, match="'fedmenf' is for the meta tasks"):
-        FederatedConfig.from_run_config({"strategy": "fedmenf"})
+        parse_app_config({"strategy": "fedmenf"})
     with pytest.raises(ValueError, match="'meta-learner' must be one of"):
-        FederatedConfig.from_run_config({"task": "faces", "meta-learner": "protonet"})
+        parse_app_config({"task": "faces", "meta-learner": "protonet"})
     with pytest.raises(ValueError, match="'task' must be one of"):
-        FederatedConfig.from_run_config({"task": "audio"})
+        parse_app_config({"task": "audio"})
     with pytest.raises(ValueError, match="unknown run-config key 'meta-lerner'; did you mean"):
-        FederatedConfig.from_run_config({"meta-lerner": "maml"})
-    too_many = FederatedConfig.from_run_config({"task": "faces", "clients-per-round": 30})
+        parse_app_config({"meta-lerner": "maml"})
+    too_many = parse_app_config({"task": "faces", "clients-per-round": 30})
     with pytest.raises(ValueError, match="'clients-per-round' \\(30\\) exceeds the 20 clients"):
         meta_settings(too_many)
     with pytest.raises(ValueError, match="no data: a simulation's launcher names .*'data-dir'"):
@@ -402,13 +403,13 @@ def test_bad_run_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_presets_fill_only_the_keys_left_at_zero() -> None:
-    faces = meta_settings(FederatedConfig.from_run_config({"task": "faces", "outer-lr": 0.02}))
+    faces = meta_settings(parse_app_config({"task": "faces", "outer-lr": 0.02}))
     assert (faces.outer_steps, faces.inner_steps, faces.outer_optimizer) == (32, 1, "sgd")
     assert faces.outer_lr == 0.02
-    objects = meta_settings(FederatedConfig.from_run_config({"task": "objects"}))
+    objects = meta_settings(parse_app_config({"task": "objects"}))
     assert (objects.outer_steps, objects.inner_steps, objects.outer_optimizer) == (8, 8, "adamw")
     assert FederatedConfig().strategy_name == "decentnerf"
-    assert FederatedConfig.from_run_config({"task": "video"}).strategy_name == "fedmenf"
+    assert parse_app_config({"task": "video"}).strategy_name == "fedmenf"
     assert tto_schedule(32) == (0, 1, 2, 4, 8, 16, 32) and tto_schedule(5) == (0, 1, 2, 4, 5)
 
 

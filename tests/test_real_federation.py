@@ -15,7 +15,6 @@ from flower_harness import InProcessGrid, set_task_identity
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from fedfields.config import FederatedConfig
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.fields.encodings import tcnn_available
@@ -26,6 +25,7 @@ from fedfields.flower.sampling import InsufficientNodesError
 from fedfields.train.builders import global_field
 from simulations.federated_nerf import run_federated_nerf
 from simulations.run import client_app
+from strategies import parse_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGO = ROOT / "data" / "lego"
@@ -105,7 +105,7 @@ def test_deployed_server_reads_no_user_data_and_nodes_keep_their_state(
     config = deployed_config(tmp_path / "run", strategy="decentnerf")
     grid = deployed_grid(config, users, tmp_path / "nodes")
     SERVER_OPENS.clear()
-    run_dir = run_federated_nerf(grid, FederatedConfig.from_run_config(config))
+    run_dir = run_federated_nerf(grid, parse_app_config(config))
     read = [path for path in SERVER_OPENS if str(crowd) in path]
     assert not read, f"the server opened users' files: {read[:3]}"
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -141,7 +141,7 @@ def test_nodes_with_different_cameras_federate(crowds: tuple[Path, Path], tmp_pa
     public = {"eval-scene-dir": str(crowd20 / "heldout"), "eval-views-per-round": 1}
     config = deployed_config(tmp_path / "run", strategy="fedavg", **public)
     run_dir = run_federated_nerf(
-        deployed_grid(config, users, tmp_path / "nodes"), FederatedConfig.from_run_config(config)
+        deployed_grid(config, users, tmp_path / "nodes"), parse_app_config(config)
     )
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line[NUM_REPLIES], line[NUM_FAILURES]) for line in lines] == [(2, 0), (2, 0)]
@@ -158,7 +158,7 @@ def test_a_node_without_its_folder_is_a_counted_failure(
     grid = InProcessGrid([client_app(config)] * 2)  # errors become Flower error replies
     grid.contexts[101].node_config["data-dir"] = str(crowd / "user_00")
     grid.contexts[102].node_config["data-dir"] = str(tmp_path / "missing")
-    run_dir = run_federated_nerf(grid, FederatedConfig.from_run_config(config))
+    run_dir = run_federated_nerf(grid, parse_app_config(config))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(line[NUM_REPLIES], line[NUM_FAILURES]) for line in lines] == [(1, 1), (1, 1)]
     reasons = [reply.error.reason for reply in grid.received if reply.has_error()]
@@ -198,6 +198,6 @@ def test_too_few_connected_nodes_end_the_run_with_one_clear_error() -> None:
 def test_a_node_without_the_run_configs_backend_refuses_clearly() -> None:
     if tcnn_available():
         pytest.skip("this machine has tinycudann and CUDA")
-    config = FederatedConfig.from_run_config({"hash-backend": "tcnn"})
+    config = parse_app_config({"hash-backend": "tcnn"})
     with pytest.raises(RuntimeError, match="tinycudann"):
         global_field(config)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from fedfields.config import FederatedConfig
 from fedfields.fields.base import Field, FieldOutputs
 from fedfields.geometry import Cameras, Rays, image_rays, intersect_aabb, pixel_rays
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
@@ -18,6 +17,7 @@ from fedfields.render.samplers import importance_bins, stratified_bins
 from fedfields.render.volume import composite_dense, composite_packed, dense_weights, packed_weights
 from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.federated import federated_state
+from strategies import parse_app_config
 
 UNIT_BOX = (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0)
 COLOUR = (0.2, 0.5, 0.8)
@@ -578,7 +578,7 @@ def test_a_loaded_field_scores_the_same_whatever_ran_before_it() -> None:
     """FieldRenderer.load refreshes its occupancy grid from its own seeded points, so the
     server's score of one field does not depend on the global RNG (e.g. the order in which a
     round's uploads are scored); the global RNG alone would give a different grid."""
-    config = FederatedConfig.from_run_config({"hash-log2-size": 10, "hash-levels": 4})
+    config = parse_app_config({"hash-log2-size": 10, "hash-levels": 4})
     torch.manual_seed(3)
     renderer = FieldRenderer(config)
     state = federated_state(renderer.field)

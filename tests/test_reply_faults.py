@@ -34,7 +34,6 @@ from fedfields.aggregate.robust import (
     robust_aggregate,
     update_norm,
 )
-from fedfields.config import FederatedConfig
 from fedfields.flower import (
     DecentNeRF,
     DecentNeRFClient,
@@ -76,6 +75,7 @@ from fedfields.flower.user_keys import (
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.split_job import run_split_job
+from strategies import parse_app_config
 
 State = dict[str, Tensor]
 F64 = torch.float64
@@ -527,11 +527,11 @@ def test_contradictory_strategy_arguments_are_refused(build: Callable, message: 
 
 
 def test_run_config_keys_reach_the_strategies() -> None:
-    from fedfields.config import FederatedConfig, meta_settings
+    from fedfields.config import meta_settings
     from simulations.meta_job import make_meta_strategy
     from strategies import make_strategy
 
-    config = FederatedConfig.from_run_config(
+    config = parse_app_config(
         {
             "strategy": "fedprox",
             "aggregation-rule": "trimmed-mean",
@@ -540,18 +540,18 @@ def test_run_config_keys_reach_the_strategies() -> None:
             "max-num-examples": 0.0,
         }
     )
-    fedprox = make_strategy("fedprox", config.to_run_config())
+    fedprox = make_strategy(config)
     assert isinstance(fedprox, FedProx)
     assert (fedprox.aggregation_rule, fedprox.trim_fraction) == ("trimmed-mean", 0.3)
     assert (fedprox.max_update_norm, fedprox.max_num_examples) == (5.0, None)
-    scene = FederatedConfig.from_run_config({"alpha-max": 7.0})
-    decentnerf = make_strategy("decentnerf", scene.to_run_config())
+    scene = parse_app_config({"alpha-max": 7.0})
+    decentnerf = make_strategy(scene)
     assert isinstance(decentnerf, DecentNeRF) and decentnerf.alpha_max == 7.0
     assert decentnerf.max_gradient_norm == 1e4
-    capped = FederatedConfig.from_run_config({"max-gradient-norm": 0.0})
-    assert make_strategy("decentnerf", capped.to_run_config()).max_gradient_norm is None
+    capped = parse_app_config({"max-gradient-norm": 0.0})
+    assert make_strategy(capped).max_gradient_norm is None
     assert decentnerf.max_update_norm == 1000.0 and decentnerf.max_num_examples == 1e9
-    faces = FederatedConfig.from_run_config({"task": "faces", "aggregation-rule": "median"})
+    faces = parse_app_config({"task": "faces", "aggregation-rule": "median"})
     fedmenf = make_meta_strategy(faces, meta_settings(faces))
     assert isinstance(fedmenf, FedMeNF) and fedmenf.aggregation_rule == "median"
 
@@ -729,14 +729,13 @@ def test_empty_rounds_must_be_consecutive_to_end_a_run() -> None:
 
 
 def test_max_empty_rounds_reaches_the_strategies_from_run_config() -> None:
-    from fedfields.config import FederatedConfig
     from strategies import make_strategy
 
-    config = FederatedConfig.from_run_config({"strategy": "fednova", "max-empty-rounds": 5})
-    assert make_strategy("fednova", config.to_run_config()).max_empty_rounds == 5
-    assert make_strategy("fedavg", FederatedConfig().to_run_config()).max_empty_rounds == 3
+    config = parse_app_config({"strategy": "fednova", "max-empty-rounds": 5})
+    assert make_strategy(config).max_empty_rounds == 5
+    assert make_strategy(parse_app_config({"strategy": "fedavg"})).max_empty_rounds == 3
     with pytest.raises(ValueError, match="'max-empty-rounds' must be >= 0"):
-        FederatedConfig.from_run_config({"max-empty-rounds": -1})
+        parse_app_config({"max-empty-rounds": -1})
     with pytest.raises(ValueError, match="max_empty_rounds must be >= 0"):
         FedAvg(max_empty_rounds=-2)
 
@@ -839,7 +838,7 @@ def test_the_split_server_stops_at_a_bad_sample_reply_with_one_error(tmp_path: P
 
     with pytest.raises(EmptyRoundsError, match="dropped-batch-size 1") as raised:
         run_split_job(
-            InProcessGrid([flooding]), FederatedConfig.from_run_config(config), observers=[]
+            InProcessGrid([flooding]), parse_app_config(config), observers=[]
         )
     assert f"split-batch-rays = {SPLIT_RAYS}" in str(raised.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained

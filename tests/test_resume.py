@@ -18,7 +18,6 @@ from flwr.app import Message
 from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
 
-from fedfields.config import FederatedConfig
 from fedfields.config.presets import meta_settings
 from fedfields.flower.resume import (
     RESUME_FILE,
@@ -30,6 +29,7 @@ from fedfields.flower.resume import (
 from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
+from strategies import parse_app_config
 
 
 class ServerCrash(RuntimeError):
@@ -76,7 +76,7 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
     def config(run_dir: Path, **extra: object) -> dict:
         return tiny_meta(run_dir, strategy="scaffold", **{"num-server-rounds": 6, **extra})
 
-    clients = meta_settings(FederatedConfig.from_run_config(config(tmp_path / "x"))).num_clients
+    clients = meta_settings(parse_app_config(config(tmp_path / "x"))).num_clients
 
     def grid(config: dict, crash_round: int = 0) -> InProcessGrid:
         nodes = [client_app(config)] * clients
@@ -84,12 +84,12 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
 
     straight = run_meta_job(
         grid(config(tmp_path / "straight")),
-        FederatedConfig.from_run_config(config(tmp_path / "straight")),
+        parse_app_config(config(tmp_path / "straight")),
     )
     crashed = config(tmp_path / "crashed")
     nodes = grid(crashed, crash_round=4)
     with pytest.raises(ServerCrash):
-        run_meta_job(nodes, FederatedConfig.from_run_config(crashed))
+        run_meta_job(nodes, parse_app_config(crashed))
     assert load_round_checkpoint(tmp_path / "crashed" / RESUME_FILE).server_round == 3
     assert metric_rounds(tmp_path / "crashed") == [1, 2, 3]
     metrics = tmp_path / "crashed" / "metrics.jsonl"
@@ -99,10 +99,10 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
     metrics.write_text(lines[0] + lines[1][: len(lines[1]) // 2] + "\n" + lines[2])
     with pytest.raises(ResumeError, match=f"{metrics} line 2 is damaged"):
         run_meta_job(
-            nodes, FederatedConfig.from_run_config(config(tmp_path / "crashed", resume=True))
+            nodes, parse_app_config(config(tmp_path / "crashed", resume=True))
         )
     metrics.write_text(whole + '{"round": 4, "train-lo')  # round 4's line, cut by the crash
-    run_meta_job(nodes, FederatedConfig.from_run_config(config(tmp_path / "crashed", resume=True)))
+    run_meta_job(nodes, parse_app_config(config(tmp_path / "crashed", resume=True)))
 
     assert metric_rounds(tmp_path / "crashed") == [1, 2, 3, 4, 5, 6]
     assert_bitwise_equal(final_state(straight), final_state(tmp_path / "crashed"))
@@ -124,17 +124,17 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
         return CrashingGrid([client_app(config)] * 3, raise_errors=True, crash_round=crash_round)
 
     straight = run_federated_nerf(
-        grid(config(tmp_path / "a")), FederatedConfig.from_run_config(config(tmp_path / "a")), True
+        grid(config(tmp_path / "a")), parse_app_config(config(tmp_path / "a")), True
     )
     crashed = config(tmp_path / "b")
     nodes = grid(crashed, crash_round=2)
     with pytest.raises(ServerCrash):
-        run_federated_nerf(nodes, FederatedConfig.from_run_config(crashed), True)
+        run_federated_nerf(nodes, parse_app_config(crashed), True)
     with (tmp_path / "b" / "metrics.jsonl").open("a") as out:  # a line the crash left behind
         out.write(json.dumps({"round": 2, "half-written": True}) + "\n")
     nodes.crash_round = 0  # the nodes kept running; a new ServerApp resumes
     run_federated_nerf(
-        nodes, FederatedConfig.from_run_config(config(tmp_path / "b", resume=True)), True
+        nodes, parse_app_config(config(tmp_path / "b", resume=True)), True
     )
 
     assert metric_rounds(tmp_path / "b") == [1, 2]
@@ -149,7 +149,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
     with pytest.raises(ResumeError, match="config.json does not exist"):
         run_meta_job(
             InProcessGrid([]),
-            FederatedConfig.from_run_config(tiny_meta(tmp_path / "none", resume=True)),
+            parse_app_config(tiny_meta(tmp_path / "none", resume=True)),
         )
     run_dir = tmp_path / "run"
     config = tiny_meta(run_dir)
@@ -157,21 +157,21 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
         nodes = [client_app(config)] * 4
         run_meta_job(
             CrashingGrid(nodes, raise_errors=True, crash_round=1),
-            FederatedConfig.from_run_config(config),
+            parse_app_config(config),
         )
     with pytest.raises(ResumeError, match="resume.pt does not exist"):
         run_meta_job(
-            InProcessGrid([]), FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+            InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True))
         )
     with pytest.raises(ResumeError, match=r"outer-steps: 2 -> 3"):
         run_meta_job(
             InProcessGrid([]),
-            FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True, **{"outer-steps": 3})),
+            parse_app_config(tiny_meta(run_dir, resume=True, **{"outer-steps": 3})),
         )
     with pytest.raises(ValueError, match="'resume' = true needs 'run-dir'"):
-        FederatedConfig.from_run_config({"resume": True})
+        parse_app_config({"resume": True})
     with pytest.raises(ValueError, match="split runs"):
-        FederatedConfig.from_run_config({"resume": True, "run-dir": "x", "mode": "split"})
+        parse_app_config({"resume": True, "run-dir": "x", "mode": "split"})
     (run_dir / RESUME_FILE).write_bytes(b"not a checkpoint")
     with pytest.raises(ResumeError, match="unreadable"):
         load_round_checkpoint(run_dir / RESUME_FILE)
@@ -197,7 +197,7 @@ def test_resume_refuses_a_damaged_config_json(tmp_path: Path, content: bytes, re
     message = f"cannot resume: {run_dir / 'config.json'} {reason}"
     with pytest.raises(ResumeError, match=message):
         run_meta_job(
-            InProcessGrid([]), FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+            InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True))
         )
     with pytest.raises(ResumeError, match=message):
         read_run_config(run_dir)
@@ -316,14 +316,14 @@ def test_a_checkpoint_of_another_model_fails_before_any_file_is_touched(tmp_path
     written, metrics.jsonl included."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    config = FederatedConfig.from_run_config(tiny_meta(run_dir))
+    config = parse_app_config(tiny_meta(run_dir))
     atomic_json = json.dumps(config.to_run_config())
     (run_dir / "config.json").write_text(atomic_json)
     (run_dir / "metrics.jsonl").write_text(WHOLE)
     payload = valid_payload()
     torch.save(payload, run_dir / RESUME_FILE)
     before = {path.name: path.read_bytes() for path in run_dir.iterdir()}
-    resume = FederatedConfig.from_run_config(tiny_meta(run_dir, resume=True))
+    resume = parse_app_config(tiny_meta(run_dir, resume=True))
     with pytest.raises(ResumeError, match="resume.pt: its model has other keys"):
         run_meta_job(InProcessGrid([]), resume)
     assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == before

@@ -12,22 +12,22 @@ import torch
 from flwr.app import Context, RecordDict
 
 from clients.split_client import scene_dir
-from fedfields.config import META_PRESETS, FederatedConfig, MetaSettings, meta_settings
+from fedfields.config import META_PRESETS, MetaSettings, meta_settings
 from fedfields.config.reference import reference
 from fedfields.config.schema import (
     META_TASKS,
-    STRATEGY_KEYS,
     MetaSection,
     without_ignored_keys,
 )
 from fedfields.flower.node import NodeState, is_simulated, node_data_dir, node_state_dir
+from strategies import parse_app_config, strategy_settings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "RUN_CONFIG.md"
 
 
 def test_the_reference_in_docs_is_current() -> None:
-    assert DOCS.read_text() == reference(), (
-        "docs/RUN_CONFIG.md is stale: run python -m fedfields.config.reference docs/RUN_CONFIG.md"
+    assert DOCS.read_text() == reference(strategy_settings()), (
+        "docs/RUN_CONFIG.md is stale: run python -m strategies.reference docs/RUN_CONFIG.md"
     )
 
 
@@ -48,13 +48,13 @@ def test_the_documented_presets_are_the_presets() -> None:
 
 
 def test_every_key_is_in_the_reference_once() -> None:
-    text = reference()
-    for key in FederatedConfig().to_run_config():
+    text = reference(strategy_settings())
+    for key in parse_app_config({}).to_run_config():
         assert text.count(f"| `{key}` |") == 1, key
 
 
 def test_keys_land_in_their_sections() -> None:
-    config = FederatedConfig.from_run_config(
+    config = parse_app_config(
         {
             "local-steps": 7,
             "secure-aggregation": True,
@@ -69,14 +69,14 @@ def test_keys_land_in_their_sections() -> None:
     assert config.secure.secure_aggregation_config() is not None
     assert config.deployment.round_timeout == 30.0 and config.common.seed == 3
     assert config.robust.max_num_examples == 10.0 and config.robust.aggregation_rule == "mean"
-    assert FederatedConfig.from_run_config(config.to_run_config()) == config
+    assert parse_app_config(config.to_run_config()) == config
 
 
 def test_an_unknown_key_is_refused_with_the_closest_one() -> None:
     with pytest.raises(
         ValueError, match="unknown run-config key 'local-stepz'; did you mean 'local-steps'"
     ):
-        FederatedConfig.from_run_config({"local-stepz": 3})
+        parse_app_config({"local-stepz": 3})
 
 
 @pytest.mark.parametrize(
@@ -101,22 +101,22 @@ def test_an_unknown_key_is_refused_with_the_closest_one() -> None:
 )
 def test_a_key_of_another_mode_names_that_mode(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)
 
 
 def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
-    faces = FederatedConfig.from_run_config(
+    faces = parse_app_config(
         {"task": "faces", "strategy": "fedprox", "proximal-mu": 0.5, "outer-lr": 0.02}
     )
-    assert faces.common.proximal_mu == 0.5 and meta_settings(faces).outer_lr == 0.02
-    split = FederatedConfig.from_run_config(
+    assert faces.settings.proximal_mu == 0.5 and meta_settings(faces).outer_lr == 0.02
+    split = parse_app_config(
         {"mode": "split", "split-steps": 5, "seed": 2, "round-timeout": 9.0, "hash-levels": 8}
     )
     assert split.split.split_steps == 5 and split.common.seed == 2
     assert split.deployment.round_timeout == 9.0 and split.scene.hash_levels == 8
     # the same key at its default never counts as "used", whatever the mode
     assert (
-        FederatedConfig.from_run_config({"task": "video", "local-steps": 32}).common.task == "video"
+        parse_app_config({"task": "video", "local-steps": 32}).common.task == "video"
     )
 
 
@@ -141,7 +141,7 @@ def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
 )
 def test_a_bad_value_names_its_key_and_value(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)
 
 
 # ------------------------------------------------------------------ issue 18, item 4
@@ -206,7 +206,7 @@ def test_a_bad_value_names_its_key_and_value(run_config: dict, message: str) -> 
 )
 def test_a_contradictory_value_gets_one_clear_error(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)
 
 
 @pytest.mark.parametrize(
@@ -221,14 +221,14 @@ def test_a_contradictory_value_gets_one_clear_error(run_config: dict, message: s
     ],
 )
 def test_consistent_values_pass(run_config: dict) -> None:
-    FederatedConfig.from_run_config(run_config)
+    parse_app_config(run_config)
 
 
 def test_the_launchers_node_count_is_checked_before_anything_runs(tmp_path: Path) -> None:
     from simulations import launch
     from simulations.run import run_with_ray
 
-    config = FederatedConfig.from_run_config({"min-train-nodes": 4})
+    config = parse_app_config({"min-train-nodes": 4})
     config.check_node_count(4, "num-supernodes")
     with pytest.raises(ValueError, match=r"'min-train-nodes' = 4 is above the 3 nodes .*"):
         config.check_node_count(3, "num-supernodes")
@@ -253,7 +253,7 @@ def test_the_measured_best_is_the_default_and_the_paper_one_key_away() -> None:
     from fedfields.train.builders import meta_config
 
     def clamp(run_config: dict) -> float | None:
-        config = FederatedConfig.from_run_config({"task": "faces", **run_config})
+        config = parse_app_config({"task": "faces", **run_config})
         settings = meta_settings(config)
         return meta_config(
             config, settings, outer_steps=1, proximal_mu=0.0, seed=0
@@ -310,29 +310,32 @@ def test_a_changed_key_the_run_does_not_read_is_refused(
     """One error, naming the key and the run's task and mode (and, where they decide,
     strategy and learner); the same key at its default passes."""
     with pytest.raises(ValueError) as error:
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)
     message = str(error.value)
     assert f"'{key}'" in message and mode in message and "\n" not in message, message
-    default = FederatedConfig().to_run_config()[key]
-    FederatedConfig.from_run_config({**run_config, key: default})
+    default = parse_app_config({}).to_run_config()[key]
+    parse_app_config({**run_config, key: default})
 
 
-def test_the_strategy_keys_table_matches_the_strategies() -> None:
-    """STRATEGY_KEYS names, per strategy-specific key, exactly the strategies whose
-    `config_keys` read it, and covers every such key a registered strategy reads."""
-    from fedfields.flower import FedAvg, ProtocolStrategy
+def test_each_strategy_key_is_read_only_by_the_strategies_declaring_it() -> None:
+    """A strategy's own key, changed, is refused under every registered strategy that does
+    not declare it and accepted under those that do: the schema reads the registry."""
     from strategies import STRATEGIES
 
-    def read_by(cls: type) -> set[str]:
-        return {key for klass in cls.__mro__ for key in vars(klass).get("config_keys", {})}
-
-    shared = read_by(FedAvg) | read_by(ProtocolStrategy)  # refused by the rules, not the table
-    specific = set().union(*(read_by(cls) for cls in STRATEGIES.values())) - shared
-    assert specific == set(STRATEGY_KEYS)
-    for run_key, readers in STRATEGY_KEYS.items():
-        assert {name for name, cls in STRATEGIES.items() if run_key in read_by(cls)} == set(
-            readers
-        ), run_key
+    declared = {name: set(settings.keys()) for name, (_, settings) in STRATEGIES.items()}
+    for run_key in set().union(*declared.values()):
+        reader = next(name for name, keys in declared.items() if run_key in keys)
+        spec = STRATEGIES[reader][1].keys()[run_key]
+        changed = spec.default * 0.5 if spec.default else 0.5
+        for name, keys in declared.items():
+            if name == "fedmenf":  # the meta tasks' strategy; the others run on the scene too
+                continue
+            run_config = {"strategy": name, run_key: changed}
+            if run_key in keys:
+                assert parse_app_config(run_config).to_run_config()[run_key] == changed
+            else:
+                with pytest.raises(ValueError, match=f"'{run_key}' = .* is read only with"):
+                    parse_app_config(run_config)
 
 
 def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
@@ -354,7 +357,7 @@ def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
         "tto-steps": 1,
     }
     grid = InProcessGrid([client_app(config)] * 6, raise_errors=True)
-    run_meta_job(grid, FederatedConfig.from_run_config(config), observers=[])
+    run_meta_job(grid, parse_app_config(config), observers=[])
     trained = {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"}
     assert len(trained) == 4
 
@@ -369,7 +372,7 @@ def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
     grid = InProcessGrid([lambda message, context: message] * 3)
 
     def seconds_to_start(run_config: dict) -> float:
-        config = FederatedConfig.from_run_config(
+        config = parse_app_config(
             {"task": "video", "clients-per-round": 2, **run_config}
         )
         strategy = make_meta_strategy(config, meta_settings(config))
@@ -406,7 +409,7 @@ def test_the_split_server_waits_round_timeout(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match=r"node 7 did not reply within 0.4 s .*round-timeout"):
         run_split_job(
             silent,  # type: ignore[arg-type]
-            FederatedConfig.from_run_config({**config, "run-dir": str(tmp_path / "a")}),
+            parse_app_config({**config, "run-dir": str(tmp_path / "a")}),
             observers=[],
         )
     assert silent.timeouts == [0.4]
@@ -414,7 +417,7 @@ def test_the_split_server_waits_round_timeout(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError, match=r"no client connected within 0.4 s"):
         run_split_job(
             RecordingGrid([]),  # type: ignore[arg-type]
-            FederatedConfig.from_run_config({**config, "run-dir": str(tmp_path / "b")}),
+            parse_app_config({**config, "run-dir": str(tmp_path / "b")}),
             observers=[],
         )
     assert time.monotonic() - started >= 0.4  # it waited round-timeout, then gave up
@@ -496,10 +499,10 @@ def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
     from fedfields.flower.resume import ResumeError
     from simulations.job import open_run_dir
 
-    saved = {**FederatedConfig().to_run_config(), "memorising-bound": 0.0}
+    saved = {**parse_app_config({}).to_run_config(), "memorising-bound": 0.0}
     with pytest.raises(ValueError, match="'memorising-bound' belongs to the meta section"):
-        FederatedConfig.from_run_config(saved)
-    assert FederatedConfig.from_run_config(without_ignored_keys(saved)) == FederatedConfig()
+        parse_app_config(saved)
+    assert parse_app_config(without_ignored_keys(saved)) == parse_app_config({})
     fedmenf = {**saved, "task": "faces"}
     assert without_ignored_keys(fedmenf)["memorising-bound"] == 0.0
     maml = {**fedmenf, "meta-learner": "maml"}
@@ -509,7 +512,7 @@ def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
     (run / "config.json").write_text(json.dumps({**saved, "run-dir": str(run)}))
     with pytest.raises(RunError, match="no checkpoint.pt"):  # past the config
         open_run(run)
-    resumed = FederatedConfig.from_run_config({"run-dir": str(run), "resume": True})
+    resumed = parse_app_config({"run-dir": str(run), "resume": True})
     with pytest.raises(ResumeError) as refused:  # past the comparison, at the missing resume.pt
         open_run_dir(resumed)
     assert "differs" not in str(refused.value)
@@ -554,4 +557,4 @@ def test_a_timeout_python_cannot_wait_is_refused_when_parsed(run_config: dict, r
     """threading.Event().wait(1e308) raises OverflowError: such a timeout, accepted, would
     crash the first wait of the run; it is refused with the other run-config errors."""
     with pytest.raises(ValueError, match=reason):
-        FederatedConfig.from_run_config(run_config)
+        parse_app_config(run_config)

@@ -18,13 +18,13 @@ import pytest
 import torch
 from flower_harness import InProcessGrid
 
-from fedfields.config import FederatedConfig
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.train import load_checkpoint
 from simulations.federated_nerf import run_federated_nerf
 from simulations.planner import replicated_crowd
 from simulations.run import client_app
+from strategies import parse_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = 200
@@ -66,10 +66,10 @@ def test_idle_clients_hold_no_private_state_in_memory(shared_crowd: Path, tmp_pa
     disk_grid = InProcessGrid([client_app(on_disk)] * CLIENTS, raise_errors=True)
     memory_grid = InProcessGrid([client_app(in_memory)] * CLIENTS, raise_errors=True)
     disk_run = run_federated_nerf(
-        disk_grid, FederatedConfig.from_run_config(on_disk), observe=False
+        disk_grid, parse_app_config(on_disk), observe=False
     )
     memory_run = run_federated_nerf(
-        memory_grid, FederatedConfig.from_run_config(in_memory), observe=False
+        memory_grid, parse_app_config(in_memory), observe=False
     )
 
     # with state directories no node keeps anything in Flower's in-memory context ...

@@ -30,8 +30,12 @@ from fedfields.flower import (
     DecentNeRF,
     EmptyRoundsError,
     FedACG,
+    FedAdagrad,
+    FedAdam,
     FedAvg,
+    FedAvgM,
     FedProx,
+    FedYogi,
     ProtocolStrategy,
     Scaffold,
 )
@@ -144,6 +148,10 @@ def make_strategy(
         "scaffold": lambda: Scaffold(**options),
         "fedacg": lambda: FedACG(**options),
         "decentnerf": lambda: DecentNeRF(alpha_lr=0.2, **options),
+        "fedavgm": lambda: FedAvgM(server_learning_rate=0.8, server_momentum=0.9, **options),
+        "fedadam": lambda: FedAdam(**options),
+        "fedyogi": lambda: FedYogi(**options),
+        "fedadagrad": lambda: FedAdagrad(**options),
     }[name]()
 
 
@@ -167,7 +175,17 @@ def trained_nodes(grid: InProcessGrid) -> list[tuple[str, int]]:
     ]
 
 
-SECURE_STRATEGIES = ["fedavg", "fedprox", "scaffold", "fedacg", "decentnerf"]
+SECURE_STRATEGIES = [
+    "fedavg",
+    "fedprox",
+    "scaffold",
+    "fedacg",
+    "decentnerf",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+]
 """Every strategy that supports secure aggregation (FedNova and FedExP refuse it)."""
 SECURE_TOLERANCE = 1e-5
 """Relative error allowed between a secure and a plaintext run: SecAgg+ quantises each value

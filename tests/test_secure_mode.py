@@ -36,7 +36,7 @@ from test_meta_job import tiny as tiny_meta
 from test_secure_aggregation import numbers_received as numbers_in_records
 
 from clients.scene_client import PERSONAL
-from fedfields.config import FederatedConfig, meta_settings
+from fedfields.config import meta_settings
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import EmptyRoundsError, secure_aggregation
 from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
@@ -79,13 +79,14 @@ from simulations.federated_nerf import run_federated_nerf
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.scene_observer import audit_dir
+from strategies import parse_app_config
 
 # ------------------------------------------------------------------ the exponent cap
 
 
 def test_the_cap_is_a_validated_run_config_key() -> None:
     assert SecureAggregationConfig().max_exponent == DEFAULT_MAX_EXPONENT
-    config = FederatedConfig.from_run_config(
+    config = parse_app_config(
         {"secure-aggregation": True, "secagg-max-exponent": 12, "min-train-nodes": 3}
     )
     secure = config.secure.secure_aggregation_config()
@@ -278,7 +279,7 @@ def test_the_repo_client_app_forwards_no_values_in_secure_mode(
     grid = InProcessGrid([client_app(config)] * 3)
     with pytest.raises(EmptyRoundsError, match="replies were errors") as raised:
         run_federated_nerf(
-            grid, FederatedConfig.from_run_config(config), observe=False
+            grid, parse_app_config(config), observe=False
         )  # the only round failed: no model
     errors = [reply.error.reason for reply in grid.received if reply.has_error()]
     assert errors and all("FloatingPointError" in reason for reason in errors)
@@ -547,7 +548,7 @@ def decentnerf_run(
         crowd, run_dir, "decentnerf", **{"secure-aggregation": secure, "min-train-nodes": 3}
     )
     grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
-    run_federated_nerf(grid, FederatedConfig.from_run_config(config), observe=True)
+    run_federated_nerf(grid, parse_app_config(config), observe=True)
     scalars = list(recorder.scalars)
     tensors = list(recorder.tensors)
     nodes = Path(config["state-dir"])
@@ -564,7 +565,7 @@ def decentnerf_run(
                 scalars += [float(v) for v in record.values() if not isinstance(v, list)]
     else:
         masked_only(grid)
-    downscale = FederatedConfig.from_run_config(config).common.downscale
+    downscale = parse_app_config(config).common.downscale
     photos = [  # the users' photos as the observer's renders/ would show them
         (view.numpy() * 255 + 0.5).astype(np.uint8)
         for user in CrowdData.load(str(crowd), downscale).users
@@ -606,10 +607,10 @@ def meta_run(run_dir: Path, secure: bool, monkeypatch: pytest.MonkeyPatch) -> di
             "privacy-audit": False,
         },
     )
-    parsed = FederatedConfig.from_run_config(config)
+    parsed = parse_app_config(config)
     settings = meta_settings(parsed)
     grid = InProcessGrid([client_app(config)] * settings.num_clients, raise_errors=True)
-    run_meta_job(grid, FederatedConfig.from_run_config(config))
+    run_meta_job(grid, parse_app_config(config))
     scalars, tensors = list(recorder.scalars), list(recorder.tensors)
     if secure:
         masked_only(grid)

@@ -16,12 +16,12 @@ from flwr.clientapp import ClientApp
 
 from clients.split_client import client_views, scene_dir, split_defence
 from fedfields.cli import main as fedfields_main
-from fedfields.config import FederatedConfig
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
 from simulations.run import client_app, with_run_config
 from simulations.split_job import run_split_job
 from simulations.split_observer import split_observers
+from strategies import parse_app_config
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"  # the bundled scene
 
@@ -50,7 +50,7 @@ def tiny(run_dir: Path, **overrides: object) -> dict:
 def split_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, InProcessGrid, dict]:
     config = tiny(tmp_path_factory.mktemp("split") / "run")
     grid = InProcessGrid([client_app(config)], raise_errors=True)
-    return run_split_job(grid, FederatedConfig.from_run_config(config)), grid, config
+    return run_split_job(grid, parse_app_config(config)), grid, config
 
 
 def test_split_run_writes_the_report_and_a_checkpoint_fedfields_eval_reads(
@@ -95,24 +95,24 @@ def test_the_server_receives_rays_and_gradients_only(
 
 def test_split_mode_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'mode' 'split' trains a scene"):
-        FederatedConfig.from_run_config({"mode": "split", "task": "faces"})
+        parse_app_config({"mode": "split", "task": "faces"})
     with pytest.raises(ValueError, match="split-noise-r"):
-        FederatedConfig.from_run_config({"mode": "split", "split-noise-r": 0.0})
+        parse_app_config({"mode": "split", "split-noise-r": 0.0})
     with pytest.raises(ValueError, match="'state-dir' is empty"):
         split_observers(
-            FederatedConfig.from_run_config(tiny(tmp_path / "audit", **{"state-dir": ""}))
+            parse_app_config(tiny(tmp_path / "audit", **{"state-dir": ""}))
         )
     config = tiny(tmp_path / "both", **{"split-noise-c": 1.2, "split-label-noise": 0.5})
     grid = InProcessGrid([client_app(config)])
     with pytest.raises(RuntimeError, match="split-noise-c or split-label-noise, not both"):
-        run_split_job(grid, FederatedConfig.from_run_config(config))
+        run_split_job(grid, parse_app_config(config))
 
 
 def test_the_clients_s2nerf_noise_differs_across_steps() -> None:
     """The client builds its defence anew for every step (`split_defence`): its noise must
     still change from step to step, else the server could average the steps' gradients and
     cancel one fixed pattern."""
-    config = FederatedConfig.from_run_config(
+    config = parse_app_config(
         {"mode": "split", "split-noise-c": 1.2, "split-noise-r": 1.0, "seed": 3}
     )
     gradient = torch.ones(256, 64)  # every row of norm 8: sigma = 1.2 * 8
@@ -196,7 +196,7 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
     config = tiny(tmp_path / "run", **{"split-steps": 3})
     for key in ("data-dir", "state-dir", "simulation-audit"):
         del config[key]
-    assert split_observers(FederatedConfig.from_run_config(config)) == []
+    assert split_observers(parse_app_config(config)) == []
     node_dir = tmp_path / "node-state"
 
     def deployed(run_dir: Path, audit: bool) -> tuple[Path, dict]:
@@ -207,7 +207,7 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
         SERVER_OPENS.opened, SERVER_OPENS.on = [], audit
         try:
             run_dir = run_split_job(
-                grid, FederatedConfig.from_run_config(config | {"run-dir": str(run_dir)})
+                grid, parse_app_config(config | {"run-dir": str(run_dir)})
             )
         finally:
             SERVER_OPENS.on = False
@@ -236,7 +236,7 @@ def test_the_attack_audit_recovers_geometry_and_reports_it(tmp_path: Path) -> No
     )
     run_dir = run_split_job(
         InProcessGrid([client_app(config)], raise_errors=True),
-        FederatedConfig.from_run_config(config),
+        parse_app_config(config),
     )
     attack = json.loads((run_dir / "summary.json").read_text())["attack"]
     assert attack["transcript-steps"] == 10

@@ -11,7 +11,6 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Unpack
 
 import numpy as np
 import pytest
@@ -47,7 +46,6 @@ from fedfields.flower import (
     FedProx,
     ProtocolStrategy,
     Scaffold,
-    StrategyOptions,
 )
 from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.forwarding import ForwardingGrid
@@ -78,6 +76,7 @@ from fedfields.flower.round import Round
 from fedfields.flower.sum_replies import RoundSum
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from strategies import parse_app_config
 
 State = dict[str, Tensor]
 F64 = torch.float64
@@ -180,7 +179,7 @@ def least_squares_app(
         problem, config = problem_of(context), message.content[CONFIG]
         x, steps = arrays_to_state(message.content[ARRAYS]), int(config[LOCAL_STEPS])
         n = len(problem.targets)
-        if config[STRATEGY] in ("fedavg", "fedprox", "fedacg"):  # FedACG: prox around x
+        if config[STRATEGY] not in ("scaffold", "decentnerf"):  # FedACG: prox around x
             mu = float(config.get(PROXIMAL_MU, 0.0))
 
             def prox_gradient(p: LeastSquares, s: State) -> State:
@@ -755,33 +754,39 @@ def test_fedprox_without_mu_is_fedavg() -> None:
 # ------------------------------------------------------------------ docs/LIBRARY.md's recipe
 
 
-class FedMystery(FedAvg):
-    """docs/LIBRARY.md's example strategy, as printed there."""
+def test_a_toy_strategy_is_one_module_and_one_registry_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tests/toy_strategy.py plus one registry line: the App's schema parses its own key,
+    refuses it misspelt or under another strategy, its reference row appears, the App builds
+    it with the typed settings, and it trains three rounds in process."""
+    from toy_strategy import FedToy, FedToySettings
 
-    strategy_name = "fedmystery"
-    config_keys = {"mystery-mu": "mu"}
-
-    def __init__(self, *, mu: float = 0.0, **options: Unpack[StrategyOptions]) -> None:
-        super().__init__(**options)
-        self.mu = mu
-
-    def protocol_config(self) -> dict[str, int | float | str]:
-        return {**super().protocol_config(), "mystery-mu": self.mu}
-
-
-def test_the_librarys_recipe_for_a_new_strategy_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The registry line makes the strategy runnable by name with the shared run-config keys;
-    its own key is refused until the schema has a field for it, as docs/LIBRARY.md says."""
     import strategies
-    from fedfields.config import FederatedConfig
+    from fedfields.config.reference import reference
 
-    monkeypatch.setitem(strategies.STRATEGIES, FedMystery.strategy_name, FedMystery)
-    config = FederatedConfig.from_run_config({"strategy": "fedmystery", "max-empty-rounds": 4})
-    built = strategies.make_strategy("fedmystery", config.to_run_config())
-    assert isinstance(built, FedMystery) and built.max_empty_rounds == 4
-    assert built.protocol_config()["mystery-mu"] == 0.0
-    assert FedMystery.from_config({"mystery-mu": 0.5}).mu == 0.5  # your own app: no schema
-    with pytest.raises(ValueError, match="unknown run-config key 'mystery-mu'"):
-        FederatedConfig.from_run_config({"strategy": "fedmystery", "mystery-mu": 0.5})
-    with pytest.raises(ValueError, match="'aggregation-rule' 'median' is for strategies"):
-        FederatedConfig.from_run_config({"strategy": "fedmystery", "aggregation-rule": "median"})
+    monkeypatch.setitem(strategies.STRATEGIES, "fedtoy", (FedToy, FedToySettings))  # the line
+    config = parse_app_config({"strategy": "fedtoy", "toy-mu": 0.5, "max-empty-rounds": 4})
+    assert config.settings == FedToySettings(mu=0.5)
+    built = strategies.make_strategy(config, local_steps=2)
+    assert isinstance(built, FedToy) and (built.mu, built.max_empty_rounds) == (0.5, 4)
+    assert parse_app_config({"strategy": "fedtoy"}).settings == FedToySettings(mu=0.25)
+    with pytest.raises(ValueError, match="unknown run-config key 'toy-mue'; did you mean 'toy-mu'"):
+        parse_app_config({"strategy": "fedtoy", "toy-mue": 0.5})
+    with pytest.raises(ValueError, match="'toy-mu' = 0.5 is read only with strategy='fedtoy'"):
+        parse_app_config({"strategy": "fedavg", "toy-mu": 0.5})
+    with pytest.raises(ValueError, match="run-config 'toy-mu' must be finite and >= 0"):
+        parse_app_config({"strategy": "fedtoy", "toy-mu": -1.0})
+    assert parse_app_config({"strategy": "fedtoy", "aggregation-rule": "median"}).settings
+    assert "| `toy-mu` | float | 0.25 | FedToy's client weight mu (read by fedtoy) |" in reference(
+        strategies.strategy_settings()
+    )
+    assert FedToy.from_config({"toy-mu": 0.5}).mu == 0.5  # your own app: no schema
+    with pytest.raises(ValueError, match="unknown run-config key 'toy-mue'"):
+        FedToy.from_config({"toy-mue": 0.5})
+    problems = heterogeneous_problems(count=3)
+    grid = InProcessGrid([least_squares_app(problems, 0.05, [1.0] * 3)] * 3, raise_errors=True)
+    result = built.start(grid, state_to_arrays(initial_state()), num_rounds=3)
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    sent = [m.content[CONFIG] for m in grid.sent if m.metadata.message_type == "train"]
+    assert {c["toy-mu"] for c in sent} == {0.5} and {c[STRATEGY] for c in sent} == {"fedtoy"}

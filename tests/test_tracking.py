@@ -30,7 +30,6 @@ from test_meta_job import run_in_process as run_meta
 from test_meta_job import tiny as tiny_meta
 from test_split_job import tiny as tiny_split
 
-from fedfields.config import FederatedConfig
 from fedfields.flower.resume import RESUME_FILE
 from fedfields.render.orbit import ORBIT_FILE
 from fedfields.report import curve_group
@@ -45,6 +44,7 @@ from fedfields.tracking import (
 )
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
+from strategies import parse_app_config
 
 
 def events(path: Path) -> EventAccumulator:
@@ -185,7 +185,7 @@ def test_mlflow_without_mlflow_is_refused_before_anything_is_written(
     config = tiny_meta(tmp_path / "run")
     grid = InProcessGrid([client_app(config)] * 4, raise_errors=True)
     with pytest.raises(TrackingError, match="asks for MLflow, which is not installed"):
-        run_meta_job(grid, FederatedConfig.from_run_config(config))
+        run_meta_job(grid, parse_app_config(config))
     assert not (tmp_path / "run").exists()
     split = tiny_split(tmp_path / "split")
     with pytest.raises(TrackingError, match="pip install mlflow"):

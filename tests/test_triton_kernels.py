@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from fedfields.config import FederatedConfig
 from fedfields.fields import HashGridConfig, HashGridEncoding, HashGridField, HashGridFieldConfig
 from fedfields.geometry.rays import Rays
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.volume import render_packed
 from fedfields.train.builders import global_field
+from strategies import parse_app_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = torch.cuda.is_available()
@@ -277,7 +277,7 @@ def test_triton_and_torch_fields_exchange_weights(triton_results: dict) -> None:
 @pytest.mark.skipif(ON_GPU, reason="a CUDA device is present here")
 def test_run_config_triton_on_a_node_without_cuda_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    config = FederatedConfig.from_run_config({"hash-backend": "triton"})
+    config = parse_app_config({"hash-backend": "triton"})
     with pytest.raises(RuntimeError, match="'triton' cannot run on cpu.*CUDA tensors"):
         global_field(config)
     with pytest.raises(RuntimeError, match="compositing backend 'triton' cannot run on cpu"):
@@ -293,7 +293,7 @@ def test_default_backend_trains_and_renders_without_triton() -> None:
         "from fedfields.config import FederatedConfig\n"
         "from fedfields.train.builders import global_field\n"
         "from fedfields.render.volume import render_packed\n"
-        "field = global_field(FederatedConfig.from_run_config({}))\n"
+        "field = global_field(parse_app_config({}))\n"
         "field(torch.rand(5, 3), torch.rand(5, 3)).density.sum().backward()\n"
         "out, w = render_packed(torch.ones(2), torch.ones(2), torch.rand(2, 3), torch.ones(2),\n"
         "                       torch.tensor([0, 0]), 1, torch.zeros(3))\n"

@@ -1,21 +1,21 @@
-"""docs/RUN_CONFIG.md, generated from the section dataclasses so the reference never drifts.
+"""docs/RUN_CONFIG.md, generated from the section dataclasses and the strategies' settings
+so the reference never drifts.
 
-Regenerate: `python -m fedfields.config.reference docs/RUN_CONFIG.md`.
+The App regenerates it with its registry: `python -m strategies.reference docs/RUN_CONFIG.md`.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 from dataclasses import fields
-from pathlib import Path
 
-from fedfields.config.schema import SECTIONS, dash
+from fedfields.config.schema import SECTIONS, StrategyTable, dash, strategy_keys
 
 HEADER = """# Run-config reference
 
-Generated from `fedfields/config/schema.py` by `python -m fedfields.config.reference
-docs/RUN_CONFIG.md`; `tests/test_run_config.py` fails when this file is stale. Every key is in
+Generated from `fedfields/config/schema.py` and the strategies' own settings (the App's
+registry, `strategies/__init__.py`) by `python -m strategies.reference docs/RUN_CONFIG.md`;
+`tests/test_run_config.py` fails when this file is stale. Every key is in
 `pyproject.toml`'s `[tool.flwr.app.config]` with its default; override keys with
 `flwr run . --run-config "local-steps=16 alpha-lr=0.05"` or
 `make demo RUN_CONFIG="local-steps=16"`. A key the run does not read, changed from its
@@ -30,6 +30,18 @@ dp-delta, dp-target-epsilon and dp-max-noise-ratio beside dp-noise-multiplier = 
 """
 
 
+STRATEGIES_HEADER = """
+## strategies (`config.settings`, used by the strategy that declares the key)
+
+Each strategy module declares its own keys (a `StrategySettings` dataclass); the App's
+registry maps the strategy's name to its class and those settings. A key changed from its
+default under a strategy that does not read it is refused.
+
+| key | type | default | meaning |
+|---|---|---|---|
+"""
+
+
 def _cell(value: object) -> str:
     """A default as it is written in TOML."""
     if isinstance(value, bool):
@@ -39,28 +51,25 @@ def _cell(value: object) -> str:
     return repr(value)
 
 
-def reference() -> str:
-    """The markdown reference: one table per section, in `SECTIONS` order."""
+def reference(strategies: StrategyTable) -> str:
+    """The markdown reference: one table per section, in `SECTIONS` order, then one row per
+    strategy's own key with the strategies reading it."""
     parts = [HEADER]
     for name, section in SECTIONS.items():
         doc = " ".join(inspect.cleandoc(section.__doc__ or "").split())
         parts.append(f"\n## {section.title} (`config.{name}`, used by {section.used_by})\n")
         parts.append(f"\n{doc}\n\n| key | type | default | meaning |\n|---|---|---|---|\n")
         for spec in fields(section):
-            kind = type(spec.default).__name__
-            meaning = spec.metadata["doc"].replace("|", "\\|")
-            parts.append(f"| `{dash(spec.name)}` | {kind} | {_cell(spec.default)} | {meaning} |\n")
+            parts.append(_row(dash(spec.name), spec.default, spec.metadata["doc"]))
+    parts.append(STRATEGIES_HEADER)
+    for run_key, readers in strategy_keys(strategies).items():
+        spec = strategies[readers[0]].keys()[run_key]
+        meaning = f"{spec.metadata['doc']} (read by {', '.join(readers)})"
+        parts.append(_row(run_key, spec.default, meaning))
     return "".join(parts)
 
 
-def main(argv: list[str]) -> int:
-    """Write the reference to the path given, or print it."""
-    if argv:
-        Path(argv[0]).write_text(reference())
-    else:
-        print(reference(), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def _row(run_key: str, default: object, meaning: str) -> str:
+    """One key's table row."""
+    escaped = meaning.replace("|", "\\|")
+    return f"| `{run_key}` | {type(default).__name__} | {_cell(default)} | {escaped} |\n"

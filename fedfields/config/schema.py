@@ -8,7 +8,8 @@ its default (naming the task or mode that uses it), and values that contradict e
 (secure aggregation with fewer than 3 clients per round, more clients per round than nodes,
 a robust aggregation rule the strategy or secure aggregation cannot take), all before
 anything runs. Field names are the keys in snake_case;
-each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`).
+each field's `metadata["doc"]` is its line in docs/RUN_CONFIG.md (`fedfields.config.reference`);
+each strategy's own keys come from the App's registry (`from_run_config`'s `strategies`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fedfields.config.strategy_settings import StrategySettings, typed_value
 from fedfields.optim import DEVICE_CHOICES, is_device_text
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
@@ -33,23 +35,10 @@ OUTER_OPTIMIZERS = ("sgd", "adamw")
 AGGREGATION_RULES = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan")
 KRUM_RULES = ("krum", "multi-krum", "bulyan")
 """The rules that read `num-malicious` (f)."""
-ROBUST_STRATEGIES = ("fedavg", "fedprox", "fedmenf", "fedacg")
-"""Strategies whose server step starts from FedAvg's mean, which `aggregation-rule` replaces."""
 SECURE_MIN_CLIENTS = 3
 """SecAgg+ among two clients shows each the other's values (the sum minus its own)."""
-STRATEGY_KEYS: dict[str, tuple[str, ...]] = {
-    "proximal-mu": ("fedprox",),
-    "scaffold-global-lr": ("scaffold",),
-    "max-control-norm": ("scaffold",),
-    "fedexp-epsilon": ("fedexp",),
-    "fedacg-lambda": ("fedacg",),
-    "fedacg-beta": ("fedacg",),
-    "alpha-lr": ("decentnerf",),
-    "alpha-max": ("decentnerf",),
-    "max-gradient-norm": ("decentnerf",),
-}
-"""A strategy's own settings -> the strategies that read them (the classes' `config_keys`,
-which tests/test_run_config.py compares with this table)."""
+StrategyTable = Mapping[str, type[StrategySettings]]
+"""The App's registry as the schema sees it: strategy name -> its settings class."""
 FEDERATED_ONLY = (
     "strategy",
     "num-server-rounds",
@@ -65,11 +54,10 @@ FEDERATED_ONLY = (
     "eval-views-per-round",
     "client-eval-views",
     "min-train-nodes",
-    *STRATEGY_KEYS,
 )
-"""Keys of the common, scene and deployment sections that split mode never reads: its one
-client trains `split-steps` exchanges with settings of its own (the secure and robust
-sections are unused there as a whole)."""
+"""Keys of the common, scene and deployment sections that split mode never reads (nor any
+strategy's own key): its one client trains `split-steps` exchanges with settings of its own
+(the secure and robust sections are unused there as a whole)."""
 FEDMENF_KEYS = ("gamma", "privacy-budget", "memorising-bound")
 """Meta keys only FedMeNF's local loss reads (Eq. 10-14); MAML, FOMAML and Reptile have none."""
 SECAGG_KEYS = (
@@ -115,10 +103,8 @@ def _finite(least: float) -> Callable[[Any], bool]:
 
 @dataclass(frozen=True)
 class CommonSection:
-    """Keys every task and mode reads. The strategy's own settings (proximal-mu,
-    scaffold-global-lr, fedexp-epsilon, fedacg-lambda, fedacg-beta) are common since the
-    scene and the meta tasks run the same strategies; field-width and field-depth size the
-    scene's heads and the meta tasks' MLPs alike."""
+    """Keys every task and mode reads; field-width and field-depth size the scene's heads and
+    the meta tasks' MLPs alike. Each strategy's own keys are its own (section "strategies")."""
 
     title: ClassVar[str] = "common"
     used_by: ClassVar[str] = "every task and mode"
@@ -128,7 +114,7 @@ class CommonSection:
     strategy: str = key(
         "",
         '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold | '
-        "fednova | fedexp | fedacg",
+        "fednova | fedexp | fedacg | fedavgm | fedadam | fedyogi | fedadagrad",
     )
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(
@@ -139,14 +125,6 @@ class CommonSection:
     run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
     resume: bool = key(False, "continue run-dir's run from its last completed round")
     downscale: float = key(1.0, "image downscale factor the nodes apply to their views")
-    proximal_mu: float = key(0.01, "FedProx mu (scene and meta tasks)")
-    scaffold_global_lr: float = key(1.0, "Scaffold's server step size")
-    max_control_norm: float = key(
-        1e6, "Scaffold: a reply with ||delta c_i|| above it is dropped (0: no cap)"
-    )
-    fedexp_epsilon: float = key(0.001, "FedExP's epsilon in its server step size")
-    fedacg_lambda: float = key(0.2, "FedACG's server momentum lambda")
-    fedacg_beta: float = key(0.1, "FedACG's proximal weight beta around the lookahead")
     field_width: int = key(0, "scene field heads (0: 64) or meta MLP width (0: the preset)")
     field_depth: int = key(0, "meta MLP depth (0: the task's preset)")
     eval_scene_dir: str = key(
@@ -172,14 +150,6 @@ class CommonSection:
             raise ValueError("run-config 'resume' = true: split runs (mode 'split') do not resume")
         _check(self, ["field_width", "field_depth"], lambda v: v >= 0, ">= 0")
         _check(self, ["downscale"], lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
-        _check(
-            self,
-            ["proximal_mu", "scaffold_global_lr", "fedacg_lambda", "fedacg_beta"],
-            _finite(0.0),
-            "finite and >= 0",
-        )
-        _check(self, ["fedexp_epsilon"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
-        _check(self, ["max_control_norm"], _finite(0.0), "finite and >= 0")
         if self.mode == "split" and self.task != "scene":
             raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
 
@@ -202,13 +172,6 @@ class SceneSection:
         0.3,
         "NeRF-W floor of the personal uncertainty beta (NeRF-W's 0.03 starves the global "
         "field at a CPU budget: docs/BENCHMARKS.md)",
-    )
-    alpha_lr: float = key(1.0, "DecentNeRF eta of the learned federation (0: FedAvg weights)")
-    alpha_max: float = key(
-        100.0, "DecentNeRF: a reply with alpha_k outside [alpha-max * 1e-6, alpha-max] is dropped"
-    )
-    max_gradient_norm: float = key(
-        1e4, "DecentNeRF: a gradient reply with ||G_k|| above it is dropped (0: no cap)"
     )
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
@@ -237,9 +200,7 @@ class SceneSection:
         _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")
         _check(self, ["scene_bound", "beta_min"], lambda v: math.isfinite(v) and v > 0,
                "finite and > 0")  # fmt: skip
-        _check(self, ["alpha_max"], lambda v: math.isfinite(v) and v > 0, "finite and > 0")
-        _check(self, ["max_gradient_norm"], _finite(0.0), "finite and >= 0")
-        rates = ["learning_rate", "personal_learning_rate", "personal_density_weight", "alpha_lr"]
+        rates = ["learning_rate", "personal_learning_rate", "personal_density_weight"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 
 
@@ -516,6 +477,9 @@ class FederatedConfig:
     dp: DPSection = field(default_factory=DPSection)
     robust: RobustSection = field(default_factory=RobustSection)
     deployment: DeploymentSection = field(default_factory=DeploymentSection)
+    strategy_settings: Mapping[str, StrategySettings] = field(default_factory=dict, hash=False)
+    """Every registered strategy's own keys, typed (`from_run_config`'s `strategies`); empty
+    for a config built without the App's registry."""
 
     def __post_init__(self) -> None:
         self._check_strategy_and_sections()
@@ -531,6 +495,12 @@ class FederatedConfig:
         """The strategy fits the task; no key this run does not read changed: neither one of
         an unused section nor one the task, mode, strategy or another key leaves unread."""
         task, strategy = self.common.task, self.common.strategy
+        known = self.strategy_settings
+        if known and self.common.mode == "federated" and self.strategy_name not in known:
+            raise ValueError(
+                f"run-config 'strategy' {self.strategy_name!r} is unknown; known: "
+                f"{', '.join(known)}"
+            )
         if task != "scene" and strategy == "decentnerf":
             raise ValueError(
                 f"run-config 'strategy' 'decentnerf' is for task 'scene' only; task "
@@ -564,13 +534,26 @@ class FederatedConfig:
             )
 
     def _changed_values(self) -> list[tuple[str, Any]]:
-        """(field name, value) of every key whose value differs from its default."""
-        return [
+        """(field name, value) of every key whose value differs from its default, a
+        strategy's own keys included."""
+        changed = [
             (spec.name, getattr(getattr(self, section), spec.name))
             for section, cls in SECTIONS.items()
             for spec in fields(cls)
             if getattr(getattr(self, section), spec.name) != spec.default
         ]
+        for settings in self.strategy_settings.values():
+            changed += [
+                (spec.metadata["key"].replace("-", "_"), getattr(settings, spec.name))
+                for spec in fields(settings)
+                if getattr(settings, spec.name) != spec.default
+            ]
+        return changed
+
+    @property
+    def settings(self) -> StrategySettings | None:
+        """The run's strategy's own settings; None without the registry's."""
+        return self.strategy_settings.get(self.strategy_name)
 
     def unread_keys(self) -> dict[str, str]:
         """Keys of the used sections that this run never reads -> the setting that reads
@@ -586,8 +569,8 @@ class FederatedConfig:
         elif self.common.task != "objects":  # scikit-image's images, scored by the server
             for run_key in ("downscale", "eval-scene-dir"):
                 unread.setdefault(run_key, "task='scene' | 'objects'")
-        for run_key, readers in STRATEGY_KEYS.items():
-            if self.strategy_name not in readers:
+        for run_key, readers in strategy_keys(self.strategy_settings).items():
+            if self.strategy_name not in readers or self.common.mode == "split":
                 unread.setdefault(run_key, " | ".join(f"strategy='{r}'" for r in readers))
         if self.meta.meta_learner != "fedmenf":
             unread |= {k: "meta-learner='fedmenf'" for k in FEDMENF_KEYS if k not in unread}
@@ -628,10 +611,11 @@ class FederatedConfig:
         rule = self.robust.aggregation_rule
         if rule == "mean" or self.common.mode != "federated":
             return
-        if self.strategy_name not in ROBUST_STRATEGIES:
+        robust = [name for name, s in self.strategy_settings.items() if s.robust_rules]
+        if self.settings is not None and not self.settings.robust_rules:
             raise ValueError(
                 f"run-config 'aggregation-rule' {rule!r} is for strategies "
-                f"{', '.join(ROBUST_STRATEGIES)}; strategy {self.strategy_name!r} has its own "
+                f"{', '.join(robust)}; strategy {self.strategy_name!r} has its own "
                 "server step: use 'mean'"
             )
         if self.secure.secure_aggregation:
@@ -727,27 +711,42 @@ class FederatedConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         """The dash-case run-config dict that `from_run_config` reads back."""
+        own = [settings.to_run_config() for settings in self.strategy_settings.values()]
         return {
-            dash(name): value
-            for section in SECTIONS
-            for name, value in asdict(getattr(self, section)).items()
+            **{
+                dash(name): value
+                for section in SECTIONS
+                for name, value in asdict(getattr(self, section)).items()
+            },
+            **{run_key: value for keys in own for run_key, value in keys.items()},
         }
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any]) -> FederatedConfig:
-        """Parse Flower's run-config; one ValueError for an unknown key, a wrong type or value,
-        or a changed key of a section the run does not use."""
+    def from_run_config(
+        cls, run_config: Mapping[str, Any], strategies: StrategyTable | None = None
+    ) -> FederatedConfig:
+        """Parse Flower's run-config, with each strategy's own keys from `strategies` (the
+        App's registry: name -> settings class; None: no strategy keys); one ValueError for an
+        unknown key, a wrong type or value, or a changed key the run does not read."""
+        strategies = strategies or {}
         owners = section_of_keys()
-        unknown = sorted(set(run_config) - set(owners))
+        known = [*owners, *strategy_keys(strategies)]
+        unknown = sorted(set(run_config) - set(known))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], owners, n=1)
+            close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown run-config key {unknown[0]!r}{hint} (docs/RUN_CONFIG.md)")
         values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         for run_key, value in run_config.items():
-            section, spec = owners[run_key]
-            values[section][spec.name] = _typed(run_key, value, spec)
-        return cls(**{name: SECTIONS[name](**kwargs) for name, kwargs in values.items()})
+            if run_key in owners:
+                section, spec = owners[run_key]
+                values[section][spec.name] = typed_value(run_key, value, spec)
+        return cls(
+            **{name: SECTIONS[name](**kwargs) for name, kwargs in values.items()},
+            strategy_settings={
+                name: settings.from_run_config(run_config) for name, settings in strategies.items()
+            },
+        )
 
 
 DECIDING_KEYS = (
@@ -766,15 +765,22 @@ DECIDING_KEYS = (
 """The keys that decide which other keys a run reads (with those that make them consistent)."""
 
 
-def without_ignored_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
+def without_ignored_keys(
+    saved: Mapping[str, Any], strategies: StrategyTable | None = None
+) -> dict[str, Any]:
     """A saved run-config (a run's config.json: every key, at the defaults of the day it ran)
     without the keys that run never read, so a run saved before a default changed still
-    parses; unchanged when its deciding keys do not parse (the full parse names the fault)."""
+    parses; unchanged when its deciding keys do not parse (the full parse names the fault).
+    Without `strategies` (the App's registry) the strategies' own keys go too: a parse
+    without the registry cannot read them."""
+    deciding = {k: saved[k] for k in DECIDING_KEYS if k in saved}
     try:
-        probe = FederatedConfig.from_run_config({k: saved[k] for k in DECIDING_KEYS if k in saved})
+        probe = FederatedConfig.from_run_config(deciding, strategies)
     except ValueError:
         return dict(saved)
     ignored = probe.ignored_keys()
+    if strategies is None:
+        ignored |= set(saved) - set(section_of_keys())
     return {run_key: value for run_key, value in saved.items() if run_key not in ignored}
 
 
@@ -783,14 +789,23 @@ def section_of_keys() -> dict[str, tuple[str, Field[Any]]]:
     return {dash(f.name): (name, f) for name, section in SECTIONS.items() for f in fields(section)}
 
 
-def _typed(run_key: str, value: Any, spec: Field[Any]) -> Any:
-    """`value` as the field's type (an int is a valid float); ValueError naming the key."""
-    expected = type(spec.default) if spec.default is not MISSING else object
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool):
-        raise ValueError(f"run-config '{run_key}' must be {expected.__name__}, got {value!r}")
-    return value
+def strategy_keys(strategies: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each strategy's own run-config key -> the strategies reading it (`strategies`: name ->
+    settings class or instance); ValueError where two declare one key with another default
+    or type (pyproject.toml holds one default per key)."""
+    readers: dict[str, list[str]] = {}
+    declared: dict[str, tuple[str, Any]] = {}
+    for name, settings in strategies.items():
+        settings_class = settings if isinstance(settings, type) else type(settings)
+        for run_key, spec in settings_class.keys().items():
+            first = declared.setdefault(run_key, (name, spec.default))
+            if type(first[1]) is not type(spec.default) or first[1] != spec.default:
+                raise ValueError(
+                    f"strategies {first[0]!r} and {name!r} declare run-config {run_key!r} "
+                    f"with defaults {first[1]!r} and {spec.default!r}: one key, one default"
+                )
+            readers.setdefault(run_key, []).append(name)
+    return readers
 
 
 def _changed_keys(section: Any) -> list[str]:

@@ -2,7 +2,8 @@
 
 Import these into any Flower 1.41 app; none needs this repository's ServerApp or ClientApp.
 Server side: `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, `DecentNeRF`,
-`FedMeNF` (message-API strategies
+`FedMeNF` and the server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad` (message-API
+strategies
 built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
 `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
 node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.fedacg import FedACG
+from fedfields.flower.fedadagrad import FedAdagrad
+from fedfields.flower.fedadam import FedAdam
 from fedfields.flower.fedavg import FedAvg
+from fedfields.flower.fedavgm import FedAvgM
 from fedfields.flower.fedexp import FedExP
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
 from fedfields.flower.fednova import FedNova
 from fedfields.flower.fedprox import FedProx
+from fedfields.flower.fedyogi import FedYogi
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.round_loop import EmptyRoundsError
 from fedfields.flower.sampling import InsufficientNodesError
@@ -34,11 +39,15 @@ __all__ = [
     "DecentNeRFClient",
     "EmptyRoundsError",
     "FedACG",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
     "FedExP",
     "FedMeNF",
     "FedNova",
     "FedProx",
+    "FedYogi",
     "InsufficientNodesError",
     "NodeState",
     "ProtocolStrategy",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from logging import ERROR, WARNING
 from typing import Any, Unpack
 
@@ -23,6 +24,7 @@ from fedfields.aggregate import (
 )
 from fedfields.aggregate.robust import update_norm
 from fedfields.aggregate.states import check_scalar
+from fedfields.config.strategy_settings import NON_NEGATIVE, POSITIVE, StrategySettings, setting
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     AGGREGATE_ROUND,
@@ -59,6 +61,30 @@ DEFAULT_MAX_GRADIENT_NORM = 1e4
 untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
 up to 1/(2 beta_min^2)), and less once trained (docs/MODES.md); one oversized G_k would move
 every user's alpha."""
+
+
+@dataclass(frozen=True)
+class DecentNeRFSettings(StrategySettings):
+    """DecentNeRF's run-config keys."""
+
+    alpha_lr: float = setting(
+        1.0,
+        "alpha-lr",
+        "DecentNeRF eta of the learned federation (0: FedAvg weights)",
+        NON_NEGATIVE,
+    )
+    alpha_max: float = setting(
+        DEFAULT_ALPHA_MAX,
+        "alpha-max",
+        "DecentNeRF: a reply with alpha_k outside [alpha-max * 1e-6, alpha-max] is dropped",
+        POSITIVE,
+    )
+    max_gradient_norm: float = setting(
+        DEFAULT_MAX_GRADIENT_NORM,
+        "max-gradient-norm",
+        "DecentNeRF: a gradient reply with ||G_k|| above it is dropped (0: no cap)",
+        NON_NEGATIVE,
+    )
 
 
 class DecentNeRF(ProtocolStrategy):
@@ -98,11 +124,7 @@ class DecentNeRF(ProtocolStrategy):
 
     strategy_name = "decentnerf"
     dp_delta_scale = ALPHA_KEY
-    config_keys = {
-        "alpha-lr": "alpha_lr",
-        "alpha-max": "alpha_max",
-        "max-gradient-norm": "max_gradient_norm",
-    }
+    settings_class = DecentNeRFSettings
     cost_model = DECENTNERF_COST
 
     def __init__(

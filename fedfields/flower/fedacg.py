@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Unpack
 
 import torch
@@ -12,9 +13,26 @@ from flwr.serverapp import Grid
 from torch import Tensor
 
 from fedfields.aggregate.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
+from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU, arrays_to_state, state_to_arrays
 from fedfields.flower.round import Round, RoundOutcome
+
+
+@dataclass(frozen=True)
+class FedACGSettings(StrategySettings):
+    """FedACG's run-config keys (FedMeNF's Table 7 values by default)."""
+
+    robust_rules = True
+    momentum: float = setting(
+        FEDACG_LAMBDA, "fedacg-lambda", "FedACG's server momentum lambda", NON_NEGATIVE
+    )
+    beta: float = setting(
+        FEDACG_BETA,
+        "fedacg-beta",
+        "FedACG's proximal weight beta around the lookahead",
+        NON_NEGATIVE,
+    )
 
 
 class FedACG(FedAvg):
@@ -30,7 +48,7 @@ class FedACG(FedAvg):
     """
 
     strategy_name = "fedacg"
-    config_keys = {"fedacg-lambda": "momentum", "fedacg-beta": "beta"}
+    settings_class = FedACGSettings
 
     def __init__(
         self,

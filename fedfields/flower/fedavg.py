@@ -4,6 +4,7 @@ or optionally a robust rule (median, trimmed mean, Krum, Multi-Krum, Bulyan)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Unpack
 
@@ -19,6 +20,7 @@ from fedfields.aggregate.robust import (
     check_trim_fraction,
     robust_aggregate,
 )
+from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
@@ -32,6 +34,13 @@ class FedAvgOptions(StrategyOptions, total=False):
     trim_fraction: float
     num_malicious: int
     krum_select: int
+
+
+@dataclass(frozen=True)
+class FedAvgSettings(StrategySettings):
+    """FedAvg has no run-config key of its own; its mean may become a robust rule."""
+
+    robust_rules = True
 
 
 class FedAvg(ProtocolStrategy):
@@ -79,7 +88,8 @@ class FedAvg(ProtocolStrategy):
 
     strategy_name = "fedavg"
     weight_metric = NUM_EXAMPLES
-    config_keys = {
+    settings_class = FedAvgSettings
+    shared_keys = {
         "aggregation-rule": "aggregation_rule",
         "trim-fraction": "trim_fraction",
         "num-malicious": "num_malicious",

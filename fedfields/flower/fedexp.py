@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Unpack
 
 from flwr.app import Message
 
 from fedfields.aggregate.fedexp import FEDEXP_EPSILON, FedExPSums
 from fedfields.aggregate.states import check_scalar
+from fedfields.config.strategy_settings import POSITIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.fednova import (
     refuse_differential_privacy,
@@ -24,6 +26,15 @@ SERVER_STEP = "fedexp-server-step"
 """Train metric: the round's eta_g (1 is FedAvg's step)."""
 
 
+@dataclass(frozen=True)
+class FedExPSettings(StrategySettings):
+    """FedExP's run-config key."""
+
+    epsilon: float = setting(
+        FEDEXP_EPSILON, "fedexp-epsilon", "FedExP's epsilon in its server step size", POSITIVE
+    )
+
+
 class FedExP(FedAvg):
     """FedExP: x <- x - eta_g Delta with eta_g = max(1, mean ||Delta_i||^2 / 2(||Delta||^2 +
     eps)) (`fedfields.aggregate.fedexp`); eta_g is reported as "fedexp-server-step".
@@ -35,7 +46,7 @@ class FedExP(FedAvg):
     """
 
     strategy_name = "fedexp"
-    config_keys = {"fedexp-epsilon": "epsilon"}
+    settings_class = FedExPSettings
 
     def __init__(
         self, *, epsilon: float = FEDEXP_EPSILON, **options: Unpack[StrategyOptions]

@@ -8,6 +8,7 @@ from typing import Unpack
 from flwr.app import ConfigRecord, Message
 
 from fedfields.aggregate.fednova import FedNovaSums
+from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.protocol import ARRAYS, LOCAL_STEPS, TRAIN_STEPS, state_to_arrays
 from fedfields.flower.round import Round, RoundOutcome
@@ -55,6 +56,7 @@ class FedNova(FedAvg):
     """
 
     strategy_name = "fednova"
+    settings_class = StrategySettings  # no key of its own, no robust rule
 
     def __init__(self, **options: Unpack[StrategyOptions]) -> None:
         refuse_secure_aggregation("fednova", options)

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Unpack
 
+from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU
+
+
+@dataclass(frozen=True)
+class FedProxSettings(StrategySettings):
+    """FedProx's run-config keys."""
+
+    robust_rules = True
+    proximal_mu: float = setting(
+        0.01, "proximal-mu", "FedProx mu (scene and meta tasks)", NON_NEGATIVE
+    )
 
 
 class FedProx(FedAvg):
@@ -22,7 +34,7 @@ class FedProx(FedAvg):
     """
 
     strategy_name = "fedprox"
-    config_keys = {"proximal-mu": "proximal_mu"}
+    settings_class = FedProxSettings
 
     def __init__(self, *, proximal_mu: float = 0.0, **options: Unpack[FedAvgOptions]) -> None:
         super().__init__(**options)

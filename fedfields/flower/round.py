@@ -28,6 +28,9 @@ from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     NON_FINITE_AGGREGATE,
+    SECURE_AGGREGATION,
+    SECURE_DELTA,
+    SECURE_WEIGHT,
     Shapes,
     arrays_to_state,
     finite_arrays,
@@ -67,6 +70,17 @@ class SumRules:
     weight_metric: str = ""
     delta_records: tuple[str, ...] = ()
     dp_delta_scale: str = ""
+
+    def secure_config(self, privacy: RoundPrivacy | None) -> dict[str, int | float | str]:
+        """The train-config entries telling SecAgg+ clients how to hold their replies back for
+        this sum: the weight they apply, the records they send as differences, DP's shares."""
+        own: dict[str, int | float | str] = {SECURE_AGGREGATION: True}
+        if self.weight_metric and privacy is None:
+            own[SECURE_WEIGHT] = self.weight_metric
+        deltas = self.delta_records if privacy is None else privacy.deltas(self.delta_records)
+        if deltas:
+            own[SECURE_DELTA] = list(deltas)
+        return own if privacy is None else own | privacy.client_config()
 
 
 class Round:

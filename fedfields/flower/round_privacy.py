@@ -131,6 +131,23 @@ class RoundPrivacy:
         """C of DecentNeRF's gradient query: dp-gradient-clip-norm, else the payload's C."""
         return self.config.gradient_clip_norm or self.clip_norm
 
+    @classmethod
+    def of_strategy(
+        cls,
+        config: DPConfig | None,
+        secure_aggregation: SecureAggregationConfig | None,
+        sums_per_round: Callable[[int], int],
+        delta_scale: str,
+        checks: tuple[str, int],
+    ) -> RoundPrivacy | None:
+        """A strategy's DP state, its settings checked against `checks`, the strategy's
+        (weight metric, min-train-nodes) (`check_settings`); None without DP."""
+        if config is None or not config.enabled:
+            return None
+        privacy = cls(config, secure_aggregation, sums_per_round, delta_scale)
+        privacy.check_settings(*checks)
+        return privacy
+
     def check_settings(self, weight_metric: str, min_train_nodes: int) -> None:
         """Log the uniform weights DP needs instead of `weight_metric`; refuse a fixed SecAgg+
         clipping range without room for the noise shares of `min_train_nodes` clients."""
@@ -204,7 +221,7 @@ class RoundPrivacy:
 
     def check_plan(self, first_round: int, num_rounds: int, fraction_train: float) -> float:
         """The epsilon rounds `first_round`..`num_rounds` would spend at sampling rate
-        `fraction_train` (on top of what the accountant holds); ValueError naming
+        `fraction_train` (on top of what the accountant holds), logged; ValueError naming
         dp-target-epsilon when it exceeds the target, or the adaptive-clipping keys when a set
         dp-clipped-count-stddev is too small for z."""
         adaptive = self.config.adaptive
@@ -214,7 +231,11 @@ class RoundPrivacy:
             RoundCharge(min(fraction_train, 1.0), self.planned_multiplier(server_round))
             for server_round in range(first_round, num_rounds + 1)
         ]
-        return check_plan(self.config, [*self.accountant.charges, *planned])
+        epsilon = check_plan(self.config, [*self.accountant.charges, *planned])
+        plan = f"q = fraction-train {fraction_train:g}, no dropouts"
+        log(INFO, "differential privacy: the plan (%s) spends epsilon %.4g at delta %g", plan,
+            epsilon, self.config.delta)  # fmt: skip
+        return epsilon
 
     def check_noise(self, num_sampled: int, num_params: int) -> float:
         """The pre-flight z sqrt(d) / n of a round of `num_sampled` clients on a model of

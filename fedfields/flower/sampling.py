@@ -70,6 +70,19 @@ class NodeSampler:
             )
         return nodes
 
+    def round_nodes(
+        self, grid: Grid, fraction: float, least: int, wanted: int
+    ) -> tuple[list[int], int]:
+        """A train round's sample and how many nodes were connected: once `wanted` are
+        connected (or after `node_timeout`, with at least `least`), `fraction` of them, at
+        least `least`; none for fraction 0."""
+        if fraction == 0.0:
+            return [], len(list(grid.get_node_ids()))
+        connected = self.connected(grid, wanted, least)
+        node_ids = self.sample(grid, connected, fraction, least)
+        log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
+        return node_ids, len(connected)
+
     def sample(
         self, grid: Grid, connected: Iterable[int], fraction: float, least: int
     ) -> list[int]:

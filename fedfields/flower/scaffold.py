@@ -20,6 +20,7 @@ from fedfields.aggregate import (
 )
 from fedfields.aggregate.robust import update_norm
 from fedfields.aggregate.states import check_scalar
+from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -40,6 +41,21 @@ DEFAULT_MAX_CONTROL_NORM = 1e6
 """Cap on ||delta c_i||: a control variate estimates a mean gradient (at most about
 sqrt(d) for Adam-sized steps, under 1e4 for the fields here); 1e6 leaves room for any honest
 client and none for one that would scale every later gradient."""
+
+
+@dataclass(frozen=True)
+class ScaffoldSettings(StrategySettings):
+    """Scaffold's run-config keys."""
+
+    global_lr: float = setting(
+        1.0, "scaffold-global-lr", "Scaffold's server step size", NON_NEGATIVE
+    )
+    max_control_norm: float = setting(
+        DEFAULT_MAX_CONTROL_NORM,
+        "max-control-norm",
+        "Scaffold: a reply with ||delta c_i|| above it is dropped (0: no cap)",
+        NON_NEGATIVE,
+    )
 
 
 class Scaffold(ProtocolStrategy):
@@ -71,7 +87,7 @@ class Scaffold(ProtocolStrategy):
     strategy_name = "scaffold"
     delta_records = (ARRAYS,)
     cost_model = SCAFFOLD_COST
-    config_keys = {"scaffold-global-lr": "global_lr", "max-control-norm": "max_control_norm"}
+    settings_class = ScaffoldSettings
 
     def __init__(
         self,

@@ -1,14 +1,9 @@
 """ProtocolStrategy: Flower's FedAvg sampling and evaluation with the fedfields train protocol.
 
-A strategy is Flower glue and its paper's hooks: the constructor's options, node sampling among
-the connected nodes, the train config and the messages; each strategy module fills in
-`configure_train` and `aggregate` with its paper's equations (and `check_update` with its own
-reply checks). What a round does with its replies belongs to the round
-(`fedfields.flower.round`): `begin_round` samples and opens a `Round`, which owns the reply
-gate, the one sum (plaintext or SecAgg+), client-level DP (`round_privacy`) and the ledger
-(`round_ledger`), and ends in a `RoundOutcome`; `start` runs Flower's loop over such rounds
-(`round_loop`), resumable, stopping a run that cannot train or whose next round would exceed
-its privacy budget.
+A strategy is Flower glue and its paper's hooks (options, sampling, train config, messages;
+`configure_train`, `aggregate`, `check_update`); what a round does with its replies belongs to
+the `Round` that `begin_round` opens (`fedfields.flower.round`: gate -> sum -> privacy ->
+ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`).
 """
 
 from __future__ import annotations
@@ -16,29 +11,24 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping
-from logging import INFO, WARNING
-from typing import Any, ClassVar, Self, Unpack
+from logging import INFO
+from typing import Any, ClassVar
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 
 from fedfields.aggregate import FEDAVG_COST, CostModel
+from fedfields.flower.evaluation import FederatedEvaluation
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     DP_MIN_HOLDERS,
     LOCAL_STEPS,
     NUM_EXAMPLES,
-    SECURE_AGGREGATION,
-    SECURE_DELTA,
-    SECURE_WEIGHT,
     SERVER_ROUND,
     STRATEGY,
-    BadReply,
-    check_metrics,
     content_bytes,
     shapes_of,
 )
@@ -53,7 +43,7 @@ from fedfields.flower.strategy_options import (
     DEFAULT_MAX_EMPTY_ROUNDS,
     DEFAULT_MAX_NUM_EXAMPLES,
     DEFAULT_MAX_UPDATE_NORM,
-    StrategyOptions,
+    RunConfigured,
     check_local_steps,
     check_max_empty_rounds,
     optional_cap,
@@ -63,20 +53,14 @@ from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 
-class ProtocolStrategy(FlowerFedAvg):
+class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     """Flower FedAvg's sampling and evaluation with the fedfields train protocol.
 
     Subclasses set `strategy_name`, extend `protocol_config` and implement `configure_train`
-    (with `begin_round`, `train_config` and `messages`) and `aggregate` (through the `Round`'s
-    one sum). Constructor arguments (`StrategyOptions`) are documented on
-    `fedfields.flower.FedAvg`. With `secure_aggregation` set, replies are held back by the
-    clients and summed through Flower SecAgg+ only; otherwise each reply is checked and a bad
-    one dropped before it reaches the sum (`fedfields.flower.reply_gate`).
-
-    Nodes come and go: a round samples among the nodes connected now (the first round waits
-    up to `node_timeout` for `min_available_nodes`, every round for `min_train_nodes`, and
-    raises `InsufficientNodesError` only when fewer stay connected); an error reply (a node
-    that died, a ClientApp that raised) is logged and counted, never raised.
+    (`begin_round`, `train_config`, `messages`) and `aggregate` (through the `Round`'s one
+    sum); constructor arguments (`StrategyOptions`) are documented on `fedfields.flower.FedAvg`.
+    Nodes come and go: a round samples among those connected now (`NodeSampler`), and an error
+    reply (a node that died, a ClientApp that raised) is logged and counted, never raised.
     """
 
     strategy_name: ClassVar[str]
@@ -90,13 +74,6 @@ class ProtocolStrategy(FlowerFedAvg):
     alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
-    config_keys: ClassVar[dict[str, str]] = {
-        "max-num-examples": "max_num_examples",
-        "max-update-norm": "max_update_norm",
-        "max-empty-rounds": "max_empty_rounds",
-    }
-    """Flower run-config keys `from_config` reads, mapped to constructor arguments; the keys
-    of the base classes are read too (`own_config`)."""
 
     def __init__(
         self,
@@ -147,37 +124,18 @@ class ProtocolStrategy(FlowerFedAvg):
         self.rounds_started = 0
         self.rounds_aggregated = 0
         """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
-        self.privacy: RoundPrivacy | None = None
+        checks = (self.weight_metric, self.min_train_nodes)
+        self.privacy = RoundPrivacy.of_strategy(
+            differential_privacy, secure_aggregation, self.dp_sums_per_round, self.dp_delta_scale,
+            checks,
+        )  # fmt: skip
         """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
         accountant and why it stopped early; None without DP."""
-        if differential_privacy is not None and differential_privacy.enabled:
-            self.privacy = RoundPrivacy(
-                differential_privacy,
-                secure_aggregation,
-                self.dp_sums_per_round,
-                self.dp_delta_scale,
-            )
-            self.privacy.check_settings(self.weight_metric, self.min_train_nodes)
 
     @property
     def dp(self) -> DPConfig | None:
         """The DP settings; None without DP."""
         return None if self.privacy is None else self.privacy.config
-
-    @classmethod
-    def from_config(cls, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]) -> Self:
-        """The strategy with its own settings from a Flower run-config (`config_keys`, e.g.
-        "proximal-mu" for FedProx; absent keys keep the defaults) and the shared `options`."""
-        return cls(**cls.own_config(run_config), **options)
-
-    @classmethod
-    def own_config(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
-        """Constructor arguments from the run-config keys in `config_keys` of this class and
-        its bases (absent keys are left out, so they keep the defaults)."""
-        keys: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            keys.update(vars(klass).get("config_keys", {}))
-        return {arg: run_config[key] for key, arg in keys.items() if key in run_config}
 
     def summary(self) -> None:
         """Log the protocol settings, then Flower FedAvg's sampling summary."""
@@ -190,17 +148,12 @@ class ProtocolStrategy(FlowerFedAvg):
         if self.local_steps is not None:
             own[LOCAL_STEPS] = self.local_steps
         if self.secure_aggregation is not None:
-            own[SECURE_AGGREGATION] = True
-            if self.weight_metric and self.dp is None:
-                own[SECURE_WEIGHT] = self.weight_metric
-            deltas = self.delta_records
-            if self.privacy is not None:
-                deltas = self.privacy.deltas(deltas)
-            if deltas:
-                own[SECURE_DELTA] = list(deltas)
-            if self.privacy is not None:
-                own |= self.privacy.client_config()
+            own |= self.sum_rules().secure_config(self.privacy)
         return own
+
+    def sum_rules(self) -> SumRules:
+        """How this strategy's replies are summed (`weight_metric`, `delta_records`, ...)."""
+        return SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale)
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         """A copy of the user's `config` with the protocol entries; clashing values raise.
@@ -227,30 +180,21 @@ class ProtocolStrategy(FlowerFedAvg):
     def begin_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> Round:
         """Sample the round's nodes among those connected (`NodeSampler`: the first round waits
         for `min_available_nodes`, the others for `min_train_nodes`) and open its `Round`."""
-        node_ids: list[int] = []
-        connected = list(grid.get_node_ids())
-        if self.fraction_train != 0.0:
-            wanted = self.min_train_nodes
-            if self.rounds_started == 0:  # the federation assembling
-                wanted = max(self.min_available_nodes, self.min_train_nodes)
-            connected = self.sampler.connected(grid, wanted, self.min_train_nodes)
-            node_ids = self.sampler.sample(
-                grid, connected, self.fraction_train, self.min_train_nodes
-            )
-            log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
+        first = self.rounds_started == 0
+        wanted = max(self.min_available_nodes if first else 0, self.min_train_nodes)
+        node_ids, connected = self.sampler.round_nodes(
+            grid, self.fraction_train, self.min_train_nodes, wanted
+        )
         if node_ids and self.privacy is not None:
             num_params = sum(math.prod(array.shape) for array in arrays.values())
-            first = self.rounds_started == 0
-            self.privacy.before_round(
-                server_round, len(node_ids), len(connected), num_params, first
-            )
+            self.privacy.before_round(server_round, len(node_ids), connected, num_params, first)
         self.rounds_started += 1
-        ledger = TrainRound(server_round, node_ids, len(connected), shapes_of(arrays), {}, grid)
+        ledger = TrainRound(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
         gate = ReplyGate(self.max_num_examples, self.max_update_norm)
-        rules = SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale)
+        rules, secure = self.sum_rules(), self.secure_aggregation
         self.open_round = Round.open(
-            ledger, arrays, gate, self.check_update, rules, self.secure_aggregation, self.privacy
+            ledger, arrays, gate, self.check_update, rules, secure, self.privacy
         )
         return self.open_round
 
@@ -261,49 +205,11 @@ class ProtocolStrategy(FlowerFedAvg):
 
     def check_privacy_plan(self, first_round: int, num_rounds: int) -> float:
         """The epsilon a run of rounds `first_round`..`num_rounds` would spend at sampling rate
-        `fraction_train`, logged (`RoundPrivacy.check_plan`: ValueError naming
-        dp-target-epsilon beyond it). 0 without DP."""
+        `fraction_train` (`RoundPrivacy.check_plan`: ValueError naming dp-target-epsilon
+        beyond it). 0 without DP."""
         if self.privacy is None:
             return 0.0
-        planned = self.privacy.check_plan(first_round, num_rounds, self.fraction_train)
-        plan = f"q = fraction-train {self.fraction_train:g}, no dropouts"
-        log(INFO, "differential privacy: the plan (%s) spends epsilon %.4g at delta %g", plan,
-            planned, self.privacy.config.delta)  # fmt: skip
-        return planned
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Flower FedAvg's federated evaluation, sampling among the connected nodes only."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        node_ids = self.sampler.sample(
-            grid, grid.get_node_ids(), self.fraction_evaluate, self.min_evaluate_nodes
-        )
-        config[SERVER_ROUND] = server_round
-        content = RecordDict({ARRAYS: arrays, CONFIG: config})
-        return [
-            Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE)
-            for node_id in node_ids
-        ]
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Flower FedAvg's weighted metric mean over the replies without errors or
-        non-finite metrics (`check_metrics`)."""
-        kept = []
-        for reply in replies:
-            if reply.has_error():
-                log(WARNING, "evaluation reply failed and is left out: %s", reply.error.reason)
-                continue
-            try:
-                check_metrics(reply)
-            except BadReply as bad:
-                log(WARNING, "evaluation reply left out (check %r): %s", bad.check, bad)
-                continue
-            kept.append(reply)
-        return super().aggregate_evaluate(server_round, kept) if kept else None
+        return self.privacy.check_plan(first_round, num_rounds, self.fraction_train)
 
     def round_of(self, server_round: int) -> Round:
         """The open `Round` of `server_round`: aggregating needs configure_train first."""

@@ -7,8 +7,10 @@ The reply caps bound what one client can do to a round: `max_num_examples` its w
 from __future__ import annotations
 
 import math
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
+from fedfields.config.strategy_settings import StrategySettings
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -71,3 +73,46 @@ def check_local_steps(value: object, name: str) -> None:
     """Raise ValueError unless `value` is a positive int (bools excluded)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class RunConfigured:
+    """How a strategy is built from run-config: typed `settings` (the App's registry) or a
+    Flower run-config's keys (your own app)."""
+
+    settings_class: ClassVar[type[StrategySettings]] = StrategySettings
+    """The strategy's own run-config keys, typed (`fedfields.config.strategy_settings`)."""
+    shared_keys: ClassVar[dict[str, str]] = {
+        "max-num-examples": "max_num_examples",
+        "max-update-norm": "max_update_norm",
+        "max-empty-rounds": "max_empty_rounds",
+    }
+    """Run-config keys every strategy of this family takes (the App's schema keeps them in
+    its sections) -> constructor arguments; `from_config` reads those of the bases too."""
+
+    @classmethod
+    def from_settings(cls, settings: StrategySettings, **options: Unpack[StrategyOptions]) -> Self:
+        """The strategy with its typed run-config `settings` (an instance of
+        `settings_class`) and the shared `options`: what the App's registry builds."""
+        if not isinstance(settings, cls.settings_class):
+            raise TypeError(
+                f"{cls.__name__} takes {cls.settings_class.__name__}, got {type(settings).__name__}"
+            )
+        return cls(**settings.arguments(), **options)
+
+    @classmethod
+    def from_config(cls, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]) -> Self:
+        """The strategy with its own settings from a Flower run-config (`settings_class`'s
+        keys and `shared_keys`; absent keys keep the constructor's defaults) and the shared
+        `options`; ValueError naming a key that misspells one of them, or a bad value."""
+        cls.settings_class.refuse_misspelt(run_config)
+        return cls(**cls.settings_class.given(run_config), **cls.shared_config(run_config),
+                   **options)  # fmt: skip
+
+    @classmethod
+    def shared_config(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Constructor arguments from the run-config keys in `shared_keys` of this class and
+        its bases (absent keys are left out, so they keep the defaults)."""
+        keys: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            keys.update(vars(klass).get("shared_keys", {}))
+        return {arg: run_config[key] for key, arg in keys.items() if key in run_config}

@@ -30,7 +30,7 @@ from fedfields.train.builders import global_field, render_config
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.run import run_with_ray
-from strategies import strategy_class
+from strategies import parse_app_config, strategy_class
 
 VARIANTS = {
     "DecentNeRF": {"strategy": "decentnerf"},
@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = CrowdData.load(str(args.crowd), 1.0)
-    base = FederatedConfig.from_run_config(
+    base = parse_app_config(
         {
             "data-dir": str(args.crowd.resolve()),
             "simulation-audit": True,

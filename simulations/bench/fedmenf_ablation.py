@@ -38,6 +38,7 @@ from fedfields.train.builders import (
 from fedfields.train.meta import local_meta_update, privacy_metrics, test_time_optimise
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
+from strategies import parse_app_config
 
 OUT = APP_DIR / "runs" / "bench_fedmenf_ablation"  # results-<task>.json
 TTO_RECIPES = (("adam", 1e-4, 32), ("adam", 1e-3, 128), ("sgd", 0.005, 32))
@@ -59,7 +60,7 @@ def federate(
     run_config |= overrides or {}
     if learner == "fedmenf":
         run_config["gamma"] = gamma
-    config = FederatedConfig.from_run_config(run_config)
+    config = parse_app_config(run_config)
     settings = meta_settings(config)
     torch.manual_seed(config.common.seed)
     model = meta_model(config, settings).to(device)  # TTO and PSNR_p follow the model

@@ -32,12 +32,12 @@ from typing import Any
 from flwr.clientapp.typing import Mod
 from flwr.common.config import parse_config_args
 
-from fedfields.config import FederatedConfig, MetaSettings, meta_settings
+from fedfields.config import MetaSettings, meta_settings
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.planner import DataOptions, object_collection
 from simulations.run import run_with_ray
-from strategies import STRATEGIES
+from strategies import STRATEGIES, parse_app_config
 
 LEARNERS: dict[str, dict[str, Any]] = {
     "MAML": {"meta-learner": "maml"},
@@ -124,7 +124,7 @@ def run_one(
     `data-dir` is the clients' data root (`simulation_objects`). `mods` wrap the ClientApp
     (e.g. a benchmark's recorder).
     """
-    config = FederatedConfig.from_run_config({"task": task, **(overrides or {})})
+    config = parse_app_config({"task": task, **(overrides or {})})
     settings = meta_settings(config)  # one node per client, num-clients overridden or not
     run_dir = out / f"{time.strftime('%H%M%S')}-{task}-{strategy}-{learner.replace(' ', '_')}"
     run_config: dict[str, Any] = {

@@ -42,6 +42,7 @@ from fedfields.flower.protocol import arrays_to_state, checked_state, state_to_a
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.planner import launch_home, superlinks_with_home
+from strategies import parse_app_config
 
 CPUS = psutil.cpu_count(logical=True) or 1
 
@@ -245,10 +246,9 @@ def best_of(work: Any, repeats: int) -> float:
 
 def global_shapes(run_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The App's global field's shapes under `run_config` (the d of the aggregation)."""
-    from fedfields.config import FederatedConfig
     from fedfields.train.builders import global_field
 
-    field = global_field(FederatedConfig.from_run_config(run_config))
+    field = global_field(parse_app_config(run_config))
     return {key: tuple(value.shape) for key, value in field.state_dict().items()}
 
 

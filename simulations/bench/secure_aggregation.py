@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from torch import Tensor
 
-from fedfields.config import FederatedConfig, meta_settings
+from fedfields.config import meta_settings
 from fedfields.fields import HashGridField, HashGridFieldConfig
 from fedfields.fields.hashgrid import HashGridConfig
 from fedfields.flower import FedAvg
@@ -40,6 +40,7 @@ from fedfields.privacy.secure_sum import SecureAggregationConfig
 from fedfields.train.builders import meta_model
 from fedfields.train.federated import federated_state
 from simulations.bench.devices import add_cpu_only_device_argument
+from strategies import parse_app_config
 
 ROUNDS = 3
 NEIGHBOURS = 10
@@ -53,7 +54,7 @@ def model_state(model: str) -> dict[str, Tensor]:
         encoding = HashGridConfig(max_resolution=400, log2_hashmap_size=15)  # lego at 100x100
         field = HashGridField(HashGridFieldConfig(encoding=encoding, aabb=(-1.5,) * 3 + (1.5,) * 3))
         return federated_state(field)
-    config = FederatedConfig.from_run_config({"task": "faces"})
+    config = parse_app_config({"task": "faces"})
     return federated_state(meta_model(config, meta_settings(config)))
 
 
