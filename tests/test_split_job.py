@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -19,6 +18,7 @@ from fedfields.cli import main as fedfields_main
 from fedfields.config import FederatedConfig
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
+from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app, with_run_config
 from simulations.split_job import run_split_job
 from simulations.split_observer import split_observers

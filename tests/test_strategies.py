@@ -16,7 +16,6 @@ from typing import Unpack
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
@@ -78,6 +77,7 @@ from fedfields.flower.round import Round
 from fedfields.flower.sum_replies import RoundSum
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.in_process_grid import InProcessGrid
 
 State = dict[str, Tensor]
 F64 = torch.float64

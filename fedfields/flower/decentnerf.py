@@ -287,6 +287,13 @@ class DecentNeRFClient:
         """[[round, alpha_k], ...] of the rounds this user trained in."""
         return list(self._kept()["history"])
 
+    def keep_alpha(self, alpha: float) -> None:
+        """Start this user at alpha_k = `alpha` instead of 1 (before its first round): a fixed
+        weight when the server's alpha-lr is 0 (DecentNeRF(-L) with chosen weights)."""
+        if self.history:
+            raise ValueError("keep_alpha: this user has already trained; its alpha_k is its own")
+        self.state.put_values(ALPHA_STATE, {"alpha": float(alpha), "history": [], "uploaded": 0})
+
     def train_reply(
         self, msg: Message, local_state: Mapping[str, Tensor], metrics: Mapping[str, float]
     ) -> Message:
