@@ -55,10 +55,10 @@ DP_ALPHA_MARGIN = 3.0
 """Under DP the noised sum of alpha_k divides the payload's: a sum within this many noise stds
 (z C) of 0 forms no aggregate rather than amplifying the noise."""
 DEFAULT_MAX_GRADIENT_NORM = 1e4
-"""Largest ||G_k|| a plaintext gradient reply may have: honest users measured 0.9-1.2 at an
-untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
-up to 1/(2 beta_min^2)), and less once trained (docs/MODES.md); one oversized G_k would move
-every user's alpha."""
+"""Largest ||G_k|| a plaintext gradient reply may have: far above an honest user's, which grows
+as beta-min falls (the colour loss is weighted by up to 1/(2 beta_min^2)) and shrinks as the
+field trains (docs/MODES.md gives the norms measured); one oversized G_k would move every
+user's alpha."""
 
 
 class DecentNeRF(ProtocolStrategy):
