@@ -54,7 +54,7 @@ from fedfields.train.federated import loss_gradient as loss_gradient_of
 
 PERSONAL = "personal-field"
 OCCUPANCY = "occupancy"
-OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs ~5 local steps; the grid persists per node
+OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs several local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 CLIENT_EVAL = "client-eval-psnr"
 EVAL_OCCUPANCY_PASSES = 2  # grid refreshes from the received field before scoring it

@@ -22,16 +22,15 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import ProtocolStrategy
-from fedfields.flower.protocol import NUM_REPLIES, arrays_to_state
+from fedfields.flower.protocol import NUM_REPLIES
 from fedfields.flower.round import RoundOutcome
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
-from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.federated import federated_state
 from simulations.job import RoundJob, StrategyReport, run_strategy_job
 from simulations.observers import Observer
-from simulations.scene_observer import CrowdObserver
+from simulations.scene_observer import CrowdObserver, GlobalRenderer
 from strategies import make_strategy as make_registered_strategy
 
 
@@ -49,10 +48,11 @@ class RoundReport(StrategyReport):
         strategy: ProtocolStrategy,
         observers: list[Observer],
         num_parameters: int,
+        global_field: GlobalRenderer,
     ) -> None:
         super().__init__(config, run_dir, strategy, observers)
         self.num_parameters = num_parameters
-        self.renderer = FieldRenderer(config)
+        self.global_field = global_field
         self.eval_scene: Scene | None = None
         if config.common.eval_scene_dir:
             self.eval_scene = load_scene(
@@ -69,9 +69,9 @@ class RoundReport(StrategyReport):
             "downlink-bytes": float(cost.downlink_bytes),
         }
         if self.eval_scene is not None:
-            self.renderer.load(arrays_to_state(arrays))
+            renderer = self.global_field.at(outcome.server_round, arrays)
             views = range(min(len(self.eval_scene), self.config.scene.eval_views_per_round))
-            metrics["eval-scene-psnr"] = self.renderer.score_scene(self.eval_scene, views)[0]
+            metrics["eval-scene-psnr"] = renderer.score_scene(self.eval_scene, views)[0]
         return metrics
 
     def headline(self, metrics: dict[str, Any]) -> str:
@@ -91,22 +91,22 @@ class RoundReport(StrategyReport):
 
     def final_scores(self, arrays: ArrayRecord) -> dict[str, Any]:
         """Checkpoint and orbit of the global field; its scores on the public scene."""
-        self.renderer.load(arrays_to_state(arrays))
+        renderer = self.global_field.at("final", arrays)
         final: dict[str, Any] = {}
         if self.eval_scene is not None:
             scene = self.eval_scene
-            final["eval-scene-psnr"], final["eval-scene-ssim"] = self.renderer.score_scene(
+            final["eval-scene-psnr"], final["eval-scene-ssim"] = renderer.score_scene(
                 scene, range(len(scene))
             )
         metadata = {"strategy": self.config.strategy_name}
         save_checkpoint(
             self.run_dir / "checkpoint.pt",
-            self.renderer.field,
+            renderer.field,
             render_config(self.config, self.eval_scene),
-            self.renderer.occupancy,
+            renderer.occupancy,
             metadata,
         )
-        write_gif(self.run_dir / ORBIT_FILE, self.renderer.orbit())
+        write_gif(self.run_dir / ORBIT_FILE, renderer.orbit())
         return final
 
 
@@ -136,13 +136,15 @@ def run_federated_nerf(grid: Grid, config: FederatedConfig, observe: bool | None
     if observe is None:
         observe = config.deployment.simulation_audit
     crowd = CrowdData.load(config.deployment.data_dir, config.common.downscale) if observe else None
+    renders: list[GlobalRenderer] = []  # the run's one, built after the job seeds torch
 
     def observers(run_dir: Path) -> list[Observer]:
-        return [] if crowd is None else [CrowdObserver(config, crowd, run_dir)]
+        renders.append(GlobalRenderer(config))
+        return [] if crowd is None else [CrowdObserver(config, crowd, run_dir, renders[0])]
 
     def report(run_dir: Path, audits: list[Observer], initial: dict[str, Tensor]) -> RoundReport:
         num_parameters = sum(tensor.numel() for tensor in initial.values())
-        return RoundReport(config, run_dir, job.strategy, audits, num_parameters)
+        return RoundReport(config, run_dir, job.strategy, audits, num_parameters, renders[0])
 
     job = RoundJob(
         strategy=make_strategy(config),  # an unknown strategy fails before anything is written

@@ -43,6 +43,22 @@ from fedfields.train.evaluation import FieldRenderer
 from simulations.observers import ReplyTap, plaintext_uploads, train_replies
 
 
+class GlobalRenderer:
+    """The global field's one `FieldRenderer` in a scene job, shared by the report and the
+    observers: loaded (its occupancy grid rebuilt) once per round and once at the end."""
+
+    def __init__(self, config: FederatedConfig) -> None:
+        self.renderer = FieldRenderer(config)
+        self.loaded: int | str | None = None
+
+    def at(self, moment: int | str, arrays: ArrayRecord) -> FieldRenderer:
+        """The renderer holding `arrays`, the global field at `moment` (a round, or "final")."""
+        if moment != self.loaded:
+            self.renderer.load(arrays_to_state(arrays))
+            self.loaded = moment
+        return self.renderer
+
+
 def audit_dir(run_dir: Path) -> Path:
     """Where a secure run's per-user audit output goes: `<run-dir>.audit/`, outside it."""
     return run_dir.with_name(run_dir.name + ".audit")
@@ -55,12 +71,16 @@ class CrowdObserver:
     `audit_dir(run_dir)` with secure aggregation on (module docstring).
     """
 
-    def __init__(self, config: FederatedConfig, data: CrowdData, run_dir: Path) -> None:
+    def __init__(
+        self, config: FederatedConfig, data: CrowdData, run_dir: Path, global_field: GlobalRenderer
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.per_user_dir = audit_dir(run_dir) if config.secure.secure_aggregation else run_dir
         self.data = data
-        self.renderer = FieldRenderer(config)
+        self.global_field = global_field
+        self.uploads_renderer = FieldRenderer(config)
+        """Renders each user's readable upload (a field of its own, loaded once each)."""
         self.replies: list[Message] = []
 
     def wrap_grid(self, grid: Grid) -> Grid:
@@ -92,31 +112,31 @@ class CrowdObserver:
         if uploads:
             leaks = []
             for user, state in uploads:
-                self.renderer.load(state)
-                image = self.renderer(self.data.users[user].scene, 0)
+                self.uploads_renderer.load(state)
+                image = self.uploads_renderer(self.data.users[user].scene, 0)
                 crowd_user = self.data.users[user]
                 leaks.append(psnr(image, crowd_user.scene.images[0], crowd_user.personal_masks[0]))
             metrics[UPLOAD_LEAK] = float(np.mean(leaks))
-        self.renderer.load(arrays_to_state(arrays))
+        renderer = self.global_field.at(server_round, arrays)
         count = self.config.scene.eval_views_per_round
         every = max(1, len(self.data.users) // max(1, count))
-        metrics |= score_crowd(self.renderer, self.data.users[::every][:count], views=[0])
+        metrics |= score_crowd(renderer, self.data.users[::every][:count], views=[0])
         if self.data.heldout is not None:
             views = range(min(len(self.data.heldout), count))
-            metrics["heldout-psnr"] = self.renderer.score_scene(self.data.heldout, views)[0]
+            metrics["heldout-psnr"] = renderer.score_scene(self.data.heldout, views)[0]
         return metrics
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Every view scored, renders, alphas (in `per_user_dir`) and leakage plots; the
         final scores."""
-        self.renderer.load(arrays_to_state(arrays))
-        final = score_crowd(self.renderer, self.data.users, views=None)
+        renderer = self.global_field.at("final", arrays)
+        final = score_crowd(renderer, self.data.users, views=None)
         if self.data.heldout is not None:
             heldout = self.data.heldout
-            heldout_psnr, heldout_ssim = self.renderer.score_scene(heldout, range(len(heldout)))
+            heldout_psnr, heldout_ssim = renderer.score_scene(heldout, range(len(heldout)))
             final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
         self.per_user_dir.mkdir(parents=True, exist_ok=True)
-        self._write_renders()
+        self._write_renders(renderer)
         alphas = node_alphas(self.config.deployment.state_dir)
         if alphas:
             atomic.write_json_lines(self.per_user_dir / "alphas.jsonl", alphas)
@@ -124,12 +144,13 @@ class CrowdObserver:
         plot_leakage(self.run_dir / "leakage.png", history)
         return {"final": final}
 
-    def _write_renders(self) -> None:
-        """Per user: clean ground truth | server render | the user's photo, masks outlined."""
+    def _write_renders(self, renderer: FieldRenderer) -> None:
+        """Per user: clean ground truth | `renderer`'s field (the server's) | the user's photo,
+        masks outlined."""
         out = self.per_user_dir / "renders"
         out.mkdir(exist_ok=True)
         for index, user in enumerate(self.data.users):
-            render = self.renderer(user.scene, 0)
+            render = renderer(user.scene, 0)
             photo = user.scene.images[0].clone()
             photo[_outline(user.personal_masks[0])] = torch.tensor([1.0, 0.0, 1.0])
             strip = torch.cat([user.clean_images[0], render, photo], dim=1).numpy()

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from flower_harness import set_task_identity
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.privacy import dp
+from simulations.in_process_grid import set_task_identity
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 HULL_RESOLUTION = 48

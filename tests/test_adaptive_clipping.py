@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ConfigRecord
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClipping
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
@@ -31,6 +30,7 @@ from fedfields.privacy.adaptive_clipping import (
 )
 from fedfields.privacy.dp import DPConfig, noise_generator
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
 
 F64 = torch.float64

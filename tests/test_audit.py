@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from PIL import Image
 
 from fedfields.cli import main as fedfields_main
@@ -31,6 +30,7 @@ from fedfields.train.builders import (
 from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.meta import privacy_metrics
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.split_job import run_split_job

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from dp_reference import flower_epsilons
-from flower_harness import set_task_identity
 from flwr.app import Context, Message, MessageType, RecordDict
 from PIL import Image
 
 from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower.protocol import ARRAYS, state_to_arrays
 from simulations.bench.dp import METHODS, NORMS_FILE, Setup, UpdateNorms, failed_row, parse_args
+from simulations.in_process_grid import set_task_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS, PER_ROUND = 5, 2

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from flower_harness import InProcessGrid, NodeHandler
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from test_meta_job import tiny as tiny_meta
 
@@ -42,6 +41,7 @@ from fedfields.flower.protocol import (
 from fedfields.privacy import split_field
 from fedfields.train.builders import global_field, joint_field, meta_model
 from fedfields.train.federated import federated_state
+from simulations.in_process_grid import InProcessGrid, NodeHandler
 from strategies import parse_app_config
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"

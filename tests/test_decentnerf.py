@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from flower_harness import set_task_identity
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from test_federated_training import RENDER, composite_mse, make_global, scene  # noqa: F401
 
@@ -27,6 +26,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.train import federated_state, load_federated_state, loss_gradient
 from fedfields.train.nerfw import nerfw_loss
+from simulations.in_process_grid import set_task_identity
 
 
 def test_nerfw_loss_matches_a_hand_computation() -> None:

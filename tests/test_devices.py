@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Context, RecordDict
 
 import clients.meta_client as meta_client
@@ -38,6 +37,7 @@ from fedfields.train.federated import (
 )
 from simulations import APP_DIR
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.split_job import run_split_job

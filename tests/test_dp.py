@@ -471,11 +471,11 @@ def test_the_noise_ratio_is_the_noise_norm_on_the_mean_over_the_clip_norm() -> N
 
 def one_dp_round(max_noise_ratio: float, params: int, clients: int) -> FedAvg:
     """A central-DP FedAvg round over `clients` nodes on a model of `params` entries."""
-    from flower_harness import InProcessGrid
     from flwr.app import ConfigRecord
     from test_reply_faults import node
 
     from fedfields.flower.protocol import ARRAYS, NUM_EXAMPLES, state_to_arrays
+    from simulations.in_process_grid import InProcessGrid
 
     state = {"w": torch.zeros(params, dtype=torch.float64)}
     grid = InProcessGrid([node({ARRAYS: state}, {NUM_EXAMPLES: 1.0})] * clients)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from dp_reference import flower_epsilons
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
@@ -76,6 +75,7 @@ from fedfields.flower.secure_aggregation import (
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.dp import DPConfig, distributed_noise_std, noise_generator, update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError
+from simulations.in_process_grid import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]
 State = dict[str, Tensor]

@@ -10,7 +10,6 @@ from pathlib import Path
 import imageio.v3 as iio
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord
 
 from clients.scene_client import PERSONAL
@@ -22,6 +21,7 @@ from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.render.orbit import ORBIT_FILE
 from fedfields.report import REPORT_FILE
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app, run_with_ray
 from strategies import parse_app_config
 

@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from test_reply_faults import (
     HONEST,
@@ -48,6 +47,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.round_ledger import weighted_mean
+from simulations.in_process_grid import InProcessGrid
 
 F32 = torch.float32
 NO_CAPS = {"max_update_norm": 0, "max_num_examples": 0}

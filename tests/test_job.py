@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flower_harness import InProcessGrid
 from flwr.app import Context, Message, RecordDict
 from test_federated_nerf import tiny as tiny_scene
 from test_meta_job import tiny as tiny_meta
@@ -20,6 +19,7 @@ from test_split_job import tiny as tiny_split
 
 from fedfields.config import FederatedConfig
 from simulations import server_app
+from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app
 
 

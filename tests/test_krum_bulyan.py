@@ -7,7 +7,6 @@ import logging
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import strategy as flower_strategy
 from test_reply_faults import max_distance, node
@@ -28,6 +27,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
 
 State = dict[str, torch.Tensor]

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -44,6 +43,7 @@ from fedfields.train.builders import (
     meta_model,
     tto_schedule,
 )
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.meta_observer import meta_observers
 from simulations.observers import Observer

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flower_harness import InProcessGrid, set_task_identity
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
@@ -24,6 +23,7 @@ from fedfields.flower.protocol import NUM_FAILURES, NUM_REPLIES, arrays_to_state
 from fedfields.flower.sampling import InsufficientNodesError
 from fedfields.train.builders import global_field
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.run import client_app
 from strategies import parse_app_config
 

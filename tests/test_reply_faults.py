@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid, set_task_identity
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from scipy import stats
@@ -74,6 +73,7 @@ from fedfields.flower.user_keys import (
     answer_user_key,
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.split_job import run_split_job
 from strategies import parse_app_config
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Message
 from test_federated_nerf import tiny
 from test_meta_job import tiny as tiny_meta
@@ -27,6 +26,7 @@ from fedfields.flower.resume import (
     resumed_history,
 )
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from strategies import parse_app_config

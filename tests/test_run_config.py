@@ -340,8 +340,7 @@ def test_each_strategy_key_is_read_only_by_the_strategies_declaring_it() -> None
 
 def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
     """clients-per-round 2 of video's 6 with min-train-nodes 4: the round trains 4 clients."""
-    from flower_harness import InProcessGrid
-
+    from simulations.in_process_grid import InProcessGrid
     from simulations.meta_job import run_meta_job
     from simulations.run import client_app
 
@@ -365,8 +364,7 @@ def test_the_meta_job_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
 def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
     """3 of 6 clients connected: with min-available-nodes 3 the round starts at once; left
     at 0 it waits round-timeout for all 6, then goes on with the 3."""
-    from flower_harness import InProcessGrid
-
+    from simulations.in_process_grid import InProcessGrid
     from simulations.meta_job import make_meta_strategy
 
     grid = InProcessGrid([lambda message, context: message] * 3)

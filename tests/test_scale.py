@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.train import load_checkpoint
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.planner import replicated_crowd
 from simulations.run import client_app
 from strategies import parse_app_config

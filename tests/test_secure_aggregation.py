@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -55,6 +54,7 @@ from fedfields.privacy.secure_sum import (
     scaled_vectors,
     scales_from_histograms,
 )
+from simulations.in_process_grid import InProcessGrid
 
 SECURE = SecureAggregationConfig()
 ALPHAS = (0.3172, 0.8413, 1.2718, 0.5561, 0.9034)

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
@@ -76,6 +75,7 @@ from fedfields.privacy.secure_sum import (
 from fedfields.report import CURVE_ORDER, REPORT_FILE
 from fedfields.train.builders import client_meta_tasks
 from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from simulations.scene_observer import audit_dir

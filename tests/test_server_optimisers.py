@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import strategy as flower_strategy
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
@@ -21,6 +20,7 @@ from fedfields.aggregate.fedavgm import fedavgm_update
 from fedfields.aggregate.fedopt import AdaptiveStep, adam_moment, adaptive_update
 from fedfields.flower import FedAdagrad, FedAdam, FedAvgM, FedYogi, ProtocolStrategy
 from fedfields.flower.protocol import LOCAL_STEPS, STRATEGY, arrays_to_state, state_to_arrays
+from simulations.in_process_grid import InProcessGrid
 from strategies import make_strategy, parse_app_config
 
 SAMPLING = {"fraction_train": 1.0, "fraction_evaluate": 0.0, "min_available_nodes": 3}

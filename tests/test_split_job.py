@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -18,6 +17,7 @@ from clients.split_client import client_views, scene_dir, split_defence
 from fedfields.cli import main as fedfields_main
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import GRADIENT, SAMPLES, arrays_to_state
+from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app, with_run_config
 from simulations.split_job import run_split_job
 from simulations.split_observer import split_observers

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
@@ -76,6 +75,7 @@ from fedfields.flower.round import Round
 from fedfields.flower.sum_replies import RoundSum
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
 
 State = dict[str, Tensor]

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flower_harness import InProcessGrid
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import (
     IMAGES,
@@ -42,6 +41,7 @@ from fedfields.tracking import (
     image_files,
     image_tag,
 )
+from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.run import client_app
 from strategies import parse_app_config

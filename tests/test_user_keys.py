@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from flower_harness import InProcessGrid
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
@@ -28,6 +27,7 @@ from fedfields.flower.user_keys import (
     natural_order,
     user_key,
 )
+from simulations.in_process_grid import InProcessGrid
 
 
 def context(node_config: dict) -> Context:

@@ -74,8 +74,8 @@ class RunningSum:
 
     What a server needs to aggregate replies as they arrive: memory is one float64 copy of
     the model whatever the number of states. Accumulating in float64 (not float32, which is
-    about 2x faster) keeps the result independent of the order replies arrive in, so a
-    seeded run repeats exactly; `sum()` / `mean()` equal `state_sum` /
+    faster: docs/BENCHMARKS.md) keeps the result independent of the order replies arrive in,
+    so a seeded run repeats exactly; `sum()` / `mean()` equal `state_sum` /
     `fedfields.aggregate.weighted_mean` and hand back each key's input dtype.
     """
 

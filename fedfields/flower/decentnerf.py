@@ -57,10 +57,10 @@ DP_ALPHA_MARGIN = 3.0
 """Under DP the noised sum of alpha_k divides the payload's: a sum within this many noise stds
 (z C) of 0 forms no aggregate rather than amplifying the noise."""
 DEFAULT_MAX_GRADIENT_NORM = 1e4
-"""Largest ||G_k|| a plaintext gradient reply may have: honest users measured 0.9-1.2 at an
-untrained field with beta-min 0.3 and 53-62 with NeRF-W's 0.03 (the colour loss is weighted by
-up to 1/(2 beta_min^2)), and less once trained (docs/MODES.md); one oversized G_k would move
-every user's alpha."""
+"""Largest ||G_k|| a plaintext gradient reply may have: far above an honest user's, which grows
+as beta-min falls (the colour loss is weighted by up to 1/(2 beta_min^2)) and shrinks as the
+field trains (docs/MODES.md gives the norms measured); one oversized G_k would move every
+user's alpha."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +308,13 @@ class DecentNeRFClient:
     def history(self) -> list[list[float]]:
         """[[round, alpha_k], ...] of the rounds this user trained in."""
         return list(self._kept()["history"])
+
+    def keep_alpha(self, alpha: float) -> None:
+        """Start this user at alpha_k = `alpha` instead of 1 (before its first round): a fixed
+        weight when the server's alpha-lr is 0 (DecentNeRF(-L) with chosen weights)."""
+        if self.history:
+            raise ValueError("keep_alpha: this user has already trained; its alpha_k is its own")
+        self.state.put_values(ALPHA_STATE, {"alpha": float(alpha), "history": [], "uploaded": 0})
 
     def train_reply(
         self, msg: Message, local_state: Mapping[str, Tensor], metrics: Mapping[str, float]

@@ -51,8 +51,8 @@ class FedNova(FedAvg):
     took). Clients that trained longer do not pull x further; equal steps give FedAvg.
     Not available with secure aggregation (the server needs each client's tau_i and y_i),
     nor with a robust `aggregation_rule`. A reply whose "train-steps" lies outside
-    [1, "local-steps" sent] (tau_i scales the step: 1e6 steps against 1 sent moved the
-    global by 6.6e3), or failing FedAvg's checks, is dropped.
+    [1, "local-steps" sent] (tau_i scales the step, so an inflated count would move the
+    global arbitrarily far; docs/BENCHMARKS.md), or failing FedAvg's checks, is dropped.
     """
 
     strategy_name = "fednova"

@@ -128,7 +128,7 @@ class OccupancyGrid:
 
         Samples are not pruned by the grid's own transmittance estimate: the grid holds each
         cell's maximum density, so partly filled boundary cells look solid and pruning behind
-        them cost 4-5 dB on held-out lego views (docs/BENCHMARKS.md).
+        them cost accuracy on held-out lego views (docs/BENCHMARKS.md, "Defaults, as measured").
         The grid moves to the rays' device first, so a grid kept elsewhere still marches.
         `max_length`, a host-known bound on t_far - t_near (min(far - near, box diagonal) for
         unit directions), fixes the step count without reading the batch; None reads it.

@@ -19,13 +19,13 @@ norm C of a method is the median L2 norm of its clients' updates in its z = 0 ru
 a client mod (what DP-FedAvg clips: y_k - g, DecentNeRF's alpha_k (g_k - g) with alpha_k
 itself); clipping at the median is the target of adaptive clipping (Andrew et al. 2021, the
 default quantile of Flower's adaptive-clipping wrappers). DecentNeRF's z = 0 run is therefore
-plaintext; without secure aggregation its aggregate is the one SecAgg+ would release (issue 33
-measured them within 0.003 dB). `--clip-norm` gives C instead. Writes dp.md (the table),
-dp.json (the rows) and dp.png (utility against leakage, each point labelled with z, epsilon
-and the MIA accuracy) under `--out`; the runs go to `--out`/runs. The replies column counts the
-successful train replies of all rounds: 0 means every round timed out and the initial field
-was scored. `--report DIR ...` merges earlier outputs (e.g. one process per method) into one
-table and figure.
+plaintext; without secure aggregation its aggregate is the one SecAgg+ would release
+(docs/experiments/2026-11-26-secure-twins.md compares the two). `--clip-norm` gives C
+instead. Writes dp.md (the table), dp.json (the rows) and dp.png (utility against leakage,
+each point labelled with z, epsilon and the MIA accuracy) under `--out`; the runs go to
+`--out`/runs. The replies column counts the successful train replies of all rounds: 0 means
+every round timed out and the initial field was scored. `--report DIR ...` merges earlier
+outputs (e.g. one process per method) into one table and figure.
 
     python -m simulations.bench.dp --users 4 --rounds 2 --clients 10 \
         --scene-run-config "local-steps=16 min-train-nodes=3 max-empty-rounds=0" \

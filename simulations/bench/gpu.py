@@ -5,14 +5,15 @@ per hash-grid backend (torch, triton, tcnn; one that cannot run says why), with 
 rays/s and PSNR on --eval-views held-out views; (b) one user's one-epoch FedNeRF local
 round (novel_blender's in-process path) on the GPU and on --cpu-threads CPU threads (2: a
 2-core machine); (c) one --users Novel Blender round of FedNeRF, DecentNeRF(-L) and
-DecentNeRF (novel_blender.run_federated; the last of --rounds is timed, so DecentNeRF's
-gradient query counts); (d) peak GPU memory per part. (a), (b)'s GPU round and (c) run once
-per --step-modes (issue 44: dynamic, static, cuda-graph; default dynamic and cuda-graph on
-CUDA, dynamic elsewhere), the federated ones through LocalTrainConfig.step_mode, the
-run-config's `cuda-graph`; DecentNeRF's personal field has the dynamic step only. The
-targets follow as ratios of this run's own figures, each met or missed, per step mode;
---profile writes torch.profiler tables of a few steps per path under --out/profile/.
-Imports neither Flower nor Ray.
+DecentNeRF (novel_blender_federation.run_federated, through fedfields.flower's strategies
+in process; the last of --rounds is timed, so DecentNeRF's gradient query counts); (d) peak
+GPU memory per part. (a), (b)'s GPU round and (c) run once per --step-modes (issue 44:
+dynamic, static, cuda-graph; default dynamic and cuda-graph on CUDA, dynamic elsewhere), the
+federated ones through LocalTrainConfig.step_mode, the run-config's `cuda-graph`;
+DecentNeRF's personal field has the dynamic step only. The targets follow as ratios of this
+run's own figures, each met or missed, per step mode; --profile writes torch.profiler tables
+of a few steps per path under --out/profile/. (a), (b) and (d) import neither Flower nor Ray;
+(c) needs Flower (not Ray), and where it is absent its rows say so.
 
 The prepared device call (one H100; the repo's working tree travels, data/lego with it;
 build the 100x100 crowd here first, 4.6 MB, and carry it):
@@ -323,10 +324,13 @@ def federated_round(
     """--rounds rounds of `method` with every user in step mode `mode`; the last round's
     seconds (local training, DecentNeRF's gradient query, aggregation and the bench's
     per-round scoring)."""
+    # Imported here: the federation runs through Flower, which the other parts do without.
+    from simulations.bench.novel_blender_federation import run_federated
+
     config, settings = federation(options, options.rounds, mode)
     reset_peak(device)
     with timed(device):
-        result = novel_blender.run_federated(method, data, config, settings)
+        result = run_federated(method, data, config, settings)
     ends = [0.0] + [record["seconds"] for record in result["history"]]
     return {
         "round_seconds": ends[-1] - ends[-2],

@@ -3,10 +3,10 @@
 Side by side on one crowd, every user every round, about one epoch of local rays per round:
 centralised NeRF-W on all photos; FedNeRF (FedAvg over global-only fields); DecentNeRF(-L)
 (global + personal fields, NeRF-W loss, FedAvg weights); DecentNeRF (learned alpha, exact
-gradient through the normalised aggregation). The federation runs in this process with the
-library's client and server maths (`local_train`, `loss_gradient`, `alpha_update`,
-`alpha_weighted_payload`, `decentnerf_aggregate`): the same code the Flower App runs,
-without Ray's per-message overhead, so one method's 30 rounds fit a CPU budget.
+gradient through the normalised aggregation). The federation runs in this process through the
+library's strategies and their round (`simulations.bench.novel_blender_federation`: FedAvg and
+DecentNeRF over an in-process grid): the code the Flower App runs, without Ray's per-message
+overhead, so one method's 30 rounds fit a CPU budget.
 
 Leakage is scored on what the server can read (paper Fig. 7a): each user's uploaded global
 field for FedNeRF (plaintext), the securely aggregated field for DecentNeRF, both inside the
@@ -35,14 +35,6 @@ from PIL import Image
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from fedfields.aggregate import (
-    DECENTNERF_COST,
-    FEDAVG_COST,
-    alpha_update,
-    alpha_weighted_payload,
-    decentnerf_aggregate,
-    state_sum,
-)
 from fedfields.config import FederatedConfig
 from fedfields.config.schema import SceneSection
 from fedfields.data import Scene
@@ -52,14 +44,13 @@ from fedfields.fields.encodings import HashGridConfig
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
 from fedfields.metrics import psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
-from fedfields.train.builders import global_field
+from fedfields.train.builders import client_seed, global_field
 from fedfields.train.builders import render_config as default_render_config
 from fedfields.train.federated import (
     LocalTrainConfig,
     federated_state,
     load_federated_state,
     local_train,
-    loss_gradient,
 )
 from fedfields.train.static_step import StepMode
 from simulations.bench.devices import add_device_argument
@@ -124,22 +115,10 @@ class Settings:
             target_samples=self.target_samples,
             personal_density_weight=self.transient_density_weight if personal else 0.0,
             beta_min=self.beta_min,
-            seed=self.seed * 100_003 + round_ * 1009 + user,
+            seed=client_seed(self.seed, user, round_),
             device=self.device,
             step_mode=self.step_mode,
         )
-
-
-@dataclass
-class UserState:
-    """What a user's device keeps between rounds (never sent): personal field, occupancy grid,
-    alpha and the last upload, for Eq. 2."""
-
-    personal: PersonalField | None
-    occupancy: OccupancyGrid
-    alpha: float = 1.0
-    previous: dict[str, Tensor] | None = None
-    alphas: list[float] = field(default_factory=list)
 
 
 def eval_views(data: CrowdData) -> list[tuple[int, int]]:
@@ -194,126 +173,6 @@ def score_server_field(
         "clean-ssim": ssim(torch.stack(renders), torch.stack(cleans)),
         "personal-psnr": float(np.mean(personal)),
         "personal-floor": float(np.mean(floors)),
-    }
-
-
-def run_federated(
-    method: str, data: CrowdData, config: FederatedConfig, settings: Settings
-) -> dict[str, Any]:
-    """One federated method for `settings.rounds` rounds with every user; history and scores."""
-    personal_fields = method != "fednerf"
-    learned = method == "decentnerf"
-    torch.manual_seed(settings.seed)
-    model = global_field(config)
-    aggregate = federated_state(model)
-    users = [
-        UserState(
-            personal=personal_field(len(user.scene), model.aabb) if personal_fields else None,
-            occupancy=OccupancyGrid(model.aabb),
-        )
-        for user in data.users
-    ]
-    if method == "decentnerf-l" and settings.fixed_alphas is not None:
-        for state, alpha in zip(users, settings.fixed_alphas, strict=True):
-            state.alpha = alpha
-    per_round_views = eval_views(data)
-    history: list[dict[str, Any]] = []
-    alpha_sum: float | None = None
-    started = time.perf_counter()
-    train_seconds = 0.0
-    for round_ in tqdm(range(1, settings.rounds + 1), desc=method):
-        record: dict[str, Any] = {"round": round_}
-        if learned and round_ >= 2 and alpha_sum is not None:
-            load_federated_state(model, aggregate)
-            gradients = [
-                loss_gradient(
-                    model,
-                    user.scene,
-                    render_config(config, user.scene),
-                    state.occupancy,
-                    state.personal,
-                    settings.gradient_rays,
-                    seed=round_,
-                    beta_min=settings.beta_min,
-                    device=settings.device,
-                )  # fmt: skip
-                for user, state in zip(data.users, users, strict=True)
-            ]
-            gradient_sum = state_sum(gradients)
-            for state in users:
-                if state.previous is not None:
-                    state.alpha = alpha_update(state.alpha, gradient_sum, state.previous,
-                                               settings.alpha_lr, aggregate, alpha_sum)  # fmt: skip
-        payloads, upload_leak, own_global, own_personal = [], [], [], []
-        for index, (user, state) in enumerate(zip(data.users, users, strict=True)):
-            load_federated_state(model, aggregate)
-            tick = time.perf_counter()
-            local_train(model, user.scene, settings.local(round_, index, personal_fields),
-                        render_config(config, user.scene), state.occupancy,
-                        personal_field=state.personal)  # fmt: skip
-            train_seconds += time.perf_counter() - tick
-            upload = federated_state(model)
-            state.previous = upload
-            state.alphas.append(state.alpha)
-            payloads.append(alpha_weighted_payload(upload, state.alpha))
-            view = per_round_views[index][1]
-            model.eval()
-            if not personal_fields:  # FedNeRF: the server reads this upload in plaintext
-                upload_leak.append(
-                    personal_psnr(
-                        render(model, user.scene, view, config, state.occupancy), user, view
-                    )
-                )
-            else:  # Fig. 7b: the user's own fields, each alone
-                own_global.append(
-                    personal_psnr(
-                        render(model, user.scene, view, config, state.occupancy), user, view
-                    )
-                )
-                own_personal.append(
-                    personal_psnr(
-                        render(state.personal, user.scene, view, config, state.occupancy),
-                        user,
-                        view,
-                    )  # fmt: skip
-                )
-            model.train()
-        summed = state_sum(payloads)
-        alpha_sum = float(sum(state.alpha for state in users))
-        aggregate = decentnerf_aggregate(summed)
-        load_federated_state(model, aggregate)
-        model.eval()
-        record.update(score_server_field(model, data, config, per_round_views))
-        model.train()
-        if upload_leak:
-            record["upload-personal-psnr"] = float(np.mean(upload_leak))
-            record["upload-personal-psnr-max-user"] = float(np.max(upload_leak))
-        if own_global:
-            record["own-global-personal-psnr"] = float(np.mean(own_global))
-            record["own-personal-personal-psnr"] = float(np.mean(own_personal))
-        record["alphas"] = [state.alpha for state in users]
-        record["seconds"] = time.perf_counter() - started
-        history.append(record)
-        tqdm.write(json.dumps({k: v for k, v in record.items() if k != "alphas"}))
-    wall = time.perf_counter() - started
-    load_federated_state(model, aggregate)
-    model.eval()
-    final = score_server_field(model, data, config, None)
-    cost = (DECENTNERF_COST if learned else FEDAVG_COST).round_cost(
-        sum(t.numel() for t in aggregate.values()), len(data.users)
-    )
-    rays = sum(user.scene.images.shape[:3].numel() for user in data.users)
-    return {
-        "method": method,
-        "history": history,
-        "final": final,
-        "wall-seconds": wall,
-        "train-seconds": train_seconds,
-        "rays-per-second": rays * settings.epochs * settings.rounds / max(train_seconds, 1e-9),
-        "server-flops-per-round": cost.server_flops,
-        "bytes-per-round": cost.uplink_bytes + cost.downlink_bytes,
-        "alphas": [state.alphas for state in users],
-        "state": aggregate,
     }
 
 
@@ -467,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="DecentNeRF(-L) with this fixed weight on the heavily occluded users (others 1; "
-        "0 leaves them out): the weighting learned alpha would have to find (Fig. 4)",
+        "0 gives them the least weight a DecentNeRF server takes, alpha-max x 1e-6): the "
+        "weighting learned alpha would have to find (Fig. 4)",
     )
     parser.add_argument(
         "--step-scale", type=float, default=2.0, help="marching step x the App's (2: 50x50 views)"
@@ -516,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     data = CrowdData.load(str(args.crowd), args.downscale)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
+    # Imported here: the federation runs through Flower, which the rest of this module (and
+    # simulations.bench.gpu's centralised rows, run where Flower is absent) does without.
+    from simulations.bench.novel_blender_federation import run_federated
+
     for method in args.methods:
         if method == "centralised":
             result = run_centralised(data, config, settings)
@@ -577,4 +441,8 @@ def parse_run_config(text: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # The importable module's main: run as __main__, this file would be a second copy whose
+    # STEP_SCALE the federation (which imports simulations.bench.novel_blender) never sees.
+    from simulations.bench.novel_blender import main as bench_main
+
+    raise SystemExit(bench_main())

@@ -1,4 +1,5 @@
-"""In-process Flower Grid for tests: messages go straight to each node's handler, no Ray.
+"""In-process Flower Grid for the tests and the in-process benchmarks (the Novel Blender bench):
+messages go straight to each node's handler, no Ray.
 
 Every node is a `flwr.clientapp.ClientApp` (Flower's own dispatch on message type) or a plain
 `(message, context) -> reply` function, called synchronously with a Context that persists
