@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TypedDict
 
+from fedfields.compression import CompressionConfig
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -30,6 +31,7 @@ class StrategyOptions(TypedDict, total=False):
     sampling_seed: int | None
     sample_by_user: bool
     differential_privacy: DPConfig | None
+    compression: CompressionConfig | None
 
 
 DEFAULT_MAX_NUM_EXAMPLES = 1e9
