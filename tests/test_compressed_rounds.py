@@ -15,6 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from torch import Tensor
 
 from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.config import FederatedConfig
 from fedfields.flower import DecentNeRF, FedAvg, NodeState
 from fedfields.flower.compression import RESIDUAL, compressed_parts
 from fedfields.flower.protocol import (
@@ -29,6 +30,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.federated_nerf import make_strategy
 
 State = dict[str, Tensor]
 SCHEMES = [
@@ -199,3 +201,38 @@ def test_without_compression_asked_the_reply_goes_whole() -> None:
     message = Message(content, dst_node_id=1, message_type="train")
     parts = ReplyParts({ARRAYS: state_to_arrays(local_state(0))}, {NUM_EXAMPLES: 1.0})
     assert compressed_parts(message, parts, NodeState(context), seed=0) is parts
+
+
+# ------------------------------------------------------------------ the run-config
+
+
+def test_the_run_config_parses_compression_once_into_the_strategy() -> None:
+    config = FederatedConfig.from_run_config(
+        {"strategy": "fedavg", "compression": "quantise", "compression-bits": 2}
+    )
+    assert config.compression.compression_config() == CompressionConfig("quantise", bits=2)
+    assert make_strategy(config).compression == CompressionConfig("quantise", bits=2)
+    assert FederatedConfig().compression.compression_config() is None
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"compression": "zip"}, "'compression' must be one of"),
+        ({"compression": "quantise", "compression-bits": 3}, "compression-bits must be one of"),
+        ({"compression": "topk", "compression-rank": 2}, "read only with compression='lowrank'"),
+        ({"strategy": "fedavg", "compression-fraction": 0.5}, "compression='topk'"),
+        ({"compression": "lowrank"}, "not yet supported with strategy 'decentnerf'"),
+        (
+            {"strategy": "fedavg", "compression": "topk", "secure-aggregation": True},
+            "clients' factors or indices do not add up",
+        ),
+        (
+            {"strategy": "fedavg", "compression": "quantise", "secure-aggregation": True},
+            "not built yet",
+        ),
+    ],
+)
+def test_a_bad_compression_setting_is_one_error_naming_it(run_config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig.from_run_config({"min-train-nodes": 3, **run_config})
