@@ -110,3 +110,22 @@ def decompressed_reply_state(
         for key in shapes
     }
     return checked_state(state_to_arrays(state), shapes, where, dtypes)
+
+
+def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
+    """What a train reply's `arrays` stand for, given `sent`, the train message it answers:
+    `arrays` themselves when `sent` asked for no compression, else the arrays sent plus the
+    decompressed update. For readers of replies the gate accepted (an audit's view of an
+    upload); a malformed record is a ValueError."""
+    config = requested_compression(sent.content.config_records.get(CONFIG, ConfigRecord()))
+    if config is None:
+        return arrays
+    reference = arrays_to_state(sent.content[ARRAYS], copy=False)
+    shapes = {key: tuple(value.shape) for key, value in reference.items()}
+    update = decompress({name: array.numpy() for name, array in arrays.items()}, shapes, config)
+    return state_to_arrays(
+        {
+            key: (reference[key].double() + update[key].double()).to(reference[key].dtype)
+            for key in shapes
+        }
+    )
