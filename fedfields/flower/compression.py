@@ -105,11 +105,7 @@ def decompressed_reply_state(
         update = decompress(arrays, shapes, config)
     except (TypeError, ValueError) as error:
         raise BadReply("compression", f"{where}: {config.scheme}: {error}") from None
-    state = {
-        key: (reference[key].double() + update[key].double()).to(reference[key].dtype)
-        for key in shapes
-    }
-    return checked_state(state_to_arrays(state), shapes, where, dtypes)
+    return checked_state(rebuilt_arrays(reference, update), shapes, where, dtypes)
 
 
 def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
@@ -123,9 +119,14 @@ def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
     reference = arrays_to_state(sent.content[ARRAYS], copy=False)
     shapes = {key: tuple(value.shape) for key, value in reference.items()}
     update = decompress({name: array.numpy() for name, array in arrays.items()}, shapes, config)
+    return rebuilt_arrays(reference, update)
+
+
+def rebuilt_arrays(reference: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> ArrayRecord:
+    """The state an update stands for: reference + update, in the reference's dtypes."""
     return state_to_arrays(
         {
-            key: (reference[key].double() + update[key].double()).to(reference[key].dtype)
-            for key in shapes
+            key: (value.double() + update[key].double()).to(value.dtype)
+            for key, value in reference.items()
         }
     )
