@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from fedfields.config import FederatedConfig
+from fedfields.train.builders import global_field
+from fedfields.train.federated import federated_state
 from simulations.bench.compression import (
     Row,
     Setting,
@@ -15,6 +19,7 @@ from simulations.bench.compression import (
     read_row,
     setting_run_config,
     table,
+    upload_bytes,
 )
 
 
@@ -45,3 +50,20 @@ def test_a_row_reads_its_run_and_the_table_compares_with_none(tmp_path: Path) ->
             read_row(Setting("topk", 0.05), tmp_path / "topk-0.05")]  # fmt: skip
     assert rows[1] == Row("topk-0.05", 100.0, 19.6)
     assert "| topk-0.05 | 100 | 10.0 | 19.60 | -0.40 |" in table(rows)
+
+
+def test_bytes_only_counts_one_upload_of_the_runs_field() -> None:
+    """On a small hash grid, counted from the field's shapes: quantise at 4 bits sends
+    ceil(n / 2) code bytes, a 4-byte scale and a 1-byte bit width per tensor of n entries."""
+    small = "hash-log2-size=10 hash-levels=2"
+    config = setting_run_config(Setting("quantise", 4), small)
+    sizes = [
+        tensor.numel()
+        for tensor in federated_state(
+            global_field(FederatedConfig.from_run_config(config))
+        ).values()
+    ]
+    sent, full = upload_bytes(Setting("quantise", 4), config)
+    assert full == 4 * sum(sizes)
+    assert sent == sum(math.ceil(n / 2) + 5 for n in sizes)
+    assert upload_bytes(Setting("none"), setting_run_config(Setting("none"), small)) == (full, full)

@@ -8,8 +8,11 @@ before anything runs, so a setting the App refuses stops the benchmark at once. 
 (`read_row`) come from each run's metrics.jsonl (mean bytes-up per round) and summary.json
 (final clean PSNR); the table goes to compression.md under `--out`. Not built yet: DecentNeRF
 (compression refuses it), the SecAgg+ rows and the bytes-versus-PSNR figure.
+`--bytes-only` trains nothing: it prints the bytes of one compressed upload of the run's
+global field (a seeded random update) per setting, against the float32 upload.
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
+    python -m simulations.bench.compression --bytes-only
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedfields import atomic
+from fedfields.compression import compress, full_bytes, record_bytes
+from fedfields.config import FederatedConfig
 from fedfields.flower.protocol import BYTES_UP
+from fedfields.train.builders import global_field
+from fedfields.train.federated import federated_state
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.bench.secure_twins import twin_config
@@ -79,6 +88,21 @@ def setting_run_config(setting: Setting, extra: str = "") -> dict[str, Any]:
     return job_config(text).to_run_config()
 
 
+def upload_bytes(setting: Setting, run_config: dict[str, Any]) -> tuple[int, int]:
+    """(compressed, float32) bytes of one upload of the run's global field under `setting`:
+    a seeded random update of the field's shapes (the bytes depend on shapes, not values)."""
+    config = FederatedConfig.from_run_config(run_config)
+    compression = config.compression.compression_config()
+    generator = torch.Generator().manual_seed(0)
+    update = {
+        key: torch.randn(value.shape, generator=generator)
+        for key, value in federated_state(global_field(config)).items()
+    }
+    if compression is None:
+        return full_bytes(update), full_bytes(update)
+    return record_bytes(compress(update, compression, generator)), full_bytes(update)
+
+
 def read_row(setting: Setting, run_dir: Path) -> Row:
     """A finished run's row: mean "bytes-up" over its rounds, summary.json's clean PSNR."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -130,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=16, help="crowd users, one node each")
     parser.add_argument("--run-config", default="", help="extra run-config for every run")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/)")
+    parser.add_argument(
+        "--bytes-only", action="store_true", help="print one upload's bytes per setting, no runs"
+    )
     add_device_argument(parser, "the server and the Ray clients")
     return parser.parse_args(argv)
 
@@ -139,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
     settings = plan(args)
     configs = {setting: setting_run_config(setting, extra) for setting in settings}
+    if args.bytes_only:
+        for setting, config in configs.items():
+            sent, full = upload_bytes(setting, config)
+            print(f"{setting.name}: {sent} bytes of {full} ({full / sent:.1f}x fewer)")
+        return
     os.environ.update(ENVIRONMENT)
     out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-compression"
     out.mkdir(parents=True, exist_ok=True)
