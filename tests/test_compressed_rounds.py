@@ -16,14 +16,26 @@ from torch import Tensor
 
 from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
 from fedfields.config import FederatedConfig
-from fedfields.flower import DecentNeRF, FedAvg, NodeState
-from fedfields.flower.compression import RESIDUAL, compressed_parts
+from fedfields.flower import (
+    DecentNeRF,
+    FedACG,
+    FedAvg,
+    FedExP,
+    FedNova,
+    FedProx,
+    NodeState,
+    Scaffold,
+)
+from fedfields.flower.compression import RESIDUAL, compressed_parts, rebuilt_arrays
 from fedfields.flower.protocol import (
     ARRAYS,
     COMPRESSION,
     CONFIG,
+    CONTROL_DELTA,
     NUM_DROPPED,
     NUM_EXAMPLES,
+    SERVER_CONTROL,
+    TRAIN_STEPS,
     ReplyParts,
     arrays_to_state,
     state_to_arrays,
@@ -236,3 +248,60 @@ def test_the_run_config_parses_compression_once_into_the_strategy() -> None:
 def test_a_bad_compression_setting_is_one_error_naming_it(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         FederatedConfig.from_run_config({"min-train-nodes": 3, **run_config})
+
+
+# ------------------------------------------------------------------ every strategy
+
+STRATEGIES = {
+    "fedavg": FedAvg,
+    "fedprox": lambda **o: FedProx(proximal_mu=0.1, **o),
+    "fednova": lambda **o: FedNova(local_steps=8, **o),
+    "fedexp": FedExP,
+    "fedacg": FedACG,
+    "scaffold": Scaffold,
+}
+
+
+def strategy_node(k: int, compressed: bool) -> Callable:
+    """Client k of any strategy: its state is what it received plus update k. Compressed, it
+    replies through `compressed_parts`; otherwise it replies, whole, the state the server
+    must rebuild from that record (received + decompressed update, computed apart).
+    Scaffold's control delta travels whole either way."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        received = arrays_to_state(message.content[ARRAYS])
+        update = {key: local_state(k)[key] - global_state()[key] for key in received}
+        local = {key: received[key] + update[key] for key in received}
+        metrics = {NUM_EXAMPLES: EXAMPLES[k], TRAIN_STEPS: 2.0 + k}
+        records = {ARRAYS: state_to_arrays(local)}
+        if SERVER_CONTROL in message.content:  # Scaffold
+            records[CONTROL_DELTA] = state_to_arrays({key: 0.01 * v for key, v in update.items()})
+        parts = ReplyParts(records, metrics)
+        if compressed:
+            return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
+        config = SCHEMES[1]
+        shapes = {key: tuple(value.shape) for key, value in received.items()}
+        exact = {key: local[key].double() - received[key].double() for key in received}
+        record, _ = compress_with_feedback(exact, None, config, torch.Generator().manual_seed(k))
+        rebuilt = rebuilt_arrays(received, decompress(record, shapes, config))
+        return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)
+
+    return handler
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_sums_what_the_decompressed_replies_would_give(name: str) -> None:
+    """Each strategy's round on quantised replies equals its round on the plaintext replies
+    of the decompressed states: the gate hands the strategy exactly what it would sum."""
+    results = []
+    for compressed in (True, False):
+        options = {"compression": SCHEMES[1]} if compressed else {}
+        strategy = STRATEGIES[name](min_available_nodes=3, **options)
+        grid = InProcessGrid([strategy_node(k, compressed) for k in range(3)])
+        arrays, metrics = run_round(strategy, grid)
+        assert arrays is not None and metrics[NUM_DROPPED] == 0
+        results.append(arrays_to_state(arrays))
+    for key in results[1]:
+        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-6)
