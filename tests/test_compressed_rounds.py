@@ -6,6 +6,7 @@ dropped with their reason, and the settings that cannot work are refused."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -305,3 +306,29 @@ def test_every_strategy_sums_what_the_decompressed_replies_would_give(name: str)
         results.append(arrays_to_state(arrays))
     for key in results[1]:
         torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-6)
+
+
+def test_a_restarted_node_resumes_its_residual_from_its_state_directory(tmp_path: Path) -> None:
+    """Round 2 after the nodes restart on their state directories (fresh contexts) equals
+    round 2 of nodes that kept their residual in memory all along."""
+    config = CompressionConfig("topk", fraction=0.25)
+
+    def round_two(first: InProcessGrid, second: InProcessGrid) -> State:
+        strategy = FedAvg(min_available_nodes=3, compression=config)
+        run_round(strategy, first)
+        arrays, _ = run_round(strategy, second, server_round=2)
+        assert arrays is not None
+        return arrays_to_state(arrays)
+
+    nodes = [compressing_node(k) for k in range(3)]
+    in_memory = InProcessGrid(nodes)
+    kept = round_two(in_memory, in_memory)
+    on_disk = {"state-dir": str(tmp_path)}
+    resumed = round_two(
+        InProcessGrid(nodes, run_config=on_disk), InProcessGrid(nodes, run_config=on_disk)
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["node_00", "node_01", "node_02"]
+    for key in kept:
+        assert torch.equal(resumed[key], kept[key]), key
+    first_only = oracle(config, [0, 1, 2])
+    assert any(not torch.equal(kept[key], first_only[key]) for key in kept)
