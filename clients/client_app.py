@@ -7,8 +7,10 @@ objects, `clients.split_client` for mode split) computes the reply's parts, and 
 builds the reply in one place: a federated round's train reply also carries "client-seconds"
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
-data. The server's "query.user_key" is answered with the node's user key
-(`fedfields.flower.user_keys`), by which it samples and sums. With run-config
+data; when the server asks for compression, ARRAYS goes as the compressed update with the
+node's residual (`fedfields.flower.compression.compressed_parts`). The server's
+"query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by
+which it samples and sums. With run-config
 `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
 for Flower's SecAgg+ (`fedfields.flower.secure_aggregation`).
 """
@@ -23,8 +25,10 @@ from flwr.clientapp import ClientApp
 from clients.call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import secure_aggregation_mod
+from fedfields.flower.compression import compressed_parts
 from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
+from fedfields.train.builders import client_seed
 
 QUERY_TIMING = "query-timing"  # node-state values: {"round", "seconds"} of the last G_k query
 
@@ -60,11 +64,14 @@ def gradient(msg: Message, context: Context) -> Message:
 
 
 def _round_reply(call: ClientCall, parts: ReplyParts, seconds: float) -> ReplyParts:
-    """A round's train reply: the half's parts, "client-seconds" (`seconds` plus this round's
-    gradient query's) in METRICS, and CLIENT naming the client for the audit."""
+    """A round's train reply: the half's parts (ARRAYS compressed if the server asks),
+    "client-seconds" (`seconds` plus this round's gradient query's) in METRICS, and CLIENT
+    naming the client for the audit."""
     query = call.state.values(QUERY_TIMING)
     if query is not None and query["round"] == call.federated_round():
         seconds += float(query["seconds"])
+    seed = client_seed(call.config.common.seed, call.client, call.federated_round())
+    parts = compressed_parts(call.msg, parts, call.state, seed)
     return ReplyParts(
         {**parts.records, CLIENT: ConfigRecord({CLIENT_INDEX: call.client})},
         {**(parts.metrics or {}), CLIENT_SECONDS: seconds},

@@ -124,6 +124,7 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
         node_timeout=config.deployment.round_timeout,
         sampling_seed=config.common.seed,
         differential_privacy=config.dp.dp_config(),
+        compression=config.compression.compression_config(),
     )
 
 

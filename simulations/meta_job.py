@@ -199,6 +199,7 @@ def make_meta_strategy(config: FederatedConfig, settings: MetaSettings) -> Proto
         "node_timeout": config.deployment.round_timeout,
         "sampling_seed": config.common.seed,
         "differential_privacy": config.dp.dp_config(),
+        "compression": config.compression.compression_config(),
     }
     if issubclass(strategy_class(config.strategy_name), FedMeNF):
         meta_sampling = {"clients_per_round": clients, "num_clients": settings.num_clients}

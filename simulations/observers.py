@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, Message, MessageType
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedfields.flower.compression import uploaded_arrays
 from fedfields.flower.forwarding import ForwardingGrid
 from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX
 
@@ -71,23 +72,61 @@ def plaintext_uploads(
 class ReplyTap(ForwardingGrid):
     """A Grid that forwards everything to `grid` and shows every reply to `on_replies`.
 
-    The strategy gets the replies unchanged; the observer sees what the server received.
+    The strategy gets the replies unchanged; the observer sees what the server received, a
+    compressed upload as the state it stands for (the arrays sent plus the decompressed
+    update: what the server reads of it).
     """
 
     def __init__(self, grid: Grid, on_replies: Callable[[list[Message]], None]) -> None:
         super().__init__(grid)
         self.on_replies = on_replies
+        self.sent: dict[str, Message] = {}
+        """Train messages by id until their reply passes: uploads are read against them."""
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push through the wrapped grid, keeping the train messages for their replies."""
+        messages = list(messages)
+        message_ids = list(self.grid.push_messages(messages))
+        self.remember(messages, message_ids)
+        return message_ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Pull through the wrapped grid, showing the replies to the observer."""
         replies = list(self.grid.pull_messages(message_ids))
-        self.on_replies(replies)
+        self.on_replies([self.readable(reply) for reply in replies])
         return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         """Send and receive through the wrapped grid, showing the replies to the observer."""
+        messages = list(messages)
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        self.on_replies(replies)
+        self.remember(messages, [message.metadata.message_id for message in messages])
+        self.on_replies([self.readable(reply) for reply in replies])
         return replies
+
+    def remember(self, messages: list[Message], message_ids: list[str]) -> None:
+        """Keep the train messages among `messages` (their ids set by the grid) in place of
+        the last round's: a reply to an older round never enters this one."""
+        train = {
+            message_id: message
+            for message, message_id in zip(messages, message_ids, strict=True)
+            if message.metadata.message_type == MessageType.TRAIN
+        }
+        if train:
+            self.sent = train
+
+    def readable(self, reply: Message) -> Message:
+        """`reply`, its ARRAYS as the state the server reads (`uploaded_arrays`); a reply
+        without arrays, an error or a malformed record (the gate drops it) as it came."""
+        sent = self.sent.pop(reply.metadata.reply_to_message_id, None)
+        if sent is None or reply.has_error() or ARRAYS not in reply.content:
+            return reply
+        try:
+            arrays = uploaded_arrays(reply.content[ARRAYS], sent)
+        except (TypeError, ValueError):
+            return reply
+        if arrays is reply.content[ARRAYS]:
+            return reply
+        return Message(RecordDict({**reply.content, ARRAYS: arrays}), reply_to=sent)

@@ -19,6 +19,7 @@ from flwr.clientapp import ClientApp
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.flower import FedMeNF, m_of_n_sampling
+from fedfields.flower.compression import RESIDUAL
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -454,3 +455,27 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
         assert 0.0 <= final[f"mia-{similarity}-auc"] <= 1.0
     assert "pia-accuracy" not in final  # faces carry no property to infer
     assert final["attack-folds"] == 3  # 6 clients: 3 folds of 2 targets, each a target once
+
+
+def test_a_compressed_run_goes_through_the_app_with_its_residuals_in_the_nodes_state(
+    tmp_path: Path,
+) -> None:
+    """Run-config compression through the App's ClientApp and job: every train reply's ARRAYS
+    is a top-k record, none is dropped, each node keeps its residual in its state directory."""
+    config = tiny(
+        tmp_path / "run",
+        strategy="fedavg",
+        compression="topk",
+        **{"meta-learner": "fomaml", "compression-fraction": 0.25},
+        **{"state-dir": str(tmp_path / "state")},
+    )
+    run_dir, grid = run_in_process(config)
+    lines = metric_lines(run_dir)
+    assert len(lines) == 2 and all(line[NUM_REPLIES] == 2 for line in lines)
+    assert all("num-dropped" not in line or line["num-dropped"] == 0 for line in lines)
+    for server_round in ("1", "2"):
+        for reply in train_replies(grid, server_round):
+            names = list(reply.content[ARRAYS])
+            assert names and all(name.endswith((":indices", ":values")) for name in names)
+            client = reply.content[CLIENT][CLIENT_INDEX]
+            assert (tmp_path / "state" / f"node_{client:02d}" / f"{RESIDUAL}.pt").is_file()

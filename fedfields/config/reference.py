@@ -25,7 +25,8 @@ another strategy, gamma, privacy-budget and memorising-bound under another meta-
 (gamma beside a privacy budget too), secagg-* without secure-aggregation, max-update-norm
 with it, trim-fraction beside another aggregation-rule, num-malicious beside a rule other
 than krum, multi-krum and bulyan, krum-select beside another rule, and dp-clip-norm,
-dp-delta, dp-target-epsilon and dp-max-noise-ratio beside dp-noise-multiplier = 0
+dp-delta, dp-target-epsilon and dp-max-noise-ratio beside dp-noise-multiplier = 0, and
+compression-rank, compression-bits and compression-fraction beside another compression
 (`FederatedConfig.unread_keys`).
 """
 

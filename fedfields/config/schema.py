@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from fedfields.compression import SCHEMES, CompressionConfig
 from fedfields.config.strategy_settings import StrategySettings, typed_value
 from fedfields.optim import DEVICE_CHOICES, is_device_text
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
@@ -67,6 +68,12 @@ SECAGG_KEYS = (
     "secagg-clipping-range",
     "secagg-max-exponent",
 )
+COMPRESSION_STRENGTHS = {
+    "compression-rank": "lowrank",
+    "compression-bits": "quantise",
+    "compression-fraction": "topk",
+}
+"""Each compression strength -> the scheme that reads it."""
 DP_KEYS = ("dp-clip-norm", "dp-delta", "dp-target-epsilon", "dp-max-noise-ratio")
 """Keys only read beside dp-noise-multiplier > 0."""
 
@@ -416,6 +423,44 @@ class RobustSection:
 
 
 @dataclass(frozen=True)
+class CompressionSection:
+    """Compressed uploads: each sampled client sends its update (its state minus the global it
+    received) as a low-rank, quantised or top-k record, keeps what compression lost in its
+    private state and adds it to its next update (error feedback); the server decompresses
+    each reply before every other check. Not with secure-aggregation (lowrank and topk
+    cannot be masked; quantise not yet) nor with strategy decentnerf (not yet)."""
+
+    title: ClassVar[str] = "update compression"
+    used_by: ClassVar[str] = "every task in mode='federated'"
+
+    compression: str = key(
+        "none",
+        "none | lowrank (rank r per weight matrix, FedNeRF) | quantise (b-bit unbiased "
+        "stochastic, per-tensor scale) | topk (largest fraction f of each tensor)",
+    )
+    compression_rank: int = key(4, "lowrank: r, the rank each weight matrix is sent at")
+    compression_bits: int = key(8, "quantise: b, bits per entry: 8 | 4 | 2")
+    compression_fraction: float = key(0.1, "topk: f, the share of each tensor's entries sent")
+
+    def __post_init__(self) -> None:
+        _choice(self, "compression", SCHEMES)
+        self.compression_config()  # validates the strengths
+
+    def compression_config(self) -> CompressionConfig | None:
+        """The compression settings when `compression` is not "none", else None."""
+        try:
+            config = CompressionConfig(
+                self.compression,
+                self.compression_rank,
+                self.compression_bits,
+                self.compression_fraction,
+            )
+        except ValueError as error:
+            raise ValueError(f"run-config {error}") from None
+        return config if config.enabled else None
+
+
+@dataclass(frozen=True)
 class DeploymentSection:
     """Nodes coming and going, and what only a simulation launcher sets (data, state, audit)."""
 
@@ -460,6 +505,7 @@ SECTIONS: dict[str, type] = {
     "secure": SecureSection,
     "dp": DPSection,
     "robust": RobustSection,
+    "compression": CompressionSection,
     "deployment": DeploymentSection,
 }
 """FederatedConfig's attribute name -> its section's dataclass, in reference order."""
@@ -476,6 +522,7 @@ class FederatedConfig:
     secure: SecureSection = field(default_factory=SecureSection)
     dp: DPSection = field(default_factory=DPSection)
     robust: RobustSection = field(default_factory=RobustSection)
+    compression: CompressionSection = field(default_factory=CompressionSection)
     deployment: DeploymentSection = field(default_factory=DeploymentSection)
     strategy_settings: Mapping[str, StrategySettings] = field(default_factory=dict, hash=False)
     """Every registered strategy's own keys, typed (`from_run_config`'s `strategies`); empty
@@ -484,6 +531,7 @@ class FederatedConfig:
     def __post_init__(self) -> None:
         self._check_strategy_and_sections()
         self._check_aggregation_rule()
+        self._check_compression()
         self._check_clients_per_round()
         if self.deployment.min_available_nodes > 0:
             self.check_node_count(
@@ -588,6 +636,9 @@ class FederatedConfig:
             unread.setdefault("krum-select", "aggregation-rule='multi-krum'")
         if self.dp.dp_noise_multiplier == 0:
             unread |= {k: "dp-noise-multiplier > 0" for k in DP_KEYS if k not in unread}
+        for run_key, scheme in COMPRESSION_STRENGTHS.items():
+            if self.compression.compression != scheme:
+                unread.setdefault(run_key, f"compression='{scheme}'")
         return unread
 
     def ignored_keys(self) -> set[str]:
@@ -622,6 +673,29 @@ class FederatedConfig:
             raise ValueError(
                 f"run-config 'aggregation-rule' {rule!r} needs each client's state, which "
                 "'secure-aggregation' = true hides: use 'mean' with secure aggregation"
+            )
+
+    def _check_compression(self) -> None:
+        """Compression needs each client's update in plaintext and a strategy whose payload
+        is its state (not DecentNeRF's alpha_k g_k, not compressed yet)."""
+        scheme = self.compression.compression
+        if scheme == "none" or self.common.mode != "federated":
+            return
+        if self.strategy_name == "decentnerf":
+            raise ValueError(
+                f"run-config 'compression' {scheme!r} is not yet supported with strategy "
+                "'decentnerf' (its payload alpha_k g_k is sent whole): use 'none'"
+            )
+        if self.secure.secure_aggregation:
+            why = (
+                "SecAgg+ sums masked vectors entry by entry and clients' factors or indices "
+                "do not add up"
+                if scheme in ("lowrank", "topk")
+                else "summing the codes as SecAgg+'s integers is not built yet"
+            )
+            raise ValueError(
+                f"run-config 'compression' {scheme!r} with 'secure-aggregation' = true is "
+                f"refused: {why}; use one or the other"
             )
 
     def _check_clients_per_round(self) -> None:
@@ -700,6 +774,7 @@ class FederatedConfig:
             unused["secure"] = SecureSection.used_by
             unused["dp"] = DPSection.used_by
             unused["robust"] = RobustSection.used_by
+            unused["compression"] = CompressionSection.used_by
         return unused
 
     @property

@@ -126,6 +126,10 @@ class DecentNeRF(ProtocolStrategy):
     dp_delta_scale = ALPHA_KEY
     settings_class = DecentNeRFSettings
     cost_model = DECENTNERF_COST
+    refuses_compression = (
+        "DecentNeRF's payload alpha_k g_k and its gradient query are not compressed yet "
+        "(a compressed payload needs alpha_k g_k - alpha_k g on the client); send it whole"
+    )
 
     def __init__(
         self,

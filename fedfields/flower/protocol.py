@@ -6,6 +6,7 @@ config keys and metric keys through these constants only.
 Train message (server -> client), records by name:
   ARRAYS          global federated state g (x for Scaffold)
   CONFIG          "server-round", "strategy", "local-steps", "proximal-mu" (FedProx),
+                  "compression" and its strength (compressed uploads),
                   "alpha-lr", "alpha-max", "alpha-sum", "aggregate-round" (DecentNeRF),
                   plus the user's train config
   SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
@@ -15,6 +16,8 @@ Train reply (client -> server):
                   under `fedfields.aggregate.ALPHA_KEY`
   METRICS         "num-examples" (pixels; FedAvg/FedProx weights), "train-loss", "train-psnr"
   CONTROL_DELTA   Scaffold only: delta c_i
+  With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local
+  state minus the ARRAYS received; `fedfields.compression`) instead of the state.
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
 GRADIENT G_k = dL_k/dg at g^(m-1) back.
 
@@ -61,6 +64,14 @@ AGGREGATE_ROUND = "aggregate-round"
 """DecentNeRF: the round whose replies formed that aggregate (m - 1)."""
 ALPHA_MAX = "alpha-max"
 """DecentNeRF: the largest alpha_k the server takes; clients clamp theirs into (0, alpha-max]."""
+
+COMPRESSION = "compression"
+"""The scheme replies compress their ARRAYS update with ("lowrank", "quantise", "topk";
+absent: sent whole), with its strength under COMPRESSION_RANK, _BITS or _FRACTION
+(`fedfields.flower.compression`)."""
+COMPRESSION_RANK = "compression-rank"
+COMPRESSION_BITS = "compression-bits"
+COMPRESSION_FRACTION = "compression-fraction"
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""

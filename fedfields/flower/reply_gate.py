@@ -7,8 +7,10 @@ where the global's are float (float16/32/64 arrays are cast to the global's dtyp
 logged at WARNING with node and check, and counted in the round's ledger ("num-failures",
 "num-dropped", "dropped-<check>"). Under secure aggregation a reply that holds nothing back
 is dropped ("held"). A metric under a name the server writes (`protocol.reserved_metric`,
-"dp-epsilon" say) drops its reply ("reserved-metric"). `drop_reason` says in a user's words
-what a dropped reply lacked.
+"dp-epsilon" say) drops its reply ("reserved-metric"). With compression on, a compressed ARRAYS
+record is first rebuilt into the state it stands for (`fedfields.flower.compression`), so every
+check runs on what will be summed; a malformed one is dropped ("compression"). `drop_reason`
+says in a user's words what a dropped reply lacked.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from fedfields.aggregate.robust import update_norm
+from fedfields.compression import CompressionConfig
+from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
     ARRAYS,
     HELD,
@@ -64,10 +68,12 @@ def reply_metrics(reply: Message) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ReplyGate:
-    """The caps a reply must stay within (None: no cap); the checks write into the round."""
+    """The caps a reply must stay within (None: no cap) and the compression its ARRAYS record
+    arrives under (None: sent whole); the checks write into the round."""
 
     max_num_examples: float | None
     max_update_norm: float | None
+    compression: CompressionConfig | None = None
 
     def successful(self, train_round: TrainRound, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
@@ -125,7 +131,7 @@ class ReplyGate:
         for reply in self.successful(train_round, replies):
             try:
                 states = {
-                    name: reply_state(reply, name, shapes, train_round.dtypes)
+                    name: self.record_state(train_round, reply, name, shapes)
                     for name, shapes in records.items()
                 }
                 checked = CheckedReply(reply.metadata.src_node_id, states)
@@ -143,6 +149,17 @@ class ReplyGate:
                 continue
             checked.metrics = reply_metrics(reply)
             yield checked
+
+    def record_state(
+        self, train_round: TrainRound, reply: Message, name: str, shapes: Shapes
+    ) -> dict[str, Tensor]:
+        """Record `name` of `reply` as checked tensors (`reply_state`); a compressed ARRAYS
+        record is first decompressed onto the arrays sent (`decompressed_reply_state`)."""
+        if self.compression is None or name != ARRAYS:
+            return reply_state(reply, name, shapes, train_round.dtypes)
+        return decompressed_reply_state(
+            reply, shapes, train_round.reference, train_round.dtypes, self.compression
+        )
 
     def check_update_norm(
         self, train_round: TrainRound, node_id: int, state: Mapping[str, Tensor], scale: float
@@ -219,6 +236,11 @@ class ReplyGate:
             "missing-key": mismatch,
             "extra-key": mismatch,
             "decode": "the replies' arrays could not be decoded",
+            "compression": (
+                "the replies' compressed updates were malformed (wrong rank or shape, a scale "
+                "not finite, top-k indices out of range or repeated, or a bit width or scheme "
+                "the server did not ask for)"
+            ),
             "alpha": (
                 "DecentNeRF replies carried an alpha_k outside [alpha-max * 1e-6, alpha-max]"
             ),

@@ -20,6 +20,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedfields.aggregate import FEDAVG_COST, CostModel
+from fedfields.compression import CompressionConfig
+from fedfields.flower.compression import compression_entries
 from fedfields.flower.evaluation import FederatedEvaluation
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -74,6 +76,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
+    refuses_compression: ClassVar[str] = ""
+    """Why this strategy cannot take compressed uploads ("": it can)."""
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         sampling_seed: int | None = None,
         sample_by_user: bool = True,
         differential_privacy: DPConfig | None = None,
+        compression: CompressionConfig | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -107,6 +112,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             check_local_steps(local_steps, "local_steps")
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
+        self.compression = self.checked_compression(compression)
+        """The scheme replies compress their ARRAYS update with (None: sent whole)."""
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
         self.max_update_norm = optional_cap(max_update_norm, "max_update_norm")
@@ -132,6 +139,30 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
         accountant and why it stopped early; None without DP."""
 
+    def checked_compression(self, config: CompressionConfig | None) -> CompressionConfig | None:
+        """`config` if this strategy can take it (None for "none"); ValueError saying why not.
+
+        SecAgg+ sums masked vectors entry by entry: low-rank factors and top-k index sets of
+        different clients do not add up to those of the sum, so they cannot be masked;
+        quantised codes could be summed as SecAgg+'s integers, which is not built yet.
+        """
+        if config is None or not config.enabled:
+            return None
+        if self.refuses_compression:
+            raise ValueError(f"compression {config.scheme!r}: {self.refuses_compression}")
+        if self.secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
+            raise ValueError(
+                f"compression {config.scheme!r} cannot compose with secure aggregation: SecAgg+ "
+                "sums masked vectors entry by entry, and clients' low-rank factors or top-k "
+                "indices do not add up to those of the sum"
+            )
+        if self.secure_aggregation is not None:
+            raise ValueError(
+                "compression 'quantise' with secure aggregation is not yet supported (summing "
+                "the codes as SecAgg+'s integers is not built); use one or the other"
+            )
+        return config
+
     @property
     def dp(self) -> DPConfig | None:
         """The DP settings; None without DP."""
@@ -145,6 +176,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     def protocol_config(self) -> dict[str, int | float | str]:
         """Train-config entries this strategy owns, besides "server-round"."""
         own: dict[str, int | float | str] = {STRATEGY: self.strategy_name}
+        own |= compression_entries(self.compression)
         if self.local_steps is not None:
             own[LOCAL_STEPS] = self.local_steps
         if self.secure_aggregation is not None:
@@ -191,7 +223,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_started += 1
         ledger = TrainRound(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
-        gate = ReplyGate(self.max_num_examples, self.max_update_norm)
+        gate = ReplyGate(self.max_num_examples, self.max_update_norm, self.compression)
         rules, secure = self.sum_rules(), self.secure_aggregation
         self.open_round = Round.open(
             ledger, arrays, gate, self.check_update, rules, secure, self.privacy

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
+from fedfields.compression import CompressionConfig
 from fedfields.config.strategy_settings import StrategySettings
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
@@ -32,6 +33,7 @@ class StrategyOptions(TypedDict, total=False):
     sampling_seed: int | None
     sample_by_user: bool
     differential_privacy: DPConfig | None
+    compression: CompressionConfig | None
 
 
 DEFAULT_MAX_NUM_EXAMPLES = 1e9

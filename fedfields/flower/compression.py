@@ -1,0 +1,132 @@
+"""Compressed uploads on Flower records: the client half compresses, the reply gate decompresses.
+
+The server asks for a scheme in each train message's CONFIG (`compression_entries`); the client
+sends, in place of its ARRAYS state, the record of its update (state minus the ARRAYS it
+received) plus the residual it kept from its last round (error feedback,
+`fedfields.compression`); the residual stays in the node's private state (`NodeState`, under
+`RESIDUAL`), so a node restarted on its state directory resumes it. The gate rebuilds the state
+as received global + decompressed update before any other check (`decompressed_reply_state`),
+so finiteness, norm and cap checks all see what will be summed; a malformed record is a
+`BadReply` ("compression") naming why. Only ARRAYS is compressed: Scaffold's control deltas
+and every other record travel whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from torch import Tensor
+
+from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.flower.node import NodeState
+from fedfields.flower.protocol import (
+    ARRAYS,
+    COMPRESSION,
+    COMPRESSION_BITS,
+    COMPRESSION_FRACTION,
+    COMPRESSION_RANK,
+    CONFIG,
+    BadReply,
+    ReplyParts,
+    Shapes,
+    arrays_to_state,
+    checked_state,
+    state_to_arrays,
+)
+
+RESIDUAL = "compression-residual"
+"""Node-state tensors: what compression left out of the node's last upload (error feedback)."""
+
+
+def compression_entries(config: CompressionConfig | None) -> dict[str, int | float | str]:
+    """The train-config entries asking clients for `config` ({} when updates go whole)."""
+    if config is None or not config.enabled:
+        return {}
+    return {
+        COMPRESSION: config.scheme,
+        COMPRESSION_RANK: config.rank,
+        COMPRESSION_BITS: config.bits,
+        COMPRESSION_FRACTION: config.fraction,
+    }
+
+
+def requested_compression(config: ConfigRecord) -> CompressionConfig | None:
+    """The compression a train message's CONFIG asks for; None when it asks for none."""
+    scheme = str(config.get(COMPRESSION, "none"))
+    if scheme == "none":
+        return None
+    return CompressionConfig(
+        scheme,
+        int(config[COMPRESSION_RANK]),
+        int(config[COMPRESSION_BITS]),
+        float(config[COMPRESSION_FRACTION]),
+    )
+
+
+def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
+    """`parts` with ARRAYS replaced by the record of the compressed update when `msg` asks for
+    compression (else `parts` as they are); the node's residual is read and kept in `state`.
+    `seed` seeds quantise's random rounding, so one seed gives one reply."""
+    config = requested_compression(msg.content.config_records.get(CONFIG, ConfigRecord()))
+    if config is None or ARRAYS not in parts.records:
+        return parts
+    received = arrays_to_state(msg.content[ARRAYS], copy=False)
+    local = arrays_to_state(parts.records[ARRAYS], copy=False)
+    update = {key: local[key].double() - received[key].double() for key in local}
+    generator = torch.Generator().manual_seed(seed)
+    record, residual = compress_with_feedback(update, state.tensors(RESIDUAL), config, generator)
+    state.put_tensors(RESIDUAL, residual)
+    wire = ArrayRecord()
+    for name, array in record.items():
+        wire[name] = Array(np.ascontiguousarray(array))
+    return ReplyParts({**parts.records, ARRAYS: wire}, parts.metrics)
+
+
+def decompressed_reply_state(
+    reply: Message,
+    shapes: Shapes,
+    reference: Mapping[str, Tensor],
+    dtypes: Mapping[str, str],
+    config: CompressionConfig,
+) -> dict[str, Tensor]:
+    """The state a compressed ARRAYS reply stands for, reference + decompressed update, after
+    every check of `protocol.checked_state` (keys, shapes, dtypes, finiteness as summed);
+    `BadReply` ("compression") naming the node and why a malformed record was refused."""
+    where = f"reply from node {reply.metadata.src_node_id}, record {ARRAYS!r}"
+    record = reply.content.get(ARRAYS)
+    if not isinstance(record, ArrayRecord):
+        found = "nothing" if record is None else type(record).__name__
+        raise BadReply("missing-record", f"{where}: expected an ArrayRecord, found {found}")
+    try:
+        arrays = {name: array.numpy() for name, array in record.items()}
+        update = decompress(arrays, shapes, config)
+    except (TypeError, ValueError) as error:
+        raise BadReply("compression", f"{where}: {config.scheme}: {error}") from None
+    return checked_state(rebuilt_arrays(reference, update), shapes, where, dtypes)
+
+
+def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
+    """What a train reply's `arrays` stand for, given `sent`, the train message it answers:
+    `arrays` themselves when `sent` asked for no compression, else the arrays sent plus the
+    decompressed update. For readers of replies the gate accepted (an audit's view of an
+    upload); a malformed record is a ValueError."""
+    config = requested_compression(sent.content.config_records.get(CONFIG, ConfigRecord()))
+    if config is None:
+        return arrays
+    reference = arrays_to_state(sent.content[ARRAYS], copy=False)
+    shapes = {key: tuple(value.shape) for key, value in reference.items()}
+    update = decompress({name: array.numpy() for name, array in arrays.items()}, shapes, config)
+    return rebuilt_arrays(reference, update)
+
+
+def rebuilt_arrays(reference: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> ArrayRecord:
+    """The state an update stands for: reference + update, in the reference's dtypes."""
+    return state_to_arrays(
+        {
+            key: (value.double() + update[key].double()).to(value.dtype)
+            for key, value in reference.items()
+        }
+    )

@@ -1,0 +1,334 @@
+"""Compressed uploads in Flower rounds (issue 45, point 2): the client half compresses with
+error feedback kept in the node's state, the gate decompresses before every check, a FedAvg
+round equals the mean of the decompressed replies computed apart, malformed replies are
+dropped with their reason, and the settings that cannot work are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from torch import Tensor
+
+from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.config import FederatedConfig
+from fedfields.flower import (
+    DecentNeRF,
+    FedACG,
+    FedAvg,
+    FedExP,
+    FedNova,
+    FedProx,
+    NodeState,
+    Scaffold,
+)
+from fedfields.flower.compression import RESIDUAL, compressed_parts, rebuilt_arrays
+from fedfields.flower.protocol import (
+    ARRAYS,
+    COMPRESSION,
+    CONFIG,
+    CONTROL_DELTA,
+    NUM_DROPPED,
+    NUM_EXAMPLES,
+    SERVER_CONTROL,
+    TRAIN_STEPS,
+    ReplyParts,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
+from fedfields.privacy.secure_sum import SecureAggregationConfig
+from simulations.federated_nerf import make_strategy
+from simulations.in_process_grid import InProcessGrid
+
+State = dict[str, Tensor]
+SCHEMES = [
+    CompressionConfig("lowrank", rank=2),
+    CompressionConfig("quantise", bits=4),
+    CompressionConfig("topk", fraction=0.25),
+]
+EXAMPLES = (10.0, 30.0, 60.0)
+
+
+def global_state() -> State:
+    generator = torch.Generator().manual_seed(0)
+    return {"weight": torch.randn(8, 6, generator=generator), "bias": torch.zeros(8)}
+
+
+def local_state(k: int) -> State:
+    """Client k's trained state: the global plus an update of its own."""
+    generator = torch.Generator().manual_seed(100 + k)
+    return {
+        key: value + 0.1 * torch.randn(value.shape, generator=generator)
+        for key, value in global_state().items()
+    }
+
+
+def compressing_node(k: int, tamper: Callable[[ArrayRecord], None] | None = None) -> Callable:
+    """A client that replies local_state(k) through `compressed_parts` (seed k); `tamper`
+    changes the compressed record before it is sent (a hostile client)."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        parts = ReplyParts({ARRAYS: state_to_arrays(local_state(k))}, {NUM_EXAMPLES: EXAMPLES[k]})
+        parts = compressed_parts(message, parts, NodeState(context), seed=k)
+        if tamper is not None:
+            tamper(parts.records[ARRAYS])
+        return parts.message(message)
+
+    return handler
+
+
+def run_round(strategy: FedAvg, grid: InProcessGrid, server_round: int = 1):
+    messages = strategy.configure_train(
+        server_round, state_to_arrays(global_state()), ConfigRecord(), grid
+    )
+    arrays, metrics = strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+    assert metrics is not None
+    return arrays, metrics
+
+
+def oracle(config: CompressionConfig, clients: list[int]) -> State:
+    """The mean the round must form, computed apart: each client's record from the library
+    maths (no residual in round 1), decompressed, added to the global, weighted by examples."""
+    sent = global_state()
+    shapes = {key: tuple(value.shape) for key, value in sent.items()}
+    total = {key: torch.zeros(value.shape, dtype=torch.float64) for key, value in sent.items()}
+    for k in clients:
+        update = {key: local_state(k)[key].double() - sent[key].double() for key in sent}
+        record, _ = compress_with_feedback(update, None, config, torch.Generator().manual_seed(k))
+        restored = decompress(record, shapes, config)
+        for key in sent:
+            state = (sent[key].double() + restored[key].double()).float()
+            total[key] += EXAMPLES[k] * state.double()
+    weight = sum(EXAMPLES[k] for k in clients)
+    return {key: (value / weight).float() for key, value in total.items()}
+
+
+@pytest.mark.parametrize("config", SCHEMES, ids=lambda c: c.scheme)
+def test_a_compressed_fedavg_round_is_the_mean_of_the_decompressed_replies(
+    config: CompressionConfig,
+) -> None:
+    grid = InProcessGrid([compressing_node(k) for k in range(3)])
+    strategy = FedAvg(min_available_nodes=3, compression=config)
+    arrays, metrics = run_round(strategy, grid)
+    assert arrays is not None and metrics[NUM_DROPPED] == 0
+    expected = oracle(config, [0, 1, 2])
+    got = arrays_to_state(arrays)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-6)
+    assert all(message.content[CONFIG][COMPRESSION] == config.scheme for message in grid.sent
+               if CONFIG in message.content)  # fmt: skip
+    full = sum(4 * value.numel() for value in global_state().values())
+    if config.scheme != "lowrank":  # lowrank sends this small a model's bias whole
+        assert all(
+            sum(array.numpy().nbytes for array in reply.content[ARRAYS].values()) < full
+            for reply in grid.received
+            if ARRAYS in reply.content
+        )
+
+
+def test_the_residual_stays_in_the_nodes_state_and_feeds_the_next_round() -> None:
+    """After round 1 each node keeps update - what it sent; round 2 compresses the new update
+    plus that residual, which the round's mean shows."""
+    config = CompressionConfig("topk", fraction=0.25)
+    grid = InProcessGrid([compressing_node(k) for k in range(3)])
+    strategy = FedAvg(min_available_nodes=3, compression=config)
+    run_round(strategy, grid)
+    sent = global_state()
+    shapes = {key: tuple(value.shape) for key, value in sent.items()}
+    for k, context in enumerate(grid.contexts.values()):
+        residual = NodeState(context).tensors(RESIDUAL)
+        assert residual is not None
+        update = {key: local_state(k)[key] - sent[key] for key in sent}
+        record, _ = compress_with_feedback(update, None, config, torch.Generator().manual_seed(k))
+        restored = decompress(record, shapes, config)
+        for key in sent:
+            torch.testing.assert_close(residual[key], update[key] - restored[key])
+    arrays, _ = run_round(strategy, grid, server_round=2)
+    # round 2 sends update + residual = 2 updates - what round 1 sent: more entries than
+    # top-k alone would, so the mean differs from the round-1 oracle
+    assert arrays is not None
+    second = arrays_to_state(arrays)
+    first = oracle(config, [0, 1, 2])
+    assert any(not torch.allclose(second[key], first[key]) for key in first)
+
+
+def _put(name: str, value: np.ndarray) -> Callable[[ArrayRecord], None]:
+    return lambda record: record.__setitem__(name, Array(value))
+
+
+MALFORMED = {
+    "wrong rank": (SCHEMES[0], _put("weight:u", np.ones((8, 3), np.float32))),
+    "scale not finite": (SCHEMES[1], _put("weight:scale", np.array([np.inf], np.float32))),
+    "bit width not asked": (SCHEMES[1], _put("bias:bits", np.array([8], np.uint8))),
+    "index out of range": (SCHEMES[2], _put("bias:indices", np.array([8, 1]))),
+    "repeated index": (SCHEMES[2], _put("bias:indices", np.array([1, 1]))),
+    "entry missing": (SCHEMES[2], lambda record: record.pop("weight:values")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_compressed_reply_is_dropped_and_counted(kind: str) -> None:
+    config, tamper = MALFORMED[kind]
+    nodes = [compressing_node(0), compressing_node(1), compressing_node(2, tamper)]
+    strategy = FedAvg(min_available_nodes=3, compression=config)
+    arrays, metrics = run_round(strategy, InProcessGrid(nodes))
+    assert metrics[NUM_DROPPED] == 1 and metrics["dropped-compression"] == 1
+    assert arrays is not None
+    got, expected = arrays_to_state(arrays), oracle(config, [0, 1])
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-6)
+    assert "malformed" in strategy.drop_reason("compression")
+
+
+def test_the_update_norm_cap_checks_the_decompressed_update() -> None:
+    """A well-formed record whose scale moves the model a million-fold passes decompression
+    and is dropped by the update-norm check, as an uncompressed reply would be."""
+    huge = _put("weight:scale", np.array([1e6], np.float32))
+    nodes = [compressing_node(0), compressing_node(1), compressing_node(2, huge)]
+    strategy = FedAvg(min_available_nodes=3, compression=SCHEMES[1])
+    _, metrics = run_round(strategy, InProcessGrid(nodes))
+    assert metrics["dropped-update-norm"] == 1
+
+
+def test_settings_that_cannot_work_are_refused_with_the_reason() -> None:
+    secure = SecureAggregationConfig()
+    with pytest.raises(ValueError, match="cannot compose with secure aggregation"):
+        FedAvg(secure_aggregation=secure, compression=CompressionConfig("topk"))
+    with pytest.raises(ValueError, match="not yet"):
+        FedAvg(secure_aggregation=secure, compression=CompressionConfig("quantise"))
+    with pytest.raises(ValueError, match="DecentNeRF"):
+        DecentNeRF(compression=CompressionConfig("lowrank"))
+    assert FedAvg(compression=CompressionConfig("none")).compression is None
+
+
+def test_without_compression_asked_the_reply_goes_whole() -> None:
+    context = Context(1, 1, {}, RecordDict(), {})
+    content = RecordDict({ARRAYS: state_to_arrays(global_state()), CONFIG: ConfigRecord({})})
+    message = Message(content, dst_node_id=1, message_type="train")
+    parts = ReplyParts({ARRAYS: state_to_arrays(local_state(0))}, {NUM_EXAMPLES: 1.0})
+    assert compressed_parts(message, parts, NodeState(context), seed=0) is parts
+
+
+# ------------------------------------------------------------------ the run-config
+
+
+def test_the_run_config_parses_compression_once_into_the_strategy() -> None:
+    config = FederatedConfig.from_run_config(
+        {"strategy": "fedavg", "compression": "quantise", "compression-bits": 2}
+    )
+    assert config.compression.compression_config() == CompressionConfig("quantise", bits=2)
+    assert make_strategy(config).compression == CompressionConfig("quantise", bits=2)
+    assert FederatedConfig().compression.compression_config() is None
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"compression": "zip"}, "'compression' must be one of"),
+        ({"compression": "quantise", "compression-bits": 3}, "compression-bits must be one of"),
+        ({"compression": "topk", "compression-rank": 2}, "read only with compression='lowrank'"),
+        ({"strategy": "fedavg", "compression-fraction": 0.5}, "compression='topk'"),
+        ({"compression": "lowrank"}, "not yet supported with strategy 'decentnerf'"),
+        (
+            {"strategy": "fedavg", "compression": "topk", "secure-aggregation": True},
+            "clients' factors or indices do not add up",
+        ),
+        (
+            {"strategy": "fedavg", "compression": "quantise", "secure-aggregation": True},
+            "not built yet",
+        ),
+    ],
+)
+def test_a_bad_compression_setting_is_one_error_naming_it(run_config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FederatedConfig.from_run_config({"min-train-nodes": 3, **run_config})
+
+
+# ------------------------------------------------------------------ every strategy
+
+STRATEGIES = {
+    "fedavg": FedAvg,
+    "fedprox": lambda **o: FedProx(proximal_mu=0.1, **o),
+    "fednova": lambda **o: FedNova(local_steps=8, **o),
+    "fedexp": FedExP,
+    "fedacg": FedACG,
+    "scaffold": Scaffold,
+}
+
+
+def strategy_node(k: int, compressed: bool) -> Callable:
+    """Client k of any strategy: its state is what it received plus update k. Compressed, it
+    replies through `compressed_parts`; otherwise it replies, whole, the state the server
+    must rebuild from that record (received + decompressed update, computed apart).
+    Scaffold's control delta travels whole either way."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        received = arrays_to_state(message.content[ARRAYS])
+        update = {key: local_state(k)[key] - global_state()[key] for key in received}
+        local = {key: received[key] + update[key] for key in received}
+        metrics = {NUM_EXAMPLES: EXAMPLES[k], TRAIN_STEPS: 2.0 + k}
+        records = {ARRAYS: state_to_arrays(local)}
+        if SERVER_CONTROL in message.content:  # Scaffold
+            records[CONTROL_DELTA] = state_to_arrays({key: 0.01 * v for key, v in update.items()})
+        parts = ReplyParts(records, metrics)
+        if compressed:
+            return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
+        config = SCHEMES[1]
+        shapes = {key: tuple(value.shape) for key, value in received.items()}
+        exact = {key: local[key].double() - received[key].double() for key in received}
+        record, _ = compress_with_feedback(exact, None, config, torch.Generator().manual_seed(k))
+        rebuilt = rebuilt_arrays(received, decompress(record, shapes, config))
+        return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)
+
+    return handler
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_sums_what_the_decompressed_replies_would_give(name: str) -> None:
+    """Each strategy's round on quantised replies equals its round on the plaintext replies
+    of the decompressed states: the gate hands the strategy exactly what it would sum."""
+    results = []
+    for compressed in (True, False):
+        options = {"compression": SCHEMES[1]} if compressed else {}
+        strategy = STRATEGIES[name](min_available_nodes=3, **options)
+        grid = InProcessGrid([strategy_node(k, compressed) for k in range(3)])
+        arrays, metrics = run_round(strategy, grid)
+        assert arrays is not None and metrics[NUM_DROPPED] == 0
+        results.append(arrays_to_state(arrays))
+    for key in results[1]:
+        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-6)
+
+
+def test_a_restarted_node_resumes_its_residual_from_its_state_directory(tmp_path: Path) -> None:
+    """Round 2 after the nodes restart on their state directories (fresh contexts) equals
+    round 2 of nodes that kept their residual in memory all along."""
+    config = CompressionConfig("topk", fraction=0.25)
+
+    def round_two(first: InProcessGrid, second: InProcessGrid) -> State:
+        strategy = FedAvg(min_available_nodes=3, compression=config)
+        run_round(strategy, first)
+        arrays, _ = run_round(strategy, second, server_round=2)
+        assert arrays is not None
+        return arrays_to_state(arrays)
+
+    nodes = [compressing_node(k) for k in range(3)]
+    in_memory = InProcessGrid(nodes)
+    kept = round_two(in_memory, in_memory)
+    on_disk = {"state-dir": str(tmp_path)}
+    resumed = round_two(
+        InProcessGrid(nodes, run_config=on_disk), InProcessGrid(nodes, run_config=on_disk)
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["node_00", "node_01", "node_02"]
+    for key in kept:
+        assert torch.equal(resumed[key], kept[key]), key
+    first_only = oracle(config, [0, 1, 2])
+    assert any(not torch.equal(kept[key], first_only[key]) for key in kept)
