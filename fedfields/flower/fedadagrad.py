@@ -23,11 +23,12 @@ class FedAdagrad(AdaptiveOptimiser):
     strategy_name = "fedadagrad"
     settings_class = AdaptiveSettings
     second_moment = staticmethod(adagrad_moment)
+    default_learning_rate = 1e-1
 
     def __init__(
         self,
         *,
-        server_learning_rate: float = 1e-1,
+        server_learning_rate: float | None = None,
         tau: float = TAU,
         **options: Unpack[FedAvgOptions],
     ) -> None:

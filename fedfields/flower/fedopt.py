@@ -109,7 +109,7 @@ class AdaptiveOptimiser(ServerOptimiser):
     subclasses set the second moment's rule (`fedfields.aggregate.fedopt`).
 
     Args:
-        server_learning_rate: eta.
+        server_learning_rate: eta (None: the subclass's `default_learning_rate`, Flower's).
         beta_1, beta_2: the moments' decays.
         tau: the adaptivity floor.
         **options: as for `fedfields.flower.FedAvg`.
@@ -117,11 +117,12 @@ class AdaptiveOptimiser(ServerOptimiser):
 
     second_moment: ClassVar[SecondMoment]
     bias_corrected: ClassVar[bool] = False
+    default_learning_rate: ClassVar[float]
 
     def __init__(
         self,
         *,
-        server_learning_rate: float,
+        server_learning_rate: float | None = None,
         beta_1: float = BETA_1,
         beta_2: float = BETA_2,
         tau: float = TAU,
@@ -131,6 +132,8 @@ class AdaptiveOptimiser(ServerOptimiser):
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if server_learning_rate is None:
+            server_learning_rate = self.default_learning_rate
         self.rule = AdaptiveStep(
             check_scalar(server_learning_rate, "server_learning_rate"),
             beta_1,

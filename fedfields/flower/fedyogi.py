@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Unpack
-
 from fedfields.aggregate.fedopt import yogi_moment
-from fedfields.flower.fedavg import FedAvgOptions
-from fedfields.flower.fedopt import BETA_1, BETA_2, TAU, AdaptiveOptimiser, MomentSettings
+from fedfields.flower.fedopt import AdaptiveOptimiser, MomentSettings
 
 
 class FedYogi(AdaptiveOptimiser):
@@ -23,21 +20,5 @@ class FedYogi(AdaptiveOptimiser):
 
     strategy_name = "fedyogi"
     settings_class = MomentSettings
+    default_learning_rate = 1e-2
     second_moment = staticmethod(yogi_moment)
-
-    def __init__(
-        self,
-        *,
-        server_learning_rate: float = 1e-2,
-        beta_1: float = BETA_1,
-        beta_2: float = BETA_2,
-        tau: float = TAU,
-        **options: Unpack[FedAvgOptions],
-    ) -> None:
-        super().__init__(
-            server_learning_rate=server_learning_rate,
-            beta_1=beta_1,
-            beta_2=beta_2,
-            tau=tau,
-            **options,
-        )
