@@ -49,10 +49,12 @@ def parses(monkeypatch: pytest.MonkeyPatch) -> Iterator[ParseCounter]:
     counter = ParseCounter()
     parse = FederatedConfig.from_run_config.__func__  # type: ignore[attr-defined]
 
-    def counting(cls: type[FederatedConfig], run_config: dict[str, Any]) -> FederatedConfig:
+    def counting(
+        cls: type[FederatedConfig], run_config: dict[str, Any], strategies: Any = None
+    ) -> FederatedConfig:
         if not counter.in_client:
             counter.server += 1
-        return parse(cls, run_config)
+        return parse(cls, run_config, strategies)
 
     monkeypatch.setattr(FederatedConfig, "from_run_config", classmethod(counting))
     yield counter

@@ -293,7 +293,7 @@ def test_default_backend_trains_and_renders_without_triton() -> None:
         "from fedfields.config import FederatedConfig\n"
         "from fedfields.train.builders import global_field\n"
         "from fedfields.render.volume import render_packed\n"
-        "field = global_field(parse_app_config({}))\n"
+        "field = global_field(FederatedConfig())\n"
         "field(torch.rand(5, 3), torch.rand(5, 3)).density.sum().backward()\n"
         "out, w = render_packed(torch.ones(2), torch.ones(2), torch.rand(2, 3), torch.ones(2),\n"
         "                       torch.tensor([0, 0]), 1, torch.zeros(3))\n"

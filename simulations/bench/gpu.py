@@ -56,7 +56,6 @@ from fedfields.train.centralised import Setup, default_setup, train
 from fedfields.train.federated import LocalTrainConfig, local_train
 from fedfields.train.static_step import STEP_MODES, StepMode
 from simulations.bench import novel_blender
-from strategies import parse_app_config
 
 LEGO = Path(__file__).resolve().parents[2] / "data" / "lego"
 BACKENDS = ("torch", "triton", "tcnn")
@@ -259,7 +258,7 @@ def federation(
 ) -> tuple[FederatedConfig, novel_blender.Settings]:
     """The field's run-config and novel_blender's settings for `rounds` rounds of local steps
     in step mode `mode` (the run-config's `cuda-graph` is --step-modes' to set)."""
-    config = parse_app_config(novel_blender.parse_app_config(options.run_config))
+    config = FederatedConfig.from_run_config(novel_blender.parse_run_config(options.run_config))
     settings = novel_blender.Settings(
         rounds=rounds, max_steps=options.max_local_steps, step_mode=mode
     )
@@ -648,7 +647,7 @@ def parse(argv: list[str] | None) -> Options:
         if not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     try:
-        federated_keys = novel_blender.parse_app_config(values["run_config"])
+        federated_keys = novel_blender.parse_run_config(values["run_config"])
     except ValueError as error:
         parser.error(f"--run-config {values['run_config']!r}: {error}")
     if "cuda-graph" in federated_keys:

@@ -54,7 +54,6 @@ from fedfields.train.federated import (
 )
 from fedfields.train.static_step import StepMode
 from simulations.bench.devices import add_device_argument
-from strategies import parse_app_config
 
 METHODS = ("centralised", "fednerf", "decentnerf-l", "decentnerf")
 LABELS = {
@@ -357,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         fields = [{**r, "state": torch.load(args.out / f"{r['method']}.pt")} for r in saved
                   if (args.out / f"{r['method']}.pt").is_file()]  # fmt: skip
         if fields:
-            config = parse_app_config(parse_run_config(args.run_config))
+            config = FederatedConfig.from_run_config(parse_run_config(args.run_config))
             STEP_SCALE["value"] = args.step_scale
             data = CrowdData.load(str(args.crowd), args.downscale)
             grid_figure(args.out / "grid.png", fields, data, config)
         return 0
     run_config = parse_run_config(args.run_config)
-    config = parse_app_config(run_config)
+    config = FederatedConfig.from_run_config(run_config)
     settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
                         device=args.device,
                         step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
