@@ -676,26 +676,30 @@ class FederatedConfig:
             )
 
     def _check_compression(self) -> None:
-        """Compression needs each client's update in plaintext and a strategy whose payload
-        is its state (not DecentNeRF's alpha_k g_k, not compressed yet)."""
+        """Compression needs each client's update: in plaintext any scheme for a strategy whose
+        payload is its state (not DecentNeRF's alpha_k g_k, not compressed yet); under SecAgg+
+        only 'quantise', whose codes add up, and not with differential privacy."""
         scheme = self.compression.compression
         if scheme == "none" or self.common.mode != "federated":
             return
-        if self.strategy_name == "decentnerf":
+        secure = self.secure.secure_aggregation
+        if self.strategy_name == "decentnerf" and not secure:
             raise ValueError(
                 f"run-config 'compression' {scheme!r} is not yet supported with strategy "
-                "'decentnerf' (its payload alpha_k g_k is sent whole): use 'none'"
+                "'decentnerf' in plaintext (its payload alpha_k g_k is sent whole): use 'none', "
+                "or 'quantise' with 'secure-aggregation' = true"
             )
-        if self.secure.secure_aggregation:
-            why = (
-                "SecAgg+ sums masked vectors entry by entry and clients' factors or indices "
-                "do not add up"
-                if scheme in ("lowrank", "topk")
-                else "summing the codes as SecAgg+'s integers is not built yet"
-            )
+        if secure and scheme in ("lowrank", "topk"):
             raise ValueError(
                 f"run-config 'compression' {scheme!r} with 'secure-aggregation' = true is "
-                f"refused: {why}; use one or the other"
+                "refused: SecAgg+ sums masked vectors entry by entry and clients' factors or "
+                "indices do not add up; use 'quantise' or no compression"
+            )
+        if secure and self.dp.dp_noise_multiplier > 0:
+            raise ValueError(
+                "run-config 'compression' 'quantise' with 'secure-aggregation' = true and "
+                "differential privacy (dp-noise-multiplier > 0) is refused: b-bit codes of each "
+                "client's noise share are not the noised sum the accountant charges"
             )
 
     def _check_clients_per_round(self) -> None:

@@ -29,6 +29,7 @@ from fedfields.flower.protocol import (
     COMPRESSION_FRACTION,
     COMPRESSION_RANK,
     CONFIG,
+    SECURE_AGGREGATION,
     BadReply,
     ReplyParts,
     Shapes,
@@ -70,9 +71,10 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
     """`parts` with ARRAYS replaced by the record of the compressed update when `msg` asks for
     compression (else `parts` as they are); the node's residual is read and kept in `state`.
     `seed` seeds quantise's random rounding, so one seed gives one reply."""
-    config = requested_compression(msg.content.config_records.get(CONFIG, ConfigRecord()))
-    if config is None or ARRAYS not in parts.records:
-        return parts
+    sent_config = msg.content.config_records.get(CONFIG, ConfigRecord())
+    config = requested_compression(sent_config)
+    if config is None or ARRAYS not in parts.records or sent_config.get(SECURE_AGGREGATION):
+        return parts  # under SecAgg+ the secure-aggregation mod sends the codes
     received = arrays_to_state(msg.content[ARRAYS], copy=False)
     local = arrays_to_state(parts.records[ARRAYS], copy=False)
     update = {key: local[key].double() - received[key].double() for key in local}

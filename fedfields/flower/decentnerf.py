@@ -127,8 +127,8 @@ class DecentNeRF(ProtocolStrategy):
     settings_class = DecentNeRFSettings
     cost_model = DECENTNERF_COST
     refuses_compression = (
-        "DecentNeRF's payload alpha_k g_k and its gradient query are not compressed yet "
-        "(a compressed payload needs alpha_k g_k - alpha_k g on the client); send it whole"
+        "DecentNeRF's plaintext payload alpha_k g_k is not compressed yet; with secure "
+        "aggregation 'quantise' sends alpha_k (g_k - g) and G_k as packed codes"
     )
 
     def __init__(

@@ -160,6 +160,8 @@ SECURE_SUM_SCALES = "secure-sum-scales"
 SECURE_SUM_CLIPPING = "secure-sum-clipping"
 SECURE_SUM_MAX_EXPONENT = "secure-sum-max-exponent"
 """Fit-config entry of the bounds stage: the cap e (secagg-max-exponent) of a declared 2^e."""
+SECURE_SUM_PACKING = "secure-sum-packing"
+"""Payload-stage config: the `fedfields.privacy.packed_sum.Packing` of quantised codes."""
 
 Shapes = Mapping[str, tuple[int, ...]]
 

@@ -30,6 +30,7 @@ from fedfields.flower.protocol import (
     NON_FINITE_AGGREGATE,
     SECURE_AGGREGATION,
     SECURE_DELTA,
+    SECURE_DELTA_SCALE,
     SECURE_WEIGHT,
     Shapes,
     arrays_to_state,
@@ -38,7 +39,14 @@ from fedfields.flower.protocol import (
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate
 from fedfields.flower.round_ledger import TrainRound, round_metrics
 from fedfields.flower.round_privacy import RoundPrivacy
-from fedfields.flower.sum_replies import ReplyFold, RoundSum, plain_sum, secure_sum, sum_failure
+from fedfields.flower.sum_replies import (
+    ReplyFold,
+    RoundSum,
+    plain_sum,
+    secure_sum,
+    sum_failure,
+    with_reference,
+)
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 UpdateCheck = Callable[["Round", CheckedReply], None]
@@ -70,6 +78,16 @@ class SumRules:
     weight_metric: str = ""
     delta_records: tuple[str, ...] = ()
     dp_delta_scale: str = ""
+    secure_bits: int = 0
+    """b of compression 'quantise' under SecAgg+: the payload goes as packed b-bit codes of
+    the update (ARRAYS as x - s g, s the `dp_delta_scale` entry or 1); 0: SecAgg+'s floats."""
+
+    def deltas(self, privacy: RoundPrivacy | None) -> tuple[str, ...]:
+        """Records summed as differences from what was sent: the strategy's, and ARRAYS too
+        under DP (what DP clips is the update) or quantised codes (what is coded is the update)."""
+        if privacy is None and not self.secure_bits:
+            return self.delta_records
+        return self.delta_records if ARRAYS in self.delta_records else (*self.delta_records, ARRAYS)
 
     def secure_config(self, privacy: RoundPrivacy | None) -> dict[str, int | float | str]:
         """The train-config entries telling SecAgg+ clients how to hold their replies back for
@@ -77,9 +95,10 @@ class SumRules:
         own: dict[str, int | float | str] = {SECURE_AGGREGATION: True}
         if self.weight_metric and privacy is None:
             own[SECURE_WEIGHT] = self.weight_metric
-        deltas = self.delta_records if privacy is None else privacy.deltas(self.delta_records)
-        if deltas:
+        if deltas := self.deltas(privacy):
             own[SECURE_DELTA] = list(deltas)
+        if self.secure_bits and self.dp_delta_scale:
+            own[SECURE_DELTA_SCALE] = self.dp_delta_scale
         return own if privacy is None else own | privacy.client_config()
 
 
@@ -121,7 +140,7 @@ class Round:
         ledger.dtypes = {key: str(array.dtype) for key, array in arrays.items()}
         if secure_aggregation is not None:
             ledger.min_holders = secure_aggregation.min_holders(len(ledger.node_ids))
-        if secure_aggregation is None or privacy is not None:
+        if secure_aggregation is None or privacy is not None or rules.secure_bits:
             ledger.reference = arrays_to_state(arrays, copy=False)
             if gate.max_update_norm is not None:
                 ledger.reference_norm = update_norm(ledger.reference)
@@ -141,9 +160,7 @@ class Round:
     def deltas(self) -> tuple[str, ...]:
         """Records summed as differences from what was sent: the strategy's, and under DP
         ARRAYS too (what DP clips is the update, not the model)."""
-        if self.privacy is None:
-            return self.rules.delta_records
-        return self.privacy.deltas(self.rules.delta_records)
+        return self.rules.deltas(self.privacy)
 
     def checked(
         self,
@@ -205,9 +222,13 @@ class Round:
             held = list(self.gate.successful(ledger, replies))  # metrics: payloads held
             if held:
                 noise = None if privacy is None else privacy.distributed(ledger, payload)
+                bits = self.rules.secure_bits
                 summed = secure_sum(
-                    self.gate, ledger, self.secure_aggregation, held, records, noise
+                    self.gate, ledger, self.secure_aggregation, held, records, noise, bits
                 )
+                if summed is not None and bits and ARRAYS in records:
+                    restored = [name for name in deltas if name not in self.rules.delta_records]
+                    with_reference(summed, ledger.reference, restored, self.rules.dp_delta_scale)
         if summed is not None:
             ledger.summed_nodes = list(summed.node_ids)
             if privacy is not None:

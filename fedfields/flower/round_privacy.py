@@ -33,7 +33,12 @@ from fedfields.flower.protocol import (
     WEIGHT_KEY,
 )
 from fedfields.flower.round_ledger import TrainRound
-from fedfields.flower.sum_replies import CentralPrivacy, DistributedPrivacy, RoundSum
+from fedfields.flower.sum_replies import (
+    CentralPrivacy,
+    DistributedPrivacy,
+    RoundSum,
+    with_reference,
+)
 from fedfields.privacy.accountant import EPSILON_METRIC, DPAccountant, RoundCharge, check_plan
 from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
 from fedfields.privacy.dp import (
@@ -204,12 +209,6 @@ class RoundPrivacy:
             entries[SECURE_DELTA_SCALE] = self.delta_scale
         return entries
 
-    @staticmethod
-    def deltas(delta_records: tuple[str, ...]) -> tuple[str, ...]:
-        """Records summed as differences from what was sent: `delta_records` and ARRAYS (what DP
-        clips is the update, not the model)."""
-        return delta_records if ARRAYS in delta_records else (*delta_records, ARRAYS)
-
     # The accountant: the plan, each round's budget and its charge.
 
     def planned_multiplier(self, server_round: int) -> float:
@@ -329,16 +328,8 @@ class RoundPrivacy:
             train_round.dp_multipliers.append(self.config.noise_multiplier)
         if self.config.adaptive is not None and ARRAYS in summed.sums:
             self.adapt(summed)
-        for name in deltas:
-            if name in delta_records:
-                continue
-            total = summed.sums[name]
-            scale = summed.weight
-            if self.delta_scale:
-                scale = float(total[self.delta_scale].double().sum())
-            for key, value in train_round.reference.items():
-                total[key] = total[key] + scale * value.double()
-        return summed
+        restored = [name for name in deltas if name not in delta_records]
+        return with_reference(summed, train_round.reference, restored, self.delta_scale)
 
     def adapt(self, summed: RoundSum) -> None:
         """Move C by the geometric update from the noised count of unclipped updates (the

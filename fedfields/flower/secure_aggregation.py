@@ -29,6 +29,7 @@ a loss, a norm or a shape of the client's data, is logged on the node only. A
 
 from __future__ import annotations
 
+import hashlib
 import math
 from logging import ERROR
 
@@ -50,7 +51,10 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from torch import Tensor
 
+from fedfields.flower.compression import RESIDUAL, requested_compression
+from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
+    ARRAYS,
     CONFIG,
     DP_CLIP_NORM,
     DP_COUNT_STDDEV,
@@ -69,13 +73,16 @@ from fedfields.flower.protocol import (
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
     SECURE_SUM_MAX_EXPONENT,
+    SECURE_SUM_PACKING,
     SECURE_SUM_SCALES,
     SECURE_SUM_STAGE,
     SECURE_WEIGHT,
+    SERVER_ROUND,
     WEIGHT_KEY,
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.user_keys import fallback_key, user_key
 from fedfields.privacy.adaptive_clipping import combined_noise_multiplier
 from fedfields.privacy.dp import (
     clip_records,
@@ -84,6 +91,7 @@ from fedfields.privacy.dp import (
     noised_records,
     scaled_difference,
 )
+from fedfields.privacy.packed_sum import Packing, coded_entries, packed_vectors
 from fedfields.privacy.secure_sum import (
     CLIENT_WEIGHT,
     EXPONENT_MAX,
@@ -96,6 +104,9 @@ from fedfields.privacy.secure_sum import (
 
 HELD_PREFIX = "secure-held/"
 """context.state keys of the held records: HELD_PREFIX + record name."""
+ROUNDING_STATE = "secure-rounding"
+"""context.state key: the seed of the held payload's quantised codes, and under compression
+'quantise' the weight and keys its error feedback divides out and keeps."""
 CALIBRATED_STATE = "secure-dp-calibration"
 """context.state key: the "dp-min-holders" t the held noise share was calibrated to."""
 SECURE_RUN_CONFIG = "secure-aggregation"
@@ -211,12 +222,19 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
     delta_records = set(config.get(SECURE_DELTA, []))
     scale_key = str(config.get(SECURE_DELTA_SCALE, ""))
     _clear_held(context)
+    feedback = _quantised_update(config, delta_records)
+    rounding: dict[str, int | float | list[str]] = {"seed": rounding_seed(msg, context)}
     held: dict[str, dict[str, Tensor]] = {}
     for name, record in reply.content.array_records.items():
         state = arrays_to_state(record)
         if name in delta_records:
-            state = scaled_difference(state, arrays_to_state(msg.content[name]), scale_key)
+            reference = arrays_to_state(msg.content[name])
+            state = scaled_difference(state, reference, scale_key)
+            if feedback and name == ARRAYS:
+                state = _with_residual(state, NodeState(context).tensors(RESIDUAL) or {})
+                rounding |= {"weight": weight, "keys": sorted(reference)}
         held[name] = {key: value.double() * weight for key, value in state.items()}
+    context.state[ROUNDING_STATE] = ConfigRecord(rounding)
     bit = None
     if DP_CLIP_NORM in config and held:
         query = msg.metadata.message_type == GRADIENT_QUERY
@@ -237,6 +255,40 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
         scalars[DP_UNCLIPPED] = torch.tensor([bit], dtype=torch.float64)
     context.state[HELD_PREFIX + METRICS] = state_to_arrays(scalars)
     return ConfigRecord({HELD_RECORDS: records, HELD_METRICS: sorted(scalars)})
+
+
+def _quantised_update(config: ConfigRecord, delta_records: set[str]) -> bool:
+    """Whether the held ARRAYS go as quantised codes with error feedback (compression
+    'quantise' under SecAgg+, the update held as a difference)."""
+    compression = requested_compression(config)
+    quantised = compression is not None and compression.scheme == "quantise"
+    return quantised and ARRAYS in delta_records
+
+
+def _with_residual(update: dict[str, Tensor], residual: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`update` plus the residual the node kept from its last quantised upload; ValueFreeError
+    when a kept residual has another shape (the node's state is from another model)."""
+    corrected = dict(update)
+    for key, value in residual.items():
+        if key not in corrected or tuple(value.shape) != tuple(corrected[key].shape):
+            raise ValueFreeError(
+                f"the kept compression residual of {key!r} does not fit the model's update"
+            )
+        corrected[key] = corrected[key] + value.double()
+    return corrected
+
+
+def rounding_seed(msg: Message, context: Context) -> int:
+    """The seed of this node's quantised codes for `msg`'s round: a hash of the run's seed, the
+    node's user and the round, so one seed gives one run (rounding needs no secrecy: the
+    masks hide the codes)."""
+    try:
+        user = user_key(context)
+    except ValueError:
+        user = fallback_key(context.node_id)
+    server_round = msg.content[CONFIG].get(SERVER_ROUND, 0)
+    text = f"{context.run_config.get('seed', 0)}/{user}/{server_round}/{msg.metadata.message_type}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
 def private_records(
@@ -275,8 +327,9 @@ def _clear_held(context: Context) -> None:
     """Forget what an earlier message held back (a new reply replaces it)."""
     for key in [key for key in context.state if key.startswith(HELD_PREFIX)]:
         del context.state[key]
-    if CALIBRATED_STATE in context.state:
-        del context.state[CALIBRATED_STATE]
+    for key in (CALIBRATED_STATE, ROUNDING_STATE):
+        if key in context.state:
+            del context.state[key]
 
 
 def check_threshold(msg: Message, context: Context) -> None:
@@ -306,6 +359,36 @@ def _held_payload(context: Context) -> dict[str, dict[str, Tensor]]:
     }
 
 
+def _packed_payload(
+    context: Context,
+    payload: dict[str, dict[str, Tensor]],
+    layout: list[tuple[str, str, tuple[int, ...]]],
+    fit_config: ConfigRecord,
+) -> list:
+    """The payload as packed b-bit codes (`fedfields.privacy.packed_sum`), rounded with the
+    held seed; under compression 'quantise' what the codes lost of the update is kept in the
+    node's state (divided by the weight) for its next round."""
+    try:
+        packing = Packing.from_list(list(fit_config[SECURE_SUM_PACKING]))
+        scales = [float(s) for s in fit_config[SECURE_SUM_SCALES]]
+        values = [payload[record][key] for record, key, _ in layout]
+        rounding = context.state.get(ROUNDING_STATE, ConfigRecord())
+        generator = torch.Generator().manual_seed(int(rounding.get("seed", 0)))
+        coded = coded_entries(layout, METRICS)
+        vectors, decoded = packed_vectors(values, scales, coded, packing, generator)
+    except ValueError as error:
+        raise ValueFreeError(f"the packed secure-sum payload was refused: {error}") from None
+    weight, keys = float(rounding.get("weight", 0.0)), set(rounding.get("keys", []))
+    if keys and weight > 0:
+        residual = {
+            key: ((value - sent) / weight).float()
+            for (record, key, _), value, sent in zip(layout, values, decoded, strict=True)
+            if record == ARRAYS and key in keys
+        }
+        NodeState(context).put_tensors(RESIDUAL, residual)
+    return vectors
+
+
 def _answer_stage(msg: Message, context: Context) -> Message:
     """SecAgg+ masked-vector stage: this client's vectors, in Flower's legacy FitRes layout."""
     fit_config = msg.content["fitins.config"]
@@ -319,6 +402,9 @@ def _answer_stage(msg: Message, context: Context) -> Message:
     if stage == "bounds":
         cap = int(fit_config.get(SECURE_SUM_MAX_EXPONENT, EXPONENT_MAX))
         vectors = bound_vectors(payload, layout, cap)
+    elif stage == "payload" and SECURE_SUM_PACKING in fit_config:
+        vectors = _packed_payload(context, payload, layout, fit_config)
+        _clear_held(context)
     elif stage == "payload":
         scales = [float(s) for s in fit_config[SECURE_SUM_SCALES]]
         vectors = scaled_vectors(payload, layout, scales, float(fit_config[SECURE_SUM_CLIPPING]))

@@ -10,6 +10,7 @@ scales come from `fedfields.privacy.secure_sum`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -32,9 +33,11 @@ from fedfields.flower.protocol import (
     SECURE_SUM_CLIPPING,
     SECURE_SUM_LAYOUT,
     SECURE_SUM_MAX_EXPONENT,
+    SECURE_SUM_PACKING,
     SECURE_SUM_SCALES,
     SECURE_SUM_STAGE,
 )
+from fedfields.privacy.packed_sum import Packing, coded_entries, plan_packing, summed_values
 from fedfields.privacy.secure_sum import (
     CLIENT_WEIGHT,
     NUM_BUCKETS,
@@ -115,11 +118,15 @@ class SecureSum:
     second run); with a fixed clipping range it runs once and clients refuse values beyond it;
     with `dp_range` (distributed DP) it runs once with every record's scale set from C, z and
     t, reading nothing of the noised values. Every run takes `min_holders` t as its
-    reconstruction threshold: fewer than t clients' vectors are never unmasked.
+    reconstruction threshold: fewer than t clients' vectors are never unmasked. With `bits`
+    (compression 'quantise') the payload goes as b-bit codes packed several to a masked
+    integer (`fedfields.privacy.packed_sum`), the weight, metrics and one-value tensors at
+    full precision.
     """
 
-    def __init__(self, config: SecureAggregationConfig) -> None:
+    def __init__(self, config: SecureAggregationConfig, bits: int = 0) -> None:
         self.config = config
+        self.bits = bits
 
     def __call__(
         self,
@@ -150,6 +157,8 @@ class SecureSum:
             record_range, metric_range = dp_range
             scales = [metric_range if r == METRICS else record_range for r, _, _ in layout]
             clipping = 1.0
+        elif self.config.clipping_range > 0 and self.bits:
+            scales, clipping = [self.config.clipping_range] * len(layout), 1.0
         elif self.config.clipping_range > 0:
             scales, clipping = [1.0] * len(layout), self.config.clipping_range
         else:
@@ -173,14 +182,23 @@ class SecureSum:
             SECURE_SUM_SCALES: scales,
             SECURE_SUM_CLIPPING: clipping,
         }
+        if self.bits:
+            packing = plan_packing(self.bits, len(node_ids), self.config.modulus_range)
+            payload_config[SECURE_SUM_PACKING] = packing.as_list()
+            levels = packing.levels
+        else:
+            levels = self.config.quantization_range(len(node_ids))
         vectors, survivors = self._run(
-            grid, node_ids, payload_config, clipping, server_round, min_holders
+            grid, node_ids, payload_config, clipping, server_round, min_holders, levels
         )
         bytes_up += _masked_bytes(vectors, len(survivors))
-        sums = unpack_sum(vectors, layout, scales)
-        step = 2 * clipping / self.config.quantization_range(len(node_ids))
+        if self.bits:
+            sums, steps = _unpacked_sum(vectors, layout, scales, packing, len(survivors))
+        else:
+            sums = unpack_sum(vectors, layout, scales)
+            steps = [2 * clipping / levels] * len(layout)
         resolution: dict[str, dict[str, float]] = {}
-        for (record, key, _), scale in zip(layout, scales, strict=True):
+        for (record, key, _), scale, step in zip(layout, scales, steps, strict=True):
             resolution.setdefault(record, {})[key] = len(node_ids) * step * scale
         return SecureSumResult(
             sums, survivors, bytes_up, scales=list(scales), resolution=resolution
@@ -194,9 +212,11 @@ class SecureSum:
         clipping_range: float,
         server_round: int,
         min_holders: int,
+        levels: int | None = None,
     ) -> tuple[list[np.ndarray], list[int]]:
         """One SecAggPlusWorkflow over `node_ids` with reconstruction threshold `min_holders`
-        (a count): the summed vectors and the survivors."""
+        (a count) and `levels` quantisation levels (default: the most without overflow): the
+        summed vectors and the survivors."""
         stage = fit_config[SECURE_SUM_STAGE]
         if len(node_ids) < max(min_holders, 2):
             raise SecureAggregationError(
@@ -210,7 +230,7 @@ class SecureSum:
             reconstruction_threshold=min_holders,
             max_weight=CLIENT_WEIGHT,
             clipping_range=clipping_range,
-            quantization_range=self.config.quantization_range(len(node_ids)),
+            quantization_range=levels or self.config.quantization_range(len(node_ids)),
             modulus_range=self.config.modulus_range,
             timeout=self.config.timeout or None,
         )
@@ -282,6 +302,27 @@ def _log_overruled(
             names,
             cap,
         )
+
+
+def _unpacked_sum(
+    vectors: Sequence[np.ndarray],
+    layout: Sequence[LayoutEntry],
+    scales: Sequence[float],
+    packing: Packing,
+    num_clients: int,
+) -> tuple[dict[str, dict[str, Tensor]], list[float]]:
+    """Summed packed vectors back to record -> key -> float64 tensor (`packed_sum`), and each
+    entry's quantisation step in units of its scale (2 / (2^b - 1) for codes, 2 / Q else)."""
+    if len(vectors) != len(layout):
+        raise SecureAggregationError(f"secure sum returned {len(vectors)} arrays for {len(layout)}")
+    coded = coded_entries(list(layout), METRICS)
+    counts = [math.prod(shape) for _, _, shape in layout]
+    values = summed_values(list(vectors), counts, coded, packing, num_clients)
+    sums: dict[str, dict[str, Tensor]] = {}
+    for (record, key, shape), value, scale in zip(layout, values, scales, strict=True):
+        sums.setdefault(record, {})[key] = value.reshape(shape) * scale
+    steps = [2 / (2**packing.bits - 1) if c else 2 / packing.levels for c in coded]
+    return sums, steps
 
 
 def _masked_bytes(vectors: Sequence[np.ndarray], num_clients: int) -> int:

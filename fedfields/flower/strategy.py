@@ -112,7 +112,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             check_local_steps(local_steps, "local_steps")
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
-        self.compression = self.checked_compression(compression)
+        self.compression = self.checked_compression(compression, differential_privacy)
         """The scheme replies compress their ARRAYS update with (None: sent whole)."""
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
@@ -139,16 +139,19 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
         accountant and why it stopped early; None without DP."""
 
-    def checked_compression(self, config: CompressionConfig | None) -> CompressionConfig | None:
+    def checked_compression(
+        self, config: CompressionConfig | None, privacy: DPConfig | None = None
+    ) -> CompressionConfig | None:
         """`config` if this strategy can take it (None for "none"); ValueError saying why not.
 
-        SecAgg+ sums masked vectors entry by entry: low-rank factors and top-k index sets of
-        different clients do not add up to those of the sum, so they cannot be masked;
-        quantised codes could be summed as SecAgg+'s integers, which is not built yet.
+        SecAgg+ sums masked vectors entry by entry: quantised codes on the scale every client
+        shares add up (`fedfields.privacy.packed_sum`), low-rank factors and top-k index sets
+        of different clients do not, so they cannot be masked. Under distributed DP the noised
+        shares are not coarsened to b bits (the accountant charges the noised sum itself).
         """
         if config is None or not config.enabled:
             return None
-        if self.refuses_compression:
+        if self.secure_aggregation is None and self.refuses_compression:
             raise ValueError(f"compression {config.scheme!r}: {self.refuses_compression}")
         if self.secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
             raise ValueError(
@@ -156,10 +159,11 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
                 "sums masked vectors entry by entry, and clients' low-rank factors or top-k "
                 "indices do not add up to those of the sum"
             )
-        if self.secure_aggregation is not None:
+        if self.secure_aggregation is not None and privacy is not None:
             raise ValueError(
-                "compression 'quantise' with secure aggregation is not yet supported (summing "
-                "the codes as SecAgg+'s integers is not built); use one or the other"
+                "compression 'quantise' with secure aggregation and differential privacy is "
+                "refused: b-bit codes of each client's noise share are not the noised sum the "
+                "accountant charges; use one or the other"
             )
         return config
 
@@ -185,7 +189,10 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
 
     def sum_rules(self) -> SumRules:
         """How this strategy's replies are summed (`weight_metric`, `delta_records`, ...)."""
-        return SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale)
+        bits = 0
+        if self.secure_aggregation is not None and self.compression is not None:
+            bits = self.compression.bits  # only 'quantise' composes with SecAgg+
+        return SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale, bits)
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         """A copy of the user's `config` with the protocol entries; clashing values raise.

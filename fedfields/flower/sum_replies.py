@@ -172,10 +172,12 @@ def secure_sum(
     replies: Sequence[Message],
     records: Mapping[str, Shapes],
     privacy: DistributedPrivacy | None = None,
+    bits: int = 0,
 ) -> RoundSum | None:
     """SecAgg+'s sum of the `records` the replying clients hold (weighted on the clients),
     with the weight and their held metrics' weighted means (the round's secure metrics),
-    unmasked from at least the round's `min_holders` clients. Under distributed DP
+    unmasked from at least the round's `min_holders` clients; with `bits` as packed b-bit codes
+    (compression 'quantise', `fedfields.privacy.packed_sum`). Under distributed DP
     (`privacy`) only its metric keys are summed beside the noised records: the clients' other
     metrics carry no noise and stay on the nodes.
 
@@ -190,7 +192,7 @@ def secure_sum(
     metric_keys = held_metric_keys(holding) if privacy is None else list(privacy.metric_keys)
     layout = payload_layout({**records, METRICS: dict.fromkeys(metric_keys, (1,))})
     node_ids = [reply.metadata.src_node_id for reply in holding]
-    secure = SecureSum(config)
+    secure = SecureSum(config, bits)
     dp_range = None if privacy is None else (privacy.record_range, privacy.metric_range)
     try:
         result = secure(train_round.grid, node_ids, layout, train_round.server_round,
@@ -219,6 +221,20 @@ def secure_sum(
         result.sums, weight, list(result.node_ids), metrics, None, result.resolution,
         None if unclipped is None else float(unclipped),
     )  # fmt: skip
+
+
+def with_reference(
+    summed: RoundSum, reference: Mapping[str, Tensor], names: Iterable[str], scale_key: str = ""
+) -> RoundSum:
+    """`summed` with its `names` records, summed as differences x_k - s_k g from the arrays
+    sent g, back as sum_k x_k: plus (sum_k s_k) g, s_k the record's `scale_key` entry
+    (DecentNeRF's alpha_k) or each reply's weight."""
+    for name in names:
+        total = summed.sums[name]
+        scale = float(total[scale_key].double().sum()) if scale_key else summed.weight
+        for key, value in reference.items():
+            total[key] = total[key] + scale * value.double()
+    return summed
 
 
 def sum_failure(train_round: TrainRound, reason: str) -> None:

@@ -1,17 +1,21 @@
-"""Benchmark skeleton (issue 45): bytes up per round and final clean PSNR of FedNeRF (strategy
-fedavg, plaintext) on the Novel Blender crowd, each compression scheme at two or three
-strengths against none, through Flower's simulation engine (Ray) with the App's run-config
+"""Benchmark (issue 45): bytes up per round, seconds per round and final clean PSNR (and
+DecentNeRF's personal-mask PSNR) on the Novel Blender crowd, each compression scheme at two or
+three strengths against none, for FedNeRF (strategy fedavg) and DecentNeRF, in plaintext and
+under SecAgg+ (`--secure`), through Flower's simulation engine (Ray) with the App's run-config
 defaults plus `--run-config`.
 
-Each setting is one run-config (`setting_run_config`), validated by the run-config schema
-before anything runs, so a setting the App refuses stops the benchmark at once. The rows
-(`read_row`) come from each run's metrics.jsonl (mean bytes-up per round) and summary.json
-(final clean PSNR); the table goes to compression.md under `--out`. Not built yet: DecentNeRF
-(compression refuses it), the SecAgg+ rows and the bytes-versus-PSNR figure.
-`--bytes-only` trains nothing: it prints the bytes of one compressed upload of the run's
-global field (a seeded random update) per setting, against the float32 upload.
+Each setting is one run-config (`setting_run_config`) validated by the run-config schema
+before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+, plaintext
+DecentNeRF with compression) is printed with the App's reason and skipped. The rows
+(`read_row`) come from each run's metrics.jsonl (mean bytes-up per round: the float32 or
+compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure),
+its wall seconds over its rounds (Ray's start-up included) and summary.json (final scores);
+the table goes to compression.md and the bytes-versus-PSNR figure to compression.png under
+`--out`. `--bytes-only` trains nothing: it prints the bytes of one compressed plaintext upload
+of the run's global field (a seeded random update) per setting, against the float32 upload.
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
+    python -m simulations.bench.compression --strategies decentnerf --secure --bits 4
     python -m simulations.bench.compression --bytes-only
 """
 
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 
 from fedfields import atomic
 from fedfields.compression import compress, full_bytes, record_bytes
@@ -35,7 +40,7 @@ from fedfields.train.builders import global_field
 from fedfields.train.federated import federated_state
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
-from simulations.bench.secure_twins import twin_config
+from simulations.bench.secure_twins import SECURE, twin_config
 from simulations.planner import ENVIRONMENT, DataOptions, crowd_dataset, job_config
 from simulations.run import run_with_ray
 from strategies import parse_app_config
@@ -49,43 +54,78 @@ STRENGTH_KEYS = {
 """Each scheme -> the run-config key of its strength."""
 
 
+STRATEGIES = ("fedavg", "decentnerf")
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One run of the benchmark: a scheme ("none": uncompressed) at one strength."""
+    """One run of the benchmark: a strategy, plaintext or SecAgg+, and a scheme ("none":
+    uncompressed) at one strength."""
 
     scheme: str
     strength: float | int | None = None
+    strategy: str = "fedavg"
+    secure: bool = False
 
     @property
     def name(self) -> str:
-        """The run's folder name, e.g. "topk-0.05" or "none"."""
-        return self.scheme if self.strength is None else f"{self.scheme}-{self.strength:g}"
+        """The run's folder name, e.g. "fedavg-topk-0.05" or "decentnerf-secure-none"."""
+        scheme = self.scheme if self.strength is None else f"{self.scheme}-{self.strength:g}"
+        return f"{self.strategy}-{'secure-' if self.secure else ''}{scheme}"
+
+    @property
+    def baseline(self) -> str:
+        """The name of the uncompressed run this one is compared with."""
+        return Setting("none", None, self.strategy, self.secure).name
 
 
 @dataclass(frozen=True)
 class Row:
-    """What a run measured: mean bytes up per round and the final clean PSNR."""
+    """What a run measured: mean bytes up and wall seconds per round, the final scores."""
 
-    setting: str
+    setting: Setting
     bytes_up: float
+    seconds: float
     clean_psnr: float | None
+    personal_psnr: float | None = None
 
 
 def plan(args: argparse.Namespace) -> list[Setting]:
-    """The runs: none first, then each scheme asked for at each of its strengths."""
+    """The runs per strategy (and under SecAgg+ with `--secure`): none first, then each scheme
+    asked for at each of its strengths."""
     strengths = {"lowrank": args.ranks, "quantise": args.bits, "topk": args.fractions}
-    return [Setting("none")] + [
-        Setting(scheme, strength) for scheme in args.schemes for strength in strengths[scheme]
-    ]
+    settings = []
+    for strategy in args.strategies:
+        for secure in (False, True) if args.secure else (False,):
+            settings.append(Setting("none", None, strategy, secure))
+            settings += [
+                Setting(scheme, strength, strategy, secure)
+                for scheme in args.schemes
+                for strength in strengths[scheme]
+            ]
+    return settings
 
 
 def setting_run_config(setting: Setting, extra: str = "") -> dict[str, Any]:
-    """The App's run-config of `setting` (strategy fedavg plus `extra`), validated by the
-    schema: a setting the App refuses is its ValueError before anything runs."""
-    text = f"strategy='fedavg' compression='{setting.scheme}' {extra}"
+    """The App's run-config of `setting` plus `extra`, validated by the schema: a setting the
+    App refuses is its ValueError before anything runs."""
+    text = f"strategy='{setting.strategy}' compression='{setting.scheme}' {extra}"
     if setting.strength is not None:
         text += f" {STRENGTH_KEYS[setting.scheme]}={setting.strength}"
+    if setting.secure:
+        text += " " + " ".join(f"{key}={json.dumps(value)}" for key, value in SECURE.items())
     return job_config(text).to_run_config()
+
+
+def accepted(settings: list[Setting], extra: str) -> dict[Setting, dict[str, Any]]:
+    """The run-config of each setting the App accepts; each refused one printed with why."""
+    configs = {}
+    for setting in settings:
+        try:
+            configs[setting] = setting_run_config(setting, extra)
+        except ValueError as error:
+            print(f"{setting.name}: refused by the App, skipped: {error}")
+    return configs
 
 
 def upload_bytes(setting: Setting, run_config: dict[str, Any]) -> tuple[int, int]:
@@ -103,47 +143,93 @@ def upload_bytes(setting: Setting, run_config: dict[str, Any]) -> tuple[int, int
     return record_bytes(compress(update, compression, generator)), full_bytes(update)
 
 
-def read_row(setting: Setting, run_dir: Path) -> Row:
-    """A finished run's row: mean "bytes-up" over its rounds, summary.json's clean PSNR."""
+def read_row(setting: Setting, run_dir: Path, seconds: float) -> Row:
+    """A finished run's row: mean "bytes-up" over its rounds, `seconds` (the run's wall time)
+    over its rounds, summary.json's clean and personal-mask PSNR."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    final = json.loads((run_dir / "summary.json").read_text()).get("final", {})
     uploads = [float(line[BYTES_UP]) for line in lines if BYTES_UP in line]
     return Row(
-        setting.name,
+        setting,
         statistics.fmean(uploads) if uploads else 0.0,
-        summary.get("final", {}).get("clean-psnr"),
+        seconds / max(len(uploads), 1),
+        final.get("clean-psnr"),
+        final.get("personal-psnr"),
     )
 
 
+def _cell(value: float | None, form: str) -> str:
+    """`value` formatted, or "-" when not measured."""
+    return "-" if value is None else format(value, form)
+
+
 def table(rows: list[Row]) -> str:
-    """The markdown table: bytes up per round, its ratio to none's, clean PSNR and its change."""
-    base = next((row for row in rows if row.setting == "none"), None)
+    """The markdown table: per run, bytes up per round and its ratio to the same strategy's
+    uncompressed run (plaintext or secure), seconds per round, clean PSNR and its change,
+    personal-mask PSNR."""
+    by_name = {row.setting.name: row for row in rows}
     lines = [
-        "| setting | bytes up / round | x fewer | clean PSNR (dB) | vs none (dB) |",
-        "|---|---|---|---|---|",
+        "| strategy | sum | setting | bytes up / round | x fewer | s / round "
+        "| clean PSNR (dB) | vs none (dB) | personal-mask PSNR (dB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        base = by_name.get(row.setting.baseline)
         ratio = base.bytes_up / row.bytes_up if base and row.bytes_up else None
-        delta = (
-            row.clean_psnr - base.clean_psnr
-            if base and row.clean_psnr is not None and base.clean_psnr is not None
-            else None
+        delta = None
+        if base and row.clean_psnr is not None and base.clean_psnr is not None:
+            delta = row.clean_psnr - base.clean_psnr
+        setting = row.setting
+        scheme = (
+            setting.scheme if setting.strength is None else f"{setting.scheme} {setting.strength:g}"
         )
         cells = [
-            row.setting,
-            f"{row.bytes_up:.0f}",
-            "-" if ratio is None else f"{ratio:.1f}",
-            "-" if row.clean_psnr is None else f"{row.clean_psnr:.2f}",
-            "-" if delta is None else f"{delta:+.2f}",
+            setting.strategy,
+            "SecAgg+" if setting.secure else "plaintext",
+            scheme,
+            f"{row.bytes_up:,.0f}",
+            _cell(ratio, ".1f"),
+            f"{row.seconds:.1f}",
+            _cell(row.clean_psnr, ".2f"),
+            _cell(delta, "+.2f"),
+            _cell(row.personal_psnr, ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[Row]) -> Figure:
+    """Bytes up per round (log scale) against final clean PSNR, one series per strategy and
+    sum, each point labelled with its setting."""
+    plot = Figure(figsize=(7, 4.5))
+    axes = plot.subplots()
+    series: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.clean_psnr is not None:
+            label = f"{row.setting.strategy}, {'SecAgg+' if row.setting.secure else 'plaintext'}"
+            series.setdefault(label, []).append(row)
+    for label, points in series.items():
+        axes.scatter([p.bytes_up for p in points], [p.clean_psnr for p in points], label=label)
+        for point in points:
+            name = point.setting.name.split("-", 1)[1].replace("secure-", "")
+            axes.annotate(name, (point.bytes_up, point.clean_psnr), fontsize=7)
+    axes.set_xscale("log")
+    axes.set_xlabel("bytes up per round (log)")
+    axes.set_ylabel("final clean PSNR (dB)")
+    axes.legend(fontsize=8)
+    axes.set_title("Update compression: bytes against quality")
+    plot.tight_layout()
+    return plot
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's settings; strengths out of a scheme's range are refused by `plan`'s
     run-configs, not here."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--secure", action="store_true", help="also every setting under SecAgg+ (quantise only)"
+    )
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 8], help="lowrank: r")
     parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 2], help="quantise: b")
@@ -164,10 +250,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
-    settings = plan(args)
-    configs = {setting: setting_run_config(setting, extra) for setting in settings}
+    configs = accepted(plan(args), extra)
     if args.bytes_only:
         for setting, config in configs.items():
+            if setting.secure:
+                continue  # a secure upload's bytes are SecAgg+'s masked vectors: run it
             sent, full = upload_bytes(setting, config)
             print(f"{setting.name}: {sent} bytes of {full} ({full / sent:.1f}x fewer)")
         return
@@ -180,10 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for setting, base in configs.items():
         config = twin_config(base, out, setting.name, crowd, secure=False)
+        started = time.perf_counter()
         run_dir = run_with_ray(config, args.users, client_device=args.device)
-        rows.append(read_row(setting, run_dir))
+        rows.append(read_row(setting, run_dir, time.perf_counter() - started))
         print(rows[-1])
-    atomic.write_text(out / "compression.md", table(rows))
+        atomic.write_text(out / "compression.md", table(rows))  # what finished, kept as it goes
+    atomic.save_figure(out / "compression.png", figure(rows))
     print(table(rows))
 
 
