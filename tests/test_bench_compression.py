@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from fedfields import atomic
 from fedfields.train.builders import global_field
 from fedfields.train.federated import federated_state
 from simulations.bench.compression import (
     Row,
     Setting,
+    accepted,
+    figure,
     parse_args,
     plan,
     read_row,
@@ -23,33 +26,58 @@ from simulations.bench.compression import (
 from strategies import parse_app_config
 
 
-def test_the_plan_is_none_then_each_scheme_at_each_strength() -> None:
-    args = parse_args(["--schemes", "topk", "quantise", "--fractions", "0.05", "--bits", "4", "2"])
-    assert [s.name for s in plan(args)] == ["none", "topk-0.05", "quantise-4", "quantise-2"]
+def test_the_plan_is_none_then_each_scheme_at_each_strength_per_strategy_and_sum() -> None:
+    args = parse_args(["--schemes", "topk", "quantise", "--fractions", "0.05", "--bits", "4", "2",
+                       "--strategies", "fedavg"])  # fmt: skip
+    assert [s.name for s in plan(args)] == [
+        "fedavg-none", "fedavg-topk-0.05", "fedavg-quantise-4", "fedavg-quantise-2"
+    ]  # fmt: skip
     defaults = parse_args([])
-    assert len(plan(defaults)) == 1 + 2 + 3 + 3 and defaults.rounds == 8
+    assert len(plan(defaults)) == 2 * (1 + 2 + 3 + 3) and defaults.rounds == 8
+    secure = parse_args(["--strategies", "decentnerf", "--secure", "--schemes", "quantise"])
+    assert [s.name for s in plan(secure)][4:6] == ["decentnerf-secure-none",
+                                                   "decentnerf-secure-quantise-8"]  # fmt: skip
 
 
-def test_each_setting_is_a_valid_run_config_and_a_bad_one_is_refused() -> None:
+def test_each_setting_is_a_valid_run_config_and_a_refused_one_is_skipped_with_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     config = setting_run_config(Setting("lowrank", 2), "num-server-rounds=2")
     assert config["compression"] == "lowrank" and config["compression-rank"] == 2
     assert config["strategy"] == "fedavg" and config["num-server-rounds"] == 2
     assert setting_run_config(Setting("none"))["compression"] == "none"
     with pytest.raises(ValueError, match="compression-bits"):
         setting_run_config(Setting("quantise", 3))
+    secure = setting_run_config(Setting("quantise", 4, "decentnerf", secure=True))
+    assert secure["secure-aggregation"] is True and secure["compression-bits"] == 4
+    settings = [Setting("topk", 0.05, "decentnerf", True), Setting("none", None, "decentnerf")]
+    assert list(accepted(settings, "")) == settings[1:]
+    assert "decentnerf-secure-topk-0.05: refused by the App" in capsys.readouterr().out
 
 
-def test_a_row_reads_its_run_and_the_table_compares_with_none(tmp_path: Path) -> None:
-    for name, up, psnr in (("none", [800, 1200], 20.0), ("topk-0.05", [90, 110], 19.6)):
-        run = tmp_path / name
+def test_a_row_reads_its_run_and_the_table_compares_with_its_own_none(tmp_path: Path) -> None:
+    runs = (
+        (Setting("none"), [800, 1200], 20.0),
+        (Setting("topk", 0.05), [90, 110], 19.6),
+        (Setting("none", None, "decentnerf", True), [4000, 4000], 21.0),
+        (Setting("quantise", 4, "decentnerf", True), [1000, 1000], 20.9),
+    )
+    rows = []
+    for setting, up, psnr in runs:
+        run = tmp_path / setting.name
         run.mkdir()
         lines = [json.dumps({"round": i + 1, "bytes-up": b}) for i, b in enumerate(up)]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-        (run / "summary.json").write_text(json.dumps({"final": {"clean-psnr": psnr}}))
-    rows = [read_row(Setting("none"), tmp_path / "none"),
-            read_row(Setting("topk", 0.05), tmp_path / "topk-0.05")]  # fmt: skip
-    assert rows[1] == Row("topk-0.05", 100.0, 19.6)
-    assert "| topk-0.05 | 100 | 10.0 | 19.60 | -0.40 |" in table(rows)
+        final = {"clean-psnr": psnr, "personal-psnr": 9.5}
+        (run / "summary.json").write_text(json.dumps({"final": final}))
+        rows.append(read_row(setting, run, seconds=10.0))
+    assert rows[1] == Row(Setting("topk", 0.05), 100.0, 5.0, 19.6, 9.5)
+    text = table(rows)
+    assert "| fedavg | plaintext | topk 0.05 | 100 | 10.0 | 5.0 | 19.60 | -0.40 | 9.50 |" in text
+    secure_row = "| decentnerf | SecAgg+ | quantise 4 | 1,000 | 4.0 | 5.0 | 20.90 | -0.10 | 9.50 |"
+    assert secure_row in text
+    atomic.save_figure(tmp_path / "compression.png", figure(rows))
+    assert (tmp_path / "compression.png").stat().st_size > 1000
 
 
 def test_bytes_only_counts_one_upload_of_the_runs_field() -> None:

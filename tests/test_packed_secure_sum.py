@@ -19,6 +19,7 @@ from fedfields.flower import DecentNeRF, FedAvg, NodeState, ProtocolStrategy
 from fedfields.flower.compression import RESIDUAL
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 from fedfields.flower.round_ledger import SECURE_FAILURES
+from fedfields.flower.strategy_options import checked_compression
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.packed_sum import (
     Packing,
@@ -101,7 +102,8 @@ SAMPLING = {"fraction_train": 0.6, "min_train_nodes": 3, "sampling_seed": 11}
 def quantised(name: str, bits: int = BITS) -> ProtocolStrategy:
     """The test's `name` strategy over SecAgg+ with compression 'quantise' at `bits`."""
     strategy = make_strategy(name, SECURE, **SAMPLING)
-    strategy.compression = strategy.checked_compression(CompressionConfig("quantise", bits=bits))
+    wanted = CompressionConfig("quantise", bits=bits)
+    strategy.compression = checked_compression(wanted, strategy.refuses_compression, SECURE)
     return strategy
 
 

@@ -224,8 +224,8 @@ class MetaSection:
     privacy_budget: float = key(0.0, "zeta > 0: adaptive gamma (Eq. 13-14) instead of gamma")
     memorising_bound: float = key(
         0.15,
-        "FedMeNF's L(w) in Eq. 10 clamped at this MSE, the measured best (0: unbounded, the "
-        "paper's Eq. 10)",
+        "FedMeNF's L(w) in Eq. 10 clamped at this MSE (0: unbounded, the paper's Eq. 10; why "
+        "0.15: docs/BENCHMARKS.md, Defaults as measured)",
     )
     clients_per_round: int = key(5, "M, clients sampled per round")
     num_clients: int = key(0, "N (faces 20, photos 20, video 6, objects 20)")

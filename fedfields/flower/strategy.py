@@ -29,7 +29,6 @@ from fedfields.flower.protocol import (
     DP_MIN_HOLDERS,
     LOCAL_STEPS,
     NUM_EXAMPLES,
-    SERVER_ROUND,
     STRATEGY,
     content_bytes,
     shapes_of,
@@ -41,13 +40,14 @@ from fedfields.flower.round_loop import EvaluateFn, RoundEndFn, RoundLoop
 from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sampling import NodeSampler
 from fedfields.flower.strategy_options import (
-    DEFAULT_LOCAL_STEPS,
     DEFAULT_MAX_EMPTY_ROUNDS,
     DEFAULT_MAX_NUM_EXAMPLES,
     DEFAULT_MAX_UPDATE_NORM,
     RunConfigured,
     check_local_steps,
     check_max_empty_rounds,
+    checked_compression,
+    merged_train_config,
     optional_cap,
 )
 from fedfields.flower.user_keys import UserKeys
@@ -112,7 +112,9 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             check_local_steps(local_steps, "local_steps")
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
-        self.compression = self.checked_compression(compression, differential_privacy)
+        self.compression = checked_compression(
+            compression, self.refuses_compression, secure_aggregation, differential_privacy
+        )
         """The scheme replies compress their ARRAYS update with (None: sent whole)."""
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
@@ -138,34 +140,6 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         )  # fmt: skip
         """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
         accountant and why it stopped early; None without DP."""
-
-    def checked_compression(
-        self, config: CompressionConfig | None, privacy: DPConfig | None = None
-    ) -> CompressionConfig | None:
-        """`config` if this strategy can take it (None for "none"); ValueError saying why not.
-
-        SecAgg+ sums masked vectors entry by entry: quantised codes on the scale every client
-        shares add up (`fedfields.privacy.packed_sum`), low-rank factors and top-k index sets
-        of different clients do not, so they cannot be masked. Under distributed DP the noised
-        shares are not coarsened to b bits (the accountant charges the noised sum itself).
-        """
-        if config is None or not config.enabled:
-            return None
-        if self.secure_aggregation is None and self.refuses_compression:
-            raise ValueError(f"compression {config.scheme!r}: {self.refuses_compression}")
-        if self.secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
-            raise ValueError(
-                f"compression {config.scheme!r} cannot compose with secure aggregation: SecAgg+ "
-                "sums masked vectors entry by entry, and clients' low-rank factors or top-k "
-                "indices do not add up to those of the sum"
-            )
-        if self.secure_aggregation is not None and privacy is not None:
-            raise ValueError(
-                "compression 'quantise' with secure aggregation and differential privacy is "
-                "refused: b-bit codes of each client's noise share are not the noised sum the "
-                "accountant charges; use one or the other"
-            )
-        return config
 
     @property
     def dp(self) -> DPConfig | None:
@@ -195,25 +169,11 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         return SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale, bits)
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
-        """A copy of the user's `config` with the protocol entries; clashing values raise.
-
-        "local-steps" comes from the strategy if set, else from `config`, else 1.
-        """
-        own = self.protocol_config()
-        clashes = [
-            f"{key!r}={config[key]!r} (strategy: {value!r})"
-            for key, value in own.items()
-            if key in config and config[key] != value
-        ]
-        if clashes:
-            raise ValueError(
-                "train_config sets entries the strategy owns; set them through the strategy's "
-                f"constructor instead: {', '.join(clashes)}"
-            )
-        merged = {LOCAL_STEPS: DEFAULT_LOCAL_STEPS, **config, **own, SERVER_ROUND: server_round}
+        """A copy of the user's `config` with the protocol entries (`merged_train_config`:
+        clashing values raise) and, for DP under SecAgg+, the round's "dp-min-holders"."""
+        merged = merged_train_config(config, self.protocol_config(), server_round)
         if self.dp is not None and self.secure_aggregation is not None:
             merged[DP_MIN_HOLDERS] = self.round_of(server_round).ledger.min_holders
-        check_local_steps(merged[LOCAL_STEPS], f"train config {LOCAL_STEPS!r}")
         return ConfigRecord(merged)
 
     def begin_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> Round:

@@ -1,4 +1,5 @@
-"""The options every fedfields strategy takes (`StrategyOptions`), their defaults and checks.
+"""The options every fedfields strategy takes (`StrategyOptions`), their defaults and checks,
+and how a strategy's own train-config entries merge with the user's (`merged_train_config`).
 
 The reply caps bound what one client can do to a round: `max_num_examples` its weight,
 `max_update_norm` how far its update may move the model; 0 or None lifts a cap.
@@ -12,6 +13,7 @@ from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 from fedfields.compression import CompressionConfig
 from fedfields.config.strategy_settings import StrategySettings
+from fedfields.flower.protocol import LOCAL_STEPS, SERVER_ROUND
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -75,6 +77,62 @@ def check_local_steps(value: object, name: str) -> None:
     """Raise ValueError unless `value` is a positive int (bools excluded)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def merged_train_config(
+    config: Mapping[str, Any], own: Mapping[str, Any], server_round: int
+) -> dict[str, Any]:
+    """The user's train `config` with the strategy's `own` entries and "server-round"; an own
+    entry the user set to another value raises (set it through the strategy's constructor).
+
+    "local-steps" comes from `own` if set, else from `config`, else `DEFAULT_LOCAL_STEPS`.
+    """
+    clashes = [
+        f"{key!r}={config[key]!r} (strategy: {value!r})"
+        for key, value in own.items()
+        if key in config and config[key] != value
+    ]
+    if clashes:
+        raise ValueError(
+            "train_config sets entries the strategy owns; set them through the strategy's "
+            f"constructor instead: {', '.join(clashes)}"
+        )
+    merged = {LOCAL_STEPS: DEFAULT_LOCAL_STEPS, **config, **own, SERVER_ROUND: server_round}
+    check_local_steps(merged[LOCAL_STEPS], f"train config {LOCAL_STEPS!r}")
+    return merged
+
+
+def checked_compression(
+    config: CompressionConfig | None,
+    refuses_compression: str,
+    secure_aggregation: SecureAggregationConfig | None,
+    privacy: DPConfig | None = None,
+) -> CompressionConfig | None:
+    """`config` if a strategy can take it (None for "none"); ValueError saying why not: the
+    strategy's own `refuses_compression` reason for plaintext ("": none), or SecAgg+.
+
+    SecAgg+ sums masked vectors entry by entry: quantised codes on the scale every client
+    shares add up (`fedfields.privacy.packed_sum`), low-rank factors and top-k index sets of
+    different clients do not, so they cannot be masked. Under distributed DP the noised shares
+    are not coarsened to b bits (the accountant charges the noised sum itself).
+    """
+    if config is None or not config.enabled:
+        return None
+    if secure_aggregation is None and refuses_compression:
+        raise ValueError(f"compression {config.scheme!r}: {refuses_compression}")
+    if secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
+        raise ValueError(
+            f"compression {config.scheme!r} cannot compose with secure aggregation: SecAgg+ "
+            "sums masked vectors entry by entry, and clients' low-rank factors or top-k "
+            "indices do not add up to those of the sum"
+        )
+    if secure_aggregation is not None and privacy is not None:
+        raise ValueError(
+            "compression 'quantise' with secure aggregation and differential privacy is "
+            "refused: b-bit codes of each client's noise share are not the noised sum the "
+            "accountant charges; use one or the other"
+        )
+    return config
 
 
 class RunConfigured:

@@ -31,36 +31,31 @@ SDAR's parts therefore map as follows.
       d1:  L = BCE(d1(G'), 0) + BCE(d1(G), 1)                      (cf. Eq. 2)
       h~:  L = L_task + lambda_1 * BCE(d1(G'), 1),  G' = dL_task/dE' (create_graph)  (Eq. 3)
   each row divided by its batch's largest row norm (scene- and loss-scale free; the scale
-  S2NeRF's sigma_t uses). What d1 picks up, measured (lego, seeds 0-1): not W's row space
-  (overlap of h~'s 16 density-layer rows with the client's: SDAR 0.21-0.28, naive 0.27-0.30,
-  0.25 for random ones), but the profile of the rows (seed 0): the client's trained density
-  is sharp, so each ray's gradient sits on a few samples (largest row's share of a ray's
-  squared norm 0.59, mean scaled row 0.011); naive h~ answers diffusely on the auxiliary
-  batch (0.35, 0.056), SDAR's h~ like the client (0.46, 0.010): it renders sharp surfaces
+  S2NeRF's sigma_t uses). What d1 picks up (measured: docs/experiments/2026-11-22-sdar-
+  splitnerf.md, "Design measurements"): not W's row space (h~'s density-layer rows overlap
+  the client's no more than random rows do), but the profile of the rows: the client's
+  trained density is sharp, so each ray's gradient sits on a few samples; naive h~ answers
+  diffusely on the auxiliary batch, SDAR's h~ like the client: it renders sharp surfaces
   where g says there is matter.
 
 Why it works at all: g was trained jointly with h on the client's scene, so its embeddings
 carry the client's geometry (paper 001, Sec. IV-D: the server's own part memorises private
-information). h~ hardly fits the auxiliary scene through a g shaped by another one (naive
-task loss 0.072 -> 0.063 in 200 steps), yet learning "embedding -> matter" through g reads
-the client's occupancy back out of it.
+information). h~ hardly fits the auxiliary scene through a g shaped by another one, yet
+learning "embedding -> matter" through g reads the client's occupancy back out of it.
 
 Runs offline on a recorded transcript, replayed in order with one attack step per protocol
 step by default (the paper's cadence, Figs. 14-15): d1's real batch at attack step k is the
-latest recorded exchange at or before k. Deviations and measurements (lego 25x25, 200 split
-steps of 128 rays x 16 samples, every 20th exchange recorded, SSIM-depth of the decoded
-renders against the client's, 4 views; auxiliary car, chair and robot, seeds 0-1):
+latest recorded exchange at or before k. Deviations (their figures, measured on lego 25x25
+in the tests' setting and with simulations/bench/sdar_splitnerf.py, are in
+docs/experiments/2026-11-22-sdar-splitnerf.md, "Design measurements", and on
+docs/BENCHMARKS.md, "Split learning" and "Defaults, as measured"):
 
 - the server part is its final state throughout (a `SplitExchange` carries no snapshot);
 - lambda_1 = 0.4 and p = 0.2 (the digits task's U-shaped choice, `U_SHAPED_SDAR`), not
   Table VII's lambda_1 = 0.02: with d1 learning at lambda_1 * eta, 0.02 leaves it untrained
-  in 200 steps. SDAR 0.85-0.96; lambda_1 = 0.02 0.52-0.68, as flipping alone (the literal
-  U-shaped reduction) 0.53-0.68; naive (`SDARNeRFConfig.naive()`, the ablation) 0.63-0.77;
-  an untrained head 0.14-0.28;
+  in 200 steps, no better than colour flipping alone (the literal U-shaped reduction);
 - under S2NeRF noise the real rows are mostly noise: d1 learns to spot it and drags h~
-  away from the client. With c = 1.2, r = 1e-4 SDAR falls to SSIM-depth 0.02-0.33 while the
-  naive attack, which never reads the gradients, keeps 0.60-0.63 (the Surrogate Model
-  Attack 0.57-0.59; simulations/bench/sdar_splitnerf.py, 300 steps, seeds 0-1): the noise
+  away from the client, below the naive attack, which never reads the gradients: the noise
   reaches what g memorises only through g's own training.
 """
 

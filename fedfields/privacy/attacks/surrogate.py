@@ -23,29 +23,29 @@ Two attackers share these losses (`exchange_loss`):
   footnote 4: "10/t decays faster ... seldom updates network parameters in the later stages
   of training"), fresh N(0, 1) dummies per batch, the l2 distance and ratio 0.01. S2NeRF's
   decaying noise (sigma_t = c max||g|| r^(t/T)) is designed against this one: its noise is
-  largest exactly when the 10/t attacker learns. Measured on lego at 25x25 (150 split steps,
-  every exchange seen; seeds 0-3), it learns nothing there: its head learns to render an
-  empty scene, whose cut-layer gradient vanishes (the l2 distance falls to ||g||), and its
-  SSIM-depth is -0.02 to -0.06 against an untrained head's 0.15-0.30. One online pass with
-  the offline settings below is erratic (0.79, 0.00, 0.79, 0.05).
+  largest exactly when the 10/t attacker learns. At the tests' scale it learns nothing,
+  undefended too: its head learns to render an empty scene, whose cut-layer gradient
+  vanishes (the l2 distance falls to ||g||), and its depth is no better than an untrained
+  head's.
 
 Gradient matching uses the recorded embeddings: they are exactly what the server part
 computed at each step, so the attack needs no snapshots of the server's parameters. The
 server's final parameters serve only to render the attacked scene (server part + surrogate),
 as the depth and grey views of Sec. 5.1, scored with SSIM and, when available, LPIPS.
 
-The offline attack's choices and deviations, measured on lego at 25x25 (the tests' setting;
-SSIM-depth of the attacked surrogate against the true joint model, untrained surrogate
-0.07-0.28):
-- D is one minus the cosine similarity: 0.98-0.997 (seeds 0-3). The paper's example, the
-  l2 norm, reaches 0.76-0.84, and only from U(0, 1) dummies (0.17-0.21 from N(0, 1));
-- the default ratio is 100 (10: 0.99 too), not the paper's 0.01: 0.01 and 0 score -0.004 to
-  0.04 (seeds 0-2), 1 scores 0.05-0.16. With a small ratio the dummy colours converge to the
-  surrogate's own renders, L_dummy and with it lambda go to 0, and the gradient term stops
-  teaching the head; the paper's Table 3 also has ratio 0 best on SSIM-depth;
+The offline attack's choices and deviations, each chosen on lego at 25x25 (the tests'
+setting); the figures behind them, and those of the online attacker above, are in
+docs/experiments/2026-11-22-splitnerf-defences.md ("Design measurements") and on
+docs/BENCHMARKS.md ("Defaults, as measured"):
+- D is one minus the cosine similarity; the paper's example, the l2 norm, recovers less of
+  the depth, and only from U(0, 1) dummies;
+- the default ratio is 100, not the paper's 0.01: with a small ratio the dummy colours
+  converge to the surrogate's own renders, L_dummy and with it lambda go to 0, and the
+  gradient term stops teaching the head; the paper's Table 3 also has ratio 0 best on
+  SSIM-depth;
 - the density layer starts in the span of the observed gradients (`spectral_init`), not at
-  random: random scores 0.85 for seed 0 but 0.07-0.09 for seeds 1-2 (the density row's sign
-  is the trap);
+  random: a random start recovers the depth for some seeds and nothing for others (the
+  density row's sign is the trap);
 - C_dummy starts N(0, 1) as in Algorithm 1, with its own learning rate (the paper gives one
   Adam for both, rate unstated).
 """
