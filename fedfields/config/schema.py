@@ -427,8 +427,9 @@ class CompressionSection:
     """Compressed uploads: each sampled client sends its update (its state minus the global it
     received) as a low-rank, quantised or top-k record, keeps what compression lost in its
     private state and adds it to its next update (error feedback); the server decompresses
-    each reply before every other check. Not with secure-aggregation (lowrank and topk
-    cannot be masked; quantise not yet) nor with strategy decentnerf (not yet)."""
+    each reply before every other check. With secure-aggregation only quantise, summed as
+    SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP;
+    strategy decentnerf only that way (its plaintext payload is not compressed yet)."""
 
     title: ClassVar[str] = "update compression"
     used_by: ClassVar[str] = "every task in mode='federated'"
