@@ -14,6 +14,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import Tensor
 
+from fedfields.aggregate import ALPHA_KEY
 from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
@@ -26,7 +27,12 @@ from fedfields.flower import (
     NodeState,
     Scaffold,
 )
-from fedfields.flower.compression import RESIDUAL, compressed_parts, rebuilt_arrays
+from fedfields.flower.compression import (
+    RESIDUAL,
+    compressed_parts,
+    rebuilt_arrays,
+    scaled_update,
+)
 from fedfields.flower.protocol import (
     ARRAYS,
     COMPRESSION,
@@ -35,6 +41,7 @@ from fedfields.flower.protocol import (
     NUM_DROPPED,
     NUM_EXAMPLES,
     SERVER_CONTROL,
+    STRATEGY,
     TRAIN_STEPS,
     ReplyParts,
     arrays_to_state,
@@ -202,8 +209,7 @@ def test_settings_that_cannot_work_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="cannot compose with secure aggregation"):
         FedAvg(secure_aggregation=secure, compression=CompressionConfig("topk"))
     assert FedAvg(secure_aggregation=secure, compression=CompressionConfig("quantise"))
-    with pytest.raises(ValueError, match="DecentNeRF"):
-        DecentNeRF(compression=CompressionConfig("lowrank"))
+    assert DecentNeRF(compression=CompressionConfig("lowrank")).compression is not None
     assert FedAvg(compression=CompressionConfig("none")).compression is None
 
 
@@ -234,7 +240,6 @@ def test_the_run_config_parses_compression_once_into_the_strategy() -> None:
         ({"compression": "quantise", "compression-bits": 3}, "compression-bits must be one of"),
         ({"compression": "topk", "compression-rank": 2}, "read only with compression='lowrank'"),
         ({"strategy": "fedavg", "compression-fraction": 0.5}, "compression='topk'"),
-        ({"compression": "lowrank"}, "not yet supported with strategy 'decentnerf'"),
         (
             {"strategy": "fedavg", "compression": "topk", "secure-aggregation": True},
             "clients' factors or indices do not add up",
@@ -266,6 +271,7 @@ STRATEGIES = {
     "fedexp": FedExP,
     "fedacg": FedACG,
     "scaffold": Scaffold,
+    "decentnerf": DecentNeRF,
 }
 
 
@@ -282,6 +288,11 @@ def strategy_node(k: int, compressed: bool) -> Callable:
         update = {key: local_state(k)[key] - global_state()[key] for key in received}
         local = {key: received[key] + update[key] for key in received}
         metrics = {NUM_EXAMPLES: EXAMPLES[k], TRAIN_STEPS: 2.0 + k}
+        scale_key = ""
+        if message.content[CONFIG].get(STRATEGY) == "decentnerf":  # alpha_k g_k and alpha_k
+            scale_key, alpha = ALPHA_KEY, 0.5 + 0.25 * k
+            local = {key: alpha * v for key, v in local.items()}
+            local[ALPHA_KEY] = torch.tensor([alpha])
         records = {ARRAYS: state_to_arrays(local)}
         if SERVER_CONTROL in message.content:  # Scaffold
             records[CONTROL_DELTA] = state_to_arrays({key: 0.01 * v for key, v in update.items()})
@@ -289,10 +300,10 @@ def strategy_node(k: int, compressed: bool) -> Callable:
         if compressed:
             return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
         config = SCHEMES[1]
-        shapes = {key: tuple(value.shape) for key, value in received.items()}
-        exact = {key: local[key].double() - received[key].double() for key in received}
+        shapes = {key: tuple(value.shape) for key, value in local.items()}
+        exact = scaled_update(local, received, scale_key)
         record, _ = compress_with_feedback(exact, None, config, torch.Generator().manual_seed(k))
-        rebuilt = rebuilt_arrays(received, decompress(record, shapes, config))
+        rebuilt = rebuilt_arrays(received, decompress(record, shapes, config), scale_key)
         return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)
 
     return handler

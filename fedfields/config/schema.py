@@ -428,8 +428,8 @@ class CompressionSection:
     received) as a low-rank, quantised or top-k record, keeps what compression lost in its
     private state and adds it to its next update (error feedback); the server decompresses
     each reply before every other check. With secure-aggregation only quantise, summed as
-    SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP;
-    strategy decentnerf only that way (its plaintext payload is not compressed yet)."""
+    SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP.
+    DecentNeRF's update is alpha_k g_k - alpha_k g."""
 
     title: ClassVar[str] = "update compression"
     used_by: ClassVar[str] = "every task in mode='federated'"
@@ -677,19 +677,12 @@ class FederatedConfig:
             )
 
     def _check_compression(self) -> None:
-        """Compression needs each client's update: in plaintext any scheme for a strategy whose
-        payload is its state (not DecentNeRF's alpha_k g_k, not compressed yet); under SecAgg+
-        only 'quantise', whose codes add up, and not with differential privacy."""
+        """Compression needs each client's update: in plaintext any scheme; under SecAgg+ only
+        'quantise', whose codes add up, and not with differential privacy."""
         scheme = self.compression.compression
         if scheme == "none" or self.common.mode != "federated":
             return
         secure = self.secure.secure_aggregation
-        if self.strategy_name == "decentnerf" and not secure:
-            raise ValueError(
-                f"run-config 'compression' {scheme!r} is not yet supported with strategy "
-                "'decentnerf' in plaintext (its payload alpha_k g_k is sent whole): use 'none', "
-                "or 'quantise' with 'secure-aggregation' = true"
-            )
         if secure and scheme in ("lowrank", "topk"):
             raise ValueError(
                 f"run-config 'compression' {scheme!r} with 'secure-aggregation' = true is "

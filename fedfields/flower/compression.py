@@ -26,6 +26,7 @@ from fedfields.flower.protocol import (
     ARRAYS,
     COMPRESSION,
     COMPRESSION_BITS,
+    COMPRESSION_DELTA_SCALE,
     COMPRESSION_FRACTION,
     COMPRESSION_RANK,
     CONFIG,
@@ -42,16 +43,22 @@ RESIDUAL = "compression-residual"
 """Node-state tensors: what compression left out of the node's last upload (error feedback)."""
 
 
-def compression_entries(config: CompressionConfig | None) -> dict[str, int | float | str]:
-    """The train-config entries asking clients for `config` ({} when updates go whole)."""
+def compression_entries(
+    config: CompressionConfig | None, delta_scale: str = ""
+) -> dict[str, int | float | str]:
+    """The train-config entries asking clients for `config` ({} when updates go whole); with
+    `delta_scale` the ARRAYS key s of a payload s x (the update is then s x - s g)."""
     if config is None or not config.enabled:
         return {}
-    return {
+    entries: dict[str, int | float | str] = {
         COMPRESSION: config.scheme,
         COMPRESSION_RANK: config.rank,
         COMPRESSION_BITS: config.bits,
         COMPRESSION_FRACTION: config.fraction,
     }
+    if delta_scale:
+        entries[COMPRESSION_DELTA_SCALE] = delta_scale
+    return entries
 
 
 def requested_compression(config: ConfigRecord) -> CompressionConfig | None:
@@ -77,7 +84,7 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
         return parts  # under SecAgg+ the secure-aggregation mod sends the codes
     received = arrays_to_state(msg.content[ARRAYS], copy=False)
     local = arrays_to_state(parts.records[ARRAYS], copy=False)
-    update = {key: local[key].double() - received[key].double() for key in local}
+    update = scaled_update(local, received, str(sent_config.get(COMPRESSION_DELTA_SCALE, "")))
     generator = torch.Generator().manual_seed(seed)
     record, residual = compress_with_feedback(update, state.tensors(RESIDUAL), config, generator)
     state.put_tensors(RESIDUAL, residual)
@@ -87,16 +94,31 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
     return ReplyParts({**parts.records, ARRAYS: wire}, parts.metrics)
 
 
+def scaled_update(
+    local: Mapping[str, Tensor], received: Mapping[str, Tensor], scale_key: str = ""
+) -> dict[str, Tensor]:
+    """The update a client compresses, float64: local - s received for the keys received, with
+    s = local[scale_key] (DecentNeRF's alpha_k of alpha_k g_k) or 1; other keys (s itself) as
+    they are."""
+    scale = float(local[scale_key].double().reshape(())) if scale_key in local else 1.0
+    return {
+        key: value.double() - scale * received[key].double() if key in received else value.double()
+        for key, value in local.items()
+    }
+
+
 def decompressed_reply_state(
     reply: Message,
     shapes: Shapes,
     reference: Mapping[str, Tensor],
     dtypes: Mapping[str, str],
     config: CompressionConfig,
+    scale_key: str = "",
 ) -> dict[str, Tensor]:
-    """The state a compressed ARRAYS reply stands for, reference + decompressed update, after
-    every check of `protocol.checked_state` (keys, shapes, dtypes, finiteness as summed);
-    `BadReply` ("compression") naming the node and why a malformed record was refused."""
+    """The state a compressed ARRAYS reply stands for, s reference + decompressed update (s the
+    update's `scale_key` entry, or 1), after every check of `protocol.checked_state` (keys,
+    shapes, dtypes, finiteness as summed); `BadReply` ("compression") naming the node and why
+    a malformed record was refused."""
     where = f"reply from node {reply.metadata.src_node_id}, record {ARRAYS!r}"
     record = reply.content.get(ARRAYS)
     if not isinstance(record, ArrayRecord):
@@ -107,7 +129,7 @@ def decompressed_reply_state(
         update = decompress(arrays, shapes, config)
     except (TypeError, ValueError) as error:
         raise BadReply("compression", f"{where}: {config.scheme}: {error}") from None
-    return checked_state(rebuilt_arrays(reference, update), shapes, where, dtypes)
+    return checked_state(rebuilt_arrays(reference, update, scale_key), shapes, where, dtypes)
 
 
 def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
@@ -115,20 +137,27 @@ def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
     `arrays` themselves when `sent` asked for no compression, else the arrays sent plus the
     decompressed update. For readers of replies the gate accepted (an audit's view of an
     upload); a malformed record is a ValueError."""
-    config = requested_compression(sent.content.config_records.get(CONFIG, ConfigRecord()))
-    if config is None:
+    sent_config = sent.content.config_records.get(CONFIG, ConfigRecord())
+    config = requested_compression(sent_config)
+    if config is None or sent_config.get(SECURE_AGGREGATION):
         return arrays
     reference = arrays_to_state(sent.content[ARRAYS], copy=False)
     shapes = {key: tuple(value.shape) for key, value in reference.items()}
+    scale_key = str(sent_config.get(COMPRESSION_DELTA_SCALE, ""))
+    if scale_key:
+        shapes[scale_key] = (1,)
     update = decompress({name: array.numpy() for name, array in arrays.items()}, shapes, config)
-    return rebuilt_arrays(reference, update)
+    return rebuilt_arrays(reference, update, scale_key)
 
 
-def rebuilt_arrays(reference: Mapping[str, Tensor], update: Mapping[str, Tensor]) -> ArrayRecord:
-    """The state an update stands for: reference + update, in the reference's dtypes."""
-    return state_to_arrays(
-        {
-            key: (value.double() + update[key].double()).to(value.dtype)
-            for key, value in reference.items()
-        }
-    )
+def rebuilt_arrays(
+    reference: Mapping[str, Tensor], update: Mapping[str, Tensor], scale_key: str = ""
+) -> ArrayRecord:
+    """The state an update stands for: s reference + update in the reference's dtypes, s the
+    update's `scale_key` entry (kept as sent) or 1."""
+    scale = float(update[scale_key].double().reshape(())) if scale_key else 1.0
+    state = {
+        key: (scale * value.double() + update[key].double()).to(value.dtype)
+        for key, value in reference.items()
+    }
+    return state_to_arrays(state | {key: update[key] for key in update if key not in reference})

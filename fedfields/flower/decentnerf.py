@@ -126,10 +126,6 @@ class DecentNeRF(ProtocolStrategy):
     dp_delta_scale = ALPHA_KEY
     settings_class = DecentNeRFSettings
     cost_model = DECENTNERF_COST
-    refuses_compression = (
-        "DecentNeRF's plaintext payload alpha_k g_k is not compressed yet; with secure "
-        "aggregation 'quantise' sends alpha_k (g_k - g) and G_k as packed codes"
-    )
 
     def __init__(
         self,

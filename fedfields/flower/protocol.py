@@ -72,6 +72,9 @@ absent: sent whole), with its strength under COMPRESSION_RANK, _BITS or _FRACTIO
 COMPRESSION_RANK = "compression-rank"
 COMPRESSION_BITS = "compression-bits"
 COMPRESSION_FRACTION = "compression-fraction"
+COMPRESSION_DELTA_SCALE = "compression-delta-scale"
+"""Train-config entry: the ARRAYS key s of a strategy whose payload is s x (DecentNeRF's
+alpha_k): the compressed update is then s x - s g, and s is sent within it, whole in effect."""
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""

@@ -74,6 +74,8 @@ class ReplyGate:
     max_num_examples: float | None
     max_update_norm: float | None
     compression: CompressionConfig | None = None
+    delta_scale: str = ""
+    """The ARRAYS key s of a payload s x (DecentNeRF's alpha_k): its update is s x - s g."""
 
     def successful(self, train_round: TrainRound, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
@@ -158,8 +160,9 @@ class ReplyGate:
         if self.compression is None or name != ARRAYS:
             return reply_state(reply, name, shapes, train_round.dtypes)
         return decompressed_reply_state(
-            reply, shapes, train_round.reference, train_round.dtypes, self.compression
-        )
+            reply, shapes, train_round.reference, train_round.dtypes, self.compression,
+            self.delta_scale,
+        )  # fmt: skip
 
     def check_update_norm(
         self, train_round: TrainRound, node_id: int, state: Mapping[str, Tensor], scale: float

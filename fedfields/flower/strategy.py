@@ -76,8 +76,6 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
-    refuses_compression: ClassVar[str] = ""
-    """Why this strategy cannot take compressed uploads ("": it can)."""
 
     def __init__(
         self,
@@ -113,7 +111,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.local_steps = local_steps
         self.secure_aggregation = secure_aggregation
         self.compression = checked_compression(
-            compression, self.refuses_compression, secure_aggregation, differential_privacy
+            compression, secure_aggregation, differential_privacy
         )
         """The scheme replies compress their ARRAYS update with (None: sent whole)."""
         self.node_timeout = node_timeout
@@ -154,7 +152,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     def protocol_config(self) -> dict[str, int | float | str]:
         """Train-config entries this strategy owns, besides "server-round"."""
         own: dict[str, int | float | str] = {STRATEGY: self.strategy_name}
-        own |= compression_entries(self.compression)
+        own |= compression_entries(self.compression, self.dp_delta_scale)
         if self.local_steps is not None:
             own[LOCAL_STEPS] = self.local_steps
         if self.secure_aggregation is not None:
@@ -190,7 +188,9 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_started += 1
         ledger = TrainRound(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
-        gate = ReplyGate(self.max_num_examples, self.max_update_norm, self.compression)
+        gate = ReplyGate(
+            self.max_num_examples, self.max_update_norm, self.compression, self.dp_delta_scale
+        )
         rules, secure = self.sum_rules(), self.secure_aggregation
         self.open_round = Round.open(
             ledger, arrays, gate, self.check_update, rules, secure, self.privacy

@@ -104,12 +104,10 @@ def merged_train_config(
 
 def checked_compression(
     config: CompressionConfig | None,
-    refuses_compression: str,
     secure_aggregation: SecureAggregationConfig | None,
     privacy: DPConfig | None = None,
 ) -> CompressionConfig | None:
-    """`config` if a strategy can take it (None for "none"); ValueError saying why not: the
-    strategy's own `refuses_compression` reason for plaintext ("": none), or SecAgg+.
+    """`config` if a strategy can take it (None for "none"); ValueError saying why not.
 
     SecAgg+ sums masked vectors entry by entry: quantised codes on the scale every client
     shares add up (`fedfields.privacy.packed_sum`), low-rank factors and top-k index sets of
@@ -118,8 +116,6 @@ def checked_compression(
     """
     if config is None or not config.enabled:
         return None
-    if secure_aggregation is None and refuses_compression:
-        raise ValueError(f"compression {config.scheme!r}: {refuses_compression}")
     if secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
         raise ValueError(
             f"compression {config.scheme!r} cannot compose with secure aggregation: SecAgg+ "
