@@ -34,9 +34,10 @@ def test_the_plan_is_none_then_each_scheme_at_each_strength_per_strategy_and_sum
     ]  # fmt: skip
     defaults = parse_args([])
     assert len(plan(defaults)) == 2 * (1 + 2 + 3 + 3) and defaults.rounds == 8
-    secure = parse_args(["--strategies", "decentnerf", "--secure", "--schemes", "quantise"])
-    assert [s.name for s in plan(secure)][4:6] == ["decentnerf-secure-none",
-                                                   "decentnerf-secure-quantise-8"]  # fmt: skip
+    both = parse_args(["--strategies", "decentnerf", "--sums", "plaintext", "secure",
+                       "--schemes", "quantise"])  # fmt: skip
+    assert [s.name for s in plan(both)][4:6] == ["decentnerf-secure-none",
+                                                 "decentnerf-secure-quantise-8"]  # fmt: skip
 
 
 def test_each_setting_is_a_valid_run_config_and_a_refused_one_is_skipped_with_why(

@@ -1,8 +1,8 @@
 """Benchmark (issue 45): bytes up per round, seconds per round and final clean PSNR (and
 DecentNeRF's personal-mask PSNR) on the Novel Blender crowd, each compression scheme at two or
 three strengths against none, for FedNeRF (strategy fedavg) and DecentNeRF, in plaintext and
-under SecAgg+ (`--secure`), through Flower's simulation engine (Ray) with the App's run-config
-defaults plus `--run-config`.
+under SecAgg+ (`--sums plaintext secure`), through Flower's simulation engine (Ray) with the
+App's run-config defaults plus `--run-config`.
 
 Each setting is one run-config (`setting_run_config`) validated by the run-config schema
 before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+, plaintext
@@ -15,7 +15,7 @@ the table goes to compression.md and the bytes-versus-PSNR figure to compression
 of the run's global field (a seeded random update) per setting, against the float32 upload.
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
-    python -m simulations.bench.compression --strategies decentnerf --secure --bits 4
+    python -m simulations.bench.compression --strategies decentnerf --sums secure --bits 4
     python -m simulations.bench.compression --bytes-only
 """
 
@@ -91,12 +91,12 @@ class Row:
 
 
 def plan(args: argparse.Namespace) -> list[Setting]:
-    """The runs per strategy (and under SecAgg+ with `--secure`): none first, then each scheme
-    asked for at each of its strengths."""
+    """The runs per strategy and sum (`--sums`): none first, then each scheme asked for at each
+    of its strengths."""
     strengths = {"lowrank": args.ranks, "quantise": args.bits, "topk": args.fractions}
     settings = []
     for strategy in args.strategies:
-        for secure in (False, True) if args.secure else (False,):
+        for secure in (sum_kind == "secure" for sum_kind in args.sums):
             settings.append(Setting("none", None, strategy, secure))
             settings += [
                 Setting(scheme, strength, strategy, secure)
@@ -228,7 +228,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument(
-        "--secure", action="store_true", help="also every setting under SecAgg+ (quantise only)"
+        "--sums",
+        nargs="+",
+        choices=("plaintext", "secure"),
+        default=["plaintext"],
+        help="plaintext uploads, SecAgg+ (quantise only), or both",
     )
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 8], help="lowrank: r")
