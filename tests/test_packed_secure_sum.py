@@ -68,6 +68,11 @@ def test_packing_is_the_documented_saving_at_eight_clients() -> None:
         Packing(bits=8, width=11, per_entry=3, levels=2**28)
     with pytest.raises(ValueError, match="power of two"):
         Packing(bits=8, width=11, per_entry=1, levels=3 * 2**20)
+    with pytest.raises(ValueError, match="four integers"):  # what a client reads off the wire
+        Packing.from_list([8, 11, 2])
+    with pytest.raises(ValueError, match="bits <= width"):
+        Packing.from_list([8, 4, 2, 2**28])
+    assert Packing.from_list(plan_packing(4, 8, 2**32).as_list()).per_entry == 4
 
 
 def test_flowers_quantiser_maps_the_carried_floats_back_to_the_integers_exactly() -> None:

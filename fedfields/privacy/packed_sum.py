@@ -20,6 +20,11 @@ exactly (float64 arithmetic on dyadic values, no rounding), so its own random ro
 touches the codes. Entries that must keep SecAgg+'s full precision (the sum's weight and
 metrics, one-element tensors such as DecentNeRF's alpha_k) take one masked entry each, rounded
 to Q levels the same way.
+
+A client that does not run this code can put any integer in its masked entries: its carries
+then spill into the neighbouring fields of the sum. As for every SecAgg+ sum (secure sums carry
+no range proofs; `fedfields.privacy.secure_sum`), what a liar adds to its own vector is not
+bounded; a packing a server sends that does not fit its levels is refused by the clients.
 """
 
 from __future__ import annotations
