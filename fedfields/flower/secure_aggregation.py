@@ -5,8 +5,11 @@ secure aggregation it runs the handler, keeps the reply's ArrayRecords and scala
 `context.state` (multiplied by the "secure-weight" metric, as differences for "secure-delta"
 records) and replies with their names only. SecAgg+ messages go to Flower's
 `secaggplus_mod`, whose masked-vector stage is answered from what was held: exponent
-one-hots ("bounds") or the scaled payload ("payload"). The plaintext weight of every SecAgg+
-reply is 1 and its metrics are empty, so nothing but masked vectors identifies the client.
+one-hots ("bounds") or the scaled payload ("payload"); under compression 'quantise' the
+payload goes as b-bit codes packed several to a masked integer (`fedfields.privacy.packed_sum`),
+the update's residual kept in the node's state for its next round. The plaintext weight of
+every SecAgg+ reply is 1 and its metrics are empty, so nothing but masked vectors identifies
+the client.
 
 Distributed DP: when CONFIG carries "dp-clip-norm", "dp-noise-multiplier" z and
 "dp-min-holders" t, the held records (differences for "secure-delta" records, x - s g with
@@ -33,6 +36,7 @@ import hashlib
 import math
 from logging import ERROR
 
+import numpy as np
 import torch
 from flwr.app import (
     ArrayRecord,
@@ -209,7 +213,8 @@ def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
     """Keep `reply`'s arrays and scalar metrics in `context.state`; return their names.
 
     Everything is multiplied by the weight w (the CONFIG "secure-weight" metric, else 1);
-    w itself goes under WEIGHT_KEY of the METRICS pseudo-record.
+    w itself goes under WEIGHT_KEY of the METRICS pseudo-record. Under compression 'quantise'
+    the held update carries the node's residual (error feedback) and the rounding seed is kept.
     """
     config = msg.content[CONFIG]
     metrics = dict(reply.content.metric_records.get(METRICS, MetricRecord()))
@@ -364,7 +369,7 @@ def _packed_payload(
     payload: dict[str, dict[str, Tensor]],
     layout: list[tuple[str, str, tuple[int, ...]]],
     fit_config: ConfigRecord,
-) -> list:
+) -> list[np.ndarray]:
     """The payload as packed b-bit codes (`fedfields.privacy.packed_sum`), rounded with the
     held seed; under compression 'quantise' what the codes lost of the update is kept in the
     node's state (divided by the weight) for its next round."""
