@@ -16,9 +16,12 @@ from simulations.bench.compression import (
     Setting,
     accepted,
     figure,
+    load_rows,
+    main,
     parse_args,
     plan,
     read_row,
+    save_rows,
     setting_run_config,
     table,
     upload_bytes,
@@ -96,3 +99,21 @@ def test_bytes_only_counts_one_upload_of_the_runs_field() -> None:
     assert full == 4 * sum(sizes)
     assert sent == sum(math.ceil(n / 2) + 5 for n in sizes)
     assert upload_bytes(Setting("none"), setting_run_config(Setting("none"), small)) == (full, full)
+
+
+def test_combine_writes_one_table_and_figure_from_earlier_runs(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+    save_rows(first, [Row(Setting("none"), 100.0, 5.0, 17.0, 4.9)])
+    save_rows(second, [Row(Setting("none"), 100.0, 5.0, 17.0, 4.9),
+                       Row(Setting("quantise", 2), 10.0, 4.0, 17.1, 4.8)])  # fmt: skip
+    main(["--combine", str(first), str(second), "--out", str(tmp_path / "both")])
+    text = (tmp_path / "both" / "compression.md").read_text()
+    assert text.count("| fedavg | plaintext | none |") == 1  # each setting once
+    assert "| fedavg | plaintext | quantise 2 | 10 | 10.0 |" in text
+    assert (tmp_path / "both" / "compression.png").stat().st_size > 1000
+    assert load_rows(tmp_path / "both")[1].setting == Setting("quantise", 2)
+    (first / "rows.json").write_text('[{"setting": {"scheme": "none"}}')  # cut short
+    with pytest.raises(ValueError, match=r"a[/\\]rows.json: not the rows"):
+        load_rows(first)

@@ -10,13 +10,15 @@ DecentNeRF with compression) is printed with the App's reason and skipped. The r
 (`read_row`) come from each run's metrics.jsonl (mean bytes-up per round: the float32 or
 compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure),
 its wall seconds over its rounds (Ray's start-up included) and summary.json (final scores);
-the table goes to compression.md and the bytes-versus-PSNR figure to compression.png under
-`--out`. `--bytes-only` trains nothing: it prints the bytes of one compressed plaintext upload
+the table goes to compression.md (and rows.json), the bytes-versus-PSNR figure to
+compression.png under `--out`; `--combine DIR ...` writes one table and figure from earlier
+runs' folders. `--bytes-only` trains nothing: it prints the bytes of one compressed plaintext upload
 of the run's global field (a seeded random update) per setting, against the float32 upload.
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
     python -m simulations.bench.compression --strategies decentnerf --sums secure --bits 4
     python -m simulations.bench.compression --bytes-only
+    python -m simulations.bench.compression --combine runs/a runs/b --out runs/both
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,8 @@ STRENGTH_KEYS = {
 
 
 STRATEGIES = ("fedavg", "decentnerf")
+ROWS_FILE = "rows.json"
+"""A bench run's rows, beside its compression.md: what `--combine` reads back."""
 
 
 @dataclass(frozen=True)
@@ -247,12 +251,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bytes-only", action="store_true", help="print one upload's bytes per setting, no runs"
     )
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: one table and figure in --out from earlier runs' output folders",
+    )
     add_device_argument(parser, "the server and the Ray clients")
     return parser.parse_args(argv)
 
 
+def save_rows(out: Path, rows: list[Row]) -> None:
+    """`rows` as `out`'s rows.json (what `--combine` reads back) and compression.md."""
+    atomic.write_json(out / ROWS_FILE, [asdict(row) for row in rows])
+    atomic.write_text(out / "compression.md", table(rows))
+
+
+def load_rows(folder: Path) -> list[Row]:
+    """The rows a bench run saved in `folder`; ValueError naming the file when it is missing
+    or not rows."""
+    path = folder / ROWS_FILE
+    try:
+        return [
+            Row(**{**row, "setting": Setting(**row["setting"])})
+            for row in json.loads(path.read_text())
+        ]
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"{path}: not the rows of a compression bench run ({error})") from None
+
+
+def combined(folders: list[Path]) -> list[Row]:
+    """The rows of several bench runs in order, each setting once (its first run's row)."""
+    rows: dict[str, Row] = {}
+    for folder in folders:
+        for row in load_rows(folder):
+            rows.setdefault(row.setting.name, row)
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.combine:
+        out = args.out or APP_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-compression"
+        out.mkdir(parents=True, exist_ok=True)
+        rows = combined(args.combine)
+        save_rows(out, rows)
+        atomic.save_figure(out / "compression.png", figure(rows))
+        print(table(rows))
+        return
     extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
     configs = accepted(plan(args), extra)
     if args.bytes_only:
@@ -275,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = run_with_ray(config, args.users, client_device=args.device)
         rows.append(read_row(setting, run_dir, time.perf_counter() - started))
         print(rows[-1])
-        atomic.write_text(out / "compression.md", table(rows))  # what finished, kept as it goes
+        save_rows(out, rows)  # what finished, kept as it goes
     atomic.save_figure(out / "compression.png", figure(rows))
     print(table(rows))
 
