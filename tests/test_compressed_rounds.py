@@ -31,7 +31,6 @@ from fedfields.flower.compression import (
     RESIDUAL,
     compressed_parts,
     rebuilt_arrays,
-    scaled_update,
 )
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -48,6 +47,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
+from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy
 from simulations.in_process_grid import InProcessGrid
@@ -301,7 +301,7 @@ def strategy_node(k: int, compressed: bool) -> Callable:
             return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
         config = SCHEMES[1]
         shapes = {key: tuple(value.shape) for key, value in local.items()}
-        exact = scaled_update(local, received, scale_key)
+        exact = scaled_difference(local, received, scale_key)
         record, _ = compress_with_feedback(exact, None, config, torch.Generator().manual_seed(k))
         rebuilt = rebuilt_arrays(received, decompress(record, shapes, config), scale_key)
         return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)

@@ -38,6 +38,7 @@ from fedfields.flower.protocol import (
     checked_state,
     state_to_arrays,
 )
+from fedfields.privacy.dp import scaled_difference
 
 RESIDUAL = "compression-residual"
 """Node-state tensors: what compression left out of the node's last upload (error feedback)."""
@@ -84,7 +85,8 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
         return parts  # under SecAgg+ the secure-aggregation mod sends the codes
     received = arrays_to_state(msg.content[ARRAYS], copy=False)
     local = arrays_to_state(parts.records[ARRAYS], copy=False)
-    update = scaled_update(local, received, str(sent_config.get(COMPRESSION_DELTA_SCALE, "")))
+    scale_key = str(sent_config.get(COMPRESSION_DELTA_SCALE, ""))
+    update = scaled_difference(local, received, scale_key)
     generator = torch.Generator().manual_seed(seed)
     record, residual = compress_with_feedback(update, state.tensors(RESIDUAL), config, generator)
     state.put_tensors(RESIDUAL, residual)
@@ -92,19 +94,6 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
     for name, array in record.items():
         wire[name] = Array(np.ascontiguousarray(array))
     return ReplyParts({**parts.records, ARRAYS: wire}, parts.metrics)
-
-
-def scaled_update(
-    local: Mapping[str, Tensor], received: Mapping[str, Tensor], scale_key: str = ""
-) -> dict[str, Tensor]:
-    """The update a client compresses, float64: local - s received for the keys received, with
-    s = local[scale_key] (DecentNeRF's alpha_k of alpha_k g_k) or 1; other keys (s itself) as
-    they are."""
-    scale = float(local[scale_key].double().reshape(())) if scale_key in local else 1.0
-    return {
-        key: value.double() - scale * received[key].double() if key in received else value.double()
-        for key, value in local.items()
-    }
 
 
 def decompressed_reply_state(
