@@ -8,7 +8,8 @@ builds the reply in one place: a federated round's train reply also carries "cli
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
 data; when the server asks for compression, ARRAYS goes as the compressed update with the
-node's residual (`fedfields.flower.compression.compressed_parts`). The server's
+node's residual (`fedfields.flower.compression.compressed_parts`); a compressed download is
+rebuilt into the global first (`fedfields.flower.downloads.compressed_download_mod`). The server's
 "query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by
 which it samples and sums. With run-config
 `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
@@ -24,7 +25,7 @@ from flwr.clientapp import ClientApp
 
 from clients.call import ClientCall
 from clients.halves import half_for
-from fedfields.flower import secure_aggregation_mod
+from fedfields.flower import compressed_download_mod, secure_aggregation_mod
 from fedfields.flower.compression import compressed_parts
 from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
@@ -32,7 +33,7 @@ from fedfields.train.builders import client_seed
 
 QUERY_TIMING = "query-timing"  # node-state values: {"round", "seconds"} of the last G_k query
 
-app = ClientApp(mods=[secure_aggregation_mod])
+app = ClientApp(mods=[compressed_download_mod, secure_aggregation_mod])
 app.query(USER_KEY_ACTION)(answer_user_key)  # which user this node is: the server samples by it
 
 

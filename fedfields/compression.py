@@ -44,12 +44,16 @@ Shapes = Mapping[str, tuple[int, ...]]
 @dataclass(frozen=True)
 class CompressionConfig:
     """Which scheme compresses updates and how strongly: `rank` r for lowrank, `bits` b for
-    quantise, `fraction` f for topk (each used by its scheme only). "none" sends updates whole."""
+    quantise, `fraction` f for topk (each used by its scheme only). "none" sends updates whole.
+    With `download` the global goes down compressed the same way, as the change since the
+    version a node holds, kept `download_history` rounds (`fedfields.downloads`)."""
 
     scheme: str = "none"
     rank: int = 4
     bits: int = 8
     fraction: float = 0.1
+    download: bool = False
+    download_history: int = 8
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -60,6 +64,13 @@ class CompressionConfig:
             raise ValueError(f"compression-bits must be one of {BIT_WIDTHS}, got {self.bits!r}")
         if not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
             raise ValueError(f"compression-fraction must be in (0, 1], got {self.fraction!r}")
+        if not isinstance(self.download, bool):
+            raise ValueError(f"compression-download must be true or false, got {self.download!r}")
+        history = self.download_history
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(
+                f"compression-download-history must be a positive integer, got {history!r}"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -21,8 +21,9 @@ from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedfields.flower.compression import uploaded_arrays
+from fedfields.flower.downloads import followed
 from fedfields.flower.forwarding import ForwardingGrid
-from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX
+from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX, state_to_arrays
 
 
 class Observer(Protocol):
@@ -74,7 +75,8 @@ class ReplyTap(ForwardingGrid):
 
     The strategy gets the replies unchanged; the observer sees what the server received, a
     compressed upload as the state it stands for (the arrays sent plus the decompressed
-    update: what the server reads of it).
+    update; under compressed downloads the global the nodes rebuilt, which the tap follows
+    from the messages it forwards, plus the update).
     """
 
     def __init__(self, grid: Grid, on_replies: Callable[[list[Message]], None]) -> None:
@@ -82,6 +84,8 @@ class ReplyTap(ForwardingGrid):
         self.on_replies = on_replies
         self.sent: dict[str, Message] = {}
         """Train messages by id until their reply passes: uploads are read against them."""
+        self.download: tuple[int, dict] | None = None
+        """(version, reference) of the compressed downloads followed so far."""
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Push through the wrapped grid, keeping the train messages for their replies."""
@@ -116,6 +120,7 @@ class ReplyTap(ForwardingGrid):
         }
         if train:
             self.sent = train
+            self.download = followed(self.download, train.values())
 
     def readable(self, reply: Message) -> Message:
         """`reply`, its ARRAYS as the state the server reads (`uploaded_arrays`); a reply
@@ -123,8 +128,9 @@ class ReplyTap(ForwardingGrid):
         sent = self.sent.pop(reply.metadata.reply_to_message_id, None)
         if sent is None or reply.has_error() or ARRAYS not in reply.content:
             return reply
+        received = None if self.download is None else state_to_arrays(self.download[1])
         try:
-            arrays = uploaded_arrays(reply.content[ARRAYS], sent)
+            arrays = uploaded_arrays(reply.content[ARRAYS], sent, received)
         except (TypeError, ValueError):
             return reply
         if arrays is reply.content[ARRAYS]:

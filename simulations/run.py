@@ -20,6 +20,7 @@ from flwr.clientapp.typing import Mod
 from flwr.serverapp import Grid, ServerApp
 
 from clients import client_app as nerf_client
+from fedfields.flower.downloads import compressed_download_mod
 from fedfields.flower.protocol import GRADIENT_QUERY
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
@@ -42,7 +43,7 @@ def with_run_config(context: Context, run_config: dict[str, Any]) -> Context:
 def client_app(run_config: dict[str, Any], mods: Sequence[Mod] = ()) -> ClientApp:
     """The ClientApp's handlers and mods (scene or meta tasks, by `task`), seeing `run_config`;
     `mods` go first (outermost), e.g. a benchmark's fault injection."""
-    app = ClientApp(mods=[*mods, secure_aggregation_mod])
+    app = ClientApp(mods=[*mods, compressed_download_mod, secure_aggregation_mod])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

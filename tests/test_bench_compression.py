@@ -41,6 +41,9 @@ def test_the_plan_is_none_then_each_scheme_at_each_strength_per_strategy_and_sum
                        "--schemes", "quantise"])  # fmt: skip
     assert [s.name for s in plan(both)][4:6] == ["decentnerf-secure-none",
                                                  "decentnerf-secure-quantise-8"]  # fmt: skip
+    down = parse_args(["--strategies", "fedavg", "--schemes", "quantise", "--bits", "4",
+                       "--download"])  # fmt: skip
+    assert [s.name for s in plan(down)] == ["fedavg-none", "fedavg-quantise-4-down"]
 
 
 def test_each_setting_is_a_valid_run_config_and_a_refused_one_is_skipped_with_why(
@@ -54,6 +57,7 @@ def test_each_setting_is_a_valid_run_config_and_a_refused_one_is_skipped_with_wh
         setting_run_config(Setting("quantise", 3))
     secure = setting_run_config(Setting("quantise", 4, "decentnerf", secure=True))
     assert secure["secure-aggregation"] is True and secure["compression-bits"] == 4
+    assert setting_run_config(Setting("quantise", 4, download=True))["compression-download"]
     settings = [Setting("topk", 0.05, "decentnerf", True), Setting("none", None, "decentnerf")]
     assert list(accepted(settings, "")) == settings[1:]
     assert "decentnerf-secure-topk-0.05: refused by the App" in capsys.readouterr().out
@@ -65,21 +69,29 @@ def test_a_row_reads_its_run_and_the_table_compares_with_its_own_none(tmp_path: 
         (Setting("topk", 0.05), [90, 110], 19.6),
         (Setting("none", None, "decentnerf", True), [4000, 4000], 21.0),
         (Setting("quantise", 4, "decentnerf", True), [1000, 1000], 20.9),
+        (Setting("quantise", 4, download=True), [125, 125], 19.9),
     )
     rows = []
     for setting, up, psnr in runs:
         run = tmp_path / setting.name
         run.mkdir()
-        lines = [json.dumps({"round": i + 1, "bytes-up": b}) for i, b in enumerate(up)]
+        down = 2 * up[0] if setting.download else 2000
+        lines = [
+            json.dumps({"round": i + 1, "bytes-up": b, "bytes-down": down})
+            for i, b in enumerate(up)
+        ]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         final = {"clean-psnr": psnr, "personal-psnr": 9.5}
         (run / "summary.json").write_text(json.dumps({"final": final}))
         rows.append(read_row(setting, run, seconds=10.0))
-    assert rows[1] == Row(Setting("topk", 0.05), 100.0, 5.0, 19.6, 9.5)
+    assert rows[1] == Row(Setting("topk", 0.05), 100.0, 5.0, 19.6, 9.5, 2000.0)
     text = table(rows)
-    assert "| fedavg | plaintext | topk 0.05 | 100 | 10.0 | 5.0 | 19.60 | -0.40 | 9.50 |" in text
-    secure_row = "| decentnerf | SecAgg+ | quantise 4 | 1,000 | 4.0 | 5.0 | 20.90 | -0.10 | 9.50 |"
+    topk = "| fedavg | plaintext | topk 0.05 | 100 | 10.0 | 2,000 | 1.0 | 5.0 | 19.60 | -0.40 |"
+    assert topk in text
+    secure_row = "| decentnerf | SecAgg+ | quantise 4 | 1,000 | 4.0 | 2,000 | 1.0 | 5.0 | 20.90 |"
     assert secure_row in text
+    down = "| fedavg | plaintext | quantise 4, downloads too | 125 | 8.0 | 250 | 8.0 | 5.0 |"
+    assert down in text
     atomic.save_figure(tmp_path / "compression.png", figure(rows))
     assert (tmp_path / "compression.png").stat().st_size > 1000
 
@@ -111,7 +123,7 @@ def test_combine_writes_one_table_and_figure_from_earlier_runs(tmp_path: Path) -
     main(["--combine", str(first), str(second), "--out", str(tmp_path / "both")])
     text = (tmp_path / "both" / "compression.md").read_text()
     assert text.count("| fedavg | plaintext | none |") == 1  # each setting once
-    assert "| fedavg | plaintext | quantise 2 | 10 | 10.0 |" in text
+    assert "| fedavg | plaintext | quantise 2 | 10 | 10.0 | - | - |" in text  # no bytes down yet
     assert (tmp_path / "both" / "compression.png").stat().st_size > 1000
     assert load_rows(tmp_path / "both")[1].setting == Setting("quantise", 2)
     (first / "rows.json").write_text('[{"setting": {"scheme": "none"}}')  # cut short

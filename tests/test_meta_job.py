@@ -27,6 +27,7 @@ from fedfields.flower.protocol import (
     CLIENT_INDEX,
     CONFIG,
     CONTROL_DELTA,
+    DOWNLOAD_VERSION,
     METRICS,
     NUM_EXAMPLES,
     NUM_FAILURES,
@@ -457,17 +458,20 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
     assert final["attack-folds"] == 3  # 6 clients: 3 folds of 2 targets, each a target once
 
 
+@pytest.mark.parametrize("download", [False, True], ids=["uploads", "downloads-too"])
 def test_a_compressed_run_goes_through_the_app_with_its_residuals_in_the_nodes_state(
-    tmp_path: Path,
+    tmp_path: Path, download: bool
 ) -> None:
     """Run-config compression through the App's ClientApp and job: every train reply's ARRAYS
-    is a top-k record, none is dropped, each node keeps its residual in its state directory."""
+    is a top-k record, none is dropped, each node keeps its residual in its state directory;
+    with compression-download every train message is a download the nodes rebuild, and the
+    audit's attacks still read the uploads."""
     config = tiny(
         tmp_path / "run",
         strategy="fedavg",
         compression="topk",
         **{"meta-learner": "fomaml", "compression-fraction": 0.25},
-        **{"state-dir": str(tmp_path / "state")},
+        **{"state-dir": str(tmp_path / "state"), "compression-download": download},
     )
     run_dir, grid = run_in_process(config)
     lines = metric_lines(run_dir)
@@ -479,3 +483,6 @@ def test_a_compressed_run_goes_through_the_app_with_its_residuals_in_the_nodes_s
             assert names and all(name.endswith((":indices", ":values")) for name in names)
             client = reply.content[CLIENT][CLIENT_INDEX]
             assert (tmp_path / "state" / f"node_{client:02d}" / f"{RESIDUAL}.pt").is_file()
+    train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
+    assert all((DOWNLOAD_VERSION in m.content[CONFIG]) == download for m in train)
+    assert all(len(line["clients"]) == 2 and line["psnr_p"] > 0 for line in lines)  # the audit

@@ -429,7 +429,9 @@ class CompressionSection:
     private state and adds it to its next update (error feedback); the server decompresses
     each reply before every other check. With secure-aggregation only quantise, summed as
     SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP.
-    DecentNeRF's update is alpha_k g_k - alpha_k g."""
+    DecentNeRF's update is alpha_k g_k - alpha_k g. With compression-download the global goes
+    down the same way: a node gets the change since the round whose global it last trained
+    from (a chain of the server's compressed differences), or the global whole."""
 
     title: ClassVar[str] = "update compression"
     used_by: ClassVar[str] = "every task in mode='federated'"
@@ -442,6 +444,12 @@ class CompressionSection:
     compression_rank: int = key(4, "lowrank: r, the rank each weight matrix is sent at")
     compression_bits: int = key(8, "quantise: b, bits per entry: 8 | 4 | 2")
     compression_fraction: float = key(0.1, "topk: f, the share of each tensor's entries sent")
+    compression_download: bool = key(
+        False, "also compress the global sent to nodes (its change since a node's last round)"
+    )
+    compression_download_history: int = key(
+        8, "rounds of compressed downloads the server keeps (older nodes get the global whole)"
+    )
 
     def __post_init__(self) -> None:
         _choice(self, "compression", SCHEMES)
@@ -455,6 +463,8 @@ class CompressionSection:
                 self.compression_rank,
                 self.compression_bits,
                 self.compression_fraction,
+                self.compression_download,
+                self.compression_download_history,
             )
         except ValueError as error:
             raise ValueError(f"run-config {error}") from None
@@ -640,6 +650,10 @@ class FederatedConfig:
         for run_key, scheme in COMPRESSION_STRENGTHS.items():
             if self.compression.compression != scheme:
                 unread.setdefault(run_key, f"compression='{scheme}'")
+        if self.compression.compression == "none":
+            unread.setdefault("compression-download", "compression other than 'none'")
+        if not self.compression.compression_download:
+            unread.setdefault("compression-download-history", "compression-download=true")
         return unread
 
     def ignored_keys(self) -> set[str]:

@@ -7,8 +7,9 @@ strategies
 built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
 `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
 node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
-state), and `secure_aggregation_mod` (Flower SecAgg+ for every strategy). The `*_parts`
-variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's records and
+state), `secure_aggregation_mod` (Flower SecAgg+ for every strategy) and
+`compressed_download_mod` (rebuilds a compressed download's global before the handler). The
+`*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's records and
 metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own. Record and key
 names are in `fedfields.flower.protocol`.
 """
@@ -16,6 +17,7 @@ names are in `fedfields.flower.protocol`.
 from __future__ import annotations
 
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
+from fedfields.flower.downloads import compressed_download_mod
 from fedfields.flower.fedacg import FedACG
 from fedfields.flower.fedadagrad import FedAdagrad
 from fedfields.flower.fedadam import FedAdam
@@ -55,6 +57,7 @@ __all__ = [
     "ScaffoldClient",
     "StrategyOptions",
     "client_index",
+    "compressed_download_mod",
     "m_of_n_sampling",
     "meta_train_parts",
     "meta_train_reply",

@@ -121,16 +121,20 @@ def decompressed_reply_state(
     return checked_state(rebuilt_arrays(reference, update, scale_key), shapes, where, dtypes)
 
 
-def uploaded_arrays(arrays: ArrayRecord, sent: Message) -> ArrayRecord:
+def uploaded_arrays(
+    arrays: ArrayRecord, sent: Message, received: ArrayRecord | None = None
+) -> ArrayRecord:
     """What a train reply's `arrays` stand for, given `sent`, the train message it answers:
-    `arrays` themselves when `sent` asked for no compression, else the arrays sent plus the
+    `arrays` themselves when `sent` asked for no compression, else the arrays the node received
+    (`received`, for a compressed download the global it rebuilt; else `sent`'s) plus the
     decompressed update. For readers of replies the gate accepted (an audit's view of an
     upload); a malformed record is a ValueError."""
     sent_config = sent.content.config_records.get(CONFIG, ConfigRecord())
     config = requested_compression(sent_config)
     if config is None or sent_config.get(SECURE_AGGREGATION):
         return arrays
-    reference = arrays_to_state(sent.content[ARRAYS], copy=False)
+    received = sent.content[ARRAYS] if received is None else received
+    reference = arrays_to_state(received, copy=False)
     shapes = {key: tuple(value.shape) for key, value in reference.items()}
     scale_key = str(sent_config.get(COMPRESSION_DELTA_SCALE, ""))
     if scale_key:

@@ -189,6 +189,8 @@ class DecentNeRF(ProtocolStrategy):
         summed = train_round.sum(replies, {GRADIENT: train_round.shapes})
         if summed is None:
             return None
+        if self.downloads is not None:  # they rebuilt this round's global for the query
+            self.downloads.hold(train_round.ledger.summed_users)
         gradient = train_round.in_global_dtypes(summed.sums[GRADIENT])
         if not all(bool(torch.isfinite(value).all()) for value in gradient.values()):
             log(ERROR, "round %d: the summed gradient G holds NaN or infinite values in the "

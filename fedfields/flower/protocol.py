@@ -18,6 +18,8 @@ Train reply (client -> server):
   CONTROL_DELTA   Scaffold only: delta c_i
   With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local
   state minus the ARRAYS received; `fedfields.compression`) instead of the state.
+  With "download-version" in a train message's CONFIG, its ARRAYS is a compressed download
+  (`fedfields.flower.downloads`) the node's mod rebuilds into the global before the handler.
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
 GRADIENT G_k = dL_k/dg at g^(m-1) back.
 
@@ -75,6 +77,11 @@ COMPRESSION_FRACTION = "compression-fraction"
 COMPRESSION_DELTA_SCALE = "compression-delta-scale"
 """Train-config entry: the ARRAYS key s of a strategy whose payload is s x (DecentNeRF's
 alpha_k): the compressed update is then s x - s g, and s is sent within it, whole in effect."""
+DOWNLOAD_VERSION = "download-version"
+"""Train-config entry of a compressed download (`fedfields.flower.downloads`): the version t
+of the reference ARRAYS stands for."""
+DOWNLOAD_BASE = "download-base"
+"""Train-config entry: the version b the download's chain starts from (0: ARRAYS is R_t whole)."""
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""

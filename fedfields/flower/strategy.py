@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import Result
 from fedfields.aggregate import FEDAVG_COST, CostModel
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import compression_entries
+from fedfields.flower.downloads import DownloadSender, node_contents
 from fedfields.flower.evaluation import FederatedEvaluation
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -30,7 +31,6 @@ from fedfields.flower.protocol import (
     LOCAL_STEPS,
     NUM_EXAMPLES,
     STRATEGY,
-    content_bytes,
     shapes_of,
 )
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate
@@ -114,6 +114,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             compression, secure_aggregation, differential_privacy
         )
         """The scheme replies compress their ARRAYS update with (None: sent whole)."""
+        self.downloads = DownloadSender.of(self.compression, sampling_seed)
+        """Compressed downloads' reference chain (`fedfields.flower.downloads`); None: whole."""
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
         self.max_update_norm = optional_cap(max_update_norm, "max_update_norm")
@@ -186,6 +188,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             num_params = sum(math.prod(array.shape) for array in arrays.values())
             self.privacy.before_round(server_round, len(node_ids), connected, num_params, first)
         self.rounds_started += 1
+        if self.downloads is not None:  # replies are read against `arrays`, kept exact
+            self.downloads.advance(server_round, arrays)
         ledger = TrainRound(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
         gate = ReplyGate(
@@ -219,19 +223,21 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         return self.open_round
 
     def messages(self, content: RecordDict, message_type: str) -> list[Message]:
-        """One message per node of the open round, all carrying `content`; counts the bytes
-        sent."""
+        """One message per node of the open round, all carrying `content` (a train message's
+        ARRAYS each node's own under compressed downloads, train and gradient query); counts
+        the bytes sent."""
         assert self.open_round is not None, "begin_round opens the round its messages go to"
         ledger = self.open_round.ledger
-        ledger.bytes_down += content_bytes(content) * len(ledger.node_ids)
+        contents, sent = node_contents(self.downloads, content, message_type, ledger.users)
+        ledger.bytes_down += sent
         return [
             Message(
-                content=content,
+                content=node_content,
                 dst_node_id=node_id,
                 message_type=message_type,
                 group_id=str(ledger.server_round),
             )
-            for node_id in ledger.node_ids
+            for node_id, node_content in zip(ledger.node_ids, contents, strict=True)
         ]
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
@@ -242,6 +248,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         """The outcome of round `server_round` (`aggregate`), counted if it aggregated."""
         outcome = self.aggregate(self.round_of(server_round), replies)
         self.rounds_aggregated += outcome.arrays is not None
+        if self.downloads is not None:
+            self.downloads.round_ended(outcome.ledger.users, outcome.ledger.summed_users)
         return outcome
 
     def aggregate_train(
@@ -292,6 +300,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         }
         if self.privacy is not None:
             state |= self.privacy.resumable_state()
+        if self.downloads is not None:
+            state["downloads"] = self.downloads.state()
         return state
 
     def restore_state(self, state: Mapping[str, Any]) -> None:
@@ -302,3 +312,5 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_aggregated = int(state.get("rounds-aggregated", 1))
         if self.privacy is not None:
             self.privacy.restore(state)
+        if self.downloads is not None:
+            self.downloads.restore(state["downloads"])

@@ -1,14 +1,16 @@
-"""Benchmark (issue 45): bytes up per round, seconds per round and final clean PSNR (and
+"""Benchmark (issue 45): bytes up and down per round, seconds per round and final clean PSNR (and
 DecentNeRF's personal-mask PSNR) on the Novel Blender crowd, each compression scheme at two or
 three strengths against none, for FedNeRF (strategy fedavg) and DecentNeRF, in plaintext and
-under SecAgg+ (`--sums plaintext secure`), through Flower's simulation engine (Ray) with the
-App's run-config defaults plus `--run-config`.
+under SecAgg+ (`--sums plaintext secure`), with `--download` the global sent down compressed
+too (run-config compression-download), through Flower's simulation engine (Ray) with the App's
+run-config defaults plus `--run-config`.
 
 Each setting is one run-config (`setting_run_config`) validated by the run-config schema
 before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+, plaintext
 DecentNeRF with compression) is printed with the App's reason and skipped. The rows
 (`read_row`) come from each run's metrics.jsonl (mean bytes-up per round: the float32 or
-compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure),
+compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure; mean
+bytes-down: every train and query message's arrays),
 its wall seconds over its rounds (Ray's start-up included) and summary.json (final scores);
 the table goes to compression.md (and rows.json), the bytes-versus-PSNR figure to
 compression.png under `--out`; `--combine DIR ...` writes one table and figure from earlier
@@ -17,6 +19,7 @@ of the run's global field (a seeded random update) per setting, against the floa
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
     python -m simulations.bench.compression --strategies decentnerf --sums secure --bits 4
+    python -m simulations.bench.compression --schemes quantise --bits 4 --download
     python -m simulations.bench.compression --bytes-only
     python -m simulations.bench.compression --combine runs/a runs/b --out runs/both
 """
@@ -37,7 +40,7 @@ from matplotlib.figure import Figure
 
 from fedfields import atomic
 from fedfields.compression import compress, full_bytes, record_bytes
-from fedfields.flower.protocol import BYTES_UP
+from fedfields.flower.protocol import BYTES_DOWN, BYTES_UP
 from fedfields.train.builders import global_field
 from fedfields.train.federated import federated_state
 from simulations import APP_DIR
@@ -64,18 +67,21 @@ ROWS_FILE = "rows.json"
 @dataclass(frozen=True)
 class Setting:
     """One run of the benchmark: a strategy, plaintext or SecAgg+, and a scheme ("none":
-    uncompressed) at one strength."""
+    uncompressed) at one strength, for uploads only or downloads too."""
 
     scheme: str
     strength: float | int | None = None
     strategy: str = "fedavg"
     secure: bool = False
+    download: bool = False
 
     @property
     def name(self) -> str:
-        """The run's folder name, e.g. "fedavg-topk-0.05" or "decentnerf-secure-none"."""
+        """The run's folder name, e.g. "fedavg-topk-0.05", "fedavg-quantise-4-down" or
+        "decentnerf-secure-none"."""
         scheme = self.scheme if self.strength is None else f"{self.scheme}-{self.strength:g}"
-        return f"{self.strategy}-{'secure-' if self.secure else ''}{scheme}"
+        down = "-down" if self.download else ""
+        return f"{self.strategy}-{'secure-' if self.secure else ''}{scheme}{down}"
 
     @property
     def baseline(self) -> str:
@@ -85,13 +91,15 @@ class Setting:
 
 @dataclass(frozen=True)
 class Row:
-    """What a run measured: mean bytes up and wall seconds per round, the final scores."""
+    """What a run measured: mean bytes up and wall seconds per round, the final scores, mean
+    bytes down per round (0: not read, rows of runs before it was)."""
 
     setting: Setting
     bytes_up: float
     seconds: float
     clean_psnr: float | None
     personal_psnr: float | None = None
+    bytes_down: float = 0.0
 
 
 def plan(args: argparse.Namespace) -> list[Setting]:
@@ -103,7 +111,7 @@ def plan(args: argparse.Namespace) -> list[Setting]:
         for secure in (sum_kind == "secure" for sum_kind in args.sums):
             settings.append(Setting("none", None, strategy, secure))
             settings += [
-                Setting(scheme, strength, strategy, secure)
+                Setting(scheme, strength, strategy, secure, args.download)
                 for scheme in args.schemes
                 for strength in strengths[scheme]
             ]
@@ -118,6 +126,8 @@ def setting_run_config(setting: Setting, extra: str = "") -> dict[str, Any]:
         text += f" {STRENGTH_KEYS[setting.scheme]}={setting.strength}"
     if setting.secure:
         text += " " + " ".join(f"{key}={json.dumps(value)}" for key, value in SECURE.items())
+    if setting.download:
+        text += " compression-download=true"
     return job_config(text).to_run_config()
 
 
@@ -148,17 +158,19 @@ def upload_bytes(setting: Setting, run_config: dict[str, Any]) -> tuple[int, int
 
 
 def read_row(setting: Setting, run_dir: Path, seconds: float) -> Row:
-    """A finished run's row: mean "bytes-up" over its rounds, `seconds` (the run's wall time)
-    over its rounds, summary.json's clean and personal-mask PSNR."""
+    """A finished run's row: mean "bytes-up" and "bytes-down" over its rounds, `seconds` (the
+    run's wall time) over its rounds, summary.json's clean and personal-mask PSNR."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = json.loads((run_dir / "summary.json").read_text()).get("final", {})
     uploads = [float(line[BYTES_UP]) for line in lines if BYTES_UP in line]
+    downloads = [float(line[BYTES_DOWN]) for line in lines if BYTES_DOWN in line]
     return Row(
         setting,
         statistics.fmean(uploads) if uploads else 0.0,
         seconds / max(len(uploads), 1),
         final.get("clean-psnr"),
         final.get("personal-psnr"),
+        statistics.fmean(downloads) if downloads else 0.0,
     )
 
 
@@ -168,31 +180,38 @@ def _cell(value: float | None, form: str) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """The markdown table: per run, bytes up per round and its ratio to the same strategy's
-    uncompressed run (plaintext or secure), seconds per round, clean PSNR and its change,
-    personal-mask PSNR."""
+    """The markdown table: per run, bytes up and down per round and their ratios to the same
+    strategy's uncompressed run (plaintext or secure), seconds per round, clean PSNR and its
+    change, personal-mask PSNR."""
     by_name = {row.setting.name: row for row in rows}
     lines = [
-        "| strategy | sum | setting | bytes up / round | x fewer | s / round "
-        "| clean PSNR (dB) | vs none (dB) | personal-mask PSNR (dB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| strategy | sum | setting | bytes up / round | x fewer | bytes down / round "
+        "| x fewer down | s / round | clean PSNR (dB) | vs none (dB) | personal-mask PSNR (dB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         base = by_name.get(row.setting.baseline)
         ratio = base.bytes_up / row.bytes_up if base and row.bytes_up else None
+        down = (
+            base.bytes_down / row.bytes_down
+            if base and base.bytes_down and row.bytes_down
+            else None
+        )
         delta = None
         if base and row.clean_psnr is not None and base.clean_psnr is not None:
             delta = row.clean_psnr - base.clean_psnr
         setting = row.setting
         scheme = (
             setting.scheme if setting.strength is None else f"{setting.scheme} {setting.strength:g}"
-        )
+        ) + (", downloads too" if setting.download else "")
         cells = [
             setting.strategy,
             "SecAgg+" if setting.secure else "plaintext",
             scheme,
             f"{row.bytes_up:,.0f}",
             _cell(ratio, ".1f"),
+            f"{row.bytes_down:,.0f}" if row.bytes_down else "-",
+            _cell(down, ".1f"),
             f"{row.seconds:.1f}",
             _cell(row.clean_psnr, ".2f"),
             _cell(delta, "+.2f"),
@@ -243,6 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 2], help="quantise: b")
     parser.add_argument(
         "--fractions", nargs="+", type=float, default=[0.01, 0.05, 0.1], help="topk: f"
+    )
+    parser.add_argument(
+        "--download", action="store_true", help="compressed settings compress downloads too"
     )
     parser.add_argument("--rounds", type=int, default=8, help="num-server-rounds of every run")
     parser.add_argument("--users", type=int, default=16, help="crowd users, one node each")

@@ -1,0 +1,209 @@
+"""Compressed downloads on Flower records: the strategy sends each node the global's change since
+the round it last trained in, the node's mod rebuilds the global before anything reads it.
+Train messages and DecentNeRF's gradient query go this way; evaluation messages go whole.
+
+Server (`DownloadSender`, kept by `ProtocolStrategy` when `CompressionConfig.download` is on):
+each round advances `fedfields.downloads.ReferenceChain` with what the strategy sends, T_t, and
+gives each node's train message its own ARRAYS for the reference R_t the nodes will hold: R_t
+whole, or the chain of records from the version the server last summed a reply of that user
+for (a reply summed proves the node rebuilt that version; a sampled user whose reply was not
+summed gets R_t whole next time). CONFIG carries "download-version" t and "download-base" b
+(0: whole); the chain's record of version v travels as ArrayRecord entries "<v>:<key>:<part>".
+The round reads each reply as T_t plus the update the node computed from R_t.
+
+Node (`compressed_download_mod`, outermost of the ClientApp's mods): rebuilds R_t from the
+reference it keeps in its private state (`NodeState`, under DOWNLOAD_REFERENCE) and puts it in
+the message's ARRAYS, so the handler, the upload compression and the SecAgg+ mod all read the
+global as if it had come whole. A node that does not hold version b (its state was wiped, or it
+trained in a round a resumed server rolled back) refuses the message with a `ValueError` saying
+so; its reply is an error, counted, and the server sends it R_t whole the next time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+from torch import Tensor
+
+from fedfields.compression import SEPARATOR, CompressionConfig, Record
+from fedfields.downloads import Download, ReferenceChain, rebuilt_chain
+from fedfields.flower.compression import requested_compression
+from fedfields.flower.node import NodeState
+from fedfields.flower.protocol import (
+    ARRAYS,
+    CONFIG,
+    DOWNLOAD_BASE,
+    DOWNLOAD_VERSION,
+    GRADIENT_QUERY,
+    arrays_to_state,
+    content_bytes,
+    state_to_arrays,
+)
+
+DOWNLOAD_REFERENCE = "download-reference"
+"""Node-state tensors: the reference R_v the node rebuilt last; its version under
+DOWNLOAD_HELD ({"version": v})."""
+DOWNLOAD_HELD = "download-held"
+DOWNLOAD_TYPES = (MessageType.TRAIN, GRADIENT_QUERY)
+"""Messages whose ARRAYS may come compressed: train, and DecentNeRF's gradient query (the same
+version: a node that answered the query is sent nothing more for the round's train message)."""
+
+
+class DownloadSender:
+    """The server's half: the reference chain and, per user key, the version last summed."""
+
+    @classmethod
+    def of(cls, config: CompressionConfig | None, seed: int | None) -> DownloadSender | None:
+        """The sender for `config` when it compresses downloads, else None."""
+        return cls(config, seed or 0) if config is not None and config.download else None
+
+    def __init__(self, config: CompressionConfig, seed: int = 0) -> None:
+        self.chain = ReferenceChain(config)
+        self.seed = seed
+        self.held: dict[str, int] = {}
+        """User key -> the version of the last round that summed the user's reply."""
+
+    def advance(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Advance the chain to R_t for `server_round`'s target `arrays` (what the strategy
+        sends; the round reads its replies against it: a node's update from R_t, added to T_t)."""
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + server_round)
+        self.chain.advance(server_round, arrays_to_state(arrays), generator)
+
+    def content(self, content: RecordDict, user: str) -> RecordDict:
+        """`content` with ARRAYS and CONFIG's download entries for the node of `user`."""
+        download = self.chain.download(self.held.get(user, 0))
+        config = ConfigRecord(
+            {**content[CONFIG], DOWNLOAD_VERSION: download.version, DOWNLOAD_BASE: download.base}
+        )
+        return RecordDict({**content, ARRAYS: download_arrays(download), CONFIG: config})
+
+    def contents(self, content: RecordDict, users: Iterable[str]) -> tuple[list[RecordDict], int]:
+        """Each user's `content` and the bytes of all of them."""
+        contents = [self.content(content, user) for user in users]
+        return contents, sum(content_bytes(each) for each in contents)
+
+    def hold(self, users: Iterable[str]) -> None:
+        """`users` hold the current version (a reply of theirs to it was summed)."""
+        for user in users:
+            self.held[user] = self.chain.version
+
+    def round_ended(self, sampled: Iterable[str], summed: Iterable[str]) -> None:
+        """The users whose replies the round summed hold its version; the other sampled users
+        hold what the server cannot know, and get the next version whole."""
+        for user in sampled:
+            self.held.pop(user, None)
+        self.hold(summed)
+
+    def state(self) -> dict[str, Any]:
+        """The chain and the held versions (a checkpoint's strategy state)."""
+        return {"chain": self.chain.state(), "held": dict(self.held)}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back what `state` returned."""
+        self.chain.restore(state["chain"])
+        self.held = {str(user): int(version) for user, version in state["held"].items()}
+
+
+def node_contents(
+    sender: DownloadSender | None, content: RecordDict, message_type: str, users: list[str]
+) -> tuple[list[RecordDict], int]:
+    """The content of each sampled user's message and the bytes of all: its own download for
+    train and gradient-query messages when `sender` compresses downloads, else `content`."""
+    if sender is None or message_type not in DOWNLOAD_TYPES:
+        return [content] * len(users), content_bytes(content) * len(users)
+    return sender.contents(content, users)
+
+
+def download_arrays(download: Download) -> ArrayRecord:
+    """A download as ARRAYS: the state whole, or each record's entries under "<version>:"."""
+    if download.whole is not None:
+        return state_to_arrays(download.whole)
+    wire = ArrayRecord()
+    for version, record in download.records.items():
+        for name, array in record.items():
+            wire[f"{version}{SEPARATOR}{name}"] = Array(np.ascontiguousarray(array))
+    return wire
+
+
+def chain_records(arrays: ArrayRecord) -> dict[int, Record]:
+    """The records of a chained download's ARRAYS, by version; ValueError for a malformed name."""
+    records: dict[int, Record] = {}
+    for name, array in arrays.items():
+        version, _, entry = name.partition(SEPARATOR)
+        if not version.isdigit() or not entry:
+            raise ValueError(f"download entry {name!r} is not '<version>{SEPARATOR}<entry>'")
+        records.setdefault(int(version), {})[entry] = array.numpy()
+    return records
+
+
+def received_state(
+    arrays: ArrayRecord,
+    config: ConfigRecord,
+    held: tuple[int, Mapping[str, Tensor]] | None,
+    compression: CompressionConfig,
+) -> tuple[int, dict[str, Tensor]]:
+    """(t, R_t) of a train message's download, given the (version, reference) a node holds;
+    ValueError saying why when it cannot be rebuilt."""
+    version, base = int(config[DOWNLOAD_VERSION]), int(config[DOWNLOAD_BASE])
+    if base == 0:
+        return version, arrays_to_state(arrays)
+    if held is None or held[0] != base:
+        have = "no version" if held is None else f"version {held[0]}"
+        raise ValueError(
+            f"the download of version {version} is the change since version {base}, and this "
+            f"node holds {have} (its state was reset, or the server resumed): it cannot "
+            "rebuild the global; the server sends it whole next time"
+        )
+    records = chain_records(arrays)
+    return version, rebuilt_chain(held[1], base, records, version, compression)
+
+
+def compressed_download_mod(
+    msg: Message, context: Context, call_next: ClientAppCallable
+) -> Message:
+    """Rebuild a compressed download's global into ARRAYS (module docstring), keep it as the
+    node's reference, then run the handler."""
+    config = msg.content.config_records.get(CONFIG) if msg.has_content() else None
+    if msg.metadata.message_type not in DOWNLOAD_TYPES or config is None:
+        return call_next(msg, context)
+    if DOWNLOAD_VERSION not in config:
+        return call_next(msg, context)
+    compression = requested_compression(config)
+    if compression is None:
+        raise ValueError("a compressed download needs the message's compression settings")
+    state = NodeState(context)
+    held_values, reference = state.values(DOWNLOAD_HELD), state.tensors(DOWNLOAD_REFERENCE)
+    held = None
+    if held_values is not None and reference is not None:
+        held = (int(held_values["version"]), reference)
+    version, received = received_state(msg.content[ARRAYS], config, held, compression)
+    state.put_tensors(DOWNLOAD_REFERENCE, received)
+    state.put_values(DOWNLOAD_HELD, {"version": version})
+    msg.content = RecordDict({**msg.content, ARRAYS: state_to_arrays(received)})
+    return call_next(msg, context)
+
+
+def followed(
+    held: tuple[int, dict[str, Tensor]] | None, messages: Iterable[Message]
+) -> tuple[int, dict[str, Tensor]] | None:
+    """(t, R_t) from the train messages of one round, for a reader of every round's messages
+    (a simulation's audit) that holds `held` (None: nothing yet): a whole download, or any
+    chain that starts at or below the held version. `held` when none of them is a download."""
+    for msg in messages:
+        config = msg.content.config_records.get(CONFIG)
+        if config is None or DOWNLOAD_VERSION not in config:
+            continue
+        version, base = int(config[DOWNLOAD_VERSION]), int(config[DOWNLOAD_BASE])
+        if base == 0:
+            return version, arrays_to_state(msg.content[ARRAYS])
+        if held is not None and base <= held[0] <= version:
+            compression = requested_compression(config)
+            assert compression is not None, "a download names its compression"
+            records = chain_records(msg.content[ARRAYS])
+            return version, rebuilt_chain(held[1], held[0], records, version, compression)
+    return held

@@ -1,0 +1,291 @@
+"""Compressed downloads (issue 45, point 1's option): the server's reference chain, what each
+node is sent, the node's mod that rebuilds the global, a round read against the exact global,
+a node that lost its reference, and the chain across a resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType
+from test_federated_nerf import tiny
+from torch import Tensor
+
+from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.downloads import ReferenceChain, rebuilt_chain
+from fedfields.flower import FedAvg, NodeState, compressed_download_mod
+from fedfields.flower.compression import compressed_parts
+from fedfields.flower.downloads import DOWNLOAD_HELD, DOWNLOAD_REFERENCE, followed
+from fedfields.flower.protocol import (
+    ARRAYS,
+    BYTES_DOWN,
+    CONFIG,
+    DOWNLOAD_BASE,
+    DOWNLOAD_VERSION,
+    GRADIENT_QUERY,
+    NUM_EXAMPLES,
+    NUM_FAILURES,
+    NUM_REPLIES,
+    ReplyParts,
+    arrays_to_state,
+    state_to_arrays,
+)
+from fedfields.flower.round_ledger import SECURE_FAILURES
+from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
+from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
+from simulations.run import client_app
+from strategies import parse_app_config
+
+State = dict[str, Tensor]
+QUANTISE = CompressionConfig("quantise", bits=4, download=True)
+NODES = 3
+
+
+def target(version: int) -> State:
+    """The server's global of round `version`: a random walk from a seeded start."""
+    generator = torch.Generator().manual_seed(0)
+    state = {"weight": torch.randn(64, 64, generator=generator), "bias": torch.zeros(64)}
+    for step in range(1, version):
+        walk = torch.Generator().manual_seed(step)
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=walk) for k, v in state.items()}
+    return state
+
+
+def advanced(chain: ReferenceChain, versions: range) -> list[State]:
+    """The chain's reference after each of `versions`."""
+    return [dict(chain.advance(v, target(v), torch.Generator().manual_seed(v))) for v in versions]
+
+
+def norm(state: State) -> float:
+    return float(torch.sqrt(sum((value.double() ** 2).sum() for value in state.values())))
+
+
+def gap(a: State, b: State) -> State:
+    return {key: a[key] - b[key] for key in a}
+
+
+# ------------------------------------------------------------------ the chain (no Flower)
+def test_round_one_goes_whole_and_each_node_rebuilds_the_servers_reference_bit_for_bit() -> None:
+    chain = ReferenceChain(QUANTISE)
+    references = advanced(chain, range(1, 6))
+    assert all(torch.equal(references[0][k], target(1)[k]) for k in references[0])
+    assert chain.download(0).whole is not None  # a node holding nothing gets it whole
+    for held in range(1, 5):
+        download = chain.download(held)
+        assert download.base == held and sorted(download.records) == list(range(held + 1, 6))
+        rebuilt = rebuilt_chain(references[held - 1], held, download.records, 5, QUANTISE)
+        for key in rebuilt:
+            assert torch.equal(rebuilt[key], references[-1][key]), (held, key)
+
+
+def test_what_a_difference_leaves_out_is_sent_in_the_next_one() -> None:
+    """Top-k of a fixed target: each round sends the largest remaining gap, so the reference
+    reaches the target exactly after 1/f rounds (the chain is its own error feedback)."""
+    config = CompressionConfig("topk", fraction=0.25, download=True)
+    chain = ReferenceChain(config)
+    chain.advance(1, {key: torch.zeros_like(v) for key, v in target(1).items()}, None)
+    gaps = []
+    for version in range(2, 7):
+        reference = chain.advance(version, target(1), torch.Generator())
+        gaps.append(norm(gap(target(1), reference)))
+    assert all(later < earlier for earlier, later in zip(gaps[:3], gaps[1:4], strict=True))
+    assert gaps[3] < 1e-6 and gaps[4] < 1e-6
+
+
+def test_the_gap_stays_one_compression_error_while_the_target_moves() -> None:
+    """Unbiased 4-bit codes on a moving target: the gap ||T_t - R_t|| never grows past what
+    one difference's rounding leaves (a bound from the scales), round after round."""
+    chain = ReferenceChain(QUANTISE)
+    for version, reference in zip(range(1, 12), advanced(chain, range(1, 12)), strict=True):
+        if version == 1:
+            continue
+        # 4-bit codes round each entry by at most one level: 2 s / 15 per entry, s <= max |gap|
+        bound = sum(value.numel() ** 0.5 * 2 * 0.2 / 15 for value in target(version).values())
+        assert norm(gap(target(version), reference)) < bound, version
+
+
+def test_a_node_too_far_behind_or_a_chain_dearer_than_the_global_gets_it_whole() -> None:
+    history = CompressionConfig("quantise", bits=4, download=True, download_history=2)
+    chain = ReferenceChain(history)
+    advanced(chain, range(1, 6))
+    assert sorted(chain.download(3).records) == [4, 5]
+    assert chain.download(2).whole is not None  # version 3's record is no longer kept
+    eight_bit = ReferenceChain(CompressionConfig("quantise", bits=8, download=True))
+    advanced(eight_bit, range(1, 7))
+    assert eight_bit.download(5).records  # one 8-bit record: a quarter of the bytes
+    assert eight_bit.download(1).whole is not None  # five records cost more than the whole
+
+
+def test_the_chain_refuses_to_go_back_and_restarts_whole_for_another_model() -> None:
+    chain = ReferenceChain(QUANTISE)
+    advanced(chain, range(1, 3))
+    with pytest.raises(ValueError, match="version 2 after version 2"):
+        chain.advance(2, target(2), torch.Generator())
+    wider = {"weight": torch.ones(64, 65), "bias": torch.zeros(64)}
+    assert torch.equal(chain.advance(3, wider, torch.Generator())["weight"], wider["weight"])
+    assert chain.download(2).whole is not None
+
+
+# ------------------------------------------------------------------ through Flower
+def local_state(received: State, k: int, server_round: int) -> State:
+    """Node k's trained state: what it received plus an update of its own."""
+    walk = torch.Generator().manual_seed(100 * server_round + k)
+    return {key: v + 0.1 * torch.randn(v.shape, generator=walk) for key, v in received.items()}
+
+
+def downloading_node(k: int) -> Callable:
+    """A node behind `compressed_download_mod` that trains from what it received and replies
+    through `compressed_parts` (seed k + round)."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        server_round = int(message.content[CONFIG]["server-round"])
+        received = arrays_to_state(message.content[ARRAYS])
+        local = state_to_arrays(local_state(received, k, server_round))
+        parts = ReplyParts({ARRAYS: local}, {NUM_EXAMPLES: 10.0 * (k + 1)})
+        parts = compressed_parts(message, parts, NodeState(context), seed=k + server_round)
+        return parts.message(message)
+
+    return lambda message, context: compressed_download_mod(message, context, handler)
+
+
+def run_round(strategy: FedAvg, grid: InProcessGrid, server_round: int, arrays: State):
+    messages = list(
+        strategy.configure_train(server_round, state_to_arrays(arrays), ConfigRecord(), grid)
+    )
+    replies = grid.send_and_receive(messages)
+    aggregate, metrics = strategy.aggregate_train(server_round, replies)
+    assert aggregate is not None and metrics is not None
+    return messages, arrays_to_state(aggregate), metrics
+
+
+def test_a_fedavg_round_reads_each_reply_as_the_exact_global_plus_the_nodes_update() -> None:
+    """Three rounds: round 1 whole, then chains; every node's reference is the server's; the
+    aggregate is T_t + the weighted mean of the updates the nodes computed from R_t (oracle
+    computed apart); bytes down shrink over 4x for 4-bit codes (keys and scales aside, 8x)."""
+    grid = InProcessGrid([downloading_node(k) for k in range(NODES)])
+    strategy = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
+    global_state, down, tapped = target(1), [], None
+    residuals: list[State | None] = [None] * NODES  # what each node kept from its last upload
+    for server_round in (1, 2, 3):
+        messages, aggregate, metrics = run_round(strategy, grid, server_round, global_state)
+        bases = {int(m.content[CONFIG][DOWNLOAD_BASE]) for m in messages}
+        assert bases == ({0} if server_round == 1 else {server_round - 1})
+        reference = strategy.downloads.chain.reference
+        tapped = followed(tapped, messages)  # a simulation's audit follows the chain too
+        assert tapped[0] == server_round
+        assert all(torch.equal(tapped[1][key], reference[key]) for key in reference)
+        oracle = {key: torch.zeros(v.shape, dtype=torch.float64) for key, v in global_state.items()}
+        for k, context in enumerate(grid.contexts.values()):
+            held = NodeState(context).tensors(DOWNLOAD_REFERENCE)
+            assert NodeState(context).values(DOWNLOAD_HELD) == {"version": server_round}
+            assert all(torch.equal(held[key], reference[key]) for key in reference)
+            update = gap(local_state(reference, k, server_round), reference)
+            generator = torch.Generator().manual_seed(k + server_round)
+            record, _ = compress_with_feedback(update, residuals[k], QUANTISE, generator)
+            shapes = {key: tuple(v.shape) for key, v in update.items()}
+            restored = decompress(record, shapes, QUANTISE)
+            for key in oracle:
+                oracle[key] += 10.0 * (k + 1) * (global_state[key].double() + restored[key])
+        residuals = [
+            NodeState(context).tensors("compression-residual") for context in grid.contexts.values()
+        ]
+        for key in oracle:
+            expected = (oracle[key] / 60.0).float()
+            torch.testing.assert_close(aggregate[key], expected, atol=1e-6, rtol=1e-6)
+        down.append(metrics[BYTES_DOWN])
+        global_state = aggregate
+    assert down[1] < down[0] / 4 and down[2] < down[0] / 4
+
+
+def test_a_node_that_lost_its_reference_fails_once_then_gets_the_global_whole() -> None:
+    grid = InProcessGrid([downloading_node(k) for k in range(NODES)])
+    strategy = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
+    _, global_state, _ = run_round(strategy, grid, 1, target(1))
+    wiped = list(grid.contexts.values())[1]
+    del wiped.state[DOWNLOAD_REFERENCE], wiped.state[DOWNLOAD_HELD]
+    _, global_state, metrics = run_round(strategy, grid, 2, global_state)
+    assert metrics[NUM_REPLIES] == 2 and metrics[NUM_FAILURES] == 1
+    assert any(
+        reply.has_error() and "cannot rebuild the global" in reply.error.reason
+        for reply in grid.received
+    )
+    messages, _, metrics = run_round(strategy, grid, 3, global_state)
+    bases = [int(m.content[CONFIG][DOWNLOAD_BASE]) for m in messages]
+    assert sorted(bases) == [0, 2, 2] and metrics[NUM_REPLIES] == 3
+
+
+def test_the_chain_and_the_held_versions_survive_a_resume() -> None:
+    """A strategy restored from round 2's state sends round 3 exactly what the one that
+    went on sends."""
+    grid = InProcessGrid([downloading_node(k) for k in range(NODES)])
+    strategy = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
+    _, global_state, _ = run_round(strategy, grid, 1, target(1))
+    _, global_state, _ = run_round(strategy, grid, 2, global_state)
+    saved = strategy.resumable_state()
+    resumed = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
+    resumed.restore_state(saved)
+    resumed.rounds_started = 0
+    sent = []
+    for each in (strategy, resumed):
+        each.sampling_rng.seed(3)
+        messages = list(
+            each.configure_train(3, state_to_arrays(global_state), ConfigRecord(), grid)
+        )
+        sent.append({m.metadata.dst_node_id: m.content for m in messages})
+    assert sent[0].keys() == sent[1].keys()
+    for node, content in sent[0].items():
+        other = sent[1][node]
+        assert content[CONFIG][DOWNLOAD_VERSION] == other[CONFIG][DOWNLOAD_VERSION] == 3
+        assert content[CONFIG][DOWNLOAD_BASE] == other[CONFIG][DOWNLOAD_BASE] == 2
+        for name, array in content[ARRAYS].items():
+            assert (array.numpy() == other[ARRAYS][name].numpy()).all(), name
+
+
+def test_downloads_need_a_scheme_and_a_positive_history() -> None:
+    with pytest.raises(ValueError, match="compression-download-history"):
+        CompressionConfig("quantise", download=True, download_history=0)
+    with pytest.raises(ValueError, match="compression-download must be true or false"):
+        CompressionConfig("quantise", download="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the App, end to end
+def test_the_apps_secure_decentnerf_downloads_the_change_and_its_query_once(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """The repo's ClientApp and scene job, SecAgg+ with 4-bit codes, 2 rounds over 3 users,
+    with and without compression-download: in round 2 the gradient query carries the chain
+    from version 1 and the train message nothing more (the nodes answered the query at that
+    version), every sum completes, fewer bytes go down and the field trains as well."""
+    runs = {}
+    for name, download in (("whole", False), ("download", True)):
+        config = tiny(crowd_dir, tmp_path / name, "decentnerf", **{
+            "secure-aggregation": True, "min-train-nodes": 3, "compression": "quantise",
+            "compression-bits": 4, "compression-download": download})  # fmt: skip
+        grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
+        run_dir = run_federated_nerf(grid, parse_app_config(config), observe=True)
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rounds = [line for line in lines if "bytes-down" in line]
+        assert len(rounds) == 2 and all(r.get(SECURE_FAILURES, 0) == 0 for r in rounds)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        runs[name] = (sum(r["bytes-down"] for r in rounds), summary["final"]["clean-psnr"])
+        if download:
+            second = [m for m in grid.sent if m.metadata.group_id == "2" and CONFIG in m.content
+                      and DOWNLOAD_VERSION in m.content[CONFIG]]  # fmt: skip
+            bases = {
+                (m.metadata.message_type, int(m.content[CONFIG][DOWNLOAD_BASE])) for m in second
+            }
+            assert bases == {(GRADIENT_QUERY, 1), (MessageType.TRAIN, 2)}
+            assert all(
+                len(m.content[ARRAYS]) == 0
+                for m in second
+                if m.metadata.message_type == MessageType.TRAIN
+            )
+    (whole_bytes, whole_psnr), (download_bytes, download_psnr) = runs["whole"], runs["download"]
+    assert download_bytes < 0.6 * whole_bytes  # round 2: G whole, the query's chain, no global
+    assert abs(download_psnr - whole_psnr) < 1.0
