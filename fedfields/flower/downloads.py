@@ -74,17 +74,22 @@ class DownloadSender:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + server_round)
         self.chain.advance(server_round, arrays_to_state(arrays), generator)
 
-    def content(self, content: RecordDict, user: str) -> RecordDict:
-        """`content` with ARRAYS and CONFIG's download entries for the node of `user`."""
+    def content(self, content: RecordDict, user: str, whole: ArrayRecord) -> RecordDict:
+        """`content` with ARRAYS and CONFIG's download entries for the node of `user`: its
+        chain, unless R_t `whole` costs no more bytes on the wire (keys included)."""
         download = self.chain.download(self.held.get(user, 0))
+        arrays = whole if download.whole is not None else chain_arrays(download.records)
+        if download.records and arrays.count_bytes() >= whole.count_bytes():
+            download, arrays = Download(download.version, 0), whole
         config = ConfigRecord(
             {**content[CONFIG], DOWNLOAD_VERSION: download.version, DOWNLOAD_BASE: download.base}
         )
-        return RecordDict({**content, ARRAYS: download_arrays(download), CONFIG: config})
+        return RecordDict({**content, ARRAYS: arrays, CONFIG: config})
 
     def contents(self, content: RecordDict, users: Iterable[str]) -> tuple[list[RecordDict], int]:
         """Each user's `content` and the bytes of all of them."""
-        contents = [self.content(content, user) for user in users]
+        whole = state_to_arrays(self.chain.reference)
+        contents = [self.content(content, user, whole) for user in users]
         return contents, sum(content_bytes(each) for each in contents)
 
     def hold(self, users: Iterable[str]) -> None:
@@ -119,12 +124,10 @@ def node_contents(
     return sender.contents(content, users)
 
 
-def download_arrays(download: Download) -> ArrayRecord:
-    """A download as ARRAYS: the state whole, or each record's entries under "<version>:"."""
-    if download.whole is not None:
-        return state_to_arrays(download.whole)
+def chain_arrays(records: Mapping[int, Record]) -> ArrayRecord:
+    """A chain of records as ARRAYS: each record's entries under "<version>:"."""
     wire = ArrayRecord()
-    for version, record in download.records.items():
+    for version, record in records.items():
         for name, array in record.items():
             wire[f"{version}{SEPARATOR}{name}"] = Array(np.ascontiguousarray(array))
     return wire
