@@ -33,6 +33,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
 from fedfields.flower.round_ledger import SECURE_FAILURES
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from simulations.federated_nerf import run_federated_nerf
@@ -220,16 +221,17 @@ def test_a_node_that_lost_its_reference_fails_once_then_gets_the_global_whole() 
     assert sorted(bases) == [0, 2, 2] and metrics[NUM_REPLIES] == 3
 
 
-def test_the_chain_and_the_held_versions_survive_a_resume() -> None:
-    """A strategy restored from round 2's state sends round 3 exactly what the one that
-    went on sends."""
+def test_the_chain_and_the_held_versions_survive_a_resume(tmp_path: Path) -> None:
+    """A strategy restored from round 2's checkpoint file (torch's weights-only load) sends
+    round 3 exactly what the one that went on sends."""
     grid = InProcessGrid([downloading_node(k) for k in range(NODES)])
     strategy = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
     _, global_state, _ = run_round(strategy, grid, 1, target(1))
     _, global_state, _ = run_round(strategy, grid, 2, global_state)
-    saved = strategy.resumable_state()
+    checkpoint = RoundCheckpoint.capture(2, state_to_arrays(global_state), strategy)
+    save_round_checkpoint(tmp_path / "resume.pt", checkpoint)
     resumed = FedAvg(min_available_nodes=NODES, compression=QUANTISE, sampling_seed=0)
-    resumed.restore_state(saved)
+    load_round_checkpoint(tmp_path / "resume.pt").check(global_state, resumed)
     resumed.rounds_started = 0
     sent = []
     for each in (strategy, resumed):
