@@ -6,8 +6,8 @@ too (run-config compression-download), through Flower's simulation engine (Ray) 
 run-config defaults plus `--run-config`.
 
 Each setting is one run-config (`setting_run_config`) validated by the run-config schema
-before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+, plaintext
-DecentNeRF with compression) is printed with the App's reason and skipped. The rows
+before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+) is printed
+with the App's reason and skipped. The rows
 (`read_row`) come from each run's metrics.jsonl (mean bytes-up per round: the float32 or
 compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure; mean
 bytes-down: every train and query message's arrays),
