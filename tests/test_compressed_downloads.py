@@ -1,17 +1,16 @@
 """Compressed downloads (issue 45, point 1's option): the server's reference chain, what each
 node is sent, the node's mod that rebuilds the global, a round read against the exact global,
-a node that lost its reference, and the chain across a resume."""
+a node that lost its reference, and the chain across a resume. The App's secure DecentNeRF
+with compressed downloads: tests/test_packed_secure_sum.py."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType
-from test_federated_nerf import tiny
+from flwr.app import ConfigRecord, Context, Message
 from torch import Tensor
 
 from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
@@ -25,7 +24,6 @@ from fedfields.flower.protocol import (
     CONFIG,
     DOWNLOAD_BASE,
     DOWNLOAD_VERSION,
-    GRADIENT_QUERY,
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
@@ -34,12 +32,8 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
-from fedfields.flower.round_ledger import SECURE_FAILURES
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
-from simulations.federated_nerf import run_federated_nerf
 from simulations.in_process_grid import InProcessGrid
-from simulations.run import client_app
-from strategies import parse_app_config
 
 State = dict[str, Tensor]
 QUANTISE = CompressionConfig("quantise", bits=4, download=True)
@@ -254,40 +248,3 @@ def test_downloads_need_a_scheme_and_a_positive_history() -> None:
         CompressionConfig("quantise", download=True, download_history=0)
     with pytest.raises(ValueError, match="compression-download must be true or false"):
         CompressionConfig("quantise", download="yes")  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------ the App, end to end
-def test_the_apps_secure_decentnerf_downloads_the_change_and_its_query_once(
-    crowd_dir: Path, tmp_path: Path
-) -> None:
-    """The repo's ClientApp and scene job, SecAgg+ with 4-bit codes, 2 rounds over 3 users,
-    with and without compression-download: in round 2 the gradient query carries the chain
-    from version 1 and the train message nothing more (the nodes answered the query at that
-    version), every sum completes, fewer bytes go down and the field trains as well."""
-    runs = {}
-    for name, download in (("whole", False), ("download", True)):
-        config = tiny(crowd_dir, tmp_path / name, "decentnerf", **{
-            "secure-aggregation": True, "min-train-nodes": 3, "compression": "quantise",
-            "compression-bits": 4, "compression-download": download})  # fmt: skip
-        grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
-        run_dir = run_federated_nerf(grid, parse_app_config(config), observe=True)
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rounds = [line for line in lines if "bytes-down" in line]
-        assert len(rounds) == 2 and all(r.get(SECURE_FAILURES, 0) == 0 for r in rounds)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        runs[name] = (sum(r["bytes-down"] for r in rounds), summary["final"]["clean-psnr"])
-        if download:
-            second = [m for m in grid.sent if m.metadata.group_id == "2" and CONFIG in m.content
-                      and DOWNLOAD_VERSION in m.content[CONFIG]]  # fmt: skip
-            bases = {
-                (m.metadata.message_type, int(m.content[CONFIG][DOWNLOAD_BASE])) for m in second
-            }
-            assert bases == {(GRADIENT_QUERY, 1), (MessageType.TRAIN, 2)}
-            assert all(
-                len(m.content[ARRAYS]) == 0
-                for m in second
-                if m.metadata.message_type == MessageType.TRAIN
-            )
-    (whole_bytes, whole_psnr), (download_bytes, download_psnr) = runs["whole"], runs["download"]
-    assert download_bytes < 0.6 * whole_bytes  # round 2: G whole, the query's chain, no global
-    assert abs(download_psnr - whole_psnr) < 1.0

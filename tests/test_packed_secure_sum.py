@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flwr.app import MessageType
 from flwr.common.secure_aggregation.quantization import quantize
 from test_federated_nerf import tiny
 from test_secure_aggregation import ALPHAS, make_grid, make_strategy, relative_error
@@ -22,7 +23,15 @@ from fedfields.compression import CompressionConfig
 from fedfields.config import FederatedConfig
 from fedfields.flower import DecentNeRF, FedAvg, NodeState, ProtocolStrategy
 from fedfields.flower.compression import RESIDUAL
-from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.flower.protocol import (
+    ARRAYS,
+    CONFIG,
+    DOWNLOAD_BASE,
+    DOWNLOAD_VERSION,
+    GRADIENT_QUERY,
+    arrays_to_state,
+    state_to_arrays,
+)
 from fedfields.flower.round_ledger import SECURE_FAILURES
 from fedfields.flower.strategy_options import checked_compression
 from fedfields.privacy.dp import DPConfig
@@ -190,11 +199,16 @@ def test_the_apps_secure_decentnerf_with_4_bit_codes_masks_everything_and_sends_
     crowd_dir: Path, tmp_path: Path
 ) -> None:
     """The repo's ClientApp and scene job, 2 rounds over 3 users, SecAgg+ with and without
-    compression 'quantise' at 4 bits: the server receives masked vectors only, every sum
-    completes, the masked uploads cost less and the field still trains."""
+    compression 'quantise' at 4 bits, and with compression-download too: the server receives
+    masked vectors only, every sum completes, the masked uploads cost less and the field still
+    trains; with downloads, round 2's gradient query carries the chain from version 1 and its
+    train message nothing more (the nodes answered the query at that version), and fewer bytes
+    go down."""
+    quantise = {"compression": "quantise", "compression-bits": 4}
+    settings = {"whole": {}, "quantise-4": quantise,
+                "download": {**quantise, "compression-download": True}}  # fmt: skip
     runs = {}
-    for name, extra in (("whole", {}), ("quantise-4", {"compression": "quantise",
-                                                       "compression-bits": 4})):  # fmt: skip
+    for name, extra in settings.items():
         config = tiny(crowd_dir, tmp_path / name, "decentnerf", **{
             "secure-aggregation": True, "min-train-nodes": 3, **extra})  # fmt: skip
         grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
@@ -203,8 +217,21 @@ def test_the_apps_secure_decentnerf_with_4_bit_codes_masks_everything_and_sends_
         lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rounds = [line for line in lines if "bytes-up" in line]
         assert len(rounds) == 2 and all(r.get(SECURE_FAILURES, 0) == 0 for r in rounds)
-        runs[name] = (sum(r["bytes-up"] for r in rounds), json.loads(
-            (run_dir / "summary.json").read_text())["final"]["clean-psnr"])  # fmt: skip
-    (whole_bytes, whole_psnr), (coded_bytes, coded_psnr) = runs["whole"], runs["quantise-4"]
-    assert coded_bytes < 0.5 * whole_bytes  # 5 codes a masked integer at 3 clients, 4 bits
+        final = json.loads((run_dir / "summary.json").read_text())["final"]
+        up, down = (sum(r[key] for r in rounds) for key in ("bytes-up", "bytes-down"))
+        runs[name] = (up, down, final["clean-psnr"])
+        if name == "download":
+            second = [m for m in grid.sent if m.metadata.group_id == "2" and CONFIG in m.content
+                      and DOWNLOAD_VERSION in m.content[CONFIG]]  # fmt: skip
+            kinds = {(m.metadata.message_type, int(m.content[CONFIG][DOWNLOAD_BASE]),
+                      len(m.content[ARRAYS]) > 0) for m in second}  # fmt: skip
+            assert kinds == {(GRADIENT_QUERY, 1, True), (MessageType.TRAIN, 2, False)}
+    (whole_up, _, whole_psnr), (coded_up, coded_down, coded_psnr) = (
+        runs["whole"],
+        runs["quantise-4"],
+    )
+    assert coded_up < 0.5 * whole_up  # 5 codes a masked integer at 3 clients, 4 bits
     assert abs(coded_psnr - whole_psnr) < 1.0
+    _, download_down, download_psnr = runs["download"]
+    assert download_down < 0.6 * coded_down  # round 2: G whole, the query's chain, no global
+    assert abs(download_psnr - whole_psnr) < 1.0
