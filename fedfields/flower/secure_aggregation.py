@@ -198,7 +198,7 @@ def _route(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         if msg.metadata.message_type != MessageType.TRAIN:
             raise ValueError("SecAgg+ stages must arrive as 'train' messages")
         check_threshold(msg, context)
-        return secaggplus_mod(msg, context, _answer_stage)
+        return _seeded_secaggplus(msg, context)
     config = msg.content.config_records.get(CONFIG)
     if config is None or not bool(config.get(SECURE_AGGREGATION, False)):
         return call_next(msg, context)
@@ -207,6 +207,22 @@ def _route(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         return reply
     held = hold(msg, reply, context)
     return Message(RecordDict({HELD: held}), reply_to=msg)
+
+
+def _seeded_secaggplus(msg: Message, context: Context) -> Message:
+    """Flower's `secaggplus_mod` over `_answer_stage`, numpy's global generator seeded for the
+    call from the held rounding seed and the stage's group and restored after: Flower's
+    quantiser rounds each float at random with `np.random` (its masks draw from their own
+    secret-seeded generators), so one seed gives one secure run; rounding needs no secrecy."""
+    rounding = context.state.get(ROUNDING_STATE, ConfigRecord())
+    text = f"{rounding.get('seed', 0)}/{msg.metadata.group_id}"
+    seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+    saved = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        return secaggplus_mod(msg, context, _answer_stage)
+    finally:
+        np.random.set_state(saved)
 
 
 def hold(msg: Message, reply: Message, context: Context) -> ConfigRecord:
