@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from logging import ERROR
 
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common.logger import log
 from torch import Tensor
 
@@ -145,6 +145,21 @@ class Round:
             if gate.max_update_norm is not None:
                 ledger.reference_norm = update_norm(ledger.reference)
         return cls(ledger, gate, check_update, rules, secure_aggregation, privacy)
+
+    def messages(self, contents: list[RecordDict], sent: int, message_type: str) -> list[Message]:
+        """One message per sampled node, in `ledger.node_ids`' order, carrying its `contents`;
+        the ledger counts `sent` bytes down."""
+        ledger = self.ledger
+        ledger.bytes_down += sent
+        return [
+            Message(
+                content=content,
+                dst_node_id=node_id,
+                message_type=message_type,
+                group_id=str(ledger.server_round),
+            )
+            for node_id, content in zip(ledger.node_ids, contents, strict=True)
+        ]
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:

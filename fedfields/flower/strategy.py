@@ -223,22 +223,12 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         return self.open_round
 
     def messages(self, content: RecordDict, message_type: str) -> list[Message]:
-        """One message per node of the open round, all carrying `content` (a train message's
-        ARRAYS each node's own under compressed downloads, train and gradient query); counts
-        the bytes sent."""
+        """The open round's messages carrying `content` (under compressed downloads a train or
+        gradient-query message's ARRAYS is each node's own: `node_contents`)."""
         assert self.open_round is not None, "begin_round opens the round its messages go to"
-        ledger = self.open_round.ledger
-        contents, sent = node_contents(self.downloads, content, message_type, ledger.users)
-        ledger.bytes_down += sent
-        return [
-            Message(
-                content=node_content,
-                dst_node_id=node_id,
-                message_type=message_type,
-                group_id=str(ledger.server_round),
-            )
-            for node_id, node_content in zip(ledger.node_ids, contents, strict=True)
-        ]
+        users = self.open_round.ledger.users
+        contents, sent = node_contents(self.downloads, content, message_type, users)
+        return self.open_round.messages(contents, sent, message_type)
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """The paper's server step over the round's replies, ending in `train_round.outcome`."""
