@@ -31,7 +31,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from torch import Tensor
 
 from fedfields.compression import SEPARATOR, CompressionConfig, Record
-from fedfields.downloads import Download, ReferenceChain, rebuilt_chain
+from fedfields.downloads import ReferenceChain, rebuilt_chain
 from fedfields.flower.compression import requested_compression
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -75,12 +75,10 @@ class DownloadSender:
         self.chain.advance(server_round, arrays_to_state(arrays), generator)
 
     def content(self, content: RecordDict, user: str, whole: ArrayRecord) -> RecordDict:
-        """`content` with ARRAYS and CONFIG's download entries for the node of `user`: its
-        chain, unless R_t `whole` costs no more bytes on the wire (keys included)."""
+        """`content` with ARRAYS (`whole`, R_t, or the user's chain: `ReferenceChain.download`)
+        and CONFIG's download entries for the node of `user`."""
         download = self.chain.download(self.held.get(user, 0))
         arrays = whole if download.whole is not None else chain_arrays(download.records)
-        if download.records and arrays.count_bytes() >= whole.count_bytes():
-            download, arrays = Download(download.version, 0), whole
         config = ConfigRecord(
             {**content[CONFIG], DOWNLOAD_VERSION: download.version, DOWNLOAD_BASE: download.base}
         )
