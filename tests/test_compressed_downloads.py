@@ -10,20 +10,33 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from torch import Tensor
 
-from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.compression import (
+    CompressionConfig,
+    compress,
+    compress_with_feedback,
+    decompress,
+    full_bytes,
+)
 from fedfields.downloads import ReferenceChain, rebuilt_chain
 from fedfields.flower import FedAvg, NodeState, compressed_download_mod
-from fedfields.flower.compression import compressed_parts
-from fedfields.flower.downloads import DOWNLOAD_HELD, DOWNLOAD_REFERENCE, followed
+from fedfields.flower.compression import compressed_parts, compression_entries
+from fedfields.flower.downloads import (
+    DOWNLOAD_HELD,
+    DOWNLOAD_REFERENCE,
+    DownloadSender,
+    followed,
+)
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
     CONFIG,
     DOWNLOAD_BASE,
     DOWNLOAD_VERSION,
+    GRADIENT,
+    GRADIENT_COMPRESSED,
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
@@ -241,6 +254,55 @@ def test_the_chain_and_the_held_versions_survive_a_resume(tmp_path: Path) -> Non
         assert content[CONFIG][DOWNLOAD_BASE] == other[CONFIG][DOWNLOAD_BASE] == 2
         for name, array in content[ARRAYS].items():
             assert (array.numpy() == other[ARRAYS][name].numpy()).all(), name
+
+
+def gradient_message(sender: DownloadSender, gradient: State) -> Message:
+    """A DecentNeRF round-2 train message to a node that holds version 1: the chain and G
+    compressed."""
+    config = ConfigRecord({**compression_entries(QUANTISE), GRADIENT_COMPRESSED: True})
+    content = RecordDict({CONFIG: config, GRADIENT: sender.gradient(2, gradient)})
+    sent = sender.content(content, "user-0", state_to_arrays(sender.chain.reference))
+    return Message(sent, dst_node_id=1, message_type="train")
+
+
+def test_decentnerfs_summed_gradient_goes_down_compressed_and_the_node_reads_it_back() -> None:
+    """G of a round goes down as 4-bit codes (under 1/7 of its float32 bytes), drawn from a
+    stream of the server's seed apart from the chain's; the node's mod hands the handler
+    exactly D(C(G)) beside the rebuilt global; a record the scheme could not have sent fails
+    naming GRADIENT, and the node keeps the version it held."""
+    sender = DownloadSender(QUANTISE, seed=5)
+    sender.advance(1, state_to_arrays(target(1)))
+    sender.hold(["user-0"])
+    sender.advance(2, state_to_arrays(target(2)))
+    generator = torch.Generator().manual_seed(9)
+    gradient = {key: torch.randn(v.shape, generator=generator) for key, v in target(1).items()}
+    record = sender.gradient(2, gradient)
+    assert sum(array.numpy().nbytes for array in record.values()) < full_bytes(gradient) / 7
+    shapes = {key: tuple(value.shape) for key, value in gradient.items()}
+    expected = decompress(compress(gradient, QUANTISE, sender.generator(2, 1)), shapes, QUANTISE)
+    chain_rounding = decompress(compress(gradient, QUANTISE, sender.generator(2)), shapes, QUANTISE)
+    assert not torch.equal(expected["weight"], chain_rounding["weight"])
+    round_one = ReferenceChain(QUANTISE)  # what the node rebuilt in round 1
+    round_one.advance(1, target(1), sender.generator(1))
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    NodeState(context).put_tensors(DOWNLOAD_REFERENCE, dict(round_one.reference))
+    NodeState(context).put_values(DOWNLOAD_HELD, {"version": 1})
+    seen: dict[str, State] = {}
+
+    def handler(message: Message, _: Context) -> Message:
+        seen["global"] = arrays_to_state(message.content[ARRAYS])
+        seen["gradient"] = arrays_to_state(message.content[GRADIENT])
+        return Message(RecordDict(), reply_to=message)
+
+    broken = gradient_message(sender, gradient)
+    del broken.content[GRADIENT]["weight:scale"]
+    with pytest.raises(ValueError, match="record 'gradient'.*lacks the entries"):
+        compressed_download_mod(broken, context, handler)
+    assert NodeState(context).values(DOWNLOAD_HELD) == {"version": 1}  # nothing half-written
+    compressed_download_mod(gradient_message(sender, gradient), context, handler)
+    for key in gradient:
+        assert torch.equal(seen["gradient"][key], expected[key])
+        assert torch.equal(seen["global"][key], sender.chain.reference[key])
 
 
 def test_downloads_need_a_scheme_and_a_positive_history() -> None:

@@ -431,7 +431,8 @@ class CompressionSection:
     SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP.
     DecentNeRF's update is alpha_k g_k - alpha_k g. With compression-download the global goes
     down the same way: a node gets the change since the round whose global it last trained
-    from (a chain of the server's compressed differences), or the global whole."""
+    from (a chain of the server's compressed differences), or the global whole; DecentNeRF's
+    summed gradient G goes down compressed too."""
 
     title: ClassVar[str] = "update compression"
     used_by: ClassVar[str] = "every task in mode='federated'"

@@ -20,7 +20,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from torch import Tensor
 
-from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.compression import (
+    CompressionConfig,
+    Record,
+    compress_with_feedback,
+    decompress,
+)
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -90,10 +95,12 @@ def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: in
     generator = torch.Generator().manual_seed(seed)
     record, residual = compress_with_feedback(update, state.tensors(RESIDUAL), config, generator)
     state.put_tensors(RESIDUAL, residual)
-    wire = ArrayRecord()
-    for name, array in record.items():
-        wire[name] = Array(np.ascontiguousarray(array))
-    return ReplyParts({**parts.records, ARRAYS: wire}, parts.metrics)
+    return ReplyParts({**parts.records, ARRAYS: record_arrays(record)}, parts.metrics)
+
+
+def record_arrays(record: Record) -> ArrayRecord:
+    """A compressed record as an ArrayRecord, one Array per entry."""
+    return ArrayRecord({name: Array(np.ascontiguousarray(array)) for name, array in record.items()})
 
 
 def decompressed_reply_state(

@@ -34,6 +34,7 @@ from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     GRADIENT,
+    GRADIENT_COMPRESSED,
     GRADIENT_QUERY,
     SERVER_ROUND,
     STRATEGY,
@@ -175,7 +176,7 @@ class DecentNeRF(ProtocolStrategy):
         if server_round >= 2 and train_round.ledger.node_ids:
             gradient_sum = self.gradient_sum(train_round, arrays, train_config, grid)
             if gradient_sum is not None:
-                records[GRADIENT] = state_to_arrays(gradient_sum)
+                records[GRADIENT] = self.gradient_record(server_round, gradient_sum, train_config)
                 if self.last_aggregate is not None:
                     train_config[AGGREGATE_ROUND], train_config[ALPHA_SUM] = self.last_aggregate
         return self.messages(RecordDict(records), MessageType.TRAIN)
@@ -197,6 +198,16 @@ class DecentNeRF(ProtocolStrategy):
                 "global's dtypes and is not sent", train_round.ledger.server_round)  # fmt: skip
             return None
         return gradient
+
+    def gradient_record(
+        self, server_round: int, gradient: dict[str, Tensor], config: ConfigRecord
+    ) -> ArrayRecord:
+        """G as the train message carries it: whole, or under compressed downloads compressed
+        on its way down as the global is (`DownloadSender.gradient`; `config` then says so)."""
+        if self.downloads is None:
+            return state_to_arrays(gradient)
+        config[GRADIENT_COMPRESSED] = True
+        return self.downloads.gradient(server_round, gradient)
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """g^(m) = sum_k alpha_k g_k / sum_k alpha_k from the summed payload alone (Algorithm 1,

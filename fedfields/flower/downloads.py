@@ -9,14 +9,18 @@ whole, or the chain of records from the version the server last summed a reply o
 for (a reply summed proves the node rebuilt that version; a sampled user whose reply was not
 summed gets R_t whole next time). CONFIG carries "download-version" t and "download-base" b
 (0: whole); the chain's record of version v travels as ArrayRecord entries "<v>:<key>:<part>".
-The round reads each reply as T_t plus the update the node computed from R_t.
+The round reads each reply as T_t plus the update the node computed from R_t. DecentNeRF's
+summed gradient G, new each round, goes down compressed once with the run's scheme and no
+feedback (`DownloadSender.gradient`; CONFIG "gradient-compressed"): a node reads G only in
+<G, g_k - g>, and quantise's unbiased rounding keeps that product unbiased.
 
 Node (`compressed_download_mod`, outermost of the ClientApp's mods): rebuilds R_t from the
-reference it keeps in its private state (`NodeState`, under DOWNLOAD_REFERENCE) and puts it in
-the message's ARRAYS, so the handler, the upload compression and the SecAgg+ mod all read the
-global as if it had come whole. A node that does not hold version b (its state was wiped, or it
-trained in a round a resumed server rolled back) refuses the message with a `ValueError` saying
-so; its reply is an error, counted, and the server sends it R_t whole the next time.
+reference it keeps in its private state (`NodeState`, under DOWNLOAD_REFERENCE) and puts it in the
+message's ARRAYS, so the handler, the upload compression and the SecAgg+ mod all read the global as
+if it had come whole, and decompresses a compressed G into GRADIENT. A node that does not hold
+version b (its state was wiped, or it trained in a round a resumed server rolled back) refuses the
+message with a `ValueError` saying so; its reply is an error, counted, and the server sends it R_t
+whole the next time.
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.clientapp.typing import ClientAppCallable
 from torch import Tensor
 
-from fedfields.compression import SEPARATOR, CompressionConfig, Record
+from fedfields.compression import SEPARATOR, CompressionConfig, Record, compress, decompress
 from fedfields.downloads import ReferenceChain, rebuilt_chain
-from fedfields.flower.compression import requested_compression
+from fedfields.flower.compression import record_arrays, requested_compression
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     DOWNLOAD_BASE,
     DOWNLOAD_VERSION,
+    GRADIENT,
+    GRADIENT_COMPRESSED,
     GRADIENT_QUERY,
     arrays_to_state,
     content_bytes,
@@ -71,8 +77,18 @@ class DownloadSender:
     def advance(self, server_round: int, arrays: ArrayRecord) -> None:
         """Advance the chain to R_t for `server_round`'s target `arrays` (what the strategy
         sends; the round reads its replies against it: a node's update from R_t, added to T_t)."""
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + server_round)
-        self.chain.advance(server_round, arrays_to_state(arrays), generator)
+        self.chain.advance(server_round, arrays_to_state(arrays), self.generator(server_round))
+
+    def gradient(self, server_round: int, gradient: Mapping[str, Tensor]) -> ArrayRecord:
+        """DecentNeRF's G of `server_round` compressed for its way down (module docstring), its
+        rounding drawn from a stream of the server's seed apart from the chain's."""
+        record = compress(gradient, self.chain.config, self.generator(server_round, stream=1))
+        return record_arrays(record)
+
+    def generator(self, server_round: int, stream: int = 0) -> torch.Generator:
+        """The seeded generator of `server_round`'s random rounding: stream 0 the chain's,
+        1 the gradient's; one seed gives one run."""
+        return torch.Generator().manual_seed((self.seed * 100_003 + server_round) * 2 + stream)
 
     def content(self, content: RecordDict, user: str, whole: ArrayRecord) -> RecordDict:
         """`content` with ARRAYS (`whole`, R_t, or the user's chain: `ReferenceChain.download`)
@@ -183,10 +199,26 @@ def compressed_download_mod(
     if held_values is not None and reference is not None:
         held = (int(held_values["version"]), reference)
     version, received = received_state(msg.content[ARRAYS], config, held, compression)
+    content = {**msg.content, ARRAYS: state_to_arrays(received)}
+    if config.get(GRADIENT_COMPRESSED):
+        content[GRADIENT] = received_gradient(msg.content[GRADIENT], received, compression)
     state.put_tensors(DOWNLOAD_REFERENCE, received)
     state.put_values(DOWNLOAD_HELD, {"version": version})
-    msg.content = RecordDict({**msg.content, ARRAYS: state_to_arrays(received)})
+    msg.content = RecordDict(content)
     return call_next(msg, context)
+
+
+def received_gradient(
+    arrays: ArrayRecord, received: Mapping[str, Tensor], compression: CompressionConfig
+) -> ArrayRecord:
+    """DecentNeRF's G from its compressed record, shaped as the global `received`; ValueError
+    naming the record and why for a record the scheme could not have sent."""
+    shapes = {key: tuple(value.shape) for key, value in received.items()}
+    try:
+        gradient = decompress({name: a.numpy() for name, a in arrays.items()}, shapes, compression)
+    except ValueError as error:
+        raise ValueError(f"record {GRADIENT!r}: {error}") from None
+    return state_to_arrays(gradient)
 
 
 def followed(

@@ -11,6 +11,7 @@ Train message (server -> client), records by name:
                   plus the user's train config
   SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
   GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
+                  (with "gradient-compressed" in CONFIG: G's compressed record)
 Train reply (client -> server):
   ARRAYS          local state (y_i for Scaffold); DecentNeRF: alpha_k g_k plus alpha_k
                   under `fedfields.aggregate.ALPHA_KEY`
@@ -82,6 +83,9 @@ DOWNLOAD_VERSION = "download-version"
 of the reference ARRAYS stands for."""
 DOWNLOAD_BASE = "download-base"
 """Train-config entry: the version b the download's chain starts from (0: ARRAYS is R_t whole)."""
+GRADIENT_COMPRESSED = "gradient-compressed"
+"""Train-config entry under compressed downloads: GRADIENT holds the record of DecentNeRF's G
+compressed with the run's scheme, which the node's mod decompresses before the handler."""
 
 SECURE_AGGREGATION = "secure-aggregation"
 """True: replies are held back and summed with SecAgg+ (see the module docstring)."""
