@@ -22,6 +22,8 @@ from simulations.bench.compression import (
     plan,
     read_row,
     save_rows,
+    seed_table,
+    seeded_runs,
     setting_run_config,
     table,
     upload_bytes,
@@ -82,9 +84,9 @@ def test_a_row_reads_its_run_and_the_table_compares_with_its_own_none(tmp_path: 
         ]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         final = {"clean-psnr": psnr, "personal-psnr": 9.5}
-        (run / "summary.json").write_text(json.dumps({"final": final}))
+        (run / "summary.json").write_text(json.dumps({"seed": 3, "final": final}))
         rows.append(read_row(setting, run, seconds=10.0))
-    assert rows[1] == Row(Setting("topk", 0.05), 100.0, 5.0, 19.6, 9.5, 2000.0)
+    assert rows[1] == Row(Setting("topk", 0.05), 100.0, 5.0, 19.6, 9.5, 2000.0, seed=3)
     text = table(rows)
     topk = "| fedavg | plaintext | topk 0.05 | 100 | 10.0 | 2,000 | 1.0 | 5.0 | 19.60 | -0.40 |"
     assert topk in text
@@ -103,9 +105,7 @@ def test_bytes_only_counts_one_upload_of_the_runs_field() -> None:
     config = setting_run_config(Setting("quantise", 4), small)
     sizes = [
         tensor.numel()
-        for tensor in federated_state(
-            global_field(parse_app_config(config))
-        ).values()
+        for tensor in federated_state(global_field(parse_app_config(config))).values()
     ]
     sent, full = upload_bytes(Setting("quantise", 4), config)
     assert full == 4 * sum(sizes)
@@ -129,3 +129,41 @@ def test_combine_writes_one_table_and_figure_from_earlier_runs(tmp_path: Path) -
     (first / "rows.json").write_text('[{"setting": {"scheme": "none"}}')  # cut short
     with pytest.raises(ValueError, match=r"a[/\\]rows.json: not the rows"):
         load_rows(first)
+
+
+def test_seeds_run_every_setting_at_each_seed_in_turn() -> None:
+    args = parse_args(["--strategies", "fedavg", "--schemes", "quantise", "--bits", "2",
+                       "--seeds", "0", "1"])  # fmt: skip
+    runs = seeded_runs(accepted(plan(args), "num-server-rounds=2"), args.seeds)
+    assert [(name, config["seed"]) for name, _, config in runs] == [
+        ("fedavg-none-seed0", 0), ("fedavg-quantise-2-seed0", 0),
+        ("fedavg-none-seed1", 1), ("fedavg-quantise-2-seed1", 1),
+    ]  # fmt: skip
+    once = seeded_runs(accepted(plan(parse_args(["--strategies", "fedavg", "--schemes", "topk",
+                                                 "--fractions", "0.1"])), ""), None)  # fmt: skip
+    assert [name for name, _, _ in once] == ["fedavg-none", "fedavg-topk-0.1"]
+
+
+def test_the_table_over_seeds_pairs_each_run_with_its_own_seeds_none(tmp_path: Path) -> None:
+    """Three seeds of none and quantise 2, written as three bench folders and combined: the
+    per-run table shows seed 0, the table over seeds the mean and sample std of the clean PSNR
+    and of the paired change (computed here by hand), a setting run once is not in it."""
+    none = {0: 17.4, 1: 17.0, 2: 17.9}
+    quantise = {0: 17.5, 1: 17.3, 2: 17.8}  # changes +0.1, +0.3, -0.1: mean +0.10, std 0.20
+    folders = []
+    for seed in (0, 1, 2):
+        folder = tmp_path / f"seed{seed}"
+        folder.mkdir()
+        rows = [Row(Setting("none"), 800.0, 5.0, none[seed], seed=seed),
+                Row(Setting("quantise", 2), 50.0, 4.0, quantise[seed], seed=seed)]  # fmt: skip
+        if seed == 0:
+            rows.append(Row(Setting("topk", 0.01), 25.0, 4.0, 13.0, seed=0))
+        save_rows(folder, rows)
+        folders.append(str(folder))
+    main(["--combine", *folders, "--out", str(tmp_path / "all")])
+    text = (tmp_path / "all" / "compression.md").read_text()
+    assert "| fedavg | plaintext | quantise 2 | 50 | 16.0 | - | - | 4.0 | 17.50 | +0.10 |" in text
+    assert "| fedavg-quantise-2 | 0, 1, 2 | 17.53 ± 0.25 | +0.10 ± 0.20 | 16.0 |" in text
+    assert "| fedavg-none | 0, 1, 2 | 17.43 ± 0.45 | +0.00 ± 0.00 | 1.0 |" in text
+    assert "fedavg-topk-0.01 |" not in seed_table(load_rows(tmp_path / "all"))
+    assert seed_table(load_rows(tmp_path / "seed0")) == ""

@@ -5,21 +5,24 @@ under SecAgg+ (`--sums plaintext secure`), with `--download` the global sent dow
 too (run-config compression-download), through Flower's simulation engine (Ray) with the App's
 run-config defaults plus `--run-config`.
 
-Each setting is one run-config (`setting_run_config`) validated by the run-config schema
-before anything runs; a setting the App refuses (low-rank or top-k under SecAgg+) is printed
-with the App's reason and skipped. The rows
-(`read_row`) come from each run's metrics.jsonl (mean bytes-up per round: the float32 or
-compressed uploads in plaintext, the masked SecAgg+ vectors of every stage when secure; mean
-bytes-down: every train and query message's arrays),
-its wall seconds over its rounds (Ray's start-up included) and summary.json (final scores);
-the table goes to compression.md (and rows.json), the bytes-versus-PSNR figure to
-compression.png under `--out`; `--combine DIR ...` writes one table and figure from earlier
-runs' folders. `--bytes-only` trains nothing: it prints the bytes of one compressed plaintext upload
-of the run's global field (a seeded random update) per setting, against the float32 upload.
+Each setting is one run-config (`setting_run_config`) validated by the run-config schema before
+anything runs; a setting the App refuses (low-rank or top-k under SecAgg+) is printed with the
+App's reason and skipped. The rows (`read_row`) come from each run's metrics.jsonl (mean bytes-up
+per round: the float32 or compressed uploads in plaintext, the masked SecAgg+ vectors of every
+stage when secure; mean bytes-down: every train and query message's arrays), its wall seconds over
+its rounds (Ray's start-up included) and summary.json (final scores); the table goes to
+compression.md (and rows.json), the bytes-versus-PSNR figure to compression.png under `--out`;
+`--combine DIR ...` writes one table and figure from earlier runs' folders. `--seeds 0 1 2` runs
+every setting at each seed and adds a table over seeds: clean PSNR and its change against the same
+seed's uncompressed run, mean ± std (the change is paired: same seed, same users each round, same
+initial field); `--combine` builds it too from folders run at different seeds. `--bytes-only`
+trains nothing: it prints the bytes of one compressed plaintext upload of the run's global field (a
+seeded random update) per setting, against the float32 upload.
 
     python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
     python -m simulations.bench.compression --strategies decentnerf --sums secure --bits 4
     python -m simulations.bench.compression --schemes quantise --bits 4 --download
+    python -m simulations.bench.compression --schemes quantise --bits 2 --seeds 0 1 2
     python -m simulations.bench.compression --bytes-only
     python -m simulations.bench.compression --combine runs/a runs/b --out runs/both
 """
@@ -27,6 +30,7 @@ of the run's global field (a seeded random update) per setting, against the floa
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -92,7 +96,8 @@ class Setting:
 @dataclass(frozen=True)
 class Row:
     """What a run measured: mean bytes up and wall seconds per round, the final scores, mean
-    bytes down per round (0: not read, rows of runs before it was)."""
+    bytes down per round (0: not read, rows of runs before it was), the run's seed (None: rows
+    of runs before it was read)."""
 
     setting: Setting
     bytes_up: float
@@ -100,6 +105,7 @@ class Row:
     clean_psnr: float | None
     personal_psnr: float | None = None
     bytes_down: float = 0.0
+    seed: int | None = None
 
 
 def plan(args: argparse.Namespace) -> list[Setting]:
@@ -131,6 +137,19 @@ def setting_run_config(setting: Setting, extra: str = "") -> dict[str, Any]:
     return job_config(text).to_run_config()
 
 
+def seeded_runs(
+    configs: dict[Setting, dict[str, Any]], seeds: list[int] | None
+) -> list[tuple[str, Setting, dict[str, Any]]]:
+    """(folder name, setting, run-config) of each run: every setting once at its run-config's
+    seed, or with `seeds` every setting at each seed in turn (folders "<setting>-seed<s>")."""
+    if seeds is None:
+        return [(setting.name, setting, config) for setting, config in configs.items()]
+    return [
+        (f"{setting.name}-seed{seed}", setting, {**config, "seed": seed})
+        for seed, (setting, config) in itertools.product(seeds, configs.items())
+    ]
+
+
 def accepted(settings: list[Setting], extra: str) -> dict[Setting, dict[str, Any]]:
     """The run-config of each setting the App accepts; each refused one printed with why."""
     configs = {}
@@ -159,9 +178,10 @@ def upload_bytes(setting: Setting, run_config: dict[str, Any]) -> tuple[int, int
 
 def read_row(setting: Setting, run_dir: Path, seconds: float) -> Row:
     """A finished run's row: mean "bytes-up" and "bytes-down" over its rounds, `seconds` (the
-    run's wall time) over its rounds, summary.json's clean and personal-mask PSNR."""
+    run's wall time) over its rounds, summary.json's clean and personal-mask PSNR and seed."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    final = json.loads((run_dir / "summary.json").read_text()).get("final", {})
+    summary = json.loads((run_dir / "summary.json").read_text())
+    final = summary.get("final", {})
     uploads = [float(line[BYTES_UP]) for line in lines if BYTES_UP in line]
     downloads = [float(line[BYTES_DOWN]) for line in lines if BYTES_DOWN in line]
     return Row(
@@ -171,6 +191,7 @@ def read_row(setting: Setting, run_dir: Path, seconds: float) -> Row:
         final.get("clean-psnr"),
         final.get("personal-psnr"),
         statistics.fmean(downloads) if downloads else 0.0,
+        summary.get("seed"),
     )
 
 
@@ -179,18 +200,28 @@ def _cell(value: float | None, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
+def first_seed(rows: list[Row]) -> list[Row]:
+    """Each setting's row of the first seed it was run at (the per-run table's and the
+    figure's rows)."""
+    firsts: dict[str, Row] = {}
+    for row in rows:
+        firsts.setdefault(row.setting.name, row)
+    return list(firsts.values())
+
+
 def table(rows: list[Row]) -> str:
-    """The markdown table: per run, bytes up and down per round and their ratios to the same
-    strategy's uncompressed run (plaintext or secure), seconds per round, clean PSNR and its
-    change, personal-mask PSNR."""
-    by_name = {row.setting.name: row for row in rows}
+    """The markdown table: per setting at its first seed, bytes up and down per round and
+    their ratios to the same strategy's uncompressed run (plaintext or secure) of that seed,
+    seconds per round, clean PSNR and its change, personal-mask PSNR."""
+    by_run = {(row.setting.name, row.seed): row for row in rows}
+    rows = first_seed(rows)
     lines = [
         "| strategy | sum | setting | bytes up / round | x fewer | bytes down / round "
         "| x fewer down | s / round | clean PSNR (dB) | vs none (dB) | personal-mask PSNR (dB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        base = by_name.get(row.setting.baseline)
+        base = by_run.get((row.setting.baseline, row.seed))
         ratio = base.bytes_up / row.bytes_up if base and row.bytes_up else None
         down = (
             base.bytes_down / row.bytes_down
@@ -221,13 +252,58 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mean_std(values: list[float]) -> str:
+    """ "mean ± std" (sample std) of `values`, 2 decimals."""
+    return f"{statistics.fmean(values):+.2f} ± {statistics.stdev(values):.2f}"
+
+
+def seed_table(rows: list[Row]) -> str:
+    """Per setting run at two or more seeds: its seeds, clean PSNR and its paired change against
+    the same strategy's none run of each seed (mean ± std over seeds), mean bytes up ratio;
+    "" when no setting ran at two seeds."""
+    by_run = {(row.setting.name, row.seed): row for row in rows}
+    seeds: dict[str, list[int]] = {}
+    for row in rows:
+        if row.seed is not None and row.clean_psnr is not None:
+            seeds.setdefault(row.setting.name, []).append(row.seed)
+    lines = []
+    for name, runs in seeds.items():
+        if len(runs) < 2:
+            continue
+        own = [by_run[(name, seed)] for seed in runs]
+        bases = [by_run.get((own[0].setting.baseline, seed)) for seed in runs]
+        paired = [
+            row.clean_psnr - base.clean_psnr
+            for row, base in zip(own, bases, strict=True)
+            if base is not None and base.clean_psnr is not None and row.clean_psnr is not None
+        ]
+        fewer = [
+            base.bytes_up / row.bytes_up
+            for row, base in zip(own, bases, strict=True)
+            if base is not None and row.bytes_up
+        ]
+        psnr = _mean_std([row.clean_psnr for row in own if row.clean_psnr is not None])
+        lines.append(
+            f"| {name} | {', '.join(map(str, runs))} | {psnr.lstrip('+')} | "
+            f"{_mean_std(paired) if len(paired) > 1 else '-'} | "
+            f"{_cell(statistics.fmean(fewer) if fewer else None, '.1f')} |"
+        )
+    if not lines:
+        return ""
+    header = (
+        "| setting | seeds | clean PSNR (dB), mean ± std | vs none of the same seed (dB), "
+        "mean ± std | x fewer bytes up |\n|---|---|---|---|---|\n"
+    )
+    return header + "\n".join(lines) + "\n"
+
+
 def figure(rows: list[Row]) -> Figure:
-    """Bytes up per round (log scale) against final clean PSNR, one series per strategy and
-    sum, each point labelled with its setting."""
+    """Bytes up per round (log scale) against final clean PSNR at each setting's first seed,
+    one series per strategy and sum, each point labelled with its setting."""
     plot = Figure(figsize=(7, 4.5))
     axes = plot.subplots()
     series: dict[str, list[Row]] = {}
-    for row in rows:
+    for row in first_seed(rows):
         if row.clean_psnr is not None:
             label = f"{row.setting.strategy}, {'SecAgg+' if row.setting.secure else 'plaintext'}"
             series.setdefault(label, []).append(row)
@@ -269,6 +345,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8, help="num-server-rounds of every run")
     parser.add_argument("--users", type=int, default=16, help="crowd users, one node each")
     parser.add_argument("--run-config", default="", help="extra run-config for every run")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="run every setting at each seed (folders <setting>-seed<s>; default: the "
+        "run-config's seed, once) and add a table of mean ± std over seeds",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/)")
     parser.add_argument(
         "--bytes-only", action="store_true", help="print one upload's bytes per setting, no runs"
@@ -286,9 +370,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def save_rows(out: Path, rows: list[Row]) -> None:
-    """`rows` as `out`'s rows.json (what `--combine` reads back) and compression.md."""
+    """`rows` as `out`'s rows.json (what `--combine` reads back) and compression.md (the
+    per-run table, then the one over seeds when there is one)."""
     atomic.write_json(out / ROWS_FILE, [asdict(row) for row in rows])
-    atomic.write_text(out / "compression.md", table(rows))
+    atomic.write_text(out / "compression.md", report(rows))
+
+
+def report(rows: list[Row]) -> str:
+    """The per-run table and, when some setting ran at two or more seeds, the table over seeds."""
+    over_seeds = seed_table(rows)
+    return table(rows) + (f"\nOver seeds:\n\n{over_seeds}" if over_seeds else "")
 
 
 def load_rows(folder: Path) -> list[Row]:
@@ -305,11 +396,12 @@ def load_rows(folder: Path) -> list[Row]:
 
 
 def combined(folders: list[Path]) -> list[Row]:
-    """The rows of several bench runs in order, each setting once (its first run's row)."""
-    rows: dict[str, Row] = {}
+    """The rows of several bench runs in order, each setting once per seed (its first run's
+    row)."""
+    rows: dict[tuple[str, int | None], Row] = {}
     for folder in folders:
         for row in load_rows(folder):
-            rows.setdefault(row.setting.name, row)
+            rows.setdefault((row.setting.name, row.seed), row)
     return list(rows.values())
 
 
@@ -321,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = combined(args.combine)
         save_rows(out, rows)
         atomic.save_figure(out / "compression.png", figure(rows))
-        print(table(rows))
+        print(report(rows))
         return
     extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
     configs = accepted(plan(args), extra)
@@ -339,15 +431,15 @@ def main(argv: list[str] | None = None) -> None:
         DataOptions(scene=APP_DIR / "data" / "lego", users=args.users), dict(os.environ)
     )
     rows = []
-    for setting, base in configs.items():
-        config = twin_config(base, out, setting.name, crowd, secure=False)
+    for name, setting, seeded in seeded_runs(configs, args.seeds):
+        config = twin_config(seeded, out, name, crowd, secure=False)
         started = time.perf_counter()
         run_dir = run_with_ray(config, args.users, client_device=args.device)
         rows.append(read_row(setting, run_dir, time.perf_counter() - started))
         print(rows[-1])
         save_rows(out, rows)  # what finished, kept as it goes
     atomic.save_figure(out / "compression.png", figure(rows))
-    print(table(rows))
+    print(report(rows))
 
 
 if __name__ == "__main__":
