@@ -8,7 +8,8 @@ builds the reply in one place: a federated round's train reply also carries "cli
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
 data; when the server asks for compression, ARRAYS goes as the compressed update with the
-node's residual (`fedfields.flower.compression.compressed_parts`); a compressed download is
+node's residual (`fedfields.flower.compression.compressed_parts`), and a gradient query's G_k
+as its compressed record; a compressed download is
 rebuilt into the global first (`fedfields.flower.downloads.compressed_download_mod`). The server's
 "query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by
 which it samples and sums. With run-config
@@ -26,7 +27,7 @@ from flwr.clientapp import ClientApp
 from clients.call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import compressed_download_mod, secure_aggregation_mod
-from fedfields.flower.compression import compressed_parts
+from fedfields.flower.compression import compressed_gradient, compressed_parts
 from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.train.builders import client_seed
@@ -51,14 +52,15 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query("gradient")
 def gradient(msg: Message, context: Context) -> Message:
-    """DecentNeRF's G_k; its wall seconds are kept for this round's train reply's
-    "client-seconds" (the reply to the query carries nothing but G_k)."""
+    """DecentNeRF's G_k (compressed if the server asks); its wall seconds are kept for this
+    round's train reply's "client-seconds" (the reply to the query carries nothing but G_k)."""
     started = time.perf_counter()
     call = ClientCall.decode(msg, context)
     half = half_for(call.config)
     if half.gradient is None:
         raise ValueError(f"{call.node}: the {half.name} client answers no gradient query")
-    parts = half.gradient(call)
+    seed = client_seed(call.config.common.seed, call.client, call.federated_round())
+    parts = compressed_gradient(msg, half.gradient(call), seed)
     timing = {"round": call.federated_round(), "seconds": time.perf_counter() - started}
     call.state.put_values(QUERY_TIMING, timing)
     return parts.message(msg)

@@ -16,10 +16,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from torch import Tensor
 
 from fedfields.aggregate import ALPHA_KEY
-from fedfields.compression import CompressionConfig, compress_with_feedback, decompress
+from fedfields.compression import (
+    CompressionConfig,
+    compress,
+    compress_with_feedback,
+    decompress,
+    full_bytes,
+)
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
     DecentNeRF,
+    DecentNeRFClient,
     FedACG,
     FedAvg,
     FedExP,
@@ -42,6 +49,8 @@ from fedfields.flower.protocol import (
     CONFIG,
     CONTROL_DELTA,
     DOWNLOAD_BASE,
+    GRADIENT,
+    GRADIENT_QUERY,
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
@@ -313,6 +322,57 @@ def strategy_node(k: int, compressed: bool) -> Callable:
         return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)
 
     return handler
+
+
+def gradient_k(k: int) -> State:
+    """User k's loss gradient G_k at the global."""
+    generator = torch.Generator().manual_seed(200 + k)
+    return {key: torch.randn(v.shape, generator=generator) for key, v in global_state().items()}
+
+
+def gradient_node(k: int, scale_lost: bool = False) -> Callable:
+    """A DecentNeRF user answering the gradient query with G_k through the library's
+    `answer_gradient_query` (seed k); `scale_lost` drops one tensor's scale from the record."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        assert message.metadata.message_type == GRADIENT_QUERY
+        reply = DecentNeRFClient.answer_gradient_query(message, lambda _: gradient_k(k), seed=k)
+        if scale_lost:
+            del reply.content[GRADIENT]["weight:scale"]
+        return reply
+
+    return handler
+
+
+def test_decentnerfs_gradient_query_sums_the_decompressed_gradients_and_drops_a_bad_one() -> None:
+    """In plaintext each G_k goes up as 4-bit codes (once, no residual kept); the G the train
+    messages carry is the sum of the decompressed records (oracle computed apart), and a record
+    without a scale is dropped as "compression" and left out of the sum."""
+    config = SCHEMES[1]
+    shapes = {key: tuple(v.shape) for key, v in global_state().items()}
+    for lost in (False, True):
+        strategy = DecentNeRF(min_available_nodes=3, compression=config)
+        grid = InProcessGrid([gradient_node(k, scale_lost=lost and k == 2) for k in range(3)])
+        messages = list(strategy.configure_train(
+            2, state_to_arrays(global_state()), ConfigRecord(), grid))  # fmt: skip
+        sent = arrays_to_state(messages[0].content[GRADIENT])
+        summed = range(2) if lost else range(3)
+        for key, value in sent.items():
+            expected = sum(
+                decompress(compress(gradient_k(k), config, torch.Generator().manual_seed(k)),
+                           shapes, config)[key].double()
+                for k in summed
+            )  # fmt: skip
+            torch.testing.assert_close(value.double(), expected, atol=1e-6, rtol=1e-6)
+        assert strategy.open_round is not None
+        assert strategy.open_round.ledger.dropped == ({"compression": 1} if lost else {})
+    replies = [reply for reply in grid.received if GRADIENT in reply.content]
+    for reply in replies:
+        wire = sum(array.numpy().nbytes for array in reply.content[GRADIENT].values())
+        assert wire < full_bytes(global_state()) / 4
+    assert all(RESIDUAL not in context.state for context in grid.contexts.values())
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -429,7 +429,8 @@ class CompressionSection:
     private state and adds it to its next update (error feedback); the server decompresses
     each reply before every other check. With secure-aggregation only quantise, summed as
     SecAgg+'s integers (b-bit codes packed several to a masked entry), and not with DP.
-    DecentNeRF's update is alpha_k g_k - alpha_k g. With compression-download the global goes
+    DecentNeRF's update is alpha_k g_k - alpha_k g, and its gradient G_k goes compressed too
+    (once, no feedback). With compression-download the global goes
     down the same way: a node gets the change since the round whose global it last trained
     from (a chain of the server's compressed differences), or the global whole; DecentNeRF's
     summed gradient G goes down compressed too."""

@@ -7,8 +7,10 @@ received) plus the residual it kept from its last round (error feedback,
 `RESIDUAL`), so a node restarted on its state directory resumes it. The gate rebuilds the state
 as received global + decompressed update before any other check (`decompressed_reply_state`),
 so finiteness, norm and cap checks all see what will be summed; a malformed record is a
-`BadReply` ("compression") naming why. Only ARRAYS is compressed: Scaffold's control deltas
-and every other record travel whole.
+`BadReply` ("compression") naming why. DecentNeRF's gradient reply G_k is compressed too, once
+and with no feedback (it is recomputed every round, and the server reads only the sum G, for
+the alpha step's <G, g_k - g>; quantise keeps it unbiased), and the gate decompresses it the
+same way. Scaffold's control deltas and every other record travel whole.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 from fedfields.compression import (
     CompressionConfig,
     Record,
+    compress,
     compress_with_feedback,
     decompress,
 )
@@ -35,6 +38,7 @@ from fedfields.flower.protocol import (
     COMPRESSION_FRACTION,
     COMPRESSION_RANK,
     CONFIG,
+    GRADIENT,
     SECURE_AGGREGATION,
     BadReply,
     ReplyParts,
@@ -80,14 +84,35 @@ def requested_compression(config: ConfigRecord) -> CompressionConfig | None:
     )
 
 
-def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
-    """`parts` with ARRAYS replaced by the record of the compressed update when `msg` asks for
-    compression (else `parts` as they are); the node's residual is read and kept in `state`.
-    `seed` seeds quantise's random rounding, so one seed gives one reply."""
+def plaintext_compression(msg: Message) -> CompressionConfig | None:
+    """The compression `msg` asks its reply's records to travel with in plaintext (None: whole;
+    under SecAgg+ the secure-aggregation mod sends the codes)."""
     sent_config = msg.content.config_records.get(CONFIG, ConfigRecord())
-    config = requested_compression(sent_config)
-    if config is None or ARRAYS not in parts.records or sent_config.get(SECURE_AGGREGATION):
-        return parts  # under SecAgg+ the secure-aggregation mod sends the codes
+    return None if sent_config.get(SECURE_AGGREGATION) else requested_compression(sent_config)
+
+
+def compressed_gradient(msg: Message, parts: ReplyParts, seed: int) -> ReplyParts:
+    """`parts` with a gradient reply's GRADIENT G_k replaced by its compressed record when `msg`
+    asks for compression in plaintext: once, with no feedback (module docstring). `seed` seeds
+    quantise's random rounding."""
+    config = plaintext_compression(msg)
+    if config is None or GRADIENT not in parts.records:
+        return parts
+    gradient = arrays_to_state(parts.records[GRADIENT], copy=False)
+    record = compress(gradient, config, torch.Generator().manual_seed(seed))
+    return ReplyParts({**parts.records, GRADIENT: record_arrays(record)}, parts.metrics)
+
+
+def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
+    """`parts` with ARRAYS replaced by the record of the compressed update, and a gradient
+    reply's G_k by its record (`compressed_gradient`), when `msg` asks for compression (else
+    `parts` as they are); the node's residual is read and kept in `state`. `seed` seeds
+    quantise's random rounding, so one seed gives one reply."""
+    parts = compressed_gradient(msg, parts, seed)
+    config = plaintext_compression(msg)
+    sent_config = msg.content.config_records.get(CONFIG, ConfigRecord())
+    if config is None or ARRAYS not in parts.records:
+        return parts
     received = arrays_to_state(msg.content[ARRAYS], copy=False)
     local = arrays_to_state(parts.records[ARRAYS], copy=False)
     scale_key = str(sent_config.get(COMPRESSION_DELTA_SCALE, ""))
@@ -106,17 +131,19 @@ def record_arrays(record: Record) -> ArrayRecord:
 def decompressed_reply_state(
     reply: Message,
     shapes: Shapes,
-    reference: Mapping[str, Tensor],
+    reference: Mapping[str, Tensor] | None,
     dtypes: Mapping[str, str],
     config: CompressionConfig,
     scale_key: str = "",
+    name: str = ARRAYS,
 ) -> dict[str, Tensor]:
-    """The state a compressed ARRAYS reply stands for, s reference + decompressed update (s the
-    update's `scale_key` entry, or 1), after every check of `protocol.checked_state` (keys,
-    shapes, dtypes, finiteness as summed); `BadReply` ("compression") naming the node and why
-    a malformed record was refused."""
-    where = f"reply from node {reply.metadata.src_node_id}, record {ARRAYS!r}"
-    record = reply.content.get(ARRAYS)
+    """The state a compressed reply record `name` stands for: s reference + decompressed update
+    (s the update's `scale_key` entry, or 1), or with `reference` None the decompressed values
+    themselves (G_k), after every check of `protocol.checked_state` (keys, shapes, dtypes,
+    finiteness as summed); `BadReply` ("compression") naming the node and why a malformed
+    record was refused."""
+    where = f"reply from node {reply.metadata.src_node_id}, record {name!r}"
+    record = reply.content.get(name)
     if not isinstance(record, ArrayRecord):
         found = "nothing" if record is None else type(record).__name__
         raise BadReply("missing-record", f"{where}: expected an ArrayRecord, found {found}")
@@ -125,7 +152,10 @@ def decompressed_reply_state(
         update = decompress(arrays, shapes, config)
     except (TypeError, ValueError) as error:
         raise BadReply("compression", f"{where}: {config.scheme}: {error}") from None
-    return checked_state(rebuilt_arrays(reference, update, scale_key), shapes, where, dtypes)
+    rebuilt = state_to_arrays(update) if reference is None else (
+        rebuilt_arrays(reference, update, scale_key)
+    )  # fmt: skip
+    return checked_state(rebuilt, shapes, where, dtypes)
 
 
 def uploaded_arrays(

@@ -25,6 +25,7 @@ from fedfields.aggregate import (
 from fedfields.aggregate.robust import update_norm
 from fedfields.aggregate.states import check_scalar
 from fedfields.config.strategy_settings import NON_NEGATIVE, POSITIVE, StrategySettings, setting
+from fedfields.flower.compression import compressed_gradient
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     AGGREGATE_ROUND,
@@ -293,10 +294,15 @@ class DecentNeRFClient:
 
     @staticmethod
     def answer_gradient_query(
-        msg: Message, loss_gradient: Callable[[dict[str, Tensor]], Mapping[str, Tensor]]
+        msg: Message,
+        loss_gradient: Callable[[dict[str, Tensor]], Mapping[str, Tensor]],
+        seed: int = 0,
     ) -> Message:
-        """Reply G_k = `loss_gradient(g)`, the user's loss gradient at the received g^(m-1)."""
-        return DecentNeRFClient.gradient_parts(msg, loss_gradient).message(msg)
+        """Reply G_k = `loss_gradient(g)`, the user's loss gradient at the received g^(m-1),
+        compressed when the query asks for compression (`compressed_gradient`; `seed` seeds
+        quantise's rounding)."""
+        parts = DecentNeRFClient.gradient_parts(msg, loss_gradient)
+        return compressed_gradient(msg, parts, seed).message(msg)
 
     @staticmethod
     def gradient_parts(

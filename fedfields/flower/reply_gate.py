@@ -8,7 +8,8 @@ logged at WARNING with node and check, and counted in the round's ledger ("num-f
 "num-dropped", "dropped-<check>"). Under secure aggregation a reply that holds nothing back
 is dropped ("held"). A metric under a name the server writes (`protocol.reserved_metric`,
 "dp-epsilon" say) drops its reply ("reserved-metric"). With compression on, a compressed ARRAYS
-record is first rebuilt into the state it stands for (`fedfields.flower.compression`), so every
+record (or DecentNeRF's G_k) is first rebuilt into the state it stands for
+(`fedfields.flower.compression`), so every
 check runs on what will be summed; a malformed one is dropped ("compression"). `drop_reason`
 says in a user's words what a dropped reply lacked.
 """
@@ -30,6 +31,7 @@ from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
     ARRAYS,
+    GRADIENT,
     HELD,
     HELD_METRICS,
     HELD_RECORDS,
@@ -156,13 +158,14 @@ class ReplyGate:
         self, train_round: TrainRound, reply: Message, name: str, shapes: Shapes
     ) -> dict[str, Tensor]:
         """Record `name` of `reply` as checked tensors (`reply_state`); a compressed ARRAYS
-        record is first decompressed onto the arrays sent (`decompressed_reply_state`)."""
-        if self.compression is None or name != ARRAYS:
+        record is first decompressed onto the arrays sent, a compressed G_k on its own
+        (`decompressed_reply_state`)."""
+        if self.compression is None or name not in (ARRAYS, GRADIENT):
             return reply_state(reply, name, shapes, train_round.dtypes)
+        reference = train_round.reference if name == ARRAYS else None
         return decompressed_reply_state(
-            reply, shapes, train_round.reference, train_round.dtypes, self.compression,
-            self.delta_scale,
-        )  # fmt: skip
+            reply, shapes, reference, train_round.dtypes, self.compression, self.delta_scale, name
+        )
 
     def check_update_norm(
         self, train_round: TrainRound, node_id: int, state: Mapping[str, Tensor], scale: float
