@@ -22,7 +22,7 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import ProtocolStrategy
-from fedfields.flower.protocol import NUM_REPLIES
+from fedfields.flower.protocol import NUM_FAILURES, NUM_MISSING, NUM_REPLIES
 from fedfields.flower.round import RoundOutcome
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.train import save_checkpoint
@@ -85,9 +85,11 @@ class RoundReport(StrategyReport):
             "personal-psnr-floor",
         )
         shown = [f"{key} {metrics[key]:.2f} dB" for key in keys if key in metrics]
-        failures = int(metrics.get("num-failures", 0))
+        failures = int(metrics.get(NUM_FAILURES, 0))
         replies = int(metrics.get(NUM_REPLIES, 0))
-        return ", ".join([*shown, f"{replies} replies, {failures} failures"])
+        missing = int(metrics.get(NUM_MISSING, 0))
+        counts = f"{replies} replies, {failures} failures"
+        return ", ".join([*shown, counts + (f", {missing} missing" if missing else "")])
 
     def final_scores(self, arrays: ArrayRecord) -> dict[str, Any]:
         """Checkpoint and orbit of the global field; its scores on the public scene."""

@@ -35,6 +35,7 @@ from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     LOCAL_STEPS,
     NUM_FAILURES,
+    NUM_MISSING,
     NUM_REPLIES,
     TRAIN_LOSS,
     arrays_to_state,
@@ -181,7 +182,9 @@ def _headline(metrics: dict[str, Any], tto_steps: int) -> str:
     if "psnr_p" in metrics:
         shown.append(f"PSNR_p {metrics['psnr_p']:.2f} dB")
     replies, failures = int(metrics.get(NUM_REPLIES, 0)), int(metrics.get(NUM_FAILURES, 0))
-    shown.append(f"{replies} replies, {failures} failures ({metrics['seconds']:.0f} s)")
+    missing = int(metrics.get(NUM_MISSING, 0))
+    counts = f"{replies} replies, {failures} failures" + (f", {missing} missing" if missing else "")
+    shown.append(f"{counts} ({metrics['seconds']:.0f} s)")
     return ", ".join(shown)
 
 

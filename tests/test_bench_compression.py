@@ -21,6 +21,7 @@ from simulations.bench.compression import (
     parse_args,
     plan,
     read_row,
+    run_config_extra,
     save_rows,
     seed_table,
     seeded_runs,
@@ -167,3 +168,27 @@ def test_the_table_over_seeds_pairs_each_run_with_its_own_seeds_none(tmp_path: P
     assert "| fedavg-none | 0, 1, 2 | 17.43 ± 0.45 | +0.00 ± 0.00 | 1.0 |" in text
     assert "fedavg-topk-0.01 |" not in seed_table(load_rows(tmp_path / "all"))
     assert seed_table(load_rows(tmp_path / "seed0")) == ""
+
+
+def test_runs_wait_for_every_reply_unless_the_run_config_says_otherwise(tmp_path: Path) -> None:
+    """A bench run's rounds wait a day (a loaded machine slows a run, it does not cut replies);
+    `--run-config` overrides a wait without a duplicate key; a run that missed replies anyway
+    says so in its row and the table."""
+    patient = run_config_extra(parse_args([]))
+    assert setting_run_config(Setting("none"), patient)["round-timeout"] == 86_400.0
+    secure = setting_run_config(Setting("quantise", 4, "decentnerf", secure=True), patient)
+    assert secure["round-timeout"] == secure["secagg-timeout"] == 86_400.0
+    hasty = run_config_extra(parse_args(["--run-config", "round-timeout=5"]))
+    assert setting_run_config(Setting("none"), hasty)["round-timeout"] == 5
+    stage = run_config_extra(parse_args(["--run-config", "secagg-timeout=7"]))
+    secure_none = Setting("none", None, "decentnerf", secure=True)
+    assert setting_run_config(secure_none, stage)["secagg-timeout"] == 7
+    run = tmp_path / "fedavg-none"
+    run.mkdir()
+    lines = [{"round": 1, "bytes-up": 800, "bytes-down": 800},
+             {"round": 2, "bytes-up": 400, "bytes-down": 800, "num-missing": 4}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    (run / "summary.json").write_text(json.dumps({"seed": 0, "final": {"clean-psnr": 20.0}}))
+    row = read_row(Setting("none"), run, seconds=4.0)
+    assert row.missing == 4
+    assert "| fedavg | plaintext | none (4 replies missing) | 600 |" in table([row])

@@ -56,6 +56,7 @@ from fedfields.flower.protocol import (
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
+    NUM_MISSING,
     NUM_REPLIES,
     SAMPLES,
     TRAIN_LOSS,
@@ -336,6 +337,35 @@ def test_a_drop_logs_node_and_check_but_no_value(caplog: pytest.LogCaptureFixtur
     (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "node 102" in message and "'num-examples'" in message
     assert "123456789012" not in message and "1.23456789012e+11" not in message
+
+
+def test_a_node_silent_past_the_timeout_is_counted_missing_not_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Of three sampled nodes one replies, one fails and one sends nothing before the timeout
+    (a node under load, say): the round sums the one, counts one failure and one missing with a
+    WARNING naming round-timeout; a round where every node answered reports no num-missing."""
+    replies = [honest_reply("fedavg", k) for k in range(3)]
+    strategy = make("fedavg", 3)
+    grid = InProcessGrid([node(*replies[0]), _failing, node(*replies[2])])
+    grid.offline.add(103)
+    messages = strategy.configure_train(1, state_to_arrays(global_state()), ConfigRecord(), grid)
+    with caplog.at_level(logging.WARNING):
+        arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert arrays is not None and metrics is not None
+    assert (metrics[NUM_REPLIES], metrics[NUM_FAILURES], metrics[NUM_MISSING]) == (1, 1, 1)
+    assert any("node" in r.getMessage() and "[103]" in r.getMessage()
+               and "round-timeout" in r.getMessage() for r in caplog.records)  # fmt: skip
+    assert_same_arrays(arrays, state_to_arrays(honest_state(0)))
+    _, every, _ = run_round("fedavg", replies)
+    assert NUM_MISSING not in every
+
+
+def _failing(message: Message, context: Context) -> Message:
+    """A node whose ClientApp raises (the grid answers with an Error), but for the user key."""
+    if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+        return answer_user_key(message, context)
+    raise RuntimeError("the ClientApp failed")
 
 
 @pytest.mark.parametrize("name", ["fedavg", "scaffold", "decentnerf", "fednova"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
+from logging import WARNING
 from typing import Any
 
 from flwr.app import Message
@@ -86,12 +86,15 @@ class ReplyGate:
         An error reply (a ClientApp that raised, or the SuperLink answering for a node that
         went away) counts in "num-failures"; so does a reply from a node that was not sampled
         or a second reply of one node. A reply with a NaN or infinite metric is dropped
-        ("non-finite-metric", `check_metrics`).
+        ("non-finite-metric", `check_metrics`). A sampled node that sent no reply at all
+        before the timeout counts in "num-missing", with a WARNING naming the timeout.
         """
         seen: set[int] = set()
+        answered: set[int] = set()
         where = f"round {train_round.server_round}"
         for reply in replies:
             node_id = reply.metadata.src_node_id
+            answered.add(node_id)
             if reply.has_error():
                 train_round.num_failures += 1
                 log(WARNING, "%s: reply from node %d failed and is left out: %s", where, node_id,
@@ -110,8 +113,10 @@ class ReplyGate:
                 self.drop(train_round, reply, bad)
                 continue
             yield reply
-        if missing := sorted(set(train_round.node_ids) - seen):
-            log(INFO, "%s: no successful reply from nodes %s", where, missing)
+        if missing := sorted(set(train_round.node_ids) - answered):
+            train_round.num_missing += len(missing)
+            log(WARNING, "%s: no reply before the timeout (run-config round-timeout) from "
+                "nodes %s: their updates are missing from this round", where, missing)  # fmt: skip
 
     def checked(
         self,

@@ -25,6 +25,7 @@ from fedfields.flower.protocol import (
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
+    NUM_MISSING,
     NUM_REPLIES,
 )
 from fedfields.flower.user_keys import fallback_key
@@ -52,6 +53,8 @@ class TrainRound:
     bytes_down: int = 0
     bytes_up: int = 0
     num_failures: int = 0
+    num_missing: int = 0
+    """Sampled nodes that sent no reply before the timeout, over the round's exchanges."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Replies dropped by a check, per check ("non-finite", "shape", ...)."""
     secure_sums: int = 0
@@ -97,8 +100,9 @@ def round_metrics(
     """Mean of the clients' scalar metrics (weighted by `weights` if given; secure means
     included) plus the round's counts and traffic.
 
-    Adds "num-replies", "num-failures" (error, unexpected and dropped replies), "num-dropped"
-    with a "dropped-<check>" count per check that dropped one, "bytes-up" and "bytes-down",
+    Adds "num-replies", "num-failures" (error, unexpected and dropped replies), "num-missing"
+    when some sampled node sent no reply before the timeout, "num-dropped" with a
+    "dropped-<check>" count per check that dropped one, "bytes-up" and "bytes-down",
     and under secure aggregation "secure-sums" and "secure-sum-failures"; "num-examples" itself
     is not averaged.
     """
@@ -120,6 +124,7 @@ def round_metrics(
         **{key: weighted_mean(pairs) for key, pairs in entries.items()},
         NUM_REPLIES: len(metrics),
         NUM_FAILURES: train_round.num_failures,
+        **({NUM_MISSING: train_round.num_missing} if train_round.num_missing else {}),
         NUM_DROPPED: sum(train_round.dropped.values()),
         **{DROPPED_PREFIX + check: count for check, count in train_round.dropped.items()},
         BYTES_UP: train_round.bytes_up,

@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.common.config import parse_config_args
 from matplotlib.figure import Figure
 
 from fedfields import atomic
 from fedfields.compression import compress, full_bytes, record_bytes
-from fedfields.flower.protocol import BYTES_DOWN, BYTES_UP
+from fedfields.flower.protocol import BYTES_DOWN, BYTES_UP, NUM_MISSING
 from fedfields.train.builders import global_field
 from fedfields.train.federated import federated_state
 from simulations import APP_DIR
@@ -64,6 +65,10 @@ STRENGTH_KEYS = {
 
 
 STRATEGIES = ("fedavg", "decentnerf")
+PATIENT_SECONDS = 86_400.0
+"""The bench measures bytes and PSNR, not latency: its rounds (round-timeout) and SecAgg+
+stages (secagg-timeout, secure settings) wait a day for every reply, so a loaded machine slows
+a run down instead of cutting replies from its rounds (`--run-config` may set either key)."""
 ROWS_FILE = "rows.json"
 """A bench run's rows, beside its compression.md: what `--combine` reads back."""
 
@@ -97,7 +102,7 @@ class Setting:
 class Row:
     """What a run measured: mean bytes up and wall seconds per round, the final scores, mean
     bytes down per round (0: not read, rows of runs before it was), the run's seed (None: rows
-    of runs before it was read)."""
+    of runs before it was read), the replies missing over its rounds (`num-missing`)."""
 
     setting: Setting
     bytes_up: float
@@ -106,6 +111,7 @@ class Row:
     personal_psnr: float | None = None
     bytes_down: float = 0.0
     seed: int | None = None
+    missing: int = 0
 
 
 def plan(args: argparse.Namespace) -> list[Setting]:
@@ -132,6 +138,8 @@ def setting_run_config(setting: Setting, extra: str = "") -> dict[str, Any]:
         text += f" {STRENGTH_KEYS[setting.scheme]}={setting.strength}"
     if setting.secure:
         text += " " + " ".join(f"{key}={json.dumps(value)}" for key, value in SECURE.items())
+        if "secagg-timeout" not in given_keys(extra):
+            text += f" secagg-timeout={PATIENT_SECONDS}"
     if setting.download:
         text += " compression-download=true"
     return job_config(text).to_run_config()
@@ -192,6 +200,7 @@ def read_row(setting: Setting, run_dir: Path, seconds: float) -> Row:
         final.get("personal-psnr"),
         statistics.fmean(downloads) if downloads else 0.0,
         summary.get("seed"),
+        int(sum(line.get(NUM_MISSING, 0) for line in lines)),
     )
 
 
@@ -235,6 +244,8 @@ def table(rows: list[Row]) -> str:
         scheme = (
             setting.scheme if setting.strength is None else f"{setting.scheme} {setting.strength:g}"
         ) + (", downloads too" if setting.download else "")
+        if row.missing:
+            scheme += f" ({row.missing} replies missing)"
         cells = [
             setting.strategy,
             "SecAgg+" if setting.secure else "plaintext",
@@ -319,6 +330,20 @@ def figure(rows: list[Row]) -> Figure:
     axes.set_title("Update compression: bytes against quality")
     plot.tight_layout()
     return plot
+
+
+def given_keys(run_config: str) -> set[str]:
+    """The keys a run-config override string sets."""
+    return set(parse_config_args([run_config])) if run_config.strip() else set()
+
+
+def run_config_extra(args: argparse.Namespace) -> str:
+    """Every run's run-config beyond its setting: the rounds, the device, a round-timeout of
+    `PATIENT_SECONDS` unless `--run-config` sets one, then `--run-config`."""
+    settings = f"num-server-rounds={args.rounds} server-device='{args.device}'"
+    if "round-timeout" not in given_keys(args.run_config):
+        settings += f" round-timeout={PATIENT_SECONDS}"
+    return f"{settings} {args.run_config}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,8 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic.save_figure(out / "compression.png", figure(rows))
         print(report(rows))
         return
-    extra = f"num-server-rounds={args.rounds} server-device='{args.device}' {args.run_config}"
-    configs = accepted(plan(args), extra)
+    configs = accepted(plan(args), run_config_extra(args))
     if args.bytes_only:
         for setting, config in configs.items():
             if setting.secure:
