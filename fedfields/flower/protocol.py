@@ -138,7 +138,15 @@ NON_FINITE_AGGREGATE = "non-finite-aggregate"
 refused (the global model stays as it was)."""
 
 RESERVED_METRICS = frozenset(
-    {NUM_REPLIES, NUM_FAILURES, NUM_DROPPED, BYTES_UP, BYTES_DOWN, NON_FINITE_AGGREGATE}
+    {
+        NUM_REPLIES,
+        NUM_FAILURES,
+        NUM_MISSING,
+        NUM_DROPPED,
+        BYTES_UP,
+        BYTES_DOWN,
+        NON_FINITE_AGGREGATE,
+    }
     | {"round", "seconds"}
 )
 """Round metrics only the server writes: a reply's metric of that name is refused."""
