@@ -262,6 +262,7 @@ def test_reserved_names_are_the_servers_and_nothing_a_client_sends() -> None:
         "users-sampled",
         "fedexp-server-step",
         NUM_REPLIES,
+        "num-missing",
         NON_FINITE_AGGREGATE,
         "round",
         "seconds",
