@@ -22,13 +22,13 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import ProtocolStrategy
-from fedfields.flower.protocol import NUM_FAILURES, NUM_MISSING, NUM_REPLIES
+from fedfields.flower.protocol import NUM_REPLIES
 from fedfields.flower.round import RoundOutcome
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.train import save_checkpoint
 from fedfields.train.builders import global_field, render_config
 from fedfields.train.federated import federated_state
-from simulations.job import RoundJob, StrategyReport, run_strategy_job
+from simulations.job import RoundJob, StrategyReport, reply_counts, run_strategy_job
 from simulations.observers import Observer
 from simulations.scene_observer import CrowdObserver, GlobalRenderer
 from strategies import make_strategy as make_registered_strategy
@@ -85,11 +85,7 @@ class RoundReport(StrategyReport):
             "personal-psnr-floor",
         )
         shown = [f"{key} {metrics[key]:.2f} dB" for key in keys if key in metrics]
-        failures = int(metrics.get(NUM_FAILURES, 0))
-        replies = int(metrics.get(NUM_REPLIES, 0))
-        missing = int(metrics.get(NUM_MISSING, 0))
-        counts = f"{replies} replies, {failures} failures"
-        return ", ".join([*shown, counts + (f", {missing} missing" if missing else "")])
+        return ", ".join([*shown, reply_counts(metrics)])
 
     def final_scores(self, arrays: ArrayRecord) -> dict[str, Any]:
         """Checkpoint and orbit of the global field; its scores on the public scene."""

@@ -32,7 +32,7 @@ from torch import Tensor
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.flower import ProtocolStrategy
-from fedfields.flower.protocol import state_to_arrays
+from fedfields.flower.protocol import NUM_FAILURES, NUM_MISSING, NUM_REPLIES, state_to_arrays
 from fedfields.flower.resume import (
     RESUME_FILE,
     ResumeError,
@@ -183,6 +183,16 @@ class StrategyReport(RunReport):
         summary["seconds"] = time.perf_counter() - self.started
         self.write(summary)
         return summary
+
+
+def reply_counts(metrics: dict[str, Any]) -> str:
+    """A round's replies for its log line: "8 replies, 0 failures", plus ", 4 missing" when
+    sampled nodes sent nothing before the timeout."""
+    missing = int(metrics.get(NUM_MISSING, 0))
+    counts = (
+        f"{int(metrics.get(NUM_REPLIES, 0))} replies, {int(metrics.get(NUM_FAILURES, 0))} failures"
+    )
+    return counts + (f", {missing} missing" if missing else "")
 
 
 def round_users(ledger: TrainRound) -> dict[str, list[str]]:

@@ -34,9 +34,6 @@ from fedfields.flower import FedMeNF, ProtocolStrategy, StrategyOptions, m_of_n_
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     LOCAL_STEPS,
-    NUM_FAILURES,
-    NUM_MISSING,
-    NUM_REPLIES,
     TRAIN_LOSS,
     arrays_to_state,
 )
@@ -52,7 +49,7 @@ from fedfields.train.builders import (
 )
 from fedfields.train.checkpoint import META_CHECKPOINT_FORMAT
 from fedfields.train.federated import federated_state
-from simulations.job import RoundJob, StrategyReport, run_strategy_job
+from simulations.job import RoundJob, StrategyReport, reply_counts, run_strategy_job
 from simulations.meta_observer import meta_observers, present
 from simulations.observers import Observer
 from strategies import make_strategy, strategy_class
@@ -181,10 +178,7 @@ def _headline(metrics: dict[str, Any], tto_steps: int) -> str:
         shown.append(f"PSNR after {tto_steps} TTO steps {metrics['psnr']:.2f} dB")
     if "psnr_p" in metrics:
         shown.append(f"PSNR_p {metrics['psnr_p']:.2f} dB")
-    replies, failures = int(metrics.get(NUM_REPLIES, 0)), int(metrics.get(NUM_FAILURES, 0))
-    missing = int(metrics.get(NUM_MISSING, 0))
-    counts = f"{replies} replies, {failures} failures" + (f", {missing} missing" if missing else "")
-    shown.append(f"{counts} ({metrics['seconds']:.0f} s)")
+    shown.append(f"{reply_counts(metrics)} ({metrics['seconds']:.0f} s)")
     return ", ".join(shown)
 
 

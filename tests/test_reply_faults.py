@@ -75,6 +75,7 @@ from fedfields.flower.user_keys import (
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity
+from simulations.job import reply_counts
 from simulations.split_job import run_split_job
 from strategies import parse_app_config
 
@@ -354,6 +355,7 @@ def test_a_node_silent_past_the_timeout_is_counted_missing_not_failed(
         arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert arrays is not None and metrics is not None
     assert (metrics[NUM_REPLIES], metrics[NUM_FAILURES], metrics[NUM_MISSING]) == (1, 1, 1)
+    assert reply_counts(dict(metrics)) == "1 replies, 1 failures, 1 missing"  # the log line
     assert any("node" in r.getMessage() and "[103]" in r.getMessage()
                and "round-timeout" in r.getMessage() for r in caplog.records)  # fmt: skip
     assert_same_arrays(arrays, state_to_arrays(honest_state(0)))

@@ -152,10 +152,9 @@ def decompressed_reply_state(
         update = decompress(arrays, shapes, config)
     except (TypeError, ValueError) as error:
         raise BadReply("compression", f"{where}: {config.scheme}: {error}") from None
-    rebuilt = state_to_arrays(update) if reference is None else (
-        rebuilt_arrays(reference, update, scale_key)
-    )  # fmt: skip
-    return checked_state(rebuilt, shapes, where, dtypes)
+    if reference is not None:
+        return checked_state(rebuilt_arrays(reference, update, scale_key), shapes, where, dtypes)
+    return checked_state(state_to_arrays(update), shapes, where, dtypes)
 
 
 def uploaded_arrays(

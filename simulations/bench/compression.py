@@ -263,9 +263,10 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mean_std(values: list[float]) -> str:
-    """ "mean ± std" (sample std) of `values`, 2 decimals."""
-    return f"{statistics.fmean(values):+.2f} ± {statistics.stdev(values):.2f}"
+def _mean_std(values: list[float], signed: bool = False) -> str:
+    """ "mean ± std" (sample std) of `values`, 2 decimals, the mean signed if `signed`."""
+    form = "+.2f" if signed else ".2f"
+    return f"{statistics.fmean(values):{form}} ± {statistics.stdev(values):.2f}"
 
 
 def seed_table(rows: list[Row]) -> str:
@@ -295,8 +296,8 @@ def seed_table(rows: list[Row]) -> str:
         ]
         psnr = _mean_std([row.clean_psnr for row in own if row.clean_psnr is not None])
         lines.append(
-            f"| {name} | {', '.join(map(str, runs))} | {psnr.lstrip('+')} | "
-            f"{_mean_std(paired) if len(paired) > 1 else '-'} | "
+            f"| {name} | {', '.join(map(str, runs))} | {psnr} | "
+            f"{_mean_std(paired, signed=True) if len(paired) > 1 else '-'} | "
             f"{_cell(statistics.fmean(fewer) if fewer else None, '.1f')} |"
         )
     if not lines:
