@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from test_meta_job import tiny as tiny_meta
 
 import clients.client_app as client_app
+import fedfields.train.federated as federated
 from clients.halves import HALVES, client_half, half_for
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.config.schema import MODES, TASKS
@@ -36,6 +37,7 @@ from fedfields.flower.protocol import (
     SPLIT_STAGE,
     SPLIT_STEP,
     STRATEGY,
+    arrays_to_state,
     state_to_arrays,
 )
 from fedfields.privacy import split_field
@@ -152,6 +154,31 @@ def test_scene_rounds_parse_once_per_message_and_time_the_query_once(
     assert round_two.content[CLIENT][CLIENT_INDEX] == 0
     assert metrics(round_two)[CLIENT_SECONDS] == 8.0
     assert metrics(round_three)[CLIENT_SECONDS] == 5.0
+
+
+def test_a_decentnerf_round_asked_for_cuda_graph_runs_static_steps_on_a_cpu_node(
+    crowd_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run-config `cuda-graph = true` with DecentNeRF (issue 44): a node without CUDA warns
+    and trains its global and personal fields in the static step, NeRF-W's loss included."""
+    personal_losses: list[bool] = []
+    real = federated.static_loss
+
+    def spied(*args: Any, **kwargs: Any):
+        personal_losses.append(kwargs["personal"] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(federated, "static_loss", spied)
+    config = SCENE | {"data-dir": str(crowd_dir), "cuda-graph": True}
+    grid = node_grid(client_app.app, config, tmp_path)
+    content = scene_content(config, 1)
+    sent = arrays_to_state(content[ARRAYS])
+    with pytest.warns(RuntimeWarning, match="step mode 'cuda-graph' needs CUDA; this node"):
+        reply = send(grid, content)
+    assert personal_losses == [True]  # one local step (the config's 1) with NeRF-W's loss
+    trained = arrays_to_state(reply.content[ARRAYS])
+    assert all(torch.isfinite(value).all() for value in trained.values())
+    assert any(not torch.equal(trained[name], sent[name]) for name in sent)
 
 
 def test_meta_train_parses_the_run_config_once(tmp_path: Path, counter: ParseCounter) -> None:

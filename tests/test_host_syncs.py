@@ -1,5 +1,5 @@
 """The training steps read nothing back from the device each step (issue 34, point 2;
-issue 44, point 1).
+issue 44, point 1), DecentNeRF's global+personal step and Scaffold's corrected step included.
 
 A host read (`.item()`, `.tolist()`, `float(t)`, `bool(t)`) stalls a GPU's stream until every
 queued kernel finished. On CPU nothing stalls, so the reads fedfields' own code makes are
@@ -24,13 +24,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fedfields.data import holdout_indices, load_scene
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
+from fedfields.fields import (
+    GlobalPersonalField,
+    HashGridConfig,
+    PersonalField,
+    PersonalFieldConfig,
+)
 from fedfields.fields.base import FieldOutputs
 from fedfields.geometry.rays import Rays, intersect_aabb
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import default_setup, train
-from fedfields.train.federated import FINITE_CHECK_EVERY, LocalTrainConfig, local_train
+from fedfields.train.federated import (
+    FINITE_CHECK_EVERY,
+    LocalTrainConfig,
+    ScaffoldControls,
+    ScaffoldCorrector,
+    local_train,
+)
+from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT
 from fedfields.train.static_step import (
     MIN_BATCH_RAYS,
+    PersonalLoss,
     StaticStep,
     first_static_batch,
     max_samples_per_ray,
@@ -391,3 +405,170 @@ def test_a_captured_step_gives_the_uncaptured_step_s_numbers(tiny_lego: Scene) -
         runs[captured] = (torch.stack(losses).cpu(), field.encoding.table.detach().cpu())
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-3, atol=1e-5)
+
+
+# ------------------------------------------------- DecentNeRF's composite, Scaffold's step
+
+
+def _personal(num_images: int, seed: int = 1) -> PersonalField:
+    torch.manual_seed(seed)
+    encoding = HashGridConfig(
+        num_levels=4, log2_hashmap_size=10, max_resolution=32, implementation="torch"
+    )
+    return PersonalField(PersonalFieldConfig(num_images=num_images, encoding=encoding, hidden=16))
+
+
+def _composite_case(tiny_lego: Scene) -> tuple:
+    """The hash-grid case with a personal field beside the global one, the grid following
+    their composite density (as `local_train` runs DecentNeRF)."""
+    field, sampler, render, _ = _static_case(tiny_lego)
+    composite = GlobalPersonalField(field, _personal(len(tiny_lego)))
+    grid = OccupancyGrid(tiny_lego.aabb)
+    grid.update(composite.density, render.step_size)
+    return composite, sampler, render, grid
+
+
+def _equation_13(rendered, colors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeRF-W's Eq. 13 written out per ray: (colour / (2 beta^2) + log beta [R], the
+    transient density of each sample [S]); beta = beta_min + the rendered uncertainty."""
+    beta = BETA_MIN + rendered.uncertainty
+    per_ray = (rendered.rgb - colors).square().sum(-1) / (2 * beta.square()) + beta.log()
+    return per_ray, rendered.personal_density
+
+
+def test_the_static_step_gives_decentnerf_s_loss_and_gradients(tiny_lego: Scene) -> None:
+    composite, sampler, render, grid = _composite_case(tiny_lego)
+    terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
+    torch.manual_seed(3)
+    batch = sampler.sample(256)
+    rendered, num_samples = render_rays(
+        composite, batch.rays, render, grid, True, batch.background, batch.image_index
+    )
+    per_ray, density = _equation_13(rendered, batch.colors)
+    dynamic_loss = per_ray.mean() + TRANSIENT_DENSITY_WEIGHT * density.mean()
+    dynamic = _gradients(composite, dynamic_loss)
+    torch.manual_seed(3)  # the same draws: pixels, background, marching offsets
+    static = static_loss(composite, sampler, render, grid, 256, num_samples + 500, personal=terms)
+    assert int(static.samples) == num_samples > 1000 and int(static.dropped_rays) == 0
+    torch.testing.assert_close(static.loss, dynamic_loss, rtol=1e-6, atol=0)
+    mse = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
+    torch.testing.assert_close(static.photometric, mse, rtol=1e-6, atol=0)
+    gradients = _gradients(composite, static.loss)
+    assert len(gradients) == len(dynamic) > len(list(composite.global_field.parameters()))
+    for got, expected in zip(gradients, dynamic, strict=True):  # sums of other orders
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale)
+    # overflow: the complete rays' terms and the kept samples' density, nothing else
+    capacity = num_samples // 2
+    torch.manual_seed(3)
+    short = static_loss(composite, sampler, render, grid, 256, capacity, personal=terms)
+    ray_samples = torch.bincount(
+        grid.march(batch.rays, *_interval(batch.rays, render), render.step_size, False,
+                   render.max_ray_length).ray_index, minlength=256,
+    )  # fmt: skip
+    complete = torch.cumsum(ray_samples, 0) <= capacity
+    assert 0 < int(short.dropped_rays) == int((~complete).sum()) < 256
+    expected = per_ray[complete].mean() + TRANSIENT_DENSITY_WEIGHT * density[:capacity].mean()
+    torch.testing.assert_close(short.loss, expected, rtol=1e-5, atol=0)
+
+
+def _scaffold(field: torch.nn.Module, seed: int) -> ScaffoldControls:
+    """Controls of the field's shapes, c - c_i of the order of a step's gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    server, client = {}, {}
+    for name, parameter in field.named_parameters():
+        server[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
+        client[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
+    return ScaffoldControls(server, client)
+
+
+def test_a_decentnerf_or_scaffold_static_step_waits_on_nothing(tiny_lego: Scene) -> None:
+    composite, sampler, render, grid = _composite_case(tiny_lego)
+    device = torch.device("cpu")
+    optimizer = static_optimizer(composite, 1e-2, 1e-6, device)
+    parameters = dict(composite.global_field.named_parameters())
+    corrector = ScaffoldCorrector(_scaffold(composite.global_field, 0), parameters)
+    terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
+    step = StaticStep(
+        lambda g, rays: static_loss(composite, sampler, render, g, rays, 1 << 14, personal=terms),
+        optimizer, grid, cuda_graph=False, after_backward=corrector,
+    )  # fmt: skip
+    step(128)
+    with HostTraffic() as traffic:
+        for _ in range(3):
+            outputs = step(128)
+        grid.update(composite.density, render.step_size)
+    assert traffic.events == []
+    assert float(outputs.samples) > 0
+    control = corrector.control(4)  # the mean uncorrected gradient, summed on the device
+    assert any(float(value.abs().sum()) > 0 for value in control.values())
+
+
+@pytest.mark.parametrize("strategy", ["decentnerf", "scaffold"])
+def test_a_static_round_trains_what_the_dynamic_round_trains(
+    tiny_lego: Scene, strategy: str
+) -> None:
+    """Three steps of one fixed batch (the dynamic batch does not move: its samples are the
+    target), the same draws: the static round's loss, weights, personal field and Scaffold
+    control are the dynamic round's, up to the fused Adam's rounding."""
+    rounds = {}
+    for mode in ("dynamic", "static"):
+        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        torch.manual_seed(0)
+        field = type(setup.field)(setup.field.config)
+        personal = _personal(len(tiny_lego)) if strategy == "decentnerf" else None
+        scaffold = _scaffold(field, 1) if strategy == "scaffold" else None
+        render = replace(setup.render_config, num_samples=16)
+        config = LocalTrainConfig(
+            steps=3, batch_rays=64, target_samples=64 * 16, max_batch_rays=64, device="cpu",
+            step_mode=mode,
+        )  # fmt: skip
+        result = local_train(field, tiny_lego, config, render, None, personal, None, scaffold)
+        trained = [p.detach().clone() for p in field.parameters()]
+        if personal is not None:
+            trained += [p.detach().clone() for p in personal.parameters()]
+        rounds[mode] = (result, trained)
+    (dynamic, dynamic_weights), (static, static_weights) = rounds["dynamic"], rounds["static"]
+    assert dynamic.rays == static.rays == 3 * 64 and static.dropped_rays == 0
+    assert static.loss == pytest.approx(dynamic.loss, rel=1e-4)
+    for got, expected in zip(static_weights, dynamic_weights, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    if strategy == "scaffold":
+        assert static.client_control is not None and dynamic.client_control is not None
+        for name, value in dynamic.client_control.items():
+            torch.testing.assert_close(static.client_control[name], value, rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_captured_decentnerf_scaffold_step_gives_the_uncaptured_numbers(
+    tiny_lego: Scene,
+) -> None:
+    """The global+personal step with Scaffold's correction inside the graph: the losses, both
+    fields' weights and the summed control of a captured run are the eager run's."""
+    runs = {}
+    for captured in (False, True):
+        torch.manual_seed(0)
+        composite, sampler, render, grid = _composite_case(tiny_lego)
+        composite, grid = composite.cuda(), grid.to("cuda")
+        sampler = PixelSampler(tiny_lego.to("cuda"), True)
+        device = torch.device("cuda")
+        optimizer = static_optimizer(composite, 1e-2, 1e-6, device)
+        parameters = dict(composite.global_field.named_parameters())
+        corrector = ScaffoldCorrector(_scaffold(composite.global_field, 0), parameters)
+        terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
+        step = StaticStep(
+            lambda g, rays: static_loss(composite, sampler, render, g, rays, 1 << 14,  # noqa: B023
+                                        personal=terms),  # noqa: B023
+            optimizer, grid, cuda_graph=captured, after_backward=corrector,
+        )  # fmt: skip
+        losses = []
+        for index in range(8):
+            torch.manual_seed(100 + index)
+            if index % 4 == 0:
+                grid.update(composite.density, render.step_size)
+            losses.append(step(128).loss)
+        weights = torch.cat([p.detach().reshape(-1) for p in composite.parameters()]).cpu()
+        control = torch.cat([v.reshape(-1) for v in corrector.control(8).values()])
+        runs[captured] = (torch.stack(losses).cpu(), weights, control)
+    for got, expected in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)

@@ -133,10 +133,6 @@ def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
         ({"task": "faces", "gamma": 2.0}, "'gamma' must be in \\[0, 1\\], got 2.0"),
         ({"secagg-timeout": -1.0}, "run-config: .*timeout"),
         ({"task": "faces", "strategy": "decentnerf"}, "'decentnerf' is for task 'scene' only"),
-        (
-            {"strategy": "scaffold", "cuda-graph": True},
-            "'cuda-graph' = true captures a global field's step alone; strategy 'scaffold'",
-        ),
     ],
 )
 def test_a_bad_value_names_its_key_and_value(run_config: dict, message: str) -> None:

@@ -190,8 +190,9 @@ class SceneSection:
     )
     cuda_graph: bool = key(
         False,
-        "static-shape local steps captured once per batch shape as CUDA graphs (global field "
-        "only: not with DecentNeRF or Scaffold); a node without CUDA runs them uncaptured",
+        "static-shape local steps captured once per batch shape as CUDA graphs (DecentNeRF's "
+        "personal field and Scaffold's correction inside the graph); a node without CUDA runs "
+        "them uncaptured",
     )
     scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
     eval_views_per_round: int = key(4, "simulation observer: user views it scores per round")
@@ -569,11 +570,6 @@ class FederatedConfig:
             )
         if task == "scene" and strategy == "fedmenf":
             raise ValueError("run-config 'strategy' 'fedmenf' is for the meta tasks, not 'scene'")
-        if self.scene.cuda_graph and strategy in ("decentnerf", "scaffold"):
-            raise ValueError(
-                f"run-config 'cuda-graph' = true captures a global field's step alone; strategy "
-                f"{strategy!r} trains a personal field or corrects gradients: set it false"
-            )
         for name, used in self.unused_sections().items():
             section = getattr(self, name)
             for changed in _changed_keys(section):

@@ -143,10 +143,13 @@ def render_rays_fixed(
     capacity: int,
     perturb: bool,
     background: Tensor,
-) -> tuple[RenderOutputs, FixedSamples]:
+    image_index: Tensor | None = None,
+) -> tuple[RayOutputs, FixedSamples]:
     """`render_rays` through the grid with `capacity` sample slots: shapes fixed by the batch
     and the capacity, no host sync. Padding slots get zero density, so they add nothing to
     the outputs or gradients; rays not `complete` (overflow) render only their kept samples.
+    `image_index` as in `render_rays`; a global+personal field's `personal_density` then
+    covers every slot (the caller masks it with `FixedSamples.valid`).
     """
     device = rays.origins.device
     t_near, t_far = intersect_aabb(rays, config.aabb_on(device), config.near, config.far)
@@ -155,13 +158,19 @@ def render_rays_fixed(
     )
     directions = rays.directions[samples.ray_index]
     points = rays.origins[samples.ray_index] + samples.t_mid[:, None] * directions
-    outputs = field(points, directions)
+    sample_images = None if image_index is None else image_index[samples.ray_index]
+    outputs = field(points, directions, sample_images)
     density = torch.where(samples.valid, outputs.density, 0.0)
-    rendered, _ = render_packed(
+    rendered, weights = render_packed(
         density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index, len(rays),
         background, config.composite, samples.kept,
     )  # fmt: skip
-    return rendered, samples
+    uncertainty = None
+    if outputs.uncertainty is not None:  # padding slots weigh 0
+        uncertainty = weights.new_zeros(len(rays)).index_add(
+            0, samples.ray_index, weights * outputs.uncertainty
+        )
+    return _with_samples(rendered, outputs, uncertainty), samples
 
 
 def _device_of(field: Field) -> torch.device:

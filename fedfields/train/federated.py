@@ -31,9 +31,11 @@ from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
 from fedfields.train.static_step import (
     STEP_MODES,
     CheckWindow,
+    PersonalLoss,
     Proximal,
     StaticStep,
     StepMode,
+    StepOutputs,
     first_static_batch,
     static_batch_rays,
     static_capacity,
@@ -167,21 +169,12 @@ def local_train(
     normalised step of order 1 per coordinate whatever the gradient's scale, so we take the
     mean directly to keep controls in gradient units (tests/test_federated_training.py).
 
-    A static step (`config.step_mode`) trains the global field alone (FedProx included; a
-    personal field or Scaffold is a ValueError); 'cuda-graph' on a node without CUDA runs
-    the static step uncaptured, with one warning, so one run-config serves CPU and GPU nodes.
+    A static step (`config.step_mode`, `fedfields.train.static_step`) trains the same
+    objectives in fixed shapes; 'cuda-graph' on a node without CUDA runs the static step
+    uncaptured, with one warning, so one run-config serves CPU and GPU nodes.
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
-    if config.step_mode != "dynamic":
-        if personal_field is not None or scaffold is not None:
-            raise ValueError(
-                f"step mode {config.step_mode!r} trains a global field alone: DecentNeRF's "
-                "personal field and Scaffold's corrections need the dynamic step"
-            )
-        return _static_local_train(
-            global_field, scene, config, render_config, occupancy, global_reference, device
-        )
     global_field.to(device).train()
     if personal_field is not None:
         personal_field.to(device).train()
@@ -190,16 +183,15 @@ def local_train(
     if occupancy is not None:
         occupancy.to(device)
     parameters = dict(global_field.named_parameters())
+    corrector = None if scaffold is None else ScaffoldCorrector(scaffold, parameters)
+    if config.step_mode != "dynamic":
+        return _static_local_train(
+            field, personal_field, scene, config, render_config, occupancy, global_reference,
+            corrector, device,
+        )  # fmt: skip
     reference = None
     if config.proximal_mu > 0:
         reference = _on_device(global_reference, parameters, "global_reference")
-    correction, gradient_sum = None, None
-    if scaffold is not None:
-        server = _on_device(scaffold.server, parameters, "scaffold server control")
-        client = _on_device(scaffold.client, parameters, "scaffold client control")
-        # c - c_i formed once: equal controls then leave every gradient bit for bit unchanged.
-        correction = {name: server[name] - client[name] for name in parameters}
-        gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
     optimizer = make_optimizer(global_field, config.learning_rate, config.weight_decay)
     if personal_field is not None:
         personal_groups = make_optimizer(
@@ -233,12 +225,8 @@ def local_train(
             loss = loss + proximal_term(parameters, reference, config.proximal_mu)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if correction is not None and gradient_sum is not None:
-            for name, parameter in parameters.items():
-                if parameter.grad is None:  # no sample reached it this step
-                    parameter.grad = torch.zeros_like(parameter)
-                gradient_sum[name] += parameter.grad
-                parameter.grad += correction[name]
+        if corrector is not None:
+            corrector()
         optimizer.step()
         recent.append(photometric.detach())
         unchecked.append(loss.detach())
@@ -264,24 +252,50 @@ def local_train(
         psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
         num_examples=scene.images.shape[:3].numel(),
     )
-    if scaffold is not None and gradient_sum is not None:
-        result.client_control = {
-            name: to_wire(total / steps) for name, total in gradient_sum.items()
-        }
+    if corrector is not None:
+        result.client_control = corrector.control(steps)
     return result
 
 
+class ScaffoldCorrector:
+    """Scaffold's step (Algorithm 1, l. 10): add c - c_i to the global gradients, and sum
+    the uncorrected ones for the new control c_i+. In place on the device, no host read, so
+    a captured static step runs it too."""
+
+    def __init__(self, scaffold: ScaffoldControls, parameters: dict[str, Tensor]) -> None:
+        server = _on_device(scaffold.server, parameters, "scaffold server control")
+        client = _on_device(scaffold.client, parameters, "scaffold client control")
+        self.parameters = parameters
+        # c - c_i formed once: equal controls then leave every gradient bit for bit unchanged.
+        self.correction = {name: server[name] - client[name] for name in parameters}
+        self.gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
+
+    def __call__(self) -> None:
+        for name, parameter in self.parameters.items():
+            if parameter.grad is None:  # no sample reached it this step
+                parameter.grad = torch.zeros_like(parameter)
+            self.gradient_sum[name] += parameter.grad
+            parameter.grad += self.correction[name]
+
+    def control(self, steps: int) -> dict[str, Tensor]:
+        """c_i+: the mean uncorrected gradient over `steps` steps, in wire form."""
+        return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
+
+
 def _static_local_train(
-    global_field: Field,
+    field: Field,
+    personal_field: PersonalField | None,
     scene: Scene,
     config: LocalTrainConfig,
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None,
     global_reference: Mapping[str, Tensor] | None,
+    corrector: ScaffoldCorrector | None,
     device: torch.device,
 ) -> LocalTrainResult:
-    """`local_train` with static steps: the ray batch follows `target_samples` at the finite
-    checks (every FINITE_CHECK_EVERY steps), where the losses and sample counts are read."""
+    """`local_train` with static steps on `field` (the global field, or its composite with
+    `personal_field`; both already on `device`): the ray batch follows `target_samples` at
+    the finite checks (every FINITE_CHECK_EVERY steps), where losses and counts are read."""
     cuda_graph = config.step_mode == "cuda-graph" and device.type == "cuda"
     if config.step_mode == "cuda-graph" and not cuda_graph:
         warnings.warn(
@@ -290,23 +304,29 @@ def _static_local_train(
             RuntimeWarning,
             stacklevel=3,
         )
-    global_field.to(device).train()
-    scene = scene.to(device)
-    if occupancy is not None:
-        occupancy.to(device)
+    global_field = field.global_field if isinstance(field, GlobalPersonalField) else field
     parameters = dict(global_field.named_parameters())
     proximal = None
     if config.proximal_mu > 0:
         reference = _on_device(global_reference, parameters, "global_reference")
         proximal = Proximal(parameters, reference, config.proximal_mu)
     optimizer = static_optimizer(global_field, config.learning_rate, config.weight_decay, device)
+    personal = None
+    if personal_field is not None:
+        personal = PersonalLoss(config.beta_min, config.personal_density_weight)
+        for group in static_optimizer(
+            personal_field, config.personal_learning_rate, config.weight_decay, device
+        ).param_groups:
+            optimizer.add_param_group(group)
     sampler = PixelSampler(scene, config.random_background)
     capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
 
-    def loss_fn(grid: OccupancyGrid | None, rays: int):
-        return static_loss(global_field, sampler, render_config, grid, rays, capacity, proximal)
+    def loss_fn(grid: OccupancyGrid | None, rays: int) -> StepOutputs:
+        return static_loss(
+            field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
+        )
 
-    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph)
+    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph, corrector)
     recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
     unchecked: list[Tensor] = []
     window = CheckWindow()  # counts since the last check, on the device
@@ -319,7 +339,7 @@ def _static_local_train(
         if epoch_rays and total_rays >= epoch_rays:
             break
         if occupancy is not None and index % config.occupancy_update_every == 0:
-            occupancy.update(global_field.density, render_config.step_size)
+            occupancy.update(field.density, render_config.step_size)
         outputs = step(batch_rays)
         recent.append(outputs.photometric.detach())
         unchecked.append(outputs.loss.detach())
@@ -348,6 +368,7 @@ def _static_local_train(
         loss=mean_loss,
         psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
         num_examples=scene.images.shape[:3].numel(),
+        client_control=None if corrector is None else corrector.control(steps),
         dropped_rays=dropped_rays,
     )
 

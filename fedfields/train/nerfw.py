@@ -37,21 +37,37 @@ def nerfw_loss(
     transient_density: Tensor,
     beta_min: float = BETA_MIN,
     transient_density_weight: float = TRANSIENT_DENSITY_WEIGHT,
+    rays: Tensor | None = None,
+    samples: Tensor | None = None,
 ) -> NerfWLoss:
     """Eq. 13 for colours [R, 3], rendered uncertainty beta_hat [R] and the transient
-    densities of every sample drawn [S] (empty when the batch drew none)."""
+    densities of every sample drawn [S] (empty when the batch drew none).
+
+    `rays` [R] and `samples` [S] (bool) restrict the means to the rays and samples they mark,
+    in fixed shapes (a static step's complete rays and filled slots): nothing is read back.
+    """
     if beta_min <= 0:
         raise ValueError(f"beta_min must be positive, got {beta_min}")
     beta = beta_min + uncertainty
     squared = (predicted - target).square()
-    colour = (squared.sum(-1) / (2.0 * beta.square())).mean()
-    log_beta = torch.log(beta).mean()
-    sparsity = transient_density.mean() if transient_density.numel() else predicted.new_zeros(())
+    colour = _mean(squared.sum(-1) / (2.0 * beta.square()), rays)
+    log_beta = _mean(torch.log(beta), rays)
+    if transient_density.numel():
+        sparsity = _mean(transient_density, samples)
+    else:
+        sparsity = predicted.new_zeros(())
     density_term = transient_density_weight * sparsity
     return NerfWLoss(
         total=colour + log_beta + density_term,
         colour=colour,
         log_beta=log_beta,
         transient_density=density_term,
-        mse=squared.mean(),
+        mse=squared.mean() if rays is None else _mean(squared.mean(-1), rays),
     )
+
+
+def _mean(values: Tensor, mask: Tensor | None) -> Tensor:
+    """The mean of `values` [N], or of those `mask` [N] marks (0 when it marks none)."""
+    if mask is None:
+        return values.mean()
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)

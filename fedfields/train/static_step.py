@@ -7,7 +7,9 @@ batch is fixed per shape and marching fills `capacity` sample slots with a mask
 and counted (`StepOutputs.dropped_rays`). Every constant sits on the field's device, Adam is
 fused (capturable on CUDA, with tensor learning rates) and nothing is read back inside the
 step. Given the same random draws, its loss and gradients are the dynamic step's
-(tests/test_host_syncs.py).
+(tests/test_host_syncs.py): a global field's MSE, DecentNeRF's global+personal composite
+under NeRF-W's loss (`PersonalLoss`: over the complete rays and the filled slots), and
+Scaffold's corrected gradients (`StaticStep.after_backward`).
 
 `cuda_graph`: the first `WARMUP_STEPS` steps of a shape run eagerly on a side stream (Triton
 compiles, Adam makes its state), the next one captures the step (torch.cuda.graphs, one
@@ -31,7 +33,8 @@ from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field
 from fedfields.optim import adam_groups
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
-from fedfields.render.renderer import render_rays_fixed
+from fedfields.render.renderer import RayOutputs, render_rays_fixed
+from fedfields.train.nerfw import nerfw_loss
 
 StepMode = Literal["dynamic", "static", "cuda-graph"]
 STEP_MODES: tuple[StepMode, ...] = ("dynamic", "static", "cuda-graph")
@@ -77,6 +80,14 @@ class CheckWindow:
         self.samples.clear()
         self.dropped.clear()
         return samples, dropped
+
+
+@dataclass(frozen=True)
+class PersonalLoss:
+    """NeRF-W's objective for a global+personal field (DecentNeRF): `nerfw_loss`'s weights."""
+
+    beta_min: float
+    density_weight: float
 
 
 @dataclass(frozen=True)
@@ -162,36 +173,69 @@ def static_loss(
     batch_rays: int,
     capacity: int,
     proximal: Proximal | None = None,
+    personal: PersonalLoss | None = None,
 ) -> StepOutputs:
-    """Draw `batch_rays` pixels and render them in fixed shapes; the MSE over complete rays.
+    """Draw `batch_rays` pixels and render them in fixed shapes; the MSE over complete rays
+    (with `personal`, NeRF-W's loss over them and the filled sample slots).
 
     The draws are the dynamic step's (pixels, background, marching offsets), so with no
-    overflow the loss equals `mse_loss(render_rays(...).rgb, colors)`.
+    overflow the loss equals `mse_loss(render_rays(...).rgb, colors)` (or its `nerfw_loss`).
     """
     batch = sampler.sample(batch_rays)
+    image_index = None if personal is None else batch.image_index
+    rays_kept = samples_kept = None
     if occupancy is None:  # stratified samples: their count is fixed already
         rendered, num_samples = render_rays(
-            field, batch.rays, render_config, None, perturb=True, background=batch.background
+            field, batch.rays, render_config, None, True, batch.background, image_index
         )
-        photometric = torch.nn.functional.mse_loss(rendered.rgb, batch.colors)
-        samples = torch.full((), num_samples, device=photometric.device)
-        dropped = torch.zeros((), dtype=torch.int64, device=photometric.device)
+        samples = torch.full((), num_samples, device=rendered.rgb.device)
+        dropped = torch.zeros((), dtype=torch.int64, device=rendered.rgb.device)
     else:
         rendered, fixed = render_rays_fixed(
-            field, batch.rays, render_config, occupancy, capacity, True, batch.background
-        )
-        squared = (rendered.rgb - batch.colors).square().sum(-1)
-        complete = fixed.complete.sum()
-        photometric = torch.where(fixed.complete, squared, 0.0).sum() / (3 * complete.clamp(min=1))
-        samples, dropped = fixed.count, batch_rays - complete
-    loss = photometric
+            field, batch.rays, render_config, occupancy, capacity, True, batch.background,
+            image_index,
+        )  # fmt: skip
+        rays_kept, samples_kept = fixed.complete, fixed.valid
+        samples, dropped = fixed.count, batch_rays - fixed.complete.sum()
+    photometric, loss = _photometric_and_loss(
+        rendered, batch.colors, personal, rays_kept, samples_kept
+    )
     if proximal is not None:
         loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
     return StepOutputs(loss, photometric, samples, dropped)
 
 
+def _photometric_and_loss(
+    rendered: RayOutputs,
+    colors: Tensor,
+    personal: PersonalLoss | None,
+    rays: Tensor | None,
+    samples: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """(MSE, loss to minimise) over the rays `rays` marks (all when None): the MSE alone, or
+    NeRF-W's loss with `personal`."""
+    if personal is None:
+        if rays is None:
+            photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
+        else:
+            squared = (rendered.rgb - colors).square().sum(-1)
+            photometric = torch.where(rays, squared, 0.0).sum() / (3 * rays.sum().clamp(min=1))
+        return photometric, photometric
+    if rendered.uncertainty is None or rendered.personal_density is None:
+        raise ValueError("a personal loss needs a global+personal field (GlobalPersonalField)")
+    terms = nerfw_loss(
+        rendered.rgb, colors, rendered.uncertainty, rendered.personal_density,
+        personal.beta_min, personal.density_weight, rays, samples,
+    )  # fmt: skip
+    return terms.mse, terms.total
+
+
 class StaticStep:
-    """One optimiser step of `static_loss` per call; with `cuda_graph`, captured per shape."""
+    """One optimiser step of `static_loss` per call; with `cuda_graph`, captured per shape.
+
+    `after_backward` runs between the backward pass and the optimiser's step (Scaffold's
+    correction of the gradients), inside the graph when captured: in place, on the device.
+    """
 
     def __init__(
         self,
@@ -199,9 +243,10 @@ class StaticStep:
         optimizer: torch.optim.Optimizer,
         occupancy: OccupancyGrid | None,
         cuda_graph: bool,
+        after_backward: Callable[[], None] | None = None,
     ) -> None:
         self.loss_fn, self.optimizer, self.occupancy = loss_fn, optimizer, occupancy
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.after_backward = cuda_graph, after_backward
         self.graphs: dict[int, _CapturedStep] = {}
         self.eager_steps: dict[int, int] = {}
 
@@ -222,6 +267,8 @@ class StaticStep:
         outputs = self.loss_fn(occupancy, batch_rays)
         self.optimizer.zero_grad(set_to_none=True)
         outputs.loss.backward()
+        if self.after_backward is not None:
+            self.after_backward()
         self.optimizer.step()
         return outputs
 
@@ -251,6 +298,8 @@ class _CapturedStep:
         with torch.cuda.graph(self.graph):
             self.outputs = step.loss_fn(self.mirror, batch_rays)
             self.outputs.loss.backward()
+            if step.after_backward is not None:
+                step.after_backward()
             step.optimizer.step()
 
     def replay(self, grid: OccupancyGrid | None) -> StepOutputs:

@@ -9,8 +9,8 @@ DecentNeRF (novel_blender_federation.run_federated, through fedfields.flower's s
 in process; the last of --rounds is timed, so DecentNeRF's gradient query counts); (d) peak
 GPU memory per part. (a), (b)'s GPU round and (c) run once per --step-modes (issue 44:
 dynamic, static, cuda-graph; default dynamic and cuda-graph on CUDA, dynamic elsewhere), the
-federated ones through LocalTrainConfig.step_mode, the run-config's `cuda-graph`;
-DecentNeRF's personal field has the dynamic step only. The targets follow as ratios of this
+federated ones through LocalTrainConfig.step_mode, the run-config's `cuda-graph`
+(DecentNeRF's global+personal step included). The targets follow as ratios of this
 run's own figures, each met or missed, per step mode; --profile writes torch.profiler tables
 of a few steps per path under --out/profile/. (a), (b) and (d) import neither Flower nor Ray;
 (c) needs Flower (not Ray), and where it is absent its rows say so.
@@ -369,7 +369,7 @@ def mode_target_rows(
 ) -> list[Row]:
     """The targets for step mode `mode`: triton in this mode against the torch backend's
     dynamic step (the baseline), lego's PSNR, the rounds, the GPU round against the CPU's
-    dynamic one. DecentNeRF's round has the dynamic step only."""
+    dynamic one."""
     centralised = found.get("centralised", {})
     central = centralised.get(mode, {})
     torch_rate = centralised.get("dynamic", {}).get("torch", {}).get("steps_per_s")
@@ -413,16 +413,15 @@ def mode_target_rows(
             verdict(fednerf, TARGETS["fednerf"], False, why_not),
         ),  # fmt: skip
     ]
-    if mode == "dynamic":
-        decent = rounds.get("decentnerf", {}).get("round_seconds")
-        rows.append(
-            Row(
-                "target: DecentNeRF round (dynamic)",
-                fmt(decent, " s"),
-                "<= 4 s",
-                verdict(decent, TARGETS["decentnerf"], False, why_not),
-            )  # fmt: skip
-        )
+    decent = rounds.get("decentnerf", {}).get("round_seconds")
+    rows.append(
+        Row(
+            f"target: DecentNeRF round ({mode})",
+            fmt(decent, " s"),
+            "<= 4 s",
+            verdict(decent, TARGETS["decentnerf"], False, why_not),
+        )  # fmt: skip
+    )
     rows.append(
         Row(
             f"target: GPU local round ({mode}) vs CPU (dynamic)",
@@ -523,13 +522,6 @@ def attempt(
     log.info("%s: %s", name, json.dumps(found[key]))
 
 
-def personal_unavailable(method: str, mode: StepMode) -> str | None:
-    """Why `method` cannot train in `mode`: a personal field has the dynamic step only."""
-    if method != "fednerf" and mode != "dynamic":
-        return f"n/a: {novel_blender.LABELS[method]}'s personal field has the dynamic step only"
-    return None
-
-
 def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
     device = resolve_device(options.device)
     found: dict[str, Any] = {"device": str(device)}
@@ -569,7 +561,7 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
     trains_on = LocalTrainConfig(steps=1).device
     for method in options.methods:
         for mode in options.step_modes:
-            why = mode_unavailable(mode, device) or personal_unavailable(method, mode)
+            why = mode_unavailable(mode, device)
             if data is None:
                 federated[mode][method] = {"error": no_crowd}
             elif why is not None:
