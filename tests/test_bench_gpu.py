@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,49 @@ class Blocker(importlib.abc.MetaPathFinder):
             raise ImportError(f"blocked import of {name}: the GPU machine has no flwr or ray")
 sys.meta_path.insert(0, Blocker())
 sys.argv = ["gpu"] + sys.argv[1:]
+runpy.run_module("simulations.bench.gpu", run_name="__main__")
+"""
+DEVICE_IMAGE = """
+    absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
+    botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy
+    coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
+    diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools formulaic
+    frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub
+    humanize hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt
+    jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning
+    lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py
+    markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict
+    multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy
+    numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+    nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver
+    nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink
+    nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript
+    opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint
+    packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client
+    propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks
+    pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout
+    pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu
+    safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
+    sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels
+    sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile
+    tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
+    torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect
+    urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
+""".split()
+"""The GPU machine's Python distributions (its CUDA image, as the device docs listed them on
+2026-11-17): no flwr, ray, cryptography or pycryptodome."""
+WHEELS = ROOT / "simulations" / "bench" / "gpu_wheels.txt"
+ONLY_THESE = """
+import os, runpy, sys
+shadow, blocked = sys.argv[1], set(sys.argv[2].split(","))
+for index, entry in enumerate(sys.path):  # site-packages as if `blocked` were never installed
+    if entry.endswith("site-packages"):
+        os.makedirs(shadow)
+        for item in os.listdir(entry):
+            if item.split(".")[0] not in blocked:
+                os.symlink(os.path.join(entry, item), os.path.join(shadow, item))
+        sys.path[index] = shadow
+sys.argv = ["gpu"] + sys.argv[3:]
 runpy.run_module("simulations.bench.gpu", run_name="__main__")
 """
 
@@ -54,6 +99,49 @@ def test_the_smoke_run_prints_one_table_and_says_why_gpu_rows_are_missing(
     profile = out / "profile" / "centralised-torch-dynamic.txt"
     assert profile.read_text().count("aten::") > 5
     assert (out / "profile" / "local-round-cpu.txt").is_file()
+
+
+def _distribution(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _carried() -> set[str]:
+    lines = WHEELS.read_text().splitlines()
+    return {_distribution(line.split("==")[0]) for line in lines if line and line[0] != "#"}
+
+
+def _modules_off_the_device() -> set[str]:
+    """Top-level modules installed here whose distributions are neither in the GPU image nor
+    carried: what the bench must not import there."""
+    allowed = {_distribution(name) for name in DEVICE_IMAGE} | _carried() | {"fedfields"}
+    owners = importlib.metadata.packages_distributions()
+    return {
+        module
+        for module, distributions in owners.items()
+        if not any(_distribution(d) in allowed for d in distributions)
+    }
+
+
+def test_the_carried_wheels_are_all_the_federated_rounds_need_on_the_device(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """The bench with every module off the GPU image blocked but the wheels of
+    gpu_wheels.txt: the DecentNeRF round runs (Flower in process, static step)."""
+    blocked = _modules_off_the_device()
+    assert {"ray", "dp_accounting", "uvicorn"} <= blocked  # installed here, not there
+    assert not blocked & {"flwr", "cryptography", "Crypto", "grpc_health", "torch", "skimage"}
+    out = tmp_path / "bench"
+    command = [sys.executable, "-c", ONLY_THESE, str(tmp_path / "site"),
+               ",".join(sorted(blocked)), "--smoke",
+               "--crowd", str(crowd_dir), "--methods", "decentnerf", "--backends", "torch",
+               "--step-modes", "static", "--seconds", "0.5", "--device", "cpu",
+               "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["what"]: row for row in json.loads((out / "table.json").read_text())["rows"]}
+    decent = rows["2-user round, DecentNeRF (learned alpha), static"]
+    assert decent["value"].endswith(" s"), decent
+    assert float(decent["value"].removesuffix(" s")) > 0
 
 
 def _options(**overrides: object) -> Options:

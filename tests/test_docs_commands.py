@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import importlib
 import io
+import optparse
 import os
 import re
 import shlex
@@ -94,6 +95,7 @@ CHECKED_ONLY = {
     "make install": "creates .venv and installs packages",
     "ray start": "starts a Ray cluster that outlives the command",
     "pip install": "installs packages",
+    "pip download": "fetches wheels from PyPI",
     "export": "changes the shell's environment only",
     "tensorboard": "a web server that runs until stopped",
 }
@@ -412,7 +414,11 @@ def check_tensorboard(argv: list[str]) -> None:
 
 
 def check_pip(argv: list[str]) -> None:
-    """`pip install [-e] .[extras]` or this distribution by name: the extras pyproject declares."""
+    """`pip install [-e] .[extras]` or this distribution by name: the extras pyproject declares;
+    `pip download`: `check_pip_download`."""
+    if argv[1] == "download":
+        check_pip_download(argv)
+        return
     project = tomllib.loads((APP_DIR / "pyproject.toml").read_text())["project"]
     targets = [word for word in argv[2:] if word != "-e"]
     assert argv[1] == "install" and targets, "pip install TARGET"
@@ -424,6 +430,29 @@ def check_pip(argv: list[str]) -> None:
         extras = set((match[1] or "").split(",")) - {""}
         unknown = extras - set(project.get("optional-dependencies", {}))
         assert not unknown, f"pyproject declares no extra {unknown}"
+
+
+def check_pip_download(argv: list[str]) -> None:
+    """`pip download ...`: pip's own parser, every `--flag` spelled out, and each `-r` file in
+    the checkout pinning one `name==version` a line (comments aside)."""
+    from pip._internal.commands import create_command
+
+    command = create_command("download")
+    known = {
+        name
+        for option in command.parser._get_all_options()
+        for name in option._long_opts + option._short_opts
+    }
+    assert_spelled_out(argv[2:], known, "pip download")
+    try:
+        options, _ = command.parse_args(argv[2:])
+    except (optparse.OptParseError, SystemExit) as error:
+        raise AssertionError(f"pip download refuses {argv[2:]}: {error}") from None
+    assert options.requirements, "pip download: name the wheels with -r FILE"
+    for requirements in options.requirements:
+        lines = (APP_DIR / requirements).read_text().splitlines()
+        pins = [line for line in lines if line.strip() and not line.startswith("#")]
+        assert pins and all(re.fullmatch(r"[\w.-]+==[\w.]+", pin) for pin in pins), requirements
 
 
 CHECKERS: dict[str, Callable[[list[str]], None]] = {

@@ -15,13 +15,19 @@ run's own figures, each met or missed, per step mode; --profile writes torch.pro
 of a few steps per path under --out/profile/. (a), (b) and (d) import neither Flower nor Ray;
 (c) needs Flower (not Ray), and where it is absent its rows say so.
 
-The prepared device call (one H100; the repo's working tree travels, data/lego with it;
-build the 100x100 crowd here first, 4.6 MB, and carry it):
+The prepared device call (one GPU; the repo's working tree travels, data/lego with it; build
+the 100x100 crowd here first, 4.6 MB, and download the wheels (c) needs there, 16 MB, as
+docs/BENCHMARKS.md's GPU section prints; carry both):
 
     fedfields data crowd --scene data/lego --downscale 2 --out runs/crowd_lego_nb_16x5_ds2
-    run(command="python -m simulations.bench.gpu --crowd runs/crowd_lego_nb_16x5_ds2
-        --backends torch triton --methods fednerf decentnerf --step-modes dynamic cuda-graph
-        --out $OUT/gpu --profile", carry=["runs/crowd_lego_nb_16x5_ds2"], timeout_s=560)
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl
+        -r simulations/bench/gpu_wheels.txt
+    run(command="python3 -m pip install -q --no-index --no-deps --no-compile --target
+        /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m simulations.bench.gpu
+        --crowd runs/crowd_lego_nb_16x5_ds2 --backends torch triton --methods fednerf
+        decentnerf --step-modes dynamic cuda-graph --out $OUT/gpu --profile",
+        carry=["runs/crowd_lego_nb_16x5_ds2", ".whl"], timeout_s=560)
 
 On CPU (what the tests run): python -m simulations.bench.gpu --smoke --crowd DIR --out DIR
 """
