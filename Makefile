@@ -36,3 +36,4 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

@@ -869,9 +869,7 @@ def test_the_split_server_stops_at_a_bad_sample_reply_with_one_error(tmp_path: P
         return Message(content, reply_to=message)
 
     with pytest.raises(EmptyRoundsError, match="dropped-batch-size 1") as raised:
-        run_split_job(
-            InProcessGrid([flooding]), parse_app_config(config), observers=[]
-        )
+        run_split_job(InProcessGrid([flooding]), parse_app_config(config), observers=[])
     assert f"split-batch-rays = {SPLIT_RAYS}" in str(raised.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
 

@@ -98,9 +98,7 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
     lines = whole.splitlines(keepends=True)
     metrics.write_text(lines[0] + lines[1][: len(lines[1]) // 2] + "\n" + lines[2])
     with pytest.raises(ResumeError, match=f"{metrics} line 2 is damaged"):
-        run_meta_job(
-            nodes, parse_app_config(config(tmp_path / "crashed", resume=True))
-        )
+        run_meta_job(nodes, parse_app_config(config(tmp_path / "crashed", resume=True)))
     metrics.write_text(whole + '{"round": 4, "train-lo')  # round 4's line, cut by the crash
     run_meta_job(nodes, parse_app_config(config(tmp_path / "crashed", resume=True)))
 
@@ -133,9 +131,7 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
     with (tmp_path / "b" / "metrics.jsonl").open("a") as out:  # a line the crash left behind
         out.write(json.dumps({"round": 2, "half-written": True}) + "\n")
     nodes.crash_round = 0  # the nodes kept running; a new ServerApp resumes
-    run_federated_nerf(
-        nodes, parse_app_config(config(tmp_path / "b", resume=True)), True
-    )
+    run_federated_nerf(nodes, parse_app_config(config(tmp_path / "b", resume=True)), True)
 
     assert metric_rounds(tmp_path / "b") == [1, 2]
     assert_bitwise_equal(final_state(straight), final_state(tmp_path / "b"))
@@ -160,9 +156,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
             parse_app_config(config),
         )
     with pytest.raises(ResumeError, match="resume.pt does not exist"):
-        run_meta_job(
-            InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True))
-        )
+        run_meta_job(InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True)))
     with pytest.raises(ResumeError, match=r"outer-steps: 2 -> 3"):
         run_meta_job(
             InProcessGrid([]),
@@ -196,9 +190,7 @@ def test_resume_refuses_a_damaged_config_json(tmp_path: Path, content: bytes, re
     (run_dir / "config.json").write_bytes(content)
     message = f"cannot resume: {run_dir / 'config.json'} {reason}"
     with pytest.raises(ResumeError, match=message):
-        run_meta_job(
-            InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True))
-        )
+        run_meta_job(InProcessGrid([]), parse_app_config(tiny_meta(run_dir, resume=True)))
     with pytest.raises(ResumeError, match=message):
         read_run_config(run_dir)
     assert (run_dir / "config.json").read_bytes() == content  # nothing rewritten

@@ -115,9 +115,7 @@ def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
     assert split.split.split_steps == 5 and split.common.seed == 2
     assert split.deployment.round_timeout == 9.0 and split.scene.hash_levels == 8
     # the same key at its default never counts as "used", whatever the mode
-    assert (
-        parse_app_config({"task": "video", "local-steps": 32}).common.task == "video"
-    )
+    assert parse_app_config({"task": "video", "local-steps": 32}).common.task == "video"
 
 
 @pytest.mark.parametrize(
@@ -366,9 +364,7 @@ def test_the_meta_jobs_first_round_waits_for_min_available_nodes() -> None:
     grid = InProcessGrid([lambda message, context: message] * 3)
 
     def seconds_to_start(run_config: dict) -> float:
-        config = parse_app_config(
-            {"task": "video", "clients-per-round": 2, **run_config}
-        )
+        config = parse_app_config({"task": "video", "clients-per-round": 2, **run_config})
         strategy = make_meta_strategy(config, meta_settings(config))
         started = time.monotonic()
         wanted = max(strategy.min_available_nodes, strategy.min_train_nodes)

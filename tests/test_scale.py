@@ -65,12 +65,8 @@ def test_idle_clients_hold_no_private_state_in_memory(shared_crowd: Path, tmp_pa
     in_memory = tiny_job(shared_crowd, tmp_path / "memory", None)
     disk_grid = InProcessGrid([client_app(on_disk)] * CLIENTS, raise_errors=True)
     memory_grid = InProcessGrid([client_app(in_memory)] * CLIENTS, raise_errors=True)
-    disk_run = run_federated_nerf(
-        disk_grid, parse_app_config(on_disk), observe=False
-    )
-    memory_run = run_federated_nerf(
-        memory_grid, parse_app_config(in_memory), observe=False
-    )
+    disk_run = run_federated_nerf(disk_grid, parse_app_config(on_disk), observe=False)
+    memory_run = run_federated_nerf(memory_grid, parse_app_config(in_memory), observe=False)
 
     # with state directories no node keeps anything in Flower's in-memory context ...
     assert all(len(context.state) == 0 for context in disk_grid.contexts.values())

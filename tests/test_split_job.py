@@ -99,9 +99,7 @@ def test_split_mode_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="split-noise-r"):
         parse_app_config({"mode": "split", "split-noise-r": 0.0})
     with pytest.raises(ValueError, match="'state-dir' is empty"):
-        split_observers(
-            parse_app_config(tiny(tmp_path / "audit", **{"state-dir": ""}))
-        )
+        split_observers(parse_app_config(tiny(tmp_path / "audit", **{"state-dir": ""})))
     config = tiny(tmp_path / "both", **{"split-noise-c": 1.2, "split-label-noise": 0.5})
     grid = InProcessGrid([client_app(config)])
     with pytest.raises(RuntimeError, match="split-noise-c or split-label-noise, not both"):
@@ -206,9 +204,7 @@ def test_the_server_starts_from_run_config_alone_and_opens_no_scene_file(
         client_views.cache_clear()
         SERVER_OPENS.opened, SERVER_OPENS.on = [], audit
         try:
-            run_dir = run_split_job(
-                grid, parse_app_config(config | {"run-dir": str(run_dir)})
-            )
+            run_dir = run_split_job(grid, parse_app_config(config | {"run-dir": str(run_dir)}))
         finally:
             SERVER_OPENS.on = False
         return run_dir, json.loads((run_dir / "summary.json").read_text())
