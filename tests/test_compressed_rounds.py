@@ -34,9 +34,11 @@ from fedfields.flower import (
     FedProx,
     NodeState,
     Scaffold,
+    ScaffoldClient,
     compressed_download_mod,
 )
 from fedfields.flower.compression import (
+    CONTROL_STREAM,
     RESIDUAL,
     compressed_parts,
     rebuilt_arrays,
@@ -45,6 +47,7 @@ from fedfields.flower.downloads import DOWNLOAD_REFERENCE
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
+    CLIENT_CONTROL,
     COMPRESSION,
     CONFIG,
     CONTROL_DELTA,
@@ -293,8 +296,8 @@ STRATEGIES = {
 def strategy_node(k: int, compressed: bool) -> Callable:
     """Client k of any strategy: its state is what it received plus update k. Compressed, it
     replies through `compressed_parts`; otherwise it replies, whole, the state the server
-    must rebuild from that record (received + decompressed update, computed apart).
-    Scaffold's control delta travels whole either way."""
+    must rebuild from that record (received + decompressed update, computed apart), and
+    Scaffold's control delta (0.01 x update k, through `ScaffoldClient`) as decompressed."""
 
     def handler(message: Message, context: Context) -> Message:
         if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
@@ -308,10 +311,13 @@ def strategy_node(k: int, compressed: bool) -> Callable:
             scale_key, alpha = ALPHA_KEY, 0.5 + 0.25 * k
             local = {key: alpha * v for key, v in local.items()}
             local[ALPHA_KEY] = torch.tensor([alpha])
-        records = {ARRAYS: state_to_arrays(local)}
+        records = RecordDict({ARRAYS: state_to_arrays(local)})
+        control_delta = {key: 0.01 * v for key, v in update.items()}
         if SERVER_CONTROL in message.content:  # Scaffold
-            records[CONTROL_DELTA] = state_to_arrays({key: 0.01 * v for key, v in update.items()})
-        parts = ReplyParts(records, metrics)
+            scaffold = ScaffoldClient.receive(message, NodeState(context))
+            kept = scaffold.client_control
+            scaffold.reply(records, {key: kept[key] + control_delta[key] for key in kept})
+        parts = ReplyParts(dict(records), metrics)
         if compressed:
             return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
         config = SCHEMES[1]
@@ -319,7 +325,12 @@ def strategy_node(k: int, compressed: bool) -> Callable:
         exact = scaled_difference(local, received, scale_key)
         record, _ = compress_with_feedback(exact, None, config, torch.Generator().manual_seed(k))
         rebuilt = rebuilt_arrays(received, decompress(record, shapes, config), scale_key)
-        return ReplyParts({**records, ARRAYS: rebuilt}, metrics).message(message)
+        whole = {**parts.records, ARRAYS: rebuilt}
+        if CONTROL_DELTA in whole:
+            stream = torch.Generator().manual_seed(k + CONTROL_STREAM)
+            sent = decompress(compress(control_delta, config, stream), shapes, config)
+            whole[CONTROL_DELTA] = state_to_arrays(sent)
+        return ReplyParts(whole, metrics).message(message)
 
     return handler
 
@@ -386,7 +397,10 @@ def test_every_strategy_sums_what_the_decompressed_replies_would_give(name: str)
         grid = InProcessGrid([strategy_node(k, compressed) for k in range(3)])
         arrays, metrics = run_round(strategy, grid)
         assert arrays is not None and metrics[NUM_DROPPED] == 0
-        results.append(arrays_to_state(arrays))
+        state = arrays_to_state(arrays)
+        if isinstance(strategy, Scaffold):  # c too: the sum of the decompressed deltas
+            state |= {f"c.{key}": value for key, value in strategy.server_control.items()}
+        results.append(state)
     for key in results[1]:
         torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-6)
 
@@ -454,3 +468,69 @@ def test_every_strategy_runs_with_compressed_downloads(
         down.append(metrics[BYTES_DOWN])
     share = 0.6 if name == "scaffold" else 1 / 3
     assert down[1] < share * down[0] and down[2] < share * down[0]
+
+
+# ------------------------------------------------------------------ Scaffold's control delta
+
+
+def scaffold_node(k: int, hostile: bool = False) -> Callable:
+    """A Scaffold client through the library's `ScaffoldClient` and `compressed_parts`: its
+    new control c_i+ is c_i plus a step of its own each round; `hostile` drops one tensor's
+    scale from its compressed control delta."""
+
+    def handler(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
+            return answer_user_key(message, context)
+        state = NodeState(context)
+        scaffold = ScaffoldClient.receive(message, state)
+        server_round = int(message.content[CONFIG]["server-round"])
+        generator = torch.Generator().manual_seed(10 * k + server_round)
+        step = {key: torch.randn(v.shape, generator=generator) for key, v in global_state().items()}
+        records = RecordDict({ARRAYS: state_to_arrays(local_state(k))})
+        scaffold.reply(records, {key: c + step[key] for key, c in scaffold.client_control.items()})
+        parts = compressed_parts(message, ReplyParts(dict(records), {NUM_EXAMPLES: 1.0}), state, k)
+        if hostile:
+            del parts.records[CONTROL_DELTA]["weight:scale"]
+        return parts.message(message)
+
+    return handler
+
+
+def test_scaffold_s_control_delta_goes_compressed_and_c_stays_the_clients_mean() -> None:
+    """Every client in every round, 4-bit codes: each delta c_i travels at under a quarter of
+    its bytes, and after each round the server's c is the mean of the controls the nodes
+    keep (c_i + the decoded delta, not c_i+: else c drifts from them by the rounding)."""
+    config = SCHEMES[1]
+    strategy = Scaffold(min_available_nodes=3, compression=config)
+    grid = InProcessGrid([scaffold_node(k) for k in range(3)])
+    for server_round in (1, 2, 3):
+        arrays, metrics = run_round(strategy, grid, server_round)
+        assert arrays is not None and metrics[NUM_DROPPED] == 0
+        kept = [NodeState(context).tensors(CLIENT_CONTROL) for context in grid.contexts.values()]
+        for key, c in strategy.server_control.items():
+            mean = sum(control[key].double() for control in kept) / 3
+            torch.testing.assert_close(c.double(), mean, atol=1e-6, rtol=1e-6)
+    for reply in grid.received:
+        if CONTROL_DELTA in reply.content:
+            wire = sum(array.numpy().nbytes for array in reply.content[CONTROL_DELTA].values())
+            assert wire < full_bytes(global_state()) / 4
+    # the server's c against the controls the nodes would have kept without the decoding
+    exact = sum(
+        torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * k + r))
+        for k in range(3) for r in (1, 2, 3)
+    ) / 3  # fmt: skip
+    assert not torch.allclose(strategy.server_control["weight"], exact, atol=1e-3)
+
+
+def test_a_malformed_control_delta_is_dropped_whole() -> None:
+    """A control record without its scale: the reply is dropped as "compression", its y_i
+    left out with it."""
+    strategy = Scaffold(min_available_nodes=3, compression=SCHEMES[1])
+    grid = InProcessGrid([scaffold_node(k, hostile=k == 2) for k in range(3)])
+    arrays, metrics = run_round(strategy, grid)
+    assert arrays is not None and metrics[NUM_DROPPED] == metrics["dropped-compression"] == 1
+    honest = Scaffold(min_available_nodes=2, compression=SCHEMES[1])
+    expected, _ = run_round(honest, InProcessGrid([scaffold_node(k) for k in range(2)]))
+    assert expected is not None
+    for key, value in arrays_to_state(expected).items():
+        torch.testing.assert_close(arrays_to_state(arrays)[key], value, atol=1e-6, rtol=1e-6)

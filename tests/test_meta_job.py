@@ -24,6 +24,7 @@ from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
     CLIENT,
+    CLIENT_CONTROL,
     CLIENT_INDEX,
     CONFIG,
     CONTROL_DELTA,
@@ -37,7 +38,6 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.scaffold import CLIENT_CONTROL
 from fedfields.train.builders import (
     _object_task,
     client_meta_tasks,

@@ -10,7 +10,10 @@ so finiteness, norm and cap checks all see what will be summed; a malformed reco
 `BadReply` ("compression") naming why. DecentNeRF's gradient reply G_k is compressed too, once
 and with no feedback (it is recomputed every round, and the server reads only the sum G, for
 the alpha step's <G, g_k - g>; quantise keeps it unbiased), and the gate decompresses it the
-same way. Scaffold's control deltas and every other record travel whole.
+same way. Scaffold's control delta delta c_i is compressed once too (`compressed_control`):
+the node then keeps c_i + D(C(delta c_i)) as its control, what the server adds to its c, so
+c stays the clients' mean and the rounding joins the next round's delta. Every other record
+travels whole.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from fedfields.compression import (
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT_CONTROL,
     COMPRESSION,
     COMPRESSION_BITS,
     COMPRESSION_DELTA_SCALE,
     COMPRESSION_FRACTION,
     COMPRESSION_RANK,
     CONFIG,
+    CONTROL_DELTA,
     GRADIENT,
     SECURE_AGGREGATION,
     BadReply,
@@ -103,12 +108,39 @@ def compressed_gradient(msg: Message, parts: ReplyParts, seed: int) -> ReplyPart
     return ReplyParts({**parts.records, GRADIENT: record_arrays(record)}, parts.metrics)
 
 
+CONTROL_STREAM = 1_000_003
+"""Added to a reply's seed for its control delta's rounding: draws apart from the update's."""
+
+
+def compressed_control(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
+    """`parts` with Scaffold's CONTROL_DELTA delta c_i replaced by its compressed record when
+    `msg` asks for compression in plaintext: once, and the node's kept control (c_i+, which
+    `ScaffoldClient.reply` stored) becomes c_i + D(C(delta c_i)), what the server adds."""
+    config = plaintext_compression(msg)
+    if config is None or CONTROL_DELTA not in parts.records:
+        return parts
+    delta = arrays_to_state(parts.records[CONTROL_DELTA], copy=False)
+    record = compress(delta, config, torch.Generator().manual_seed(seed + CONTROL_STREAM))
+    shapes = {key: tuple(value.shape) for key, value in delta.items()}
+    sent = decompress(record, shapes, config)
+    kept = state.tensors(CLIENT_CONTROL)
+    if kept is None or kept.keys() != delta.keys():
+        raise ValueError(f"a {CONTROL_DELTA!r} reply needs the node's {CLIENT_CONTROL!r} kept")
+    state.put_tensors(
+        CLIENT_CONTROL,
+        {key: (kept[key] - delta[key] + sent[key]).to(kept[key].dtype) for key in kept},
+    )
+    return ReplyParts({**parts.records, CONTROL_DELTA: record_arrays(record)}, parts.metrics)
+
+
 def compressed_parts(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
-    """`parts` with ARRAYS replaced by the record of the compressed update, and a gradient
-    reply's G_k by its record (`compressed_gradient`), when `msg` asks for compression (else
-    `parts` as they are); the node's residual is read and kept in `state`. `seed` seeds
-    quantise's random rounding, so one seed gives one reply."""
+    """`parts` with ARRAYS replaced by the record of the compressed update, a gradient
+    reply's G_k and Scaffold's delta c_i by theirs (`compressed_gradient`,
+    `compressed_control`), when `msg` asks for compression (else `parts` as they are); the
+    node's residual is read and kept in `state`. `seed` seeds quantise's random rounding, so
+    one seed gives one reply."""
     parts = compressed_gradient(msg, parts, seed)
+    parts = compressed_control(msg, parts, state, seed)
     config = plaintext_compression(msg)
     sent_config = msg.content.config_records.get(CONFIG, ConfigRecord())
     if config is None or ARRAYS not in parts.records:
@@ -139,9 +171,9 @@ def decompressed_reply_state(
 ) -> dict[str, Tensor]:
     """The state a compressed reply record `name` stands for: s reference + decompressed update
     (s the update's `scale_key` entry, or 1), or with `reference` None the decompressed values
-    themselves (G_k), after every check of `protocol.checked_state` (keys, shapes, dtypes,
-    finiteness as summed); `BadReply` ("compression") naming the node and why a malformed
-    record was refused."""
+    themselves (G_k, delta c_i), after every check of `protocol.checked_state` (keys, shapes,
+    dtypes, finiteness as summed); `BadReply` ("compression") naming the node and why a
+    malformed record was refused."""
     where = f"reply from node {reply.metadata.src_node_id}, record {name!r}"
     record = reply.content.get(name)
     if not isinstance(record, ArrayRecord):

@@ -18,7 +18,8 @@ Train reply (client -> server):
   METRICS         "num-examples" (pixels; FedAvg/FedProx weights), "train-loss", "train-psnr"
   CONTROL_DELTA   Scaffold only: delta c_i
   With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local
-  state minus the ARRAYS received; `fedfields.compression`) instead of the state.
+  state minus the ARRAYS received; `fedfields.compression`) instead of the state, and
+  CONTROL_DELTA the record of delta c_i.
   With "download-version" in a train message's CONFIG, its ARRAYS is a compressed download
   (`fedfields.flower.downloads`) the node's mod rebuilds into the global before the handler.
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
@@ -51,6 +52,8 @@ METRICS = "metrics"
 SERVER_CONTROL = "server-control"
 CONTROL_DELTA = "control-delta"
 GRADIENT = "gradient"
+CLIENT_CONTROL = "scaffold-client-control"
+"""Node-state name of a Scaffold client's control variate c_i (not a record: never sent)."""
 
 GRADIENT_QUERY = "query.gradient"
 """Message type of DecentNeRF's in-round gradient exchange (handler `@app.query("gradient")`)."""

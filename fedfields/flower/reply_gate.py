@@ -31,6 +31,7 @@ from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
     ARRAYS,
+    CONTROL_DELTA,
     GRADIENT,
     HELD,
     HELD_METRICS,
@@ -163,9 +164,9 @@ class ReplyGate:
         self, train_round: TrainRound, reply: Message, name: str, shapes: Shapes
     ) -> dict[str, Tensor]:
         """Record `name` of `reply` as checked tensors (`reply_state`); a compressed ARRAYS
-        record is first decompressed onto the arrays sent, a compressed G_k on its own
-        (`decompressed_reply_state`)."""
-        if self.compression is None or name not in (ARRAYS, GRADIENT):
+        record is first decompressed onto the arrays sent, a compressed G_k or delta c_i on
+        its own (`decompressed_reply_state`)."""
+        if self.compression is None or name not in (ARRAYS, GRADIENT, CONTROL_DELTA):
             return reply_state(reply, name, shapes, train_round.dtypes)
         reference = train_round.reference if name == ARRAYS else None
         return decompressed_reply_state(

@@ -24,6 +24,7 @@ from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, s
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
+    CLIENT_CONTROL,
     CONFIG,
     CONTROL_DELTA,
     SERVER_CONTROL,
@@ -169,10 +170,6 @@ class Scaffold(ProtocolStrategy):
                 f"reply from node {reply.node_id}, record {CONTROL_DELTA!r}: ||delta c_i|| "
                 f"exceeds max-control-norm = {self.max_control_norm:g}",
             )
-
-
-CLIENT_CONTROL = "scaffold-client-control"
-"""Node-state name of the client's control variate c_i."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Benchmark (issue 45): bytes up and down per round, seconds per round and final clean PSNR (and
 DecentNeRF's personal-mask PSNR) on the Novel Blender crowd, each compression scheme at two or
-three strengths against none, for FedNeRF (strategy fedavg) and DecentNeRF, in plaintext and
+three strengths against none, for FedNeRF (strategy fedavg), Scaffold (its control delta
+compressed too) and DecentNeRF, in plaintext and
 under SecAgg+ (`--sums plaintext secure`), with `--download` the global sent down compressed
 too (run-config compression-download), through Flower's simulation engine (Ray) with the App's
 run-config defaults plus `--run-config`.
@@ -64,7 +65,7 @@ STRENGTH_KEYS = {
 """Each scheme -> the run-config key of its strength."""
 
 
-STRATEGIES = ("fedavg", "decentnerf")
+STRATEGIES = ("fedavg", "scaffold", "decentnerf")
 PATIENT_SECONDS = 86_400.0
 """The bench measures bytes and PSNR, not latency: its rounds (round-timeout) and SecAgg+
 stages (secagg-timeout, secure settings) wait a day for every reply, so a loaded machine slows
@@ -351,7 +352,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's settings; strengths out of a scheme's range are refused by `plan`'s
     run-configs, not here."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies", nargs="+", choices=STRATEGIES, default=["fedavg", "decentnerf"]
+    )
     parser.add_argument(
         "--sums",
         nargs="+",
