@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from test_federated_nerf import tiny
 from torch import Tensor
 
 from fedfields.aggregate import ALPHA_KEY
@@ -64,11 +65,14 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.resume import RESUME_FILE, load_round_checkpoint
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.secure_sum import SecureAggregationConfig
-from simulations.federated_nerf import make_strategy
+from simulations.federated_nerf import make_strategy, run_federated_nerf
 from simulations.in_process_grid import InProcessGrid
+from simulations.run import client_app
+from strategies import parse_app_config
 
 State = dict[str, Tensor]
 SCHEMES = [
@@ -534,3 +538,25 @@ def test_a_malformed_control_delta_is_dropped_whole() -> None:
     assert expected is not None
     for key, value in arrays_to_state(expected).items():
         torch.testing.assert_close(arrays_to_state(arrays)[key], value, atol=1e-6, rtol=1e-6)
+
+
+def test_the_apps_compressed_scaffold_run_keeps_c_the_mean_of_its_nodes_controls(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """The App's Scaffold job (run-config compression='quantise', 4 bits), every user every
+    round: the control deltas go up as codes, and the c the run checkpoints after round 2 is
+    the mean of the controls the nodes keep in their state directories."""
+    config = tiny(crowd_dir, tmp_path / "run", "scaffold", **{"compression": "quantise",
+                                                             "compression-bits": 4})  # fmt: skip
+    grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
+    run_dir = run_federated_nerf(grid, parse_app_config(config), observe=False)
+    deltas = [reply.content[CONTROL_DELTA] for reply in grid.received
+              if CONTROL_DELTA in reply.content]  # fmt: skip
+    assert len(deltas) == 6 and all(any(key.endswith(":scale") for key in d) for d in deltas)
+    server = load_round_checkpoint(run_dir / RESUME_FILE).strategy_state["server-control"]
+    nodes = sorted(Path(config["state-dir"]).iterdir())
+    kept = [torch.load(node / f"{CLIENT_CONTROL}.pt") for node in nodes]
+    assert len(kept) == 3
+    for key, c in server.items():
+        mean = sum(control[key].double() for control in kept) / 3
+        torch.testing.assert_close(c.double(), mean, atol=1e-6, rtol=1e-5)
