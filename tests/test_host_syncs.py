@@ -41,10 +41,9 @@ from fedfields.train.federated import (
     ScaffoldCorrector,
     local_train,
 )
-from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT
+from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLoss
 from fedfields.train.static_step import (
     MIN_BATCH_RAYS,
-    PersonalLoss,
     StaticStep,
     first_static_batch,
     max_samples_per_ray,

@@ -25,13 +25,11 @@ from fedfields.fields import Field, GlobalPersonalField, HashGridField, Personal
 from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
-from fedfields.render.renderer import RayOutputs
 from fedfields.train.centralised import adapt_batch_rays, checked_losses
-from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, nerfw_loss
+from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLoss, local_loss
 from fedfields.train.static_step import (
     STEP_MODES,
     CheckWindow,
-    PersonalLoss,
     Proximal,
     StaticStep,
     StepMode,
@@ -184,6 +182,9 @@ def local_train(
         occupancy.to(device)
     parameters = dict(global_field.named_parameters())
     corrector = None if scaffold is None else ScaffoldCorrector(scaffold, parameters)
+    personal = None
+    if personal_field is not None:
+        personal = PersonalLoss(config.beta_min, config.personal_density_weight)
     if config.step_mode != "dynamic":
         return _static_local_train(
             field, personal_field, scene, config, render_config, occupancy, global_reference,
@@ -220,7 +221,7 @@ def local_train(
             background=batch.background,
             image_index=batch.image_index if personal_field is not None else None,
         )
-        photometric, loss = _local_loss(rendered, batch.colors, config)
+        photometric, loss = local_loss(rendered, batch.colors, personal)
         if reference is not None:
             loss = loss + proximal_term(parameters, reference, config.proximal_mu)
         optimizer.zero_grad(set_to_none=True)
@@ -412,7 +413,8 @@ def loss_gradient(
         background=batch.background,
         image_index=batch.image_index if personal_field is not None else None,
     )
-    _, loss = _local_loss(rendered, batch.colors, LocalTrainConfig(steps=1, beta_min=beta_min))
+    personal = None if personal_field is None else PersonalLoss(beta_min)
+    _, loss = local_loss(rendered, batch.colors, personal)
     parameters = dict(global_field.named_parameters())
     gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
     return {
@@ -442,24 +444,6 @@ def heldout_psnr(
     ]
     field.train()
     return float(sum(values) / len(values))
-
-
-def _local_loss(
-    rendered: RayOutputs, colors: Tensor, config: LocalTrainConfig
-) -> tuple[Tensor, Tensor]:
-    """(photometric MSE, loss to minimise): the MSE alone, or NeRF-W's with a personal field."""
-    if rendered.uncertainty is None or rendered.personal_density is None:
-        photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
-        return photometric, photometric
-    terms = nerfw_loss(
-        rendered.rgb,
-        colors,
-        rendered.uncertainty,
-        rendered.personal_density,
-        config.beta_min,
-        config.personal_density_weight,
-    )
-    return terms.mse, terms.total
 
 
 def _composite(global_field: Field, personal_field: PersonalField | None, num_images: int) -> Field:

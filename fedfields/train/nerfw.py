@@ -13,10 +13,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fedfields.render.renderer import RayOutputs
+
 BETA_MIN = 0.03
 """NeRF-W's beta_min (Sec. 4.2)."""
 TRANSIENT_DENSITY_WEIGHT = 0.01
 """NeRF-W's lambda_u on the mean transient density."""
+
+
+@dataclass(frozen=True)
+class PersonalLoss:
+    """NeRF-W's objective for a global+personal field (DecentNeRF): `nerfw_loss`'s weights."""
+
+    beta_min: float = BETA_MIN
+    density_weight: float = TRANSIENT_DENSITY_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -71,3 +81,29 @@ def _mean(values: Tensor, mask: Tensor | None) -> Tensor:
     if mask is None:
         return values.mean()
     return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def local_loss(
+    rendered: RayOutputs,
+    colors: Tensor,
+    personal: PersonalLoss | None,
+    rays: Tensor | None = None,
+    samples: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(photometric MSE, loss to minimise) of a local step: the MSE alone, or with `personal`
+    NeRF-W's loss (`rendered` from a global+personal field); `rays` and `samples` as in
+    `nerfw_loss` (a static step's complete rays and filled slots)."""
+    if personal is None:
+        if rays is None:
+            photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
+        else:
+            squared = (rendered.rgb - colors).square().sum(-1)
+            photometric = torch.where(rays, squared, 0.0).sum() / (3 * rays.sum().clamp(min=1))
+        return photometric, photometric
+    if rendered.uncertainty is None or rendered.personal_density is None:
+        raise ValueError("a personal loss needs a global+personal field (GlobalPersonalField)")
+    terms = nerfw_loss(
+        rendered.rgb, colors, rendered.uncertainty, rendered.personal_density,
+        personal.beta_min, personal.density_weight, rays, samples,
+    )  # fmt: skip
+    return terms.mse, terms.total

@@ -33,8 +33,8 @@ from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field
 from fedfields.optim import adam_groups
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
-from fedfields.render.renderer import RayOutputs, render_rays_fixed
-from fedfields.train.nerfw import nerfw_loss
+from fedfields.render.renderer import render_rays_fixed
+from fedfields.train.nerfw import PersonalLoss, local_loss
 
 StepMode = Literal["dynamic", "static", "cuda-graph"]
 STEP_MODES: tuple[StepMode, ...] = ("dynamic", "static", "cuda-graph")
@@ -80,14 +80,6 @@ class CheckWindow:
         self.samples.clear()
         self.dropped.clear()
         return samples, dropped
-
-
-@dataclass(frozen=True)
-class PersonalLoss:
-    """NeRF-W's objective for a global+personal field (DecentNeRF): `nerfw_loss`'s weights."""
-
-    beta_min: float
-    density_weight: float
 
 
 @dataclass(frozen=True)
@@ -197,37 +189,10 @@ def static_loss(
         )  # fmt: skip
         rays_kept, samples_kept = fixed.complete, fixed.valid
         samples, dropped = fixed.count, batch_rays - fixed.complete.sum()
-    photometric, loss = _photometric_and_loss(
-        rendered, batch.colors, personal, rays_kept, samples_kept
-    )
+    photometric, loss = local_loss(rendered, batch.colors, personal, rays_kept, samples_kept)
     if proximal is not None:
         loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
     return StepOutputs(loss, photometric, samples, dropped)
-
-
-def _photometric_and_loss(
-    rendered: RayOutputs,
-    colors: Tensor,
-    personal: PersonalLoss | None,
-    rays: Tensor | None,
-    samples: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """(MSE, loss to minimise) over the rays `rays` marks (all when None): the MSE alone, or
-    NeRF-W's loss with `personal`."""
-    if personal is None:
-        if rays is None:
-            photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
-        else:
-            squared = (rendered.rgb - colors).square().sum(-1)
-            photometric = torch.where(rays, squared, 0.0).sum() / (3 * rays.sum().clamp(min=1))
-        return photometric, photometric
-    if rendered.uncertainty is None or rendered.personal_density is None:
-        raise ValueError("a personal loss needs a global+personal field (GlobalPersonalField)")
-    terms = nerfw_loss(
-        rendered.rgb, colors, rendered.uncertainty, rendered.personal_density,
-        personal.beta_min, personal.density_weight, rays, samples,
-    )  # fmt: skip
-    return terms.mse, terms.total
 
 
 class StaticStep:
