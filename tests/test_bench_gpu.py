@@ -142,6 +142,8 @@ def test_the_carried_wheels_are_all_the_federated_rounds_need_on_the_device(
     decent = rows["2-user round, DecentNeRF (learned alpha), static"]
     assert decent["value"].endswith(" s"), decent
     assert float(decent["value"].removesuffix(" s")) > 0
+    counts = re.search(r", (\d+) of (\d+) rays dropped \(overflow\)", decent["note"])
+    assert counts is not None and 0 <= int(counts[1]) <= int(counts[2]) and int(counts[2]) > 0
 
 
 def _options(**overrides: object) -> Options:

@@ -62,3 +62,4 @@ def test_the_bench_aggregate_is_the_hand_formed_one(crowd_dir: Path, method: str
     assert result["alphas"] == [[a] for a in (alphas or [1.0] * len(data.users))]
     leak = "upload-personal-psnr" if method == "fednerf" else "own-personal-personal-psnr"
     assert leak in result["history"][0]
+    assert result["rays-drawn"] > 0 and result["rays-dropped"] == 0  # dynamic steps drop none

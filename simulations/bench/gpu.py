@@ -341,6 +341,8 @@ def federated_round(
         "round_seconds": ends[-1] - ends[-2],
         "train_seconds_per_round": result["train-seconds"] / options.rounds,
         "clean_psnr": result["history"][-1]["clean-psnr"],
+        "rays": result["rays-drawn"],
+        "dropped_rays": result["rays-dropped"],
         "peak_mib": peak_mib(device),
     }
 
@@ -493,6 +495,8 @@ def measurement_rows(options: Options, found: dict[str, Any]) -> list[Row]:
                 f"{entry['train_seconds_per_round']:.2f} s/round; clean PSNR "
                 f"{entry['clean_psnr']:.2f} dB"
             )
+            if mode != "dynamic":  # rays whose samples overflowed the static step's buffer
+                note += f", {entry['dropped_rays']} of {entry['rays']} rays dropped (overflow)"
             rows.append(
                 Row(what, f"{entry['round_seconds']:.2f} s", note=note + mib(entry.get("peak_mib")))
             )

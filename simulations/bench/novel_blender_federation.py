@@ -73,6 +73,8 @@ class Workbench:
     personal_fields: bool
     observed: dict[str, list[float]] = field(default_factory=dict)
     train_seconds: float = 0.0
+    rays: int = 0  # rays the local steps drew, every node and round
+    dropped_rays: int = 0  # of them, left out of a static step's loss (overflow)
 
     def observe(self, key: str, value: float) -> None:
         """Note one node's figure under `key` for this round's record."""
@@ -133,6 +135,8 @@ class CrowdNode:
         result = local_train(bench.model, scene, local, render_config(bench.config, scene),
                              self.occupancy, personal_field=self.personal)  # fmt: skip
         bench.train_seconds += time.perf_counter() - tick
+        bench.rays += result.rays
+        bench.dropped_rays += result.dropped_rays
         upload = federated_state(bench.model)
         self.score_fields()
         if DecentNeRFClient.sent_by_decentnerf(msg):
@@ -241,6 +245,8 @@ def run_federated(
         "wall-seconds": wall,
         "train-seconds": bench.train_seconds,
         "rays-per-second": rays_trained / max(bench.train_seconds, 1e-9),
+        "rays-drawn": bench.rays,
+        "rays-dropped": bench.dropped_rays,
         "server-flops-per-round": cost.server_flops,
         "bytes-per-round": cost.uplink_bytes + cost.downlink_bytes,
         "alphas": [list(trace) for trace in zip(*(r["alphas"] for r in history), strict=True)],
