@@ -187,8 +187,8 @@ def local_train(
         personal = PersonalLoss(config.beta_min, config.personal_density_weight)
     if config.step_mode != "dynamic":
         return _static_local_train(
-            field, personal_field, scene, config, render_config, occupancy, global_reference,
-            corrector, device,
+            field, personal_field, personal, scene, config, render_config, occupancy,
+            global_reference, corrector, device,
         )  # fmt: skip
     reference = None
     if config.proximal_mu > 0:
@@ -286,6 +286,7 @@ class ScaffoldCorrector:
 def _static_local_train(
     field: Field,
     personal_field: PersonalField | None,
+    personal: PersonalLoss | None,
     scene: Scene,
     config: LocalTrainConfig,
     render_config: RenderConfig,
@@ -295,8 +296,9 @@ def _static_local_train(
     device: torch.device,
 ) -> LocalTrainResult:
     """`local_train` with static steps on `field` (the global field, or its composite with
-    `personal_field`; both already on `device`): the ray batch follows `target_samples` at
-    the finite checks (every FINITE_CHECK_EVERY steps), where losses and counts are read."""
+    `personal_field` under NeRF-W's loss `personal`; both already on `device`): the ray
+    batch follows `target_samples` at the finite checks (every FINITE_CHECK_EVERY steps),
+    where losses and counts are read."""
     cuda_graph = config.step_mode == "cuda-graph" and device.type == "cuda"
     if config.step_mode == "cuda-graph" and not cuda_graph:
         warnings.warn(
@@ -312,9 +314,7 @@ def _static_local_train(
         reference = _on_device(global_reference, parameters, "global_reference")
         proximal = Proximal(parameters, reference, config.proximal_mu)
     optimizer = static_optimizer(global_field, config.learning_rate, config.weight_decay, device)
-    personal = None
     if personal_field is not None:
-        personal = PersonalLoss(config.beta_min, config.personal_density_weight)
         for group in static_optimizer(
             personal_field, config.personal_learning_rate, config.weight_decay, device
         ).param_groups:
