@@ -560,3 +560,15 @@ def test_the_apps_compressed_scaffold_run_keeps_c_the_mean_of_its_nodes_controls
     for key, c in server.items():
         mean = sum(control[key].double() for control in kept) / 3
         torch.testing.assert_close(c.double(), mean, atol=1e-6, rtol=1e-5)
+
+
+def test_a_control_delta_without_the_nodes_control_is_refused_by_name() -> None:
+    """`compressed_parts` must move the node's kept c_i by the decoded delta: a CONTROL_DELTA
+    made without `ScaffoldClient.reply` (nothing kept) is one error naming both."""
+    strategy = Scaffold(min_available_nodes=3, compression=SCHEMES[1])
+    grid = InProcessGrid([scaffold_node(k) for k in range(3)])
+    message, *_ = strategy.configure_train(1, state_to_arrays(global_state()), ConfigRecord(), grid)
+    delta = {CONTROL_DELTA: state_to_arrays(global_state())}
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match=f"'{CONTROL_DELTA}' reply needs .*'{CLIENT_CONTROL}'"):
+        compressed_parts(message, ReplyParts(delta, {}), NodeState(context), seed=0)
