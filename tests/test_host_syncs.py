@@ -481,17 +481,30 @@ def _scaffold(field: torch.nn.Module, seed: int) -> ScaffoldControls:
     return ScaffoldControls(server, client)
 
 
-def test_a_decentnerf_or_scaffold_static_step_waits_on_nothing(tiny_lego: Scene) -> None:
-    composite, sampler, render, grid = _composite_case(tiny_lego)
-    device = torch.device("cpu")
+def _composite_scaffold_step(
+    composite: GlobalPersonalField,
+    sampler: PixelSampler,
+    render: RenderConfig,
+    grid: OccupancyGrid,
+    cuda_graph: bool,
+) -> tuple[StaticStep, ScaffoldCorrector]:
+    """A static step of the composite under NeRF-W's loss with Scaffold's corrector (seeded
+    controls), on the composite's device."""
+    device = next(composite.parameters()).device
     optimizer = static_optimizer(composite, 1e-2, 1e-6, device)
     parameters = dict(composite.global_field.named_parameters())
     corrector = ScaffoldCorrector(_scaffold(composite.global_field, 0), parameters)
     terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
     step = StaticStep(
         lambda g, rays: static_loss(composite, sampler, render, g, rays, 1 << 14, personal=terms),
-        optimizer, grid, cuda_graph=False, after_backward=corrector,
+        optimizer, grid, cuda_graph=cuda_graph, after_backward=corrector,
     )  # fmt: skip
+    return step, corrector
+
+
+def test_a_decentnerf_or_scaffold_static_step_waits_on_nothing(tiny_lego: Scene) -> None:
+    composite, sampler, render, grid = _composite_case(tiny_lego)
+    step, corrector = _composite_scaffold_step(composite, sampler, render, grid, False)
     step(128)
     with HostTraffic() as traffic:
         for _ in range(3):
@@ -550,16 +563,7 @@ def test_a_captured_decentnerf_scaffold_step_gives_the_uncaptured_numbers(
         composite, sampler, render, grid = _composite_case(tiny_lego)
         composite, grid = composite.cuda(), grid.to("cuda")
         sampler = PixelSampler(tiny_lego.to("cuda"), True)
-        device = torch.device("cuda")
-        optimizer = static_optimizer(composite, 1e-2, 1e-6, device)
-        parameters = dict(composite.global_field.named_parameters())
-        corrector = ScaffoldCorrector(_scaffold(composite.global_field, 0), parameters)
-        terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
-        step = StaticStep(
-            lambda g, rays: static_loss(composite, sampler, render, g, rays, 1 << 14,  # noqa: B023
-                                        personal=terms),  # noqa: B023
-            optimizer, grid, cuda_graph=captured, after_backward=corrector,
-        )  # fmt: skip
+        step, corrector = _composite_scaffold_step(composite, sampler, render, grid, captured)
         losses = []
         for index in range(8):
             torch.manual_seed(100 + index)

@@ -106,11 +106,7 @@ def render_rays(
             outputs.density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index,
             len(rays), background, config.composite,
         )  # fmt: skip
-        uncertainty = None
-        if outputs.uncertainty is not None:
-            uncertainty = weights.new_zeros(len(rays)).index_add(
-                0, samples.ray_index, weights * outputs.uncertainty
-            )
+        uncertainty = _packed_uncertainty(outputs, weights, samples.ray_index, len(rays))
         return _with_samples(rendered, outputs, uncertainty), samples.t_mid.numel()
     t_far = torch.maximum(t_far, t_near + 1e-4)  # rays missing the box render the background
     edges = stratified_bins(t_near, t_far, config.num_samples, perturb)
@@ -165,12 +161,18 @@ def render_rays_fixed(
         density, samples.deltas, outputs.rgb, samples.t_mid, samples.ray_index, len(rays),
         background, config.composite, samples.kept,
     )  # fmt: skip
-    uncertainty = None
-    if outputs.uncertainty is not None:  # padding slots weigh 0
-        uncertainty = weights.new_zeros(len(rays)).index_add(
-            0, samples.ray_index, weights * outputs.uncertainty
-        )
+    uncertainty = _packed_uncertainty(outputs, weights, samples.ray_index, len(rays))
     return _with_samples(rendered, outputs, uncertainty), samples
+
+
+def _packed_uncertainty(
+    outputs: FieldOutputs, weights: Tensor, ray_index: Tensor, num_rays: int
+) -> Tensor | None:
+    """Each ray's volume-rendered uncertainty beta_hat [R] from packed samples' weights (a
+    padding slot weighs 0), or None for a field without one."""
+    if outputs.uncertainty is None:
+        return None
+    return weights.new_zeros(num_rays).index_add(0, ray_index, weights * outputs.uncertainty)
 
 
 def _device_of(field: Field) -> torch.device:
