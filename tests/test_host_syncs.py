@@ -44,10 +44,12 @@ from fedfields.train.federated import (
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLoss
 from fedfields.train.static_step import (
     MIN_BATCH_RAYS,
+    OVERFLOW_SIGMAS,
+    SampleProbe,
     StaticStep,
-    first_static_batch,
     max_samples_per_ray,
     set_learning_rate,
+    static_batch_rays,
     static_capacity,
     static_loss,
     static_optimizer,
@@ -315,24 +317,71 @@ def test_static_training_counts_its_samples_at_the_checks(tiny_lego: Scene) -> N
     assert result.history[0]["samples_per_ray"] * 64 * 2 <= result.samples
 
 
-@pytest.mark.parametrize("target_samples", [None, 1 << 10, 1 << 12, 1 << 14, 1 << 16])
-def test_the_first_static_batch_fits_the_capacity_in_the_worst_case(
+@pytest.mark.parametrize(
+    ("mean", "std", "capacity"),
+    [(40.0, 0.0, 1 << 14), (40.0, 60.0, 1 << 14), (3.0, 9.0, 1 << 16), (150.0, 80.0, 12736)],
+)
+def test_the_static_batch_is_the_largest_rung_that_fits_at_three_sigmas(
+    mean: float, std: float, capacity: int
+) -> None:
+    rungs = sorted({int(2 ** (k / 4)) for k in range(24, 72)})  # the ladder from 64 rays
+
+    def fits(rays: int) -> bool:
+        return rays * mean + OVERFLOW_SIGMAS * rays**0.5 * std <= capacity
+
+    expected = max((rung for rung in rungs if fits(rung)), default=MIN_BATCH_RAYS)
+    assert static_batch_rays(mean, std, capacity, maximum=1 << 18) == expected
+    assert static_batch_rays(mean, std, capacity, maximum=100) == min(expected, 100)
+    assert static_batch_rays(0.0, 0.0, capacity, maximum=4096) == 4096  # an empty grid
+
+
+@pytest.mark.parametrize("target_samples", [None, 1 << 10, 1 << 14])
+def test_the_capacity_holds_the_lowest_rung_s_worst_case(
     tiny_lego: Scene, target_samples: int | None
 ) -> None:
     render = default_setup("hashgrid", tiny_lego, implementation="torch").render_config
     worst = max_samples_per_ray(render)
     assert worst == 199  # far - near = 4 over lego's step 3 sqrt(3) / 256: 198 steps, +1
     capacity = static_capacity(target_samples, 1024, render)
-    assert capacity >= max(target_samples or 0, MIN_BATCH_RAYS * worst)
-    first = first_static_batch(1024, capacity, render, maximum=1 << 18)
-    assert MIN_BATCH_RAYS <= first <= 1024 and first * worst <= capacity
-    assert first == 1024 or 1024 * worst > capacity
+    assert capacity >= max(target_samples or 1024 * worst, MIN_BATCH_RAYS * worst)
+    assert static_batch_rays(worst, 0.0, capacity, maximum=1 << 18) >= MIN_BATCH_RAYS
+
+
+def test_the_probe_counts_what_marching_keeps(tiny_lego: Scene) -> None:
+    """The probe's moments against `march`'s packed samples (a nonzero) on the same rays."""
+    field, sampler, render, grid = _static_case(tiny_lego)
+    for _ in range(3):  # a grid with empty cells: rays differ
+        grid.update(field.density, render.step_size)
+    probe = SampleProbe(sampler, render, count=500)
+    assert len(probe.rays) == 500
+    t_near, t_far = intersect_aabb(probe.rays, render.aabb_tensor, render.near, render.far)
+    packed = grid.march(probe.rays, t_near, t_far, render.step_size, False, render.max_ray_length)
+    counts = torch.bincount(packed.ray_index, minlength=500).double()
+    mean, std = probe.moments(grid)
+    assert counts.min() < counts.max()
+    assert mean == pytest.approx(counts.mean().item(), rel=1e-6)
+    assert std == pytest.approx(counts.std(correction=0).item(), rel=1e-5)
+
+
+def test_a_static_round_reads_the_device_at_checks_and_refreshes_only(
+    tiny_lego: Scene, host_reads: list[str]
+) -> None:
+    def run(steps: int) -> None:
+        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        config = LocalTrainConfig(
+            steps=steps, batch_rays=64, target_samples=1 << 13, device="cpu", step_mode="static"
+        )
+        local_train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+
+    short, long = _reads_of(run, 16, host_reads), _reads_of(run, 64, host_reads)
+    # 48 more steps: 3 loss checks, 3 count reads, 3 probes at the grid's refreshes
+    assert len(long) - len(short) <= 9, long
 
 
 def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
     """The grid starts fully occupied: the configured 1024 rays overflow a 2^12-sample buffer
-    (most rays dropped); the first window's batch, sized from the worst case, drops none
-    (the bound `first_static_batch` documents: 0), in training and in a local round."""
+    (most rays dropped); the first window's batch, sized from the probe through the grid of
+    the first refresh, drops none, in training and in a local round."""
     field, sampler, render, grid = _static_case(tiny_lego)
     capacity = static_capacity(1 << 12, 1024, render)
     torch.manual_seed(0)
@@ -549,6 +598,30 @@ def test_a_static_round_trains_what_the_dynamic_round_trains(
         assert static.client_control is not None and dynamic.client_control is not None
         for name, value in dynamic.client_control.items():
             torch.testing.assert_close(static.client_control[name], value, rtol=1e-3, atol=1e-7)
+
+
+def test_a_decentnerf_static_round_keeps_its_rays_and_its_sample_target(tiny_lego: Scene) -> None:
+    """The personal field's density opens cells at each grid refresh; the batch, sized then
+    from the probe (3 sigmas within 4/3 of the target), drops no ray, and a step holds about
+    the target's samples, as a dynamic step does."""
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    torch.manual_seed(0)
+    target = 1 << 14  # above the capacity's floor, the lowest rung's worst case
+    per_step = {}
+    for mode in ("dynamic", "static"):
+        torch.manual_seed(0)
+        field = type(setup.field)(setup.field.config)
+        config = LocalTrainConfig(
+            steps=2 * FINITE_CHECK_EVERY, batch_rays=1024, target_samples=target, device="cpu",
+            step_mode=mode,
+        )  # fmt: skip
+        grid = OccupancyGrid(field.aabb)
+        personal = _personal(len(tiny_lego))
+        result = local_train(field, tiny_lego, config, setup.render_config, grid, personal)
+        assert result.dropped_rays == 0
+        per_step[mode] = result.samples / result.steps
+    assert 0.75 * target < per_step["static"] < 1.25 * target, per_step
+    assert per_step["static"] == pytest.approx(per_step["dynamic"], rel=0.25)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

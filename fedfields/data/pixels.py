@@ -38,17 +38,30 @@ class PixelSampler:
 
     def sample(self, count: int) -> PixelBatch:
         """`count` uniformly random pixels of all views."""
-        flat = torch.randint(0, self.colors.shape[0], (count,), device=self.colors.device)
+        flat = torch.randint(0, self.num_pixels, (count,), device=self.colors.device)
         return self.pixels(flat)
+
+    @property
+    def num_pixels(self) -> int:
+        """Pixels of all views."""
+        return self.colors.shape[0]
+
+    def rays(self, flat: Tensor) -> Rays:
+        """The rays through pixels at flat indices (view-major, then row, then column); no
+        random draw."""
+        return pixel_rays(self.cameras, *self._view_row_column(flat))
 
     def pixels(self, flat: Tensor) -> PixelBatch:
         """Pixels at flat indices (view-major, then row, then column)."""
-        pixels_per_view = self.cameras.height * self.cameras.width
-        view, within = flat // pixels_per_view, flat % pixels_per_view
-        row, column = within // self.cameras.width, within % self.cameras.width
+        view, row, column = self._view_row_column(flat)
         rays = pixel_rays(self.cameras, view, row, column)
         if not self.random_background:
             return PixelBatch(rays, self.colors[flat], self.background, view)
         background = torch.rand(len(flat), 3, device=self.colors.device)
         shift = self.transparency[flat, None] * (background - self.background)
         return PixelBatch(rays, self.colors[flat] + shift, background, view)
+
+    def _view_row_column(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        pixels_per_view = self.cameras.height * self.cameras.width
+        view, within = flat // pixels_per_view, flat % pixels_per_view
+        return view, within // self.cameras.width, within % self.cameras.width

@@ -184,6 +184,16 @@ class OccupancyGrid:
             kept=kept,
         )
 
+    @torch.no_grad()
+    def samples_per_ray(
+        self, rays: Rays, t_near: Tensor, t_far: Tensor, step_size: float, max_length: float
+    ) -> Tensor:
+        """How many samples `march_fixed` finds on each ray [R] (int64) at the steps' midpoints
+        (no jitter, no random draw), counted on the device: what a batch of such rays costs."""
+        self.to(rays.origins.device)
+        _, occupied = self._occupied_steps(rays, t_near, t_far, step_size, False, max_length)
+        return occupied.sum(dim=1)
+
     def _occupied_steps(
         self,
         rays: Rays,

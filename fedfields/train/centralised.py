@@ -26,11 +26,10 @@ from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.static_step import (
     STEP_MODES,
     CheckWindow,
+    StaticBatch,
     StaticStep,
     StepMode,
-    first_static_batch,
     set_learning_rate,
-    static_batch_rays,
     static_capacity,
     static_loss,
     static_optimizer,
@@ -182,7 +181,7 @@ def train(
     """Fit `field` to the views of `scene` with Adam on the photometric MSE.
 
     A dynamic step's one host sync is marching's sample count; a static step has none
-    (`fedfields.train.static_step`; its batch follows `target_samples` at log steps only).
+    (`fedfields.train.static_step`; its batch follows `target_samples` at grid refreshes).
     Losses are checked for finiteness at log steps and at the end, naming the first bad step.
     """
     torch.manual_seed(config.seed)
@@ -208,6 +207,10 @@ def train(
             return static_loss(field, sampler, render_config, grid, rays, capacity)
 
         static = StaticStep(loss_fn, optimizer, occupancy, config.step_mode == "cuda-graph")
+        static_batch = StaticBatch(
+            sampler, render_config, capacity, config.batch_rays, config.max_batch_rays,
+            config.target_samples, occupancy,
+        )  # fmt: skip
     window = CheckWindow()  # static steps' counts, still on the device
     budget_seconds = config.minutes * 60.0 if config.minutes is not None else None
     result = TrainResult(steps=0, rays=0, samples=0, seconds=0.0)
@@ -219,9 +222,7 @@ def train(
         disable=not config.progress,
         mininterval=1.0,
     )
-    batch_rays = config.batch_rays
-    if static is not None and occupancy is not None:
-        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
+    batch_rays = config.batch_rays if static is None else static_batch.rays
     unchecked: list[Tensor] = []  # losses since the last finiteness check, still on the device
     start = time.perf_counter()
     while True:
@@ -235,6 +236,8 @@ def train(
         set_learning_rate(optimizer, config.learning_rate * learning_rate_factor(progress))
         if occupancy is not None and result.steps % config.occupancy_update_every == 0:
             occupancy.update(field.density, render_config.step_size)
+            if static is not None:
+                batch_rays = static_batch.refreshed(occupancy)
         if static is None:
             batch = sampler.sample(batch_rays)
             rendered, num_samples = render_rays(
@@ -280,8 +283,6 @@ def train(
                 psnr=f"{record['psnr']:.2f}",
                 spr=f"{record['samples_per_ray']:.1f}",
             )
-            if static is not None and config.target_samples is not None:
-                batch_rays = static_batch_rays(samples_per_ray, capacity, config.max_batch_rays)
         if config.target_samples is not None and static is None:
             batch_rays = adapt_batch_rays(
                 batch_rays, num_samples, config.target_samples, config.max_batch_rays

@@ -31,11 +31,10 @@ from fedfields.train.static_step import (
     STEP_MODES,
     CheckWindow,
     Proximal,
+    StaticBatch,
     StaticStep,
     StepMode,
     StepOutputs,
-    first_static_batch,
-    static_batch_rays,
     static_capacity,
     static_loss,
     static_optimizer,
@@ -297,8 +296,8 @@ def _static_local_train(
 ) -> LocalTrainResult:
     """`local_train` with static steps on `field` (the global field, or its composite with
     `personal_field` under NeRF-W's loss `personal`; both already on `device`): the ray
-    batch follows `target_samples` at the finite checks (every FINITE_CHECK_EVERY steps),
-    where losses and counts are read."""
+    batch follows `target_samples` at each grid refresh (`StaticBatch`); losses and counts
+    are read at the finite checks (every FINITE_CHECK_EVERY steps)."""
     cuda_graph = config.step_mode == "cuda-graph" and device.type == "cuda"
     if config.step_mode == "cuda-graph" and not cuda_graph:
         warnings.warn(
@@ -328,12 +327,14 @@ def _static_local_train(
         )
 
     step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph, corrector)
+    batch = StaticBatch(
+        sampler, render_config, capacity, config.batch_rays, config.max_batch_rays,
+        config.target_samples, occupancy,
+    )  # fmt: skip
     recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
     unchecked: list[Tensor] = []
     window = CheckWindow()  # counts since the last check, on the device
-    batch_rays, total_rays, total_samples, dropped_rays, steps = config.batch_rays, 0, 0, 0, 0
-    if occupancy is not None:
-        batch_rays = first_static_batch(batch_rays, capacity, render_config, config.max_batch_rays)
+    batch_rays, total_rays, total_samples, dropped_rays, steps = batch.rays, 0, 0, 0, 0
     epoch_rays = config.epochs * scene.images.shape[:3].numel()
     start = time.perf_counter()
     for index in range(config.steps):
@@ -341,6 +342,7 @@ def _static_local_train(
             break
         if occupancy is not None and index % config.occupancy_update_every == 0:
             occupancy.update(field.density, render_config.step_size)
+            batch_rays = batch.refreshed(occupancy)
         outputs = step(batch_rays)
         recent.append(outputs.photometric.detach())
         unchecked.append(outputs.loss.detach())
@@ -349,12 +351,9 @@ def _static_local_train(
         total_rays += batch_rays
         if steps % FINITE_CHECK_EVERY == 0:
             checked_losses(unchecked, steps - len(unchecked), "local training")
-            window_rays = len(window) * batch_rays
             samples, dropped = window.read()
             total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
-            spr = samples / window_rays
             unchecked.clear()
-            batch_rays = static_batch_rays(spr, capacity, config.max_batch_rays)
     optimizer.zero_grad(set_to_none=True)
     checked_losses(unchecked, steps - len(unchecked), "local training")
     samples, dropped = window.read()

@@ -14,7 +14,8 @@ Scaffold's corrected gradients (`StaticStep.after_backward`).
 `cuda_graph`: the first `WARMUP_STEPS` steps of a shape run eagerly on a side stream (Triton
 compiles, Adam makes its state), the next one captures the step (torch.cuda.graphs, one
 private memory pool per shape) and every later one replays it; the random draws advance at
-each replay. The batch sizes come from a short ladder (`static_batch_rays`), so few shapes
+each replay. The batch is sized at each refresh of the occupancy grid from fixed probe rays
+marched through it (`StaticBatch`), on a short ladder (`static_batch_rays`), so few shapes
 are ever captured.
 """
 
@@ -31,6 +32,7 @@ from torch import Tensor
 from fedfields.aggregate import proximal_term
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field
+from fedfields.geometry.rays import intersect_aabb
 from fedfields.optim import adam_groups
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.renderer import render_rays_fixed
@@ -39,8 +41,14 @@ from fedfields.train.nerfw import PersonalLoss, local_loss
 StepMode = Literal["dynamic", "static", "cuda-graph"]
 STEP_MODES: tuple[StepMode, ...] = ("dynamic", "static", "cuda-graph")
 WARMUP_STEPS = 2
-CAPACITY_FILL = 0.9
-"""`static_batch_rays` aims the expected samples at this share of the capacity."""
+OVERFLOW_SIGMAS = 3.0
+"""A batch's expected samples plus this many standard deviations fit the capacity."""
+CAPACITY_HEADROOM = 4 / 3
+"""Sample slots per `target_samples`: the sigma margin and the ladder fill about 3/4 of them,
+so a step holds about `target_samples` samples, as the dynamic step does (its padding slots
+are computed too)."""
+PROBE_RAYS = 2048
+"""Rays of the `SampleProbe` that sizes the batch at each grid refresh."""
 LADDER_STEPS_PER_OCTAVE = 4
 MIN_BATCH_RAYS = 64
 """The ladder's lowest rung; the capacity always holds its worst case (`static_capacity`)."""
@@ -114,12 +122,16 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, value: float) -> None:
             group["lr"] = value
 
 
-def static_batch_rays(samples_per_ray: float, capacity: int, maximum: int) -> int:
-    """The next ray batch: the largest rung of 2^(k/4), at least MIN_BATCH_RAYS and at most
-    `maximum`, whose expected samples fill at most CAPACITY_FILL of the capacity (few
-    distinct shapes)."""
-    wanted = CAPACITY_FILL * capacity / max(samples_per_ray, 1e-6)
-    rung = math.floor(LADDER_STEPS_PER_OCTAVE * math.log2(max(wanted, MIN_BATCH_RAYS)))
+def static_batch_rays(mean: float, std: float, capacity: int, maximum: int) -> int:
+    """The largest rung of 2^(k/4) in [MIN_BATCH_RAYS, `maximum`] whose B rays, each with
+    `mean` ± `std` samples drawn independently, fit the capacity with OVERFLOW_SIGMAS to spare:
+    B * mean + OVERFLOW_SIGMAS * sqrt(B) * std <= capacity (few distinct shapes)."""
+    if mean <= 0:
+        return maximum
+    margin = OVERFLOW_SIGMAS * std
+    root = (-margin + math.sqrt(margin**2 + 4.0 * mean * capacity)) / (2.0 * mean)  # sqrt(B)
+    wanted = max(root**2, MIN_BATCH_RAYS)
+    rung = math.floor(LADDER_STEPS_PER_OCTAVE * math.log2(wanted) + 1e-9)
     return max(MIN_BATCH_RAYS, min(int(2 ** (rung / LADDER_STEPS_PER_OCTAVE)), maximum))
 
 
@@ -132,29 +144,73 @@ def max_samples_per_ray(render_config: RenderConfig) -> int:
 def static_capacity(
     target_samples: int | None, batch_rays: int, render_config: RenderConfig
 ) -> int:
-    """Sample slots of a static step: `target_samples`, else every step of `batch_rays`
-    rays (a fixed batch then never overflows); at least MIN_BATCH_RAYS rays' worst case, so
-    every rung of the ladder can be sized to fit it."""
+    """Sample slots of a static step: CAPACITY_HEADROOM x `target_samples`, else every step
+    of `batch_rays` rays (a fixed batch then never overflows); at least MIN_BATCH_RAYS rays'
+    worst case, so the ladder's lowest rung never overflows."""
     worst = max_samples_per_ray(render_config)
     if target_samples is None:
         return batch_rays * worst
-    return max(target_samples, MIN_BATCH_RAYS * worst)
+    return max(math.ceil(CAPACITY_HEADROOM * target_samples), MIN_BATCH_RAYS * worst)
 
 
-def first_static_batch(
-    batch_rays: int, capacity: int, render_config: RenderConfig, maximum: int
-) -> int:
-    """The batch of the first check window, before any sample count is read: `batch_rays`
-    when its worst case fits the capacity, else the ladder's rung for the worst case.
+class SampleProbe:
+    """Fixed rays through evenly spaced pixels of every view, marched without jitter: the
+    samples per ray that batches drawn from the same pixels meet in the current grid."""
 
-    The grid starts fully occupied and its updates within the window are unread, so only
-    the worst case (`max_samples_per_ray`) is safe: with it no ray of the first window
-    overflows (tests/test_host_syncs.py), where the configured batch could drop most rays.
+    def __init__(self, sampler: PixelSampler, render_config: RenderConfig, count: int) -> None:
+        num_pixels, device = sampler.num_pixels, sampler.colors.device
+        count = min(count, num_pixels)
+        self.rays = sampler.rays(torch.arange(count, device=device) * num_pixels // count)
+        self.t_near, self.t_far = intersect_aabb(
+            self.rays, render_config.aabb_on(device), render_config.near, render_config.far
+        )
+        self.render_config = render_config
+
+    def moments(self, grid: OccupancyGrid) -> tuple[float, float]:
+        """Mean and standard deviation of the probe rays' samples in `grid`: one host read."""
+        counts = grid.samples_per_ray(
+            self.rays, self.t_near, self.t_far, self.render_config.step_size,
+            self.render_config.max_ray_length,
+        ).float()  # fmt: skip
+        mean, std = torch.stack([counts.mean(), counts.std(correction=0)]).tolist()
+        return mean, std
+
+
+class StaticBatch:
+    """The static step's ray batch: re-sized at every refresh of the occupancy grid, the only
+    time the samples per ray change, from a probe marched through the refreshed grid (one host
+    read per refresh), so that a batch overflows the capacity at about OVERFLOW_SIGMAS sigmas.
+
+    Without `target_samples` the capacity holds `batch_rays` rays' worst case and the batch
+    stays; without a grid the stratified sample count and the target set it once.
     """
-    worst = max_samples_per_ray(render_config)
-    if batch_rays * worst <= capacity:
-        return batch_rays
-    return static_batch_rays(worst, capacity, maximum)
+
+    def __init__(
+        self,
+        sampler: PixelSampler,
+        render_config: RenderConfig,
+        capacity: int,
+        batch_rays: int,
+        maximum: int,
+        target_samples: int | None,
+        occupancy: OccupancyGrid | None,
+    ) -> None:
+        self.capacity, self.maximum, self.rays = capacity, maximum, batch_rays
+        self.probe = None
+        if target_samples is None:
+            return
+        if occupancy is None:  # nothing overflows: the dynamic step's batch, on the ladder
+            per_ray = render_config.num_samples + render_config.num_importance
+            self.rays = static_batch_rays(per_ray, 0.0, target_samples, maximum)
+        else:
+            self.probe = SampleProbe(sampler, render_config, PROBE_RAYS)
+
+    def refreshed(self, grid: OccupancyGrid) -> int:
+        """The batch for the steps until the next refresh of `grid` (just refreshed)."""
+        if self.probe is not None:
+            mean, std = self.probe.moments(grid)
+            self.rays = static_batch_rays(mean, std, self.capacity, self.maximum)
+        return self.rays
 
 
 def static_loss(
