@@ -191,7 +191,8 @@ class SceneSection:
     cuda_graph: bool = key(
         False,
         "static-shape local steps captured once per batch shape as CUDA graphs (DecentNeRF's "
-        "personal field and Scaffold's correction inside the graph); a node without CUDA runs "
+        "personal field and Scaffold's correction inside the graph; a buffer of 4/3 "
+        "target-samples, the batch sized at each occupancy refresh); a node without CUDA runs "
         "them uncaptured",
     )
     scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
