@@ -317,6 +317,31 @@ def test_static_training_counts_its_samples_at_the_checks(tiny_lego: Scene) -> N
     assert result.history[0]["samples_per_ray"] * 64 * 2 <= result.samples
 
 
+def test_a_log_record_s_samples_per_ray_spans_the_batches_of_its_window(
+    tiny_lego: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grid refreshes every 2 steps re-size the batch inside a 4-step log window: the record's
+    samples per ray divides the window's samples by the rays its steps drew."""
+    drawn: list[int] = []
+    original = StaticStep.__call__
+
+    def recording(self: StaticStep, batch_rays: int):
+        drawn.append(batch_rays)
+        return original(self, batch_rays)
+
+    monkeypatch.setattr(StaticStep, "__call__", recording)
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    config = setup.train_config(
+        steps=4, batch_rays=64, target_samples=1 << 14, progress=False, log_every=4,
+        device="cpu", step_mode="static", occupancy_update_every=2,
+    )  # fmt: skip
+    result = train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
+    assert len(set(drawn)) > 1, drawn  # the batch moved within the window
+    record = result.history[0]
+    assert result.rays == sum(drawn)
+    assert record["samples_per_ray"] == pytest.approx(result.samples / sum(drawn))
+
+
 @pytest.mark.parametrize(
     ("mean", "std", "capacity"),
     [(40.0, 0.0, 1 << 14), (40.0, 60.0, 1 << 14), (3.0, 9.0, 1 << 16), (150.0, 80.0, 12736)],

@@ -251,7 +251,7 @@ def train(
         else:
             outputs = static(batch_rays)
             loss = outputs.loss
-            window.add(outputs)
+            window.add(outputs, batch_rays)
         unchecked.append(loss.detach())
         result.steps += 1
         result.rays += batch_rays
@@ -263,9 +263,8 @@ def train(
             samples_per_ray = num_samples / batch_rays if static is None else 0.0
             dropped: dict[str, int] = {}
             if static is not None:  # the window's counts, read at the loss check
-                steps = len(window)
-                samples, dropped["dropped_rays"] = window.read()
-                samples_per_ray = samples / (steps * batch_rays)
+                samples, dropped["dropped_rays"], window_rays = window.read()
+                samples_per_ray = samples / window_rays
                 result.samples += samples
                 result.dropped_rays += dropped["dropped_rays"]
             record = {
@@ -288,7 +287,7 @@ def train(
                 batch_rays, num_samples, config.target_samples, config.max_batch_rays
             )
     checked_losses(unchecked, result.steps - len(unchecked), "training")
-    samples, dropped_rays = window.read()
+    samples, dropped_rays, _ = window.read()
     result.samples += samples
     result.dropped_rays += dropped_rays
     result.seconds = time.perf_counter() - start

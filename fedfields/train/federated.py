@@ -346,17 +346,17 @@ def _static_local_train(
         outputs = step(batch_rays)
         recent.append(outputs.photometric.detach())
         unchecked.append(outputs.loss.detach())
-        window.add(outputs)
+        window.add(outputs, batch_rays)
         steps += 1
         total_rays += batch_rays
         if steps % FINITE_CHECK_EVERY == 0:
             checked_losses(unchecked, steps - len(unchecked), "local training")
-            samples, dropped = window.read()
+            samples, dropped, _ = window.read()
             total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
             unchecked.clear()
     optimizer.zero_grad(set_to_none=True)
     checked_losses(unchecked, steps - len(unchecked), "local training")
-    samples, dropped = window.read()
+    samples, dropped, _ = window.read()
     total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
     losses = torch.stack(list(recent)).tolist()
     mean_loss = sum(losses) / len(losses)

@@ -66,28 +66,28 @@ class StepOutputs:
 
 class CheckWindow:
     """Static steps' sample and dropped-ray counts since the last check, kept on the device
-    and read together in one host sync (`read`)."""
+    and read together in one host sync (`read`), with the rays the steps drew (host ints)."""
 
     def __init__(self) -> None:
         self.samples: list[Tensor] = []
         self.dropped: list[Tensor] = []
+        self.rays = 0
 
-    def add(self, outputs: StepOutputs) -> None:
+    def add(self, outputs: StepOutputs, rays: int) -> None:
         self.samples.append(outputs.samples)
         self.dropped.append(outputs.dropped_rays)
+        self.rays += rays
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def read(self) -> tuple[int, int]:
-        """(samples, dropped rays) of the window's steps, then an empty window."""
+    def read(self) -> tuple[int, int, int]:
+        """(samples, dropped rays, rays drawn) of the window's steps, then an empty window."""
         if not self.samples:
-            return 0, 0
+            return 0, 0, 0
         counts = torch.stack([torch.stack(self.samples), torch.stack(self.dropped)])
         samples, dropped = (int(total) for total in counts.sum(dim=1).tolist())
+        rays, self.rays = self.rays, 0
         self.samples.clear()
         self.dropped.clear()
-        return samples, dropped
+        return samples, dropped, rays
 
 
 @dataclass(frozen=True)
