@@ -11,9 +11,16 @@ import torch
 from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
 from fedfields.render import OccupancyGrid
-from fedfields.train.builders import global_field
+from fedfields.train.builders import client_seed, global_field
 from fedfields.train.federated import federated_state, load_federated_state, local_train
-from simulations.bench.novel_blender import Settings, personal_field, render_config
+from simulations.bench.novel_blender import (
+    Settings,
+    build_parser,
+    parse_run_config,
+    personal_field,
+    render_config,
+    settings_of,
+)
 from simulations.bench.novel_blender_federation import run_federated
 
 TINY = Settings(rounds=1, max_steps=2, epochs=0.05, device="cpu", seed=3)
@@ -63,3 +70,16 @@ def test_the_bench_aggregate_is_the_hand_formed_one(crowd_dir: Path, method: str
     leak = "upload-personal-psnr" if method == "fednerf" else "own-personal-personal-psnr"
     assert leak in result["history"][0]
     assert result["rays-drawn"] > 0 and result["rays-dropped"] == 0  # dynamic steps drop none
+
+
+def test_the_bench_takes_its_seed_and_step_mode_from_the_run_config() -> None:
+    """`--run-config "seed=3 cuda-graph=true"` seeds the bench's initial fields and users'
+    rounds and selects the captured step; without it, seed 0 and the dynamic step."""
+    argv = ["--crowd", "runs/crowd", "--rounds", "2"]
+    args = build_parser().parse_args([*argv, "--run-config", "seed=3 cuda-graph=true"])
+    settings = settings_of(args, parse_run_config(args.run_config))
+    assert (settings.seed, settings.step_mode, settings.rounds) == (3, "cuda-graph", 2)
+    assert settings.local(1, 0, personal=False).seed == client_seed(3, 0, 1)
+    default = build_parser().parse_args(argv)
+    settings = settings_of(default, parse_run_config(default.run_config))
+    assert (settings.seed, settings.step_mode) == (0, "dynamic")

@@ -126,8 +126,8 @@ class CommonSection:
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(
         0,
-        "seeds the initial model, the server's node sampling and local randomness (through "
-        "Ray node ids are random per run, so the users a seeded draw picks still vary)",
+        "seeds the initial model, the server's node sampling (over stable user keys, so one "
+        "seed gives one run, through Ray too) and local randomness",
     )
     run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
     resume: bool = key(False, "continue run-dir's run from its last completed round")

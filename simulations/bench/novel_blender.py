@@ -300,7 +300,8 @@ def grid_figure(
     Image.fromarray(image).save(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--crowd", type=Path, required=True, help="`fedfields data crowd` folder")
     parser.add_argument("--downscale", type=float, default=1.0, help="on top of the crowd's size")
@@ -346,7 +347,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the table, redraw leakage.png and grid.png from the results saved in --out",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def settings_of(args: argparse.Namespace, run_config: dict[str, Any]) -> Settings:
+    """The run's settings from the command line and its run-config (`seed`, `cuda-graph`)."""
+    config = FederatedConfig.from_run_config(run_config)
+    return Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
+                    device=args.device, seed=config.common.seed,
+                    step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
+                    beta_min=args.beta_min, run_config=run_config,
+                    personal_learning_rate=args.personal_lr,
+                    transient_density_weight=args.transient_density_weight,
+                    fixed_alphas=heavy_weighted(args.crowd, args.heavy_user_weight),
+                    central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.summarise:
         saved = [json.loads((args.out / f"{m}.json").read_text()) for m in args.methods
                  if (args.out / f"{m}.json").is_file()]  # fmt: skip
@@ -363,14 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
-    settings = Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
-                        device=args.device,
-                        step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
-                        beta_min=args.beta_min, run_config=run_config,
-                        personal_learning_rate=args.personal_lr,
-                        transient_density_weight=args.transient_density_weight,
-                        fixed_alphas=heavy_weighted(args.crowd, args.heavy_user_weight),
-                        central_transient_log2_hashmap=args.central_transient_hashmap)  # fmt: skip
+    settings = settings_of(args, run_config)
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)
     args.out.mkdir(parents=True, exist_ok=True)
