@@ -77,9 +77,10 @@ def test_the_bench_takes_its_seed_and_step_mode_from_the_run_config() -> None:
     rounds and selects the captured step; without it, seed 0 and the dynamic step."""
     argv = ["--crowd", "runs/crowd", "--rounds", "2"]
     args = build_parser().parse_args([*argv, "--run-config", "seed=3 cuda-graph=true"])
-    settings = settings_of(args, parse_run_config(args.run_config))
+    run_config = parse_run_config(args.run_config)
+    settings = settings_of(args, run_config, FederatedConfig.from_run_config(run_config))
     assert (settings.seed, settings.step_mode, settings.rounds) == (3, "cuda-graph", 2)
     assert settings.local(1, 0, personal=False).seed == client_seed(3, 0, 1)
     default = build_parser().parse_args(argv)
-    settings = settings_of(default, parse_run_config(default.run_config))
+    settings = settings_of(default, {}, FederatedConfig.from_run_config({}))
     assert (settings.seed, settings.step_mode) == (0, "dynamic")

@@ -94,11 +94,8 @@ def local_loss(
     NeRF-W's loss (`rendered` from a global+personal field); `rays` and `samples` as in
     `nerfw_loss` (a static step's complete rays and filled slots)."""
     if personal is None:
-        if rays is None:
-            photometric = torch.nn.functional.mse_loss(rendered.rgb, colors)
-        else:
-            squared = (rendered.rgb - colors).square().sum(-1)
-            photometric = torch.where(rays, squared, 0.0).sum() / (3 * rays.sum().clamp(min=1))
+        squared = (rendered.rgb - colors).square()
+        photometric = squared.mean() if rays is None else _mean(squared.mean(-1), rays)
         return photometric, photometric
     if rendered.uncertainty is None or rendered.personal_density is None:
         raise ValueError("a personal loss needs a global+personal field (GlobalPersonalField)")

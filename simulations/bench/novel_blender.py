@@ -350,9 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_of(args: argparse.Namespace, run_config: dict[str, Any]) -> Settings:
-    """The run's settings from the command line and its run-config (`seed`, `cuda-graph`)."""
-    config = FederatedConfig.from_run_config(run_config)
+def settings_of(
+    args: argparse.Namespace, run_config: dict[str, Any], config: FederatedConfig
+) -> Settings:
+    """The run's settings from the command line and its run-config (`config`, parsed from
+    `run_config`: its `seed` and `cuda-graph`)."""
     return Settings(rounds=args.rounds, epochs=args.epochs, alpha_lr=args.alpha_lr,
                     device=args.device, seed=config.common.seed,
                     step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_config = parse_run_config(args.run_config)
     config = FederatedConfig.from_run_config(run_config)
-    settings = settings_of(args, run_config)
+    settings = settings_of(args, run_config, config)
     STEP_SCALE["value"] = args.step_scale
     data = CrowdData.load(str(args.crowd), args.downscale)
     args.out.mkdir(parents=True, exist_ok=True)
