@@ -16,6 +16,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def canonical_device(device: str | torch.device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device (cuda:0 unless changed), so
+    "cuda" and "cuda:0" compare equal and key one cache entry; other devices as they are."""
+    device = resolve_device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def is_device_text(value: str) -> bool:
     """Whether `value` is one of `DEVICE_CHOICES` (case and surrounding blanks aside)."""
     kind, colon, index = str(value).strip().lower().partition(":")

@@ -22,11 +22,13 @@ from flwr.app import Context, RecordDict
 
 import clients.meta_client as meta_client
 import clients.scene_client as scene_client
+import fedfields.fields.encodings as encodings
+import fedfields.fields.hashgrid_triton as hashgrid_triton
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
 from fedfields.geometry.cameras import orbit_cameras
-from fedfields.optim import parse_device
+from fedfields.optim import canonical_device, parse_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.federated import (
     LocalTrainConfig,
@@ -84,6 +86,31 @@ def test_auto_and_cuda_n_pick_visible_cuda_devices(cuda_visible: None) -> None:
     assert parse_device("cuda:0", "k") == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"'cuda:1': only 1 CUDA device\(s\) are visible"):
         parse_device("cuda:1", "k")
+
+
+def test_cuda_and_its_current_index_are_one_device(
+    cuda_visible: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 55: torch.device("cuda") != torch.device("cuda:0"), so the GPU bench read every
+    federated row of `--device cuda:0` as unavailable and 'auto' checked triton twice."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert canonical_device("cuda") == canonical_device("cuda:0") == torch.device("cuda", 0)
+    assert canonical_device("auto") == torch.device("cuda", 0)
+    assert canonical_device("cuda:1") == torch.device("cuda", 1)
+    assert canonical_device("cpu") == CPU
+
+
+def test_triton_works_checks_cuda_and_cuda0_once(
+    cuda_visible: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(encodings, "triton_available", lambda: True)
+    monkeypatch.setattr(encodings, "_TRITON_WORKS", {})
+    monkeypatch.setattr(hashgrid_triton, "check_launch", checked.append)
+    assert encodings.triton_works(torch.device("cuda"))
+    assert encodings.triton_works(torch.device("cuda:0"))
+    assert checked == [torch.device("cuda", 0)]
 
 
 def test_node_device_names_node_key_and_value() -> None:

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedfields.optim import canonical_device
+
 # Instant-NGP's spatial hash primes (Muller et al. 2022, Eq. 4); the first is 1.
 _HASH_PRIMES = (1, 2654435761, 805459861)
 _CORNERS = [(i, j, k) for i in (0, 1) for j in (0, 1) for k in (0, 1)]  # x, y, z bits
@@ -155,6 +157,7 @@ def triton_works(device: torch.device) -> bool:
     falls back to torch (a missing C compiler or driver surfaces here, not mid-training)."""
     if device.type != "cuda" or not triton_available():
         return False
+    device = canonical_device(device)  # "cuda" and "cuda:0": one check, one warning
     if device not in _TRITON_WORKS:
         try:
             from fedfields.fields.hashgrid_triton import check_launch

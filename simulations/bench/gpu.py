@@ -55,7 +55,7 @@ from fedfields.data import Scene, holdout_indices, load_scene
 from fedfields.data.crowd import CrowdData
 from fedfields.fields import Field
 from fedfields.metrics import psnr
-from fedfields.optim import resolve_device
+from fedfields.optim import canonical_device, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.builders import global_field
 from fedfields.train.centralised import Setup, default_setup, train
@@ -576,7 +576,7 @@ def run(options: Options) -> tuple[list[Row], dict[str, Any]]:
                 federated[mode][method] = {"error": no_crowd}
             elif why is not None:
                 federated[mode][method] = {"error": why}
-            elif resolve_device(trains_on) != device:
+            elif canonical_device(trains_on) != canonical_device(device):
                 federated[mode][method] = {"error": f"unavailable: run_federated trains on "
                                                     f"{trains_on!r}, not {device}"}  # fmt: skip
             else:
