@@ -11,6 +11,7 @@ dynamic step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLo
 from fedfields.train.static_step import (
     MIN_BATCH_RAYS,
     OVERFLOW_SIGMAS,
+    WARMUP_STEPS,
     SampleProbe,
     StaticStep,
     max_samples_per_ray,
@@ -451,6 +453,66 @@ def test_a_cpu_node_asked_for_cuda_graph_runs_the_static_step(tiny_lego: Scene) 
         warned = [str(w.message).split(";")[0] for w in caught]
         assert warned == (["step mode 'cuda-graph' needs CUDA"] if mode == "cuda-graph" else [])
     assert results["static"].loss == results["cuda-graph"].loss
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream on the CPU: warm-up only asks it to wait."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def test_a_failed_capture_warns_once_restores_the_stream_and_trains_on_uncaptured(
+    tiny_lego: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 55: capture is made to fail as a syncing operator makes it fail on CUDA. The
+    step warns once naming the cause, puts torch back on the stream it was on, and trains on:
+    its losses and weights are the uncaptured step's, bit for bit."""
+    current, devices, restored = _FakeStream(), [], []
+
+    def entered(device: torch.device | None) -> contextlib.AbstractContextManager:
+        devices.append(device)
+        return contextlib.nullcontext()
+
+    def refuse(graph: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "device", entered)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", restored.append)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    runs = {}
+    for cuda_graph in (False, True):
+        torch.manual_seed(0)
+        field, sampler, render, grid = _static_case(tiny_lego)
+        optimizer = static_optimizer(field, 1e-2, 1e-6, torch.device("cpu"))
+        step = StaticStep(
+            lambda g, rays: static_loss(field, sampler, render, g, rays, 1 << 14),  # noqa: B023
+            optimizer, grid, cuda_graph=cuda_graph, device=torch.device("cpu"),
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = []
+            for index in range(WARMUP_STEPS + 3):
+                torch.manual_seed(100 + index)
+                losses.append(step(128).loss.detach())
+        runs[cuda_graph] = (torch.stack(losses), field.encoding.table.detach().clone())
+        failures = [str(w.message) for w in caught if "capture failed" in str(w.message)]
+        assert failures == ([] if not cuda_graph else [
+            "CUDA graph capture failed (RuntimeError: operation not permitted when stream is "
+            "capturing); the static steps go on uncaptured"
+        ])  # fmt: skip
+    assert restored == [current]  # the one failed capture, then no more attempts
+    assert set(devices) == {torch.device("cpu")} and len(devices) == WARMUP_STEPS + 1
+    assert step.capture_error is not None and not step.cuda_graph
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

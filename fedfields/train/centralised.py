@@ -206,7 +206,9 @@ def train(
         def loss_fn(grid: OccupancyGrid | None, rays: int):
             return static_loss(field, sampler, render_config, grid, rays, capacity)
 
-        static = StaticStep(loss_fn, optimizer, occupancy, config.step_mode == "cuda-graph")
+        static = StaticStep(
+            loss_fn, optimizer, occupancy, config.step_mode == "cuda-graph", device=device
+        )
         static_batch = StaticBatch(
             sampler, render_config, capacity, config.batch_rays, config.max_batch_rays,
             config.target_samples, occupancy,

@@ -326,7 +326,7 @@ def _static_local_train(
             field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
         )
 
-    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph, corrector)
+    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph, corrector, device)
     batch = StaticBatch(
         sampler, render_config, capacity, config.batch_rays, config.max_batch_rays,
         config.target_samples, occupancy,

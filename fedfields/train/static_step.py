@@ -22,6 +22,7 @@ are ever captured.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -256,6 +257,10 @@ class StaticStep:
 
     `after_backward` runs between the backward pass and the optimiser's step (Scaffold's
     correction of the gradients), inside the graph when captured: in place, on the device.
+    Warm-up, capture and replay run with `device` (the field's; None: the current CUDA
+    device) made current, on streams of that device. A capture that fails never takes the run
+    down: one warning names the cause, the stream torch was on is restored and this step and
+    every later one run uncaptured (`capture_error` keeps the cause).
     """
 
     def __init__(
@@ -265,24 +270,46 @@ class StaticStep:
         occupancy: OccupancyGrid | None,
         cuda_graph: bool,
         after_backward: Callable[[], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.loss_fn, self.optimizer, self.occupancy = loss_fn, optimizer, occupancy
         self.cuda_graph, self.after_backward = cuda_graph, after_backward
+        self.device = device
         self.graphs: dict[int, _CapturedStep] = {}
         self.eager_steps: dict[int, int] = {}
+        self.capture_error: str | None = None
 
     def __call__(self, batch_rays: int) -> StepOutputs:
         if not self.cuda_graph:
             return self._eager(self.occupancy, batch_rays)
-        captured = self.graphs.get(batch_rays)
-        if captured is not None:
+        with torch.cuda.device(self.device):
+            captured = self.graphs.get(batch_rays)
+            if captured is not None:
+                return captured.replay(self.occupancy)
+            if self.eager_steps.get(batch_rays, 0) < WARMUP_STEPS:
+                self.eager_steps[batch_rays] = self.eager_steps.get(batch_rays, 0) + 1
+                return self._on_side_stream(lambda: self._eager(self.occupancy, batch_rays))
+            stream = torch.cuda.current_stream(self.device)
+            try:
+                captured = _CapturedStep(self, batch_rays)
+            except Exception as error:  # any capture failure: go on uncaptured, say why once
+                torch.cuda.set_stream(stream)  # a failed capture_end skips the graph's exit
+                self._uncaptured_from_now(error)
+                return self._eager(self.occupancy, batch_rays)
+            self.graphs[batch_rays] = captured
             return captured.replay(self.occupancy)
-        if self.eager_steps.get(batch_rays, 0) < WARMUP_STEPS:
-            self.eager_steps[batch_rays] = self.eager_steps.get(batch_rays, 0) + 1
-            return self._on_side_stream(lambda: self._eager(self.occupancy, batch_rays))
-        captured = _CapturedStep(self, batch_rays)
-        self.graphs[batch_rays] = captured
-        return captured.replay(self.occupancy)
+
+    def _uncaptured_from_now(self, error: Exception) -> None:
+        """Give up capturing after `error`: one warning, no graphs kept, fresh gradients."""
+        self.capture_error = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"CUDA graph capture failed ({self.capture_error}); the static steps go on uncaptured",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.cuda_graph = False
+        self.graphs.clear()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _eager(self, occupancy: OccupancyGrid | None, batch_rays: int) -> StepOutputs:
         outputs = self.loss_fn(occupancy, batch_rays)
@@ -293,14 +320,15 @@ class StaticStep:
         self.optimizer.step()
         return outputs
 
-    @staticmethod
-    def _on_side_stream(work: Callable[[], StepOutputs]) -> StepOutputs:
-        """Warm-up before a capture runs on a side stream (torch.cuda.graphs' recipe)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    def _on_side_stream(self, work: Callable[[], StepOutputs]) -> StepOutputs:
+        """Warm-up before a capture runs on a side stream of the step's device
+        (torch.cuda.graphs' recipe)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(current)
         with torch.cuda.stream(side):
             outputs = work()
-        torch.cuda.current_stream().wait_stream(side)
+        current.wait_stream(side)
         return outputs
 
 
