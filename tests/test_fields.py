@@ -36,6 +36,7 @@ from fedfields.fields.base import mlp
 from fedfields.fields.encodings import (
     PositionalEncoding,
     SphericalHarmonicsEncoding,
+    _EmbeddingBagSum,
     resolve_implementation,
 )
 
@@ -427,3 +428,25 @@ def test_siren_initialisation_bounds() -> None:
         assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
         # Uniform on [-b, b] has standard deviation b / sqrt(3).
         assert weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1)
+
+
+def test_the_torch_grids_backward_is_the_weighted_bincount_bit_for_bit() -> None:
+    """Issue 55: the backward adds with index_add_ (no host read on CUDA, capturable) and on
+    the CPU gives exactly what the weighted bincount per feature it replaced gave, so seeded
+    CPU runs keep their figures."""
+    generator = torch.Generator().manual_seed(5)
+    rows, width = 3000, 2
+    indices = torch.randint(0, rows, (20_000, 8), generator=generator)
+    weights = torch.rand(20_000, 8, generator=generator)
+    table = torch.randn(rows, width, generator=generator, requires_grad=True)
+    grad_output = torch.randn(20_000, width, generator=generator)
+    _EmbeddingBagSum.apply(table, indices, weights).backward(grad_output)
+    flat = indices.reshape(-1)
+    expected = torch.stack(
+        [
+            torch.bincount(flat, (weights * grad_output[:, f, None]).reshape(-1), minlength=rows)
+            for f in range(width)
+        ],
+        dim=-1,
+    )
+    assert torch.equal(table.grad, expected)

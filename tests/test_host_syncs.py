@@ -35,6 +35,7 @@ from fedfields.fields.base import FieldOutputs
 from fedfields.geometry.rays import Rays, intersect_aabb
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import default_setup, train
+from fedfields.train.cuda_syncs import syncing_reason
 from fedfields.train.federated import (
     FINITE_CHECK_EVERY,
     LocalTrainConfig,
@@ -200,17 +201,12 @@ def test_max_ray_length_bounds_every_interval_in_the_box() -> None:
 
 # ------------------------------------------------------------------ the static step (issue 44)
 
-HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
-DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique")
-"""Ops whose output shape is the data's: the host must read a count before going on."""
-
 
 class HostTraffic(TorchDispatchMode):
     """Every op that waits for the device or moves host data onto it, as the dispatcher sees
-    it (below Python: the scene box built by `torch.tensor(...).to(device)` counts too).
-
-    On CPU a copy to the device is a no-op, so tensors made from host data (`lift_fresh`,
-    what `torch.tensor` and `new_tensor` dispatch) are counted: on a GPU each is a copy.
+    it (below Python: the scene box built by `torch.tensor(...).to(device)` counts too): the
+    operators `fedfields.train.cuda_syncs` lists (they sync inside their CUDA implementation,
+    invisible to a CPU run otherwise) and copies from the host to another device.
     """
 
     def __init__(self) -> None:
@@ -220,7 +216,7 @@ class HostTraffic(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         name = str(func)
         kwargs = kwargs or {}
-        if name in HOST_READS or name.startswith(DATA_SHAPED) or "lift_fresh" in name:
+        if syncing_reason(name, kwargs) is not None:
             self.events.append(name)
         elif name.startswith(("aten._to_copy", "aten.copy_")) and _host_to_device(args, kwargs):
             self.events.append(name)

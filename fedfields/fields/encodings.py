@@ -207,10 +207,14 @@ def resolve_implementation(
 
 
 class _EmbeddingBagSum(torch.autograd.Function):
-    """Weighted sum of table rows per bag; backward is a weighted bincount per feature.
+    """Weighted sum of table rows per bag; backward adds the weighted output gradients
+    straight into the table's rows with `index_add_`.
 
     torch's own embedding_bag backward sorts the indices, which is several times slower on
-    CPU than histogramming the weighted output gradients straight into table rows.
+    CPU; a weighted `bincount` (the earlier backward) reads its input's range back to the
+    host on CUDA and cannot be captured in a CUDA graph (`fedfields.train.cuda_syncs`).
+    `index_add_` adds in index order on the CPU, so the gradients are the bincount's bit for
+    bit there (tests/test_fields.py).
     """
 
     @staticmethod
@@ -223,18 +227,9 @@ class _EmbeddingBagSum(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):  # type: ignore[override]
         indices, weights = ctx.saved_tensors
         rows, width = ctx.table_shape
-        flat_indices = indices.reshape(-1)
-        grad_table = torch.stack(
-            [
-                torch.bincount(
-                    flat_indices,
-                    weights=(weights * grad_output[:, feature, None]).reshape(-1),
-                    minlength=rows,
-                )
-                for feature in range(width)
-            ],
-            dim=-1,
-        )
+        contributions = (weights[:, :, None] * grad_output[:, None, :]).reshape(-1, width)
+        grad_table = contributions.new_zeros(rows, width)
+        grad_table.index_add_(0, indices.reshape(-1), contributions)
         return grad_table.to(grad_output.dtype), None, None
 
 
