@@ -167,16 +167,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--table-only", action="store_true", help="rebuild the tables from the runs on disk"
     )
+    add_launcher_args(parser)
+    args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be at least 1, got {args.parallel}")
+    return args
+
+
+def add_launcher_args(parser: argparse.ArgumentParser) -> None:
+    """The launcher's own flags after `--`, passed to every run (`launcher_args`)."""
     parser.add_argument(
         "launcher_args",
         nargs="*",
         metavar="-- LAUNCHER_FLAGS",
         help="flags for every `python -m simulations.launch` run, e.g. -- --users 4 --no-audit",
     )
-    args = parser.parse_args(argv)
-    if args.parallel < 1:
-        parser.error(f"--parallel must be at least 1, got {args.parallel}")
-    return args
 
 
 def run_config_values(text: str) -> dict[str, RunValue]:

@@ -185,12 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the guard's folder: with finished runs there, compare them without training "
         "(default: a fresh runs/regression-<time>-seed<s>-rounds<r>)",
     )
-    parser.add_argument(
-        "launcher_args",
-        nargs="*",
-        metavar="-- LAUNCHER_FLAGS",
-        help="flags for every `python -m simulations.launch` run, e.g. -- --ray-cpus 2",
-    )
+    sweep.add_launcher_args(parser)
     args = parser.parse_args(argv)
     if args.seed < 0 or args.rounds < 1 or not args.tolerance >= 0:
         parser.error("--seed must be >= 0, --rounds >= 1 and --tolerance >= 0")
