@@ -20,8 +20,11 @@ def canonical_device(device: str | torch.device) -> torch.device:
     """`device` with its index: "cuda" is the current CUDA device (cuda:0 unless changed), so
     "cuda" and "cuda:0" compare equal and key one cache entry; other devices as they are."""
     device = resolve_device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index is None:
+        # before CUDA is initialised the current device is 0 (and asking would initialise it)
+        return torch.device(
+            "cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        )
     return device
 
 

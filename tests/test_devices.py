@@ -93,18 +93,19 @@ def test_cuda_and_its_current_index_are_one_device(
 ) -> None:
     """Issue 55: torch.device("cuda") != torch.device("cuda:0"), so the GPU bench read every
     federated row of `--device cuda:0` as unavailable and 'auto' checked triton twice."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert canonical_device("cuda") == canonical_device("cuda:0") == torch.device("cuda", 0)
     assert canonical_device("auto") == torch.device("cuda", 0)
     assert canonical_device("cuda:1") == torch.device("cuda", 1)
     assert canonical_device("cpu") == CPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a process that chose
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # cuda:1 as its current one
+    assert canonical_device("cuda") == torch.device("cuda", 1)
 
 
 def test_triton_works_checks_cuda_and_cuda0_once(
     cuda_visible: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     checked: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(encodings, "triton_available", lambda: True)
     monkeypatch.setattr(encodings, "_TRITON_WORKS", {})
     monkeypatch.setattr(hashgrid_triton, "check_launch", checked.append)

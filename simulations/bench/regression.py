@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from simulations import APP_DIR, sweep
+from simulations.bench.devices import add_cpu_only_device_argument
 
 RESULTS_PAGE = APP_DIR / "docs" / "BENCHMARKS.md"
 GUARD_HEADING = "Demo regression guard"
@@ -139,7 +140,7 @@ def sweep_argv(args: argparse.Namespace, out: Path) -> list[str]:
         "--grid",
         f"strategy=[{strategies}]",
         "--run-config",
-        f"num-server-rounds={args.rounds}",
+        f"num-server-rounds={args.rounds} server-device='{args.device}'",
     ]
     argv += ["--seeds", str(args.seed), "--sweep-dir", str(out)]
     return [*argv, "--", *args.launcher_args] if args.launcher_args else argv
@@ -184,6 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the guard's folder: with finished runs there, compare them without training "
         "(default: a fresh runs/regression-<time>-seed<s>-rounds<r>)",
+    )
+    add_cpu_only_device_argument(
+        parser, "the recorded figures are CPU nodes' and server's; a GPU's differ in the last bits"
     )
     sweep.add_launcher_args(parser)
     args = parser.parse_args(argv)
