@@ -170,7 +170,7 @@ def test_tcnn_without_tinycudann_raises_a_clear_error(monkeypatch: pytest.Monkey
 def test_auto_implementation_picks_triton_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encodings, "tcnn_available", lambda: True)
     monkeypatch.setattr(encodings, "triton_available", lambda: True)
-    launch_checked = {torch.device("cuda"): True}  # as if the one-off launch had passed
+    launch_checked = {torch.device("cuda", 0): True}  # as if the one-off launch had passed
     monkeypatch.setattr(encodings, "_TRITON_WORKS", launch_checked)
     auto = HashGridConfig(implementation="auto")
     assert resolve_implementation(auto, "cuda") == "triton"

@@ -66,6 +66,8 @@ def test_a_failed_run_or_an_unrecorded_setting_is_never_same() -> None:
 def test_the_table_prints_recorded_today_and_change() -> None:
     text = regression.table([Comparison("fedavg", 0, 8, 21.99, 21.5)], 0.1)
     assert "| fedavg | 0 | 8 | 21.990 | 21.500 | -0.490 | CHANGED |" in text
+    same = regression.table([Comparison("decentnerf", 0, 8, 20.837, 20.83693)], 0.1)
+    assert "| 20.837 | 20.837 | +0.000 | same |" in same
 
 
 def test_the_guard_launches_the_demos_setting_per_strategy_at_one_seed(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def table(comparisons: Sequence[Comparison], tolerance: float) -> str:
         return "-" if value is None or math.isnan(value) else f"{value:.3f}"
 
     def signed(value: float | None) -> str:
-        return "-" if value is None else f"{value:+.3f}"
+        return "-" if value is None else f"{round(value, 3) + 0.0:+.3f}"  # no "-0.000"
 
     rows = [
         "| strategy | seed | rounds | recorded clean PSNR (dB) | today (dB) | change (dB) | "
