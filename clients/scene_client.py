@@ -45,6 +45,7 @@ from fedfields.train.builders import check_scene_fits, client_seed, global_field
 from fedfields.train.federated import (
     LocalTrainConfig,
     ScaffoldControls,
+    StepGraphs,
     federated_state,
     heldout_psnr,
     load_federated_state,
@@ -58,6 +59,9 @@ OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs several local steps; the gri
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
 CLIENT_EVAL = "client-eval-psnr"
 EVAL_OCCUPANCY_PASSES = 2  # grid refreshes from the received field before scoring it
+STEP_GRAPHS = StepGraphs()
+"""This process's static steps and CUDA graphs, shared by the virtual nodes a Ray actor runs
+and kept for the whole run (a deployed node's ClientApp process lives for one message)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ def train(call: ClientCall) -> ReplyParts:
         scaffold=None
         if scaffold is None
         else ScaffoldControls(server=scaffold.server_control, client=scaffold.client_control),
+        graphs=STEP_GRAPHS,
     )
     state.put_tensors(OCCUPANCY, occupancy.state_dict())
     metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}

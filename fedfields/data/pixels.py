@@ -36,6 +36,15 @@ class PixelSampler:
         self.background = self.colors.new_tensor(scene.background)
         self.random_background = random_background and bool((self.transparency > 0).any())
 
+    def refill(self, scene: Scene) -> None:
+        """Another scene of the same size in place: a captured step reads these tensors.
+        Its background and whether it is recomposited must be this sampler's."""
+        self.colors.copy_(scene.images.reshape(-1, 3))
+        self.transparency.copy_(1.0 - scene.masks.reshape(-1))
+        self.background.copy_(self.colors.new_tensor(scene.background))
+        for name in ("camera_to_world", "fx", "fy", "cx", "cy"):
+            getattr(self.cameras, name).copy_(getattr(scene.cameras, name))
+
     def sample(self, count: int) -> PixelBatch:
         """`count` uniformly random pixels of all views."""
         flat = torch.randint(0, self.num_pixels, (count,), device=self.colors.device)

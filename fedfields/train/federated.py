@@ -8,12 +8,13 @@ the personal field stays on the device. FedProx (Li et al. 2020, Eq. 2) and Scaf
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ from fedfields.train.static_step import (
     StaticStep,
     StepMode,
     StepOutputs,
+    graphs_supported,
     static_capacity,
     static_loss,
     static_optimizer,
@@ -151,6 +153,7 @@ def local_train(
     personal_field: PersonalField | None = None,
     global_reference: Mapping[str, Tensor] | None = None,
     scaffold: ScaffoldControls | None = None,
+    graphs: StepGraphs | None = None,
 ) -> LocalTrainResult:
     """Fit the global field (and the personal one, if given) to `scene` with Adam on the MSE.
 
@@ -168,7 +171,9 @@ def local_train(
 
     A static step (`config.step_mode`, `fedfields.train.static_step`) trains the same
     objectives in fixed shapes; 'cuda-graph' on a node without CUDA runs the static step
-    uncaptured, with one warning, so one run-config serves CPU and GPU nodes.
+    uncaptured, with one warning, so one run-config serves CPU and GPU nodes. With `graphs`
+    the static step trains in that cache's workspace (refilled in place), so its CUDA graphs
+    serve every later call of the same kind too.
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
@@ -179,16 +184,16 @@ def local_train(
     scene = scene.to(device)
     if occupancy is not None:
         occupancy.to(device)
-    parameters = dict(global_field.named_parameters())
-    corrector = None if scaffold is None else ScaffoldCorrector(scaffold, parameters)
     personal = None
     if personal_field is not None:
         personal = PersonalLoss(config.beta_min, config.personal_density_weight)
     if config.step_mode != "dynamic":
         return _static_local_train(
-            field, personal_field, personal, scene, config, render_config, occupancy,
-            global_reference, corrector, device,
+            global_field, personal_field, personal, scene, config, render_config, occupancy,
+            global_reference, scaffold, device, graphs,
         )  # fmt: skip
+    parameters = dict(global_field.named_parameters())
+    corrector = None if scaffold is None else ScaffoldCorrector(scaffold, parameters)
     reference = None
     if config.proximal_mu > 0:
         reference = _on_device(global_reference, parameters, "global_reference")
@@ -270,6 +275,14 @@ class ScaffoldCorrector:
         self.correction = {name: server[name] - client[name] for name in parameters}
         self.gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
 
+    def refill(self, scaffold: ScaffoldControls) -> None:
+        """Another call's controls, in place (a captured step reads these buffers)."""
+        server = _on_device(scaffold.server, self.parameters, "scaffold server control")
+        client = _on_device(scaffold.client, self.parameters, "scaffold client control")
+        for name, correction in self.correction.items():
+            correction.copy_(server[name] - client[name])
+            self.gradient_sum[name].zero_()
+
     def __call__(self) -> None:
         for name, parameter in self.parameters.items():
             if parameter.grad is None:  # no sample reached it this step
@@ -282,8 +295,258 @@ class ScaffoldCorrector:
         return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
 
 
+class StaticWorkspace:
+    """What static steps read: the fields they train, their optimiser, the scene's pixels,
+    FedProx's reference, Scaffold's buffers and the step with its graphs.
+
+    Built on one call's own objects (`StaticWorkspace.build`), or owned by `StepGraphs` and
+    refilled in place for every user and round (`refill`), so that graphs captured on its
+    tensors replay for all of them.
+    """
+
+    def __init__(
+        self,
+        global_field: Field,
+        personal_field: PersonalField | None,
+        personal: PersonalLoss | None,
+        scene: Scene,
+        config: LocalTrainConfig,
+        render_config: RenderConfig,
+        occupancy: OccupancyGrid | None,
+        reference: dict[str, Tensor] | None,
+        scaffold: ScaffoldControls | None,
+        cuda_graph: bool,
+        device: torch.device,
+    ) -> None:
+        self.global_field, self.personal_field = global_field, personal_field
+        self.field = _composite(global_field, personal_field, len(scene))
+        self.parameters = dict(global_field.named_parameters())
+        self.proximal = None
+        if reference is not None:
+            self.proximal = Proximal(self.parameters, reference, config.proximal_mu)
+        self.corrector = None
+        if scaffold is not None:
+            self.corrector = ScaffoldCorrector(scaffold, self.parameters)
+        self.optimizer = static_optimizer(
+            global_field, config.learning_rate, config.weight_decay, device
+        )
+        self.global_groups = len(self.optimizer.param_groups)
+        if personal_field is not None:
+            for group in static_optimizer(
+                personal_field, config.personal_learning_rate, config.weight_decay, device
+            ).param_groups:
+                self.optimizer.add_param_group(group)
+        self.sampler = PixelSampler(scene, config.random_background)
+        self.capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
+        field, sampler, capacity, proximal = self.field, self.sampler, self.capacity, self.proximal
+
+        def loss_fn(grid: OccupancyGrid | None, rays: int) -> StepOutputs:
+            return static_loss(
+                field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
+            )
+
+        self.step = StaticStep(
+            loss_fn, self.optimizer, occupancy, cuda_graph, self.corrector, device
+        )
+
+    @classmethod
+    def build(
+        cls,
+        global_field: Field,
+        personal_field: PersonalField | None,
+        personal: PersonalLoss | None,
+        scene: Scene,
+        config: LocalTrainConfig,
+        render_config: RenderConfig,
+        occupancy: OccupancyGrid | None,
+        global_reference: Mapping[str, Tensor] | None,
+        scaffold: ScaffoldControls | None,
+        cuda_graph: bool,
+        device: torch.device,
+    ) -> StaticWorkspace:
+        """A workspace on this call's own fields and scene (already on `device`)."""
+        reference = None
+        if config.proximal_mu > 0:
+            parameters = dict(global_field.named_parameters())
+            reference = _on_device(global_reference, parameters, "global_reference")
+        return cls(
+            global_field, personal_field, personal, scene, config, render_config, occupancy,
+            reference, scaffold, cuda_graph, device,
+        )  # fmt: skip
+
+    def refill(
+        self,
+        global_field: Field,
+        personal_field: PersonalField | None,
+        scene: Scene,
+        config: LocalTrainConfig,
+        occupancy: OccupancyGrid | None,
+        global_reference: Mapping[str, Tensor] | None,
+        scaffold: ScaffoldControls | None,
+    ) -> None:
+        """Copy one call's weights, scene, reference and controls into this workspace's
+        tensors, and reset the optimiser to a fresh Adam's state: no tensor is rebound."""
+        with torch.no_grad():
+            self.global_field.load_state_dict(global_field.state_dict())
+            if self.personal_field is not None and personal_field is not None:
+                self.personal_field.load_state_dict(personal_field.state_dict())
+            if self.proximal is not None:
+                reference = _on_device(global_reference, dict(global_field.named_parameters()),
+                                       "global_reference")  # fmt: skip
+                for name, tensor in self.proximal.reference.items():
+                    tensor.copy_(reference[name])
+            if self.corrector is not None and scaffold is not None:
+                self.corrector.refill(scaffold)
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    value.zero_()
+            rates = [config.learning_rate, config.personal_learning_rate]
+            for index, group in enumerate(self.optimizer.param_groups):
+                group["lr"].fill_(rates[index >= self.global_groups])
+            self.sampler.refill(scene)
+        self.step.bind(occupancy)
+
+    def write_back(self, global_field: Field, personal_field: PersonalField | None) -> None:
+        """Copy the trained weights into the call's fields, when they are not this
+        workspace's own."""
+        with torch.no_grad():
+            if global_field is not self.global_field:
+                global_field.load_state_dict(self.global_field.state_dict())
+            if personal_field is not None and personal_field is not self.personal_field:
+                assert self.personal_field is not None
+                personal_field.load_state_dict(self.personal_field.state_dict())
+
+
+class StepGraphs:
+    """A node process's static steps kept across users and rounds: one workspace per kind of
+    call (`workspace_key`: the fields' shapes, the scene's size, the loss's options), so one
+    CUDA graph per batch size serves the process's whole run instead of being recaptured
+    for every user and round.
+
+    A workspace holds a copy of the last user's weights and pixels on the device until the
+    next call overwrites them; at most `max_workspaces` kinds are kept (least recently used
+    dropped, with their graphs). Ray's simulation actors live for the run, so the graphs do;
+    a deployed SuperNode starts a ClientApp process per message, so there they live for one
+    round.
+    """
+
+    def __init__(self, max_workspaces: int = 2) -> None:
+        self.max_workspaces = max_workspaces
+        self.workspaces: OrderedDict[tuple, StaticWorkspace] = OrderedDict()
+        self.dropped_captures = 0
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far, dropped workspaces' included."""
+        live = sum(workspace.step.captures for workspace in self.workspaces.values())
+        return self.dropped_captures + live
+
+    def workspace(
+        self,
+        global_field: Field,
+        personal_field: PersonalField | None,
+        personal: PersonalLoss | None,
+        scene: Scene,
+        config: LocalTrainConfig,
+        render_config: RenderConfig,
+        occupancy: OccupancyGrid | None,
+        global_reference: Mapping[str, Tensor] | None,
+        scaffold: ScaffoldControls | None,
+        cuda_graph: bool,
+        device: torch.device,
+    ) -> StaticWorkspace:
+        """The workspace for this call, refilled with its weights, scene and controls."""
+        key = workspace_key(
+            global_field, personal_field, personal, scene, config, render_config, occupancy,
+            scaffold is not None, cuda_graph, device,
+        )  # fmt: skip
+        workspace = self.workspaces.get(key)
+        if workspace is None:
+            owned_personal = None if personal_field is None else copy.deepcopy(personal_field)
+            workspace = StaticWorkspace.build(
+                copy.deepcopy(global_field), owned_personal, personal, _cloned(scene), config,
+                render_config, occupancy, global_reference, _cloned_controls(scaffold),
+                cuda_graph, device,
+            )  # fmt: skip
+            self.workspaces[key] = workspace
+            while len(self.workspaces) > self.max_workspaces:
+                _, dropped = self.workspaces.popitem(last=False)
+                self.dropped_captures += dropped.step.captures
+        self.workspaces.move_to_end(key)
+        workspace.refill(
+            global_field, personal_field, scene, config, occupancy, global_reference, scaffold
+        )
+        return workspace
+
+
+def workspace_key(
+    global_field: Field,
+    personal_field: PersonalField | None,
+    personal: PersonalLoss | None,
+    scene: Scene,
+    config: LocalTrainConfig,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    scaffold: bool,
+    cuda_graph: bool,
+    device: torch.device,
+) -> tuple:
+    """Everything a captured step bakes in: two calls with equal keys replay the same graphs
+    on refilled tensors (the learning rates are tensors, so they may differ)."""
+    random_background = config.random_background and bool((scene.masks < 1).any())
+    return (
+        str(device),
+        cuda_graph,
+        _module_signature(global_field),
+        None if personal_field is None else _module_signature(personal_field),
+        personal,
+        tuple(scene.images.shape),
+        (scene.cameras.width, scene.cameras.height, random_background),
+        render_config,
+        None if occupancy is None else occupancy.resolution,
+        static_capacity(config.target_samples, config.batch_rays, render_config),
+        config.proximal_mu,
+        config.weight_decay,
+        scaffold,
+    )
+
+
+def _module_signature(module: torch.nn.Module) -> tuple:
+    """A module's class, configuration and state's names, shapes and dtypes."""
+    state = tuple((name, tuple(t.shape), t.dtype) for name, t in module.state_dict().items())
+    return type(module).__name__, repr(getattr(module, "config", None)), state
+
+
+def _cloned(scene: Scene) -> Scene:
+    """`scene` with tensors of its own, so refilling them leaves the caller's scene alone."""
+    cameras = scene.cameras
+    return replace(
+        scene,
+        images=scene.images.clone(),
+        masks=scene.masks.clone(),
+        cameras=replace(
+            cameras,
+            camera_to_world=cameras.camera_to_world.clone(),
+            fx=cameras.fx.clone(),
+            fy=cameras.fy.clone(),
+            cx=cameras.cx.clone(),
+            cy=cameras.cy.clone(),
+        ),  # fmt: skip
+        aabb=scene.aabb.clone(),
+    )
+
+
+def _cloned_controls(scaffold: ScaffoldControls | None) -> ScaffoldControls | None:
+    if scaffold is None:
+        return None
+    return ScaffoldControls(
+        server={name: t.clone() for name, t in scaffold.server.items()},
+        client={name: t.clone() for name, t in scaffold.client.items()},
+    )
+
+
 def _static_local_train(
-    field: Field,
+    global_field: Field,
     personal_field: PersonalField | None,
     personal: PersonalLoss | None,
     scene: Scene,
@@ -291,14 +554,16 @@ def _static_local_train(
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None,
     global_reference: Mapping[str, Tensor] | None,
-    corrector: ScaffoldCorrector | None,
+    scaffold: ScaffoldControls | None,
     device: torch.device,
+    graphs: StepGraphs | None,
 ) -> LocalTrainResult:
-    """`local_train` with static steps on `field` (the global field, or its composite with
-    `personal_field` under NeRF-W's loss `personal`; both already on `device`): the ray
-    batch follows `target_samples` at each grid refresh (`StaticBatch`); losses and counts
-    are read at the finite checks (every FINITE_CHECK_EVERY steps)."""
-    cuda_graph = config.step_mode == "cuda-graph" and device.type == "cuda"
+    """`local_train` with static steps on the global field (or its composite with
+    `personal_field` under NeRF-W's loss `personal`; all on `device`), in a workspace of
+    this call's own or one of `graphs`'s: the ray batch follows `target_samples` at each
+    grid refresh (`StaticBatch`); losses and counts are read at the finite checks (every
+    FINITE_CHECK_EVERY steps)."""
+    cuda_graph = config.step_mode == "cuda-graph" and graphs_supported(device)
     if config.step_mode == "cuda-graph" and not cuda_graph:
         warnings.warn(
             f"step mode 'cuda-graph' needs CUDA; this node trains on {device}: static step, "
@@ -306,30 +571,16 @@ def _static_local_train(
             RuntimeWarning,
             stacklevel=3,
         )
-    global_field = field.global_field if isinstance(field, GlobalPersonalField) else field
-    parameters = dict(global_field.named_parameters())
-    proximal = None
-    if config.proximal_mu > 0:
-        reference = _on_device(global_reference, parameters, "global_reference")
-        proximal = Proximal(parameters, reference, config.proximal_mu)
-    optimizer = static_optimizer(global_field, config.learning_rate, config.weight_decay, device)
-    if personal_field is not None:
-        for group in static_optimizer(
-            personal_field, config.personal_learning_rate, config.weight_decay, device
-        ).param_groups:
-            optimizer.add_param_group(group)
-    sampler = PixelSampler(scene, config.random_background)
-    capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
-
-    def loss_fn(grid: OccupancyGrid | None, rays: int) -> StepOutputs:
-        return static_loss(
-            field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
-        )
-
-    step = StaticStep(loss_fn, optimizer, occupancy, cuda_graph, corrector, device)
+    arguments = (
+        global_field, personal_field, personal, scene, config, render_config, occupancy,
+        global_reference, scaffold, cuda_graph, device,
+    )  # fmt: skip
+    build = StaticWorkspace.build if graphs is None else graphs.workspace
+    workspace = build(*arguments)
+    field, step, corrector = workspace.field, workspace.step, workspace.corrector
     batch = StaticBatch(
-        sampler, render_config, capacity, config.batch_rays, config.max_batch_rays,
-        config.target_samples, occupancy,
+        workspace.sampler, render_config, workspace.capacity, config.batch_rays,
+        config.max_batch_rays, config.target_samples, occupancy,
     )  # fmt: skip
     recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
     unchecked: list[Tensor] = []
@@ -354,10 +605,11 @@ def _static_local_train(
             samples, dropped, _ = window.read()
             total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
             unchecked.clear()
-    optimizer.zero_grad(set_to_none=True)
+    workspace.optimizer.zero_grad(set_to_none=True)
     checked_losses(unchecked, steps - len(unchecked), "local training")
     samples, dropped, _ = window.read()
     total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
+    workspace.write_back(global_field, personal_field)
     losses = torch.stack(list(recent)).tolist()
     mean_loss = sum(losses) / len(losses)
     return LocalTrainResult(

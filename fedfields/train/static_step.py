@@ -16,7 +16,9 @@ compiles, Adam makes its state), the next one captures the step (torch.cuda.grap
 private memory pool per shape) and every later one replays it; the random draws advance at
 each replay. The batch is sized at each refresh of the occupancy grid from fixed probe rays
 marched through it (`StaticBatch`), on a short ladder (`static_batch_rays`), so few shapes
-are ever captured.
+are ever captured. `fedfields.train.federated.StepGraphs` keeps a node's steps and their
+graphs across users and rounds, refilling the tensors they read in place, so each shape is
+captured once per node process rather than once per user and round.
 """
 
 from __future__ import annotations
@@ -252,6 +254,11 @@ def static_loss(
     return StepOutputs(loss, photometric, samples, dropped)
 
 
+def graphs_supported(device: torch.device) -> bool:
+    """Whether a static step on `device` can be captured as a CUDA graph."""
+    return device.type == "cuda"
+
+
 class StaticStep:
     """One optimiser step of `static_loss` per call; with `cuda_graph`, captured per shape.
 
@@ -278,6 +285,15 @@ class StaticStep:
         self.graphs: dict[int, _CapturedStep] = {}
         self.eager_steps: dict[int, int] = {}
         self.capture_error: str | None = None
+        self.captures = 0
+
+    def bind(self, occupancy: OccupancyGrid | None) -> None:
+        """Read `occupancy` from now on (another user's grid of the same resolution): the
+        graphs copy its box now and its mask at their next replay."""
+        self.occupancy = occupancy
+        for captured in self.graphs.values():
+            if captured.mirror is not None and occupancy is not None:
+                captured.mirror.aabb.copy_(occupancy.aabb)
 
     def __call__(self, batch_rays: int) -> StepOutputs:
         if not self.cuda_graph:
@@ -297,6 +313,7 @@ class StaticStep:
                 self._uncaptured_from_now(error)
                 return self._eager(self.occupancy, batch_rays)
             self.graphs[batch_rays] = captured
+            self.captures += 1
             return captured.replay(self.occupancy)
 
     def _uncaptured_from_now(self, error: Exception) -> None:

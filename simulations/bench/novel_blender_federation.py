@@ -45,6 +45,7 @@ from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.render import OccupancyGrid
 from fedfields.train.builders import global_field
 from fedfields.train.federated import (
+    StepGraphs,
     federated_state,
     load_federated_state,
     local_train,
@@ -75,6 +76,7 @@ class Workbench:
     train_seconds: float = 0.0
     rays: int = 0  # rays the local steps drew, every node and round
     dropped_rays: int = 0  # of them, left out of a static step's loss (overflow)
+    graphs: StepGraphs = field(default_factory=StepGraphs)  # static steps' graphs, all nodes
 
     def observe(self, key: str, value: float) -> None:
         """Note one node's figure under `key` for this round's record."""
@@ -133,7 +135,8 @@ class CrowdNode:
         local = bench.settings.local(server_round, self.index, bench.personal_fields)
         tick = time.perf_counter()
         result = local_train(bench.model, scene, local, render_config(bench.config, scene),
-                             self.occupancy, personal_field=self.personal)  # fmt: skip
+                             self.occupancy, personal_field=self.personal,
+                             graphs=bench.graphs)  # fmt: skip
         bench.train_seconds += time.perf_counter() - tick
         bench.rays += result.rays
         bench.dropped_rays += result.dropped_rays
