@@ -79,6 +79,8 @@ SCENE_CASES: dict[str, dict[str, Any]] = {
         "compression": "topk",
         "compression-download": True,
     },  # fmt: skip
+    "scaffold-static": {"strategy": "scaffold", "cuda-graph": True},  # static, uncaptured
+    "decentnerf-static": {"strategy": "decentnerf", "cuda-graph": True},
     "fedavg-secagg": {"strategy": "fedavg", **SECURE},
     "decentnerf-secagg": {"strategy": "decentnerf", **SECURE},
     "fedavg-central-dp": {"strategy": "fedavg", **DP},
