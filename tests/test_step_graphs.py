@@ -28,8 +28,8 @@ from fedfields.train.centralised import default_setup
 from fedfields.train.federated import (
     LocalTrainConfig,
     LocalTrainResult,
+    LocalWorkspace,
     ScaffoldControls,
-    StaticWorkspace,
     StepGraphs,
     local_train,
 )
@@ -113,7 +113,7 @@ def test_the_shared_workspace_trains_each_user_as_a_fresh_one_does(users: list[S
         assert torch.equal(scene.images, before)
 
 
-def _addresses(workspace: StaticWorkspace) -> dict[str, int]:
+def _addresses(workspace: LocalWorkspace) -> dict[str, int]:
     """Where every tensor a captured step reads lives."""
     tensors = {f"field.{n}": t for n, t in workspace.field.state_dict(keep_vars=True).items()}
     for index, state in enumerate(workspace.optimizer.state.values()):

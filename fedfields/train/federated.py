@@ -180,85 +180,28 @@ def local_train(
     global_field.to(device).train()
     if personal_field is not None:
         personal_field.to(device).train()
-    field = _composite(global_field, personal_field, len(scene))
     scene = scene.to(device)
     if occupancy is not None:
         occupancy.to(device)
     personal = None
     if personal_field is not None:
         personal = PersonalLoss(config.beta_min, config.personal_density_weight)
-    if config.step_mode != "dynamic":
-        return _static_local_train(
-            global_field, personal_field, personal, scene, config, render_config, occupancy,
-            global_reference, scaffold, device, graphs,
-        )  # fmt: skip
-    parameters = dict(global_field.named_parameters())
-    corrector = None if scaffold is None else ScaffoldCorrector(scaffold, parameters)
-    reference = None
-    if config.proximal_mu > 0:
-        reference = _on_device(global_reference, parameters, "global_reference")
-    optimizer = make_optimizer(global_field, config.learning_rate, config.weight_decay)
-    if personal_field is not None:
-        personal_groups = make_optimizer(
-            personal_field, config.personal_learning_rate, config.weight_decay
-        ).param_groups
-        for group in personal_groups:
-            optimizer.add_param_group(group)
-    sampler = PixelSampler(scene, config.random_background)
-    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)  # photometric losses, on the device
-    unchecked: list[Tensor] = []  # losses since the last finiteness check
-    batch_rays, total_rays, total_samples, steps = config.batch_rays, 0, 0, 0
-    epoch_rays = config.epochs * scene.images.shape[:3].numel()
-    start = time.perf_counter()
-    for step in range(config.steps):
-        if epoch_rays and total_rays >= epoch_rays:
-            break
-        if occupancy is not None and step % config.occupancy_update_every == 0:
-            occupancy.update(field.density, render_config.step_size)
-        batch = sampler.sample(batch_rays)
-        rendered, num_samples = render_rays(
-            field,
-            batch.rays,
-            render_config,
-            occupancy,
-            perturb=True,
-            background=batch.background,
-            image_index=batch.image_index if personal_field is not None else None,
+    cuda_graph = config.step_mode == "cuda-graph" and graphs_supported(device)
+    if config.step_mode == "cuda-graph" and not cuda_graph:
+        warnings.warn(
+            f"step mode 'cuda-graph' needs CUDA; this node trains on {device}: static step, "
+            "uncaptured",
+            RuntimeWarning,
+            stacklevel=2,
         )
-        photometric, loss = local_loss(rendered, batch.colors, personal)
-        if reference is not None:
-            loss = loss + proximal_term(parameters, reference, config.proximal_mu)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if corrector is not None:
-            corrector()
-        optimizer.step()
-        recent.append(photometric.detach())
-        unchecked.append(loss.detach())
-        steps += 1
-        if steps % FINITE_CHECK_EVERY == 0:
-            checked_losses(unchecked, steps - len(unchecked), "local training")
-            unchecked.clear()
-        total_rays += batch_rays
-        total_samples += num_samples
-        batch_rays = adapt_batch_rays(
-            batch_rays, num_samples, config.target_samples, config.max_batch_rays
-        )
-    optimizer.zero_grad(set_to_none=True)  # no stale gradients outlive the round
-    checked_losses(unchecked, steps - len(unchecked), "local training")
-    window = torch.stack(list(recent)).tolist()
-    mean_loss = sum(window) / len(window)
-    result = LocalTrainResult(
-        steps=steps,
-        rays=total_rays,
-        samples=total_samples,
-        seconds=time.perf_counter() - start,
-        loss=mean_loss,
-        psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
-        num_examples=scene.images.shape[:3].numel(),
-    )
-    if corrector is not None:
-        result.client_control = corrector.control(steps)
+    arguments = (
+        global_field, personal_field, personal, scene, config, render_config, occupancy,
+        global_reference, scaffold, cuda_graph, device,
+    )  # fmt: skip
+    shared = graphs is not None and config.step_mode != "dynamic"
+    workspace = graphs.workspace(*arguments) if shared else LocalWorkspace.build(*arguments)
+    result = _train_steps(workspace, scene, config, render_config, occupancy)
+    workspace.write_back(global_field, personal_field)
     return result
 
 
@@ -295,13 +238,14 @@ class ScaffoldCorrector:
         return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
 
 
-class StaticWorkspace:
-    """What static steps read: the fields they train, their optimiser, the scene's pixels,
-    FedProx's reference, Scaffold's buffers and the step with its graphs.
+class LocalWorkspace:
+    """What a local step reads: the fields it trains, their optimiser, the scene's pixels,
+    FedProx's reference, Scaffold's buffers, and the step (dynamic, or static with its
+    graphs) that the one loop, `_train_steps`, calls.
 
-    Built on one call's own objects (`StaticWorkspace.build`), or owned by `StepGraphs` and
-    refilled in place for every user and round (`refill`), so that graphs captured on its
-    tensors replay for all of them.
+    Built on one call's own objects (`LocalWorkspace.build`), or, for static steps, owned by
+    `StepGraphs` and refilled in place for every user and round (`refill`), so that graphs
+    captured on its tensors replay for all of them.
     """
 
     def __init__(
@@ -327,20 +271,20 @@ class StaticWorkspace:
         self.corrector = None
         if scaffold is not None:
             self.corrector = ScaffoldCorrector(scaffold, self.parameters)
-        self.optimizer = static_optimizer(
-            global_field, config.learning_rate, config.weight_decay, device
-        )
+        static = config.step_mode != "dynamic"
+        self.optimizer = _optimizer(global_field, config.learning_rate, config, device)
         self.global_groups = len(self.optimizer.param_groups)
         if personal_field is not None:
-            for group in static_optimizer(
-                personal_field, config.personal_learning_rate, config.weight_decay, device
-            ).param_groups:
+            groups = _optimizer(personal_field, config.personal_learning_rate, config, device)
+            for group in groups.param_groups:
                 self.optimizer.add_param_group(group)
         self.sampler = PixelSampler(scene, config.random_background)
         self.capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
         field, sampler, capacity, proximal = self.field, self.sampler, self.capacity, self.proximal
 
         def loss_fn(grid: OccupancyGrid | None, rays: int) -> StepOutputs:
+            if not static:
+                return dynamic_loss(field, sampler, render_config, grid, rays, proximal, personal)
             return static_loss(
                 field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
             )
@@ -363,7 +307,7 @@ class StaticWorkspace:
         scaffold: ScaffoldControls | None,
         cuda_graph: bool,
         device: torch.device,
-    ) -> StaticWorkspace:
+    ) -> LocalWorkspace:
         """A workspace on this call's own fields and scene (already on `device`)."""
         reference = None
         if config.proximal_mu > 0:
@@ -402,7 +346,7 @@ class StaticWorkspace:
                     value.zero_()
             rates = [config.learning_rate, config.personal_learning_rate]
             for index, group in enumerate(self.optimizer.param_groups):
-                group["lr"].fill_(rates[index >= self.global_groups])
+                group["lr"].fill_(rates[index >= self.global_groups])  # static: tensors
             self.sampler.refill(scene)
         self.step.bind(occupancy)
 
@@ -432,7 +376,7 @@ class StepGraphs:
 
     def __init__(self, max_workspaces: int = 2) -> None:
         self.max_workspaces = max_workspaces
-        self.workspaces: OrderedDict[tuple, StaticWorkspace] = OrderedDict()
+        self.workspaces: OrderedDict[tuple, LocalWorkspace] = OrderedDict()
         self.dropped_captures = 0
 
     @property
@@ -454,7 +398,7 @@ class StepGraphs:
         scaffold: ScaffoldControls | None,
         cuda_graph: bool,
         device: torch.device,
-    ) -> StaticWorkspace:
+    ) -> LocalWorkspace:
         """The workspace for this call, refilled with its weights, scene and controls."""
         key = workspace_key(
             global_field, personal_field, personal, scene, config, render_config, occupancy,
@@ -463,7 +407,7 @@ class StepGraphs:
         workspace = self.workspaces.get(key)
         if workspace is None:
             owned_personal = None if personal_field is None else copy.deepcopy(personal_field)
-            workspace = StaticWorkspace.build(
+            workspace = LocalWorkspace.build(
                 copy.deepcopy(global_field), owned_personal, personal, _cloned(scene), config,
                 render_config, occupancy, global_reference, _cloned_controls(scaffold),
                 cuda_graph, device,
@@ -545,46 +489,79 @@ def _cloned_controls(scaffold: ScaffoldControls | None) -> ScaffoldControls | No
     )
 
 
-def _static_local_train(
-    global_field: Field,
-    personal_field: PersonalField | None,
+def _optimizer(
+    module: torch.nn.Module, learning_rate: float, config: LocalTrainConfig, device: torch.device
+) -> torch.optim.Adam:
+    """Adam for `module`: fused with tensor learning rates for a static step (its step reads
+    nothing back, and a graph can capture it), the plain one for the dynamic step."""
+    if config.step_mode == "dynamic":
+        return make_optimizer(module, learning_rate, config.weight_decay)
+    return static_optimizer(module, learning_rate, config.weight_decay, device)
+
+
+def dynamic_loss(
+    field: Field,
+    sampler: PixelSampler,
+    render_config: RenderConfig,
+    occupancy: OccupancyGrid | None,
+    batch_rays: int,
+    proximal: Proximal | None,
     personal: PersonalLoss | None,
+) -> StepOutputs:
+    """Draw `batch_rays` pixels and render them with as many samples as marching finds (one
+    host read); the MSE (with `personal`, NeRF-W's loss), plus FedProx's term when set."""
+    batch = sampler.sample(batch_rays)
+    image_index = None if personal is None else batch.image_index
+    rendered, num_samples = render_rays(
+        field, batch.rays, render_config, occupancy, perturb=True, background=batch.background,
+        image_index=image_index,
+    )  # fmt: skip
+    photometric, loss = local_loss(rendered, batch.colors, personal)
+    if proximal is not None:
+        loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
+    return StepOutputs(loss, photometric, num_samples, 0)
+
+
+class DynamicBatch:
+    """The dynamic step's ray batch: after each step, resized so that a step holds about
+    `target_samples` samples (nerfacc's rule, `adapt_batch_rays`), from the host count."""
+
+    def __init__(self, config: LocalTrainConfig) -> None:
+        self.rays, self.config = config.batch_rays, config
+
+    def refreshed(self, grid: OccupancyGrid) -> int:
+        return self.rays
+
+    def stepped(self, outputs: StepOutputs) -> None:
+        assert isinstance(outputs.samples, int)  # the dynamic step's host count
+        self.rays = adapt_batch_rays(
+            self.rays, outputs.samples, self.config.target_samples,
+            self.config.max_batch_rays,
+        )  # fmt: skip
+
+
+def _train_steps(
+    workspace: LocalWorkspace,
     scene: Scene,
     config: LocalTrainConfig,
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None,
-    global_reference: Mapping[str, Tensor] | None,
-    scaffold: ScaffoldControls | None,
-    device: torch.device,
-    graphs: StepGraphs | None,
 ) -> LocalTrainResult:
-    """`local_train` with static steps on the global field (or its composite with
-    `personal_field` under NeRF-W's loss `personal`; all on `device`), in a workspace of
-    this call's own or one of `graphs`'s: the ray batch follows `target_samples` at each
-    grid refresh (`StaticBatch`); losses and counts are read at the finite checks (every
-    FINITE_CHECK_EVERY steps)."""
-    cuda_graph = config.step_mode == "cuda-graph" and graphs_supported(device)
-    if config.step_mode == "cuda-graph" and not cuda_graph:
-        warnings.warn(
-            f"step mode 'cuda-graph' needs CUDA; this node trains on {device}: static step, "
-            "uncaptured",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    arguments = (
-        global_field, personal_field, personal, scene, config, render_config, occupancy,
-        global_reference, scaffold, cuda_graph, device,
-    )  # fmt: skip
-    build = StaticWorkspace.build if graphs is None else graphs.workspace
-    workspace = build(*arguments)
-    field, step, corrector = workspace.field, workspace.step, workspace.corrector
-    batch = StaticBatch(
-        workspace.sampler, render_config, workspace.capacity, config.batch_rays,
-        config.max_batch_rays, config.target_samples, occupancy,
-    )  # fmt: skip
-    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
-    unchecked: list[Tensor] = []
-    window = CheckWindow()  # counts since the last check, on the device
+    """The one local training loop, whatever the step mode: `config.steps` steps of the
+    workspace's step (or `config.epochs` passes over the scene's pixels), the grid refreshed
+    every `occupancy_update_every` steps; the losses and counts are read at the finite checks
+    (every FINITE_CHECK_EVERY steps). A dynamic step resizes its batch after every step from
+    its sample count; a static one at every grid refresh (`StaticBatch`)."""
+    field, step = workspace.field, workspace.step
+    batch: DynamicBatch | StaticBatch = DynamicBatch(config)
+    if config.step_mode != "dynamic":
+        batch = StaticBatch(
+            workspace.sampler, render_config, workspace.capacity, config.batch_rays,
+            config.max_batch_rays, config.target_samples, occupancy,
+        )  # fmt: skip
+    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)  # photometric losses, on the device
+    unchecked: list[Tensor] = []  # losses since the last finiteness check
+    window = CheckWindow()  # sample and dropped-ray counts since the last check
     batch_rays, total_rays, total_samples, dropped_rays, steps = batch.rays, 0, 0, 0, 0
     epoch_rays = config.epochs * scene.images.shape[:3].numel()
     start = time.perf_counter()
@@ -600,18 +577,21 @@ def _static_local_train(
         window.add(outputs, batch_rays)
         steps += 1
         total_rays += batch_rays
+        if isinstance(batch, DynamicBatch):
+            batch.stepped(outputs)
+            batch_rays = batch.rays
         if steps % FINITE_CHECK_EVERY == 0:
             checked_losses(unchecked, steps - len(unchecked), "local training")
             samples, dropped, _ = window.read()
             total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
             unchecked.clear()
-    workspace.optimizer.zero_grad(set_to_none=True)
+    workspace.optimizer.zero_grad(set_to_none=True)  # no stale gradients outlive the round
     checked_losses(unchecked, steps - len(unchecked), "local training")
     samples, dropped, _ = window.read()
     total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
-    workspace.write_back(global_field, personal_field)
     losses = torch.stack(list(recent)).tolist()
     mean_loss = sum(losses) / len(losses)
+    corrector = workspace.corrector
     return LocalTrainResult(
         steps=steps,
         rays=total_rays,

@@ -63,31 +63,41 @@ class StepOutputs:
 
     loss: Tensor  # [] the optimised loss (photometric, plus FedProx's term when set)
     photometric: Tensor  # [] mean squared colour error over the complete rays
-    samples: Tensor  # [] int64 occupied samples marching found (before the cap)
-    dropped_rays: Tensor  # [] int64 rays left out of the loss: their samples overflowed
+    samples: Tensor | int  # [] int64 occupied samples marching found (before the cap); the
+    # dynamic step's is the host int its marching read back anyway
+    dropped_rays: Tensor | int  # [] int64 rays left out of the loss: their samples overflowed
 
 
 class CheckWindow:
-    """Static steps' sample and dropped-ray counts since the last check, kept on the device
-    and read together in one host sync (`read`), with the rays the steps drew (host ints)."""
+    """Steps' sample and dropped-ray counts since the last check: a static step's kept on the
+    device and read together in one host sync (`read`), a dynamic step's host ints summed as
+    they come; with the rays the steps drew (host ints)."""
 
     def __init__(self) -> None:
         self.samples: list[Tensor] = []
         self.dropped: list[Tensor] = []
-        self.rays = 0
+        self.host_samples = self.host_dropped = self.rays = 0
 
     def add(self, outputs: StepOutputs, rays: int) -> None:
-        self.samples.append(outputs.samples)
-        self.dropped.append(outputs.dropped_rays)
+        for value, device, host in (
+            (outputs.samples, self.samples, "host_samples"),
+            (outputs.dropped_rays, self.dropped, "host_dropped"),
+        ):
+            if isinstance(value, int):
+                setattr(self, host, getattr(self, host) + value)
+            else:
+                device.append(value)
         self.rays += rays
 
     def read(self) -> tuple[int, int, int]:
         """(samples, dropped rays, rays drawn) of the window's steps, then an empty window."""
-        if not self.samples:
-            return 0, 0, 0
-        counts = torch.stack([torch.stack(self.samples), torch.stack(self.dropped)])
-        samples, dropped = (int(total) for total in counts.sum(dim=1).tolist())
+        samples, dropped = self.host_samples, self.host_dropped
+        if self.samples:
+            counts = torch.stack([torch.stack(self.samples), torch.stack(self.dropped)])
+            device_samples, device_dropped = (int(total) for total in counts.sum(dim=1).tolist())
+            samples, dropped = samples + device_samples, dropped + device_dropped
         rays, self.rays = self.rays, 0
+        self.host_samples = self.host_dropped = 0
         self.samples.clear()
         self.dropped.clear()
         return samples, dropped, rays
