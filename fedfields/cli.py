@@ -24,7 +24,7 @@ from fedfields.data.crowd import (
 )
 from fedfields.data.figures import OBJECT_KINDS
 from fedfields.data.objects import CollectionConfig, write_collection
-from fedfields.optim import DEVICE_CHOICES, parse_device, resolve_device
+from fedfields.devices import DEVICE_CHOICES, parse_device, resolve_device
 from fedfields.train import (
     default_setup,
     evaluate,

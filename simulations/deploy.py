@@ -39,7 +39,7 @@ from typing import IO
 from flwr.common.config import parse_config_args
 
 from fedfields.config.schema import META_TASKS
-from fedfields.optim import DEVICE_CHOICES, parse_device
+from fedfields.devices import DEVICE_CHOICES, parse_device
 from simulations import APP_DIR
 from simulations.certificates import TlsFiles, write_tls_files
 from simulations.planner import (

@@ -24,11 +24,11 @@ import clients.meta_client as meta_client
 import clients.scene_client as scene_client
 import fedfields.fields.encodings as encodings
 import fedfields.fields.hashgrid_triton as hashgrid_triton
+from fedfields.devices import canonical_device, parse_device
 from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
 from fedfields.geometry.cameras import orbit_cameras
-from fedfields.optim import canonical_device, parse_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.federated import (
     LocalTrainConfig,

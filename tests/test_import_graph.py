@@ -101,6 +101,33 @@ def flower_module_graph() -> Graph:
     return graph
 
 
+def repository_module_graph() -> Graph:
+    """Arrows between every module of the library and the App (fedfields, strategies,
+    clients, simulations), each with the file and line of every import behind it:
+    `from m import n` is an arrow to the module m.n where n is a submodule, else to m (a
+    package's arrow goes to its `__init__`)."""
+    files = [path for root in ("fedfields", *APP_PACKAGES) for path in (ROOT / root).rglob("*.py")]
+    modules = {module_name(path) for path in files}
+    graph: Graph = {}
+    for path in sorted(files):
+        source = module_name(path)
+        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = next(imports(ast.unparse(node), package))[0]
+                targets = [
+                    f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
+                    for alias in node.names
+                ]
+            for target in targets:
+                if target in modules and target != source:
+                    add_arrow(graph, source, target, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return graph
+
+
 def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str]:
     """One cycle of `graph` as [a, b, ..., a], or [] when there is none (depth-first, sorted)."""
     on_path: list[str] = []
@@ -145,6 +172,15 @@ def test_the_flower_layers_modules_import_one_way() -> None:
     assert len(graph) > 5, f"found almost no imports between fedfields/flower's modules: {graph}"
     cycle = find_cycle(graph)
     assert not cycle, "module cycle in fedfields/flower:\n" + describe_cycle(cycle, graph)
+
+
+def test_no_module_of_the_library_or_the_app_imports_round_a_circle() -> None:
+    """Issue 56: no import circle anywhere in the tree, between modules of one package too
+    (a circle makes the import order matter and hides which module is the lower one)."""
+    graph = repository_module_graph()
+    assert "fedfields.train.federated" in graph  # the graph is read, not empty
+    cycle = find_cycle(graph)
+    assert not cycle, describe_cycle(cycle, graph)
 
 
 def test_library_never_imports_the_flower_app() -> None:

@@ -13,15 +13,14 @@ from fedfields.data.crowd import CrowdData
 from fedfields.render import OccupancyGrid
 from fedfields.train.builders import client_seed, global_field
 from fedfields.train.federated import federated_state, load_federated_state, local_train
-from simulations.bench.novel_blender import (
+from simulations.bench.novel_blender import build_parser, settings_of
+from simulations.bench.novel_blender_federation import run_federated
+from simulations.bench.novel_blender_setup import (
     Settings,
-    build_parser,
     parse_run_config,
     personal_field,
     render_config,
-    settings_of,
 )
-from simulations.bench.novel_blender_federation import run_federated
 
 TINY = Settings(rounds=1, max_steps=2, epochs=0.05, device="cpu", seed=3)
 

@@ -347,7 +347,7 @@ def test_every_triton_launch_sits_inside_a_device_guard() -> None:
     `with triton_launch_guard(tensor.device)`, which makes the tensors' device current."""
     import ast
 
-    from fedfields.fields.encodings import triton_launch_guard
+    from fedfields.devices import triton_launch_guard
 
     for module in ("fedfields/fields/hashgrid_triton.py", "fedfields/render/composite_triton.py"):
         tree = ast.parse((ROOT / module).read_text())

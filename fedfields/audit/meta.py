@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from fedfields import atomic
 from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
 from fedfields.config import meta_settings
-from fedfields.optim import resolve_device
+from fedfields.devices import resolve_device
 from fedfields.privacy.accountant import EPSILON_METRIC
 from fedfields.privacy.attacks.inference import AttackConfig, train_attack
 from fedfields.train.builders import (

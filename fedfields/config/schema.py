@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from fedfields.compression import SCHEMES, CompressionConfig
 from fedfields.config.strategy_settings import StrategySettings, typed_value
-from fedfields.optim import DEVICE_CHOICES, is_device_text
+from fedfields.devices import DEVICE_CHOICES, is_device_text
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import MAX_TIMEOUT_SECONDS, SecureAggregationConfig

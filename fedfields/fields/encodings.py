@@ -15,7 +15,6 @@ CPU and GPU nodes federate.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import warnings
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedfields.optim import canonical_device
+from fedfields.devices import canonical_device
 
 # Instant-NGP's spatial hash primes (Muller et al. 2022, Eq. 4); the first is 1.
 _HASH_PRIMES = (1, 2654435761, 805459861)
@@ -140,12 +139,6 @@ def triton_runs_on(device: torch.device) -> bool:
     """True when triton kernels can run on tensors of `device`: CUDA, or the interpreter."""
     on_device = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return on_device and triton_available()
-
-
-def triton_launch_guard(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make `device` current around a Triton launch (Triton launches on the current CUDA
-    device, so a node on cuda:1 would otherwise launch on cuda:0); nothing for CPU tensors."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 _TRITON_WORKS: dict[torch.device, bool] = {}

@@ -34,8 +34,8 @@ from flwr.app import ConfigRecord, Context
 from torch import Tensor
 
 from fedfields import atomic
+from fedfields.devices import parse_device
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
-from fedfields.optim import parse_device
 
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"

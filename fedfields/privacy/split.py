@@ -41,10 +41,11 @@ from torch import Tensor, nn
 from fedfields import atomic
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
+from fedfields.devices import resolve_device
 from fedfields.fields.base import FieldOutputs, normalise_to_box, trunc_exp
 from fedfields.fields.hashgrid import HashGridField
 from fedfields.geometry.rays import Rays, intersect_aabb
-from fedfields.optim import make_optimizer, resolve_device
+from fedfields.optim import make_optimizer
 from fedfields.privacy.defences import ClientDefence
 from fedfields.render.renderer import RenderConfig
 from fedfields.render.samplers import stratified_bins

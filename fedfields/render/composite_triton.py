@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fedfields.fields.encodings import triton_launch_guard
+from fedfields.devices import triton_launch_guard
 
 BLOCK = 64  # rays per program
 

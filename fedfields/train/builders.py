@@ -26,6 +26,7 @@ from fedfields.data.tasks import (
     lfw_faces,
     photo_crops,
 )
+from fedfields.devices import parse_device
 from fedfields.fields import (
     HashGridConfig,
     HashGridField,
@@ -35,7 +36,6 @@ from fedfields.fields import (
     Siren,
     SirenConfig,
 )
-from fedfields.optim import parse_device
 from fedfields.render import RenderConfig
 from fedfields.train.meta import MetaConfig, test_time_optimise
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks

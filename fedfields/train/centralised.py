@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
+from fedfields.devices import resolve_device
 from fedfields.fields import (
     Field,
     HashGridConfig,
@@ -21,7 +22,7 @@ from fedfields.fields import (
     NeRFField,
     NeRFFieldConfig,
 )
-from fedfields.optim import make_optimizer, resolve_device
+from fedfields.optim import make_optimizer
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.static_step import (
     STEP_MODES,

@@ -16,9 +16,9 @@ from tqdm import tqdm
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data.scene import Scene
+from fedfields.devices import resolve_device
 from fedfields.fields import Field
 from fedfields.metrics import lpips, psnr, ssim
-from fedfields.optim import resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
 from fedfields.render.orbit import render_orbit
 from fedfields.train.builders import global_field, render_config, server_device

@@ -22,9 +22,10 @@ from torch import Tensor
 from fedfields.aggregate import proximal_term
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
+from fedfields.devices import resolve_device
 from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
 from fedfields.metrics import psnr
-from fedfields.optim import make_optimizer, resolve_device
+from fedfields.optim import make_optimizer
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.train.centralised import adapt_batch_rays, checked_losses
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLoss, local_loss

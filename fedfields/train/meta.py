@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from fedfields.aggregate import proximal_term
 from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
+from fedfields.devices import resolve_device
 from fedfields.metrics import lpips, psnr, ssim
-from fedfields.optim import resolve_device
 from fedfields.train.federated import _on_device
 from fedfields.train.meta_tasks import MetaTask
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedfields.optim import DEVICE_CHOICES, parse_device
+from fedfields.devices import DEVICE_CHOICES, parse_device
 
 
 def device_setting(value: str) -> str:

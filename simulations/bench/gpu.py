@@ -53,15 +53,15 @@ from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, holdout_indices, load_scene
 from fedfields.data.crowd import CrowdData
+from fedfields.devices import canonical_device, resolve_device
 from fedfields.fields import Field
 from fedfields.metrics import psnr
-from fedfields.optim import canonical_device, resolve_device
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.builders import global_field
 from fedfields.train.centralised import Setup, default_setup, train
 from fedfields.train.federated import LocalTrainConfig, local_train
 from fedfields.train.static_step import STEP_MODES, StepMode
-from simulations.bench import novel_blender
+from simulations.bench import novel_blender_setup
 
 LEGO = Path(__file__).resolve().parents[2] / "data" / "lego"
 BACKENDS = ("torch", "triton", "tcnn")
@@ -261,11 +261,12 @@ def load_crowd(options: Options) -> CrowdData:
 
 def federation(
     options: Options, rounds: int, mode: StepMode
-) -> tuple[FederatedConfig, novel_blender.Settings]:
+) -> tuple[FederatedConfig, novel_blender_setup.Settings]:
     """The field's run-config and novel_blender's settings for `rounds` rounds of local steps
     in step mode `mode` (the run-config's `cuda-graph` is --step-modes' to set)."""
-    config = FederatedConfig.from_run_config(novel_blender.parse_run_config(options.run_config))
-    settings = novel_blender.Settings(
+    run_config = novel_blender_setup.parse_run_config(options.run_config)
+    config = FederatedConfig.from_run_config(run_config)
+    settings = novel_blender_setup.Settings(
         rounds=rounds, max_steps=options.max_local_steps, step_mode=mode
     )
     if options.target_samples is not None:
@@ -274,12 +275,15 @@ def federation(
 
 
 def local_round(
-    data: CrowdData, config: FederatedConfig, settings: novel_blender.Settings, device: torch.device
+    data: CrowdData,
+    config: FederatedConfig,
+    settings: novel_blender_setup.Settings,
+    device: torch.device,
 ) -> tuple[float, Callable[[], Any]]:
     """Seconds of user 0's one-epoch FedNeRF round (global field only) from a fresh field on
     `device`, and a callable that runs it again (for the profile)."""
     user = data.users[0]
-    render = novel_blender.render_config(config, user.scene)
+    render = novel_blender_setup.render_config(config, user.scene)
 
     def run() -> None:
         torch.manual_seed(settings.seed)
@@ -486,7 +490,7 @@ def measurement_rows(options: Options, found: dict[str, Any]) -> list[Row]:
             entry = federated.get(mode, {}).get(method)
             if entry is None:
                 continue
-            what = f"{options.users}-user round, {novel_blender.LABELS[method]}, {mode}"
+            what = f"{options.users}-user round, {novel_blender_setup.LABELS[method]}, {mode}"
             if "error" in entry:
                 rows.append(Row(what, entry["error"]))
                 continue
@@ -637,7 +641,7 @@ def parse(argv: list[str] | None) -> Options:
     parser.add_argument("--out", type=Path, required=True, help="table.json, table.md, logs")
     args = parser.parse_args(argv)
     defaults = {"seconds": 30.0, "resolution": 200, "eval_views": 20, "target_samples": None,
-                "users": 16, "rounds": 2, "max_local_steps": novel_blender.Settings.max_steps,
+                "users": 16, "rounds": 2, "max_local_steps": novel_blender_setup.Settings.max_steps,
                 "repeats": 3, "run_config": "", "profile_steps": 8}  # fmt: skip
     if args.smoke:
         defaults.update(SMOKE)
@@ -649,7 +653,7 @@ def parse(argv: list[str] | None) -> Options:
         if not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     try:
-        federated_keys = novel_blender.parse_run_config(values["run_config"])
+        federated_keys = novel_blender_setup.parse_run_config(values["run_config"])
     except ValueError as error:
         parser.error(f"--run-config {values['run_config']!r}: {error}")
     if "cuda-graph" in federated_keys:

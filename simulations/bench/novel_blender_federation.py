@@ -51,7 +51,7 @@ from fedfields.train.federated import (
     local_train,
     loss_gradient,
 )
-from simulations.bench.novel_blender import (
+from simulations.bench.novel_blender_setup import (
     Settings,
     eval_views,
     personal_field,
