@@ -54,7 +54,6 @@ from simulations.planner import (
     processes_with_home_under,
     run_id_of,
     run_status,
-    signal_pids,
     stop_pids,
 )
 
@@ -292,11 +291,6 @@ class Deployment:
         if run_id is None:
             return RunOutcome(None, "not-started", text)
         return RunOutcome(run_id, run_status(self.flwr, run_id, env), text)
-
-    def kill_node(self, name: str) -> None:
-        """SIGKILL SuperNode `name` and its process tree at once (a node that goes away)."""
-        signal_pids(process_tree(self.processes[name].pid), signal.SIGKILL)
-        self.processes[name].wait()
 
     def stop(self) -> None:
         """Stop every process started here (whole trees, newest first), then any stray one
