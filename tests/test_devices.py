@@ -396,10 +396,12 @@ def test_audit_refuses_a_bad_device(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "--device = 'gpu': expected auto, cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
+BENCH_HELPERS = ("__init__", "devices", "novel_blender_federation", "novel_blender_setup")
+"""Modules of simulations/bench that are not benchmarks themselves."""
 BENCHMARKS = sorted(
     path.stem
     for path in (APP_DIR / "simulations" / "bench").glob("*.py")
-    if path.stem not in ("__init__", "devices", "novel_blender_federation")  # helpers, not benches
+    if path.stem not in BENCH_HELPERS
 )
 CHECKED_ELSEWHERE = ("dp", "gpu", "kernels")
 """Benchmarks whose `--device` their own authors check (issue 34 point 2/3, issue 36)."""
