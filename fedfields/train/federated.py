@@ -195,14 +195,14 @@ def local_train(
             RuntimeWarning,
             stacklevel=2,
         )
-    arguments = (
+    call = LocalCall(
         global_field, personal_field, personal, scene, config, render_config, occupancy,
         global_reference, scaffold, cuda_graph, device,
     )  # fmt: skip
     shared = graphs is not None and config.step_mode != "dynamic"
-    workspace = graphs.workspace(*arguments) if shared else LocalWorkspace.build(*arguments)
+    workspace = graphs.workspace(call) if shared else LocalWorkspace(call)
     result = _train_steps(workspace, scene, config, render_config, occupancy)
-    workspace.write_back(global_field, personal_field)
+    workspace.write_back(call)
     return result
 
 
@@ -239,47 +239,93 @@ class ScaffoldCorrector:
         return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
 
 
+@dataclass(frozen=True)
+class LocalCall:
+    """One `local_train` call's inputs, already on `device`: what a workspace is built from,
+    or refilled with."""
+
+    global_field: Field
+    personal_field: PersonalField | None
+    personal: PersonalLoss | None  # NeRF-W's loss weights, with a personal field
+    scene: Scene
+    config: LocalTrainConfig
+    render_config: RenderConfig
+    occupancy: OccupancyGrid | None
+    global_reference: Mapping[str, Tensor] | None  # FedProx's w_ref (None: the start)
+    scaffold: ScaffoldControls | None
+    cuda_graph: bool
+    device: torch.device
+
+    def owned(self) -> LocalCall:
+        """This call with fields, scene and controls of its own (a cache's workspace), so
+        refilling them later never writes into the caller's objects."""
+        personal = self.personal_field
+        return replace(
+            self,
+            global_field=copy.deepcopy(self.global_field),
+            personal_field=None if personal is None else copy.deepcopy(personal),
+            scene=_cloned(self.scene),
+            scaffold=_cloned_controls(self.scaffold),
+        )
+
+    def key(self) -> tuple:
+        """Everything a captured step bakes in: two calls with equal keys replay the same
+        graphs on refilled tensors (the learning rates are tensors, so they may differ)."""
+        config, scene, occupancy = self.config, self.scene, self.occupancy
+        random_background = config.random_background and bool((scene.masks < 1).any())
+        personal_field = self.personal_field
+        return (
+            str(self.device),
+            self.cuda_graph,
+            _module_signature(self.global_field),
+            None if personal_field is None else _module_signature(personal_field),
+            self.personal,
+            tuple(scene.images.shape),
+            (scene.cameras.width, scene.cameras.height, random_background),
+            self.render_config,
+            None if occupancy is None else occupancy.resolution,
+            static_capacity(config.target_samples, config.batch_rays, self.render_config),
+            config.proximal_mu,
+            config.weight_decay,
+            self.scaffold is not None,
+        )
+
+    def reference(self) -> dict[str, Tensor]:
+        """FedProx's reference checked against the global field, on its device."""
+        parameters = dict(self.global_field.named_parameters())
+        return _on_device(self.global_reference, parameters, "global_reference")
+
+
 class LocalWorkspace:
     """What a local step reads: the fields it trains, their optimiser, the scene's pixels,
     FedProx's reference, Scaffold's buffers, and the step (dynamic, or static with its
     graphs) that the one loop, `_train_steps`, calls.
 
-    Built on one call's own objects (`LocalWorkspace.build`), or, for static steps, owned by
-    `StepGraphs` and refilled in place for every user and round (`refill`), so that graphs
-    captured on its tensors replay for all of them.
+    Built on one call's own objects, or, for static steps, owned by `StepGraphs` (built on
+    `LocalCall.owned`) and refilled in place for every user and round (`refill`), so that
+    graphs captured on its tensors replay for all of them.
     """
 
-    def __init__(
-        self,
-        global_field: Field,
-        personal_field: PersonalField | None,
-        personal: PersonalLoss | None,
-        scene: Scene,
-        config: LocalTrainConfig,
-        render_config: RenderConfig,
-        occupancy: OccupancyGrid | None,
-        reference: dict[str, Tensor] | None,
-        scaffold: ScaffoldControls | None,
-        cuda_graph: bool,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, call: LocalCall) -> None:
+        config, render_config, personal = call.config, call.render_config, call.personal
+        global_field, personal_field = call.global_field, call.personal_field
         self.global_field, self.personal_field = global_field, personal_field
-        self.field = _composite(global_field, personal_field, len(scene))
+        self.field = _composite(global_field, personal_field, len(call.scene))
         self.parameters = dict(global_field.named_parameters())
         self.proximal = None
-        if reference is not None:
-            self.proximal = Proximal(self.parameters, reference, config.proximal_mu)
+        if config.proximal_mu > 0:
+            self.proximal = Proximal(self.parameters, call.reference(), config.proximal_mu)
         self.corrector = None
-        if scaffold is not None:
-            self.corrector = ScaffoldCorrector(scaffold, self.parameters)
+        if call.scaffold is not None:
+            self.corrector = ScaffoldCorrector(call.scaffold, self.parameters)
         static = config.step_mode != "dynamic"
-        self.optimizer = _optimizer(global_field, config.learning_rate, config, device)
+        self.optimizer = _optimizer(global_field, config.learning_rate, config, call.device)
         self.global_groups = len(self.optimizer.param_groups)
         if personal_field is not None:
-            groups = _optimizer(personal_field, config.personal_learning_rate, config, device)
-            for group in groups.param_groups:
+            rate = config.personal_learning_rate
+            for group in _optimizer(personal_field, rate, config, call.device).param_groups:
                 self.optimizer.add_param_group(group)
-        self.sampler = PixelSampler(scene, config.random_background)
+        self.sampler = PixelSampler(call.scene, config.random_background)
         self.capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
         field, sampler, capacity, proximal = self.field, self.sampler, self.capacity, self.proximal
 
@@ -291,72 +337,38 @@ class LocalWorkspace:
             )
 
         self.step = StaticStep(
-            loss_fn, self.optimizer, occupancy, cuda_graph, self.corrector, device
+            loss_fn, self.optimizer, call.occupancy, call.cuda_graph, self.corrector, call.device
         )
 
-    @classmethod
-    def build(
-        cls,
-        global_field: Field,
-        personal_field: PersonalField | None,
-        personal: PersonalLoss | None,
-        scene: Scene,
-        config: LocalTrainConfig,
-        render_config: RenderConfig,
-        occupancy: OccupancyGrid | None,
-        global_reference: Mapping[str, Tensor] | None,
-        scaffold: ScaffoldControls | None,
-        cuda_graph: bool,
-        device: torch.device,
-    ) -> LocalWorkspace:
-        """A workspace on this call's own fields and scene (already on `device`)."""
-        reference = None
-        if config.proximal_mu > 0:
-            parameters = dict(global_field.named_parameters())
-            reference = _on_device(global_reference, parameters, "global_reference")
-        return cls(
-            global_field, personal_field, personal, scene, config, render_config, occupancy,
-            reference, scaffold, cuda_graph, device,
-        )  # fmt: skip
-
-    def refill(
-        self,
-        global_field: Field,
-        personal_field: PersonalField | None,
-        scene: Scene,
-        config: LocalTrainConfig,
-        occupancy: OccupancyGrid | None,
-        global_reference: Mapping[str, Tensor] | None,
-        scaffold: ScaffoldControls | None,
-    ) -> None:
+    def refill(self, call: LocalCall) -> None:
         """Copy one call's weights, scene, reference and controls into this workspace's
         tensors, and reset the optimiser to a fresh Adam's state: no tensor is rebound."""
         with torch.no_grad():
-            self.global_field.load_state_dict(global_field.state_dict())
-            if self.personal_field is not None and personal_field is not None:
-                self.personal_field.load_state_dict(personal_field.state_dict())
+            self.global_field.load_state_dict(call.global_field.state_dict())
+            if self.personal_field is not None and call.personal_field is not None:
+                self.personal_field.load_state_dict(call.personal_field.state_dict())
             if self.proximal is not None:
-                reference = _on_device(global_reference, dict(global_field.named_parameters()),
-                                       "global_reference")  # fmt: skip
+                reference = call.reference()
                 for name, tensor in self.proximal.reference.items():
                     tensor.copy_(reference[name])
-            if self.corrector is not None and scaffold is not None:
-                self.corrector.refill(scaffold)
+            if self.corrector is not None and call.scaffold is not None:
+                self.corrector.refill(call.scaffold)
             for state in self.optimizer.state.values():
                 for value in state.values():
                     value.zero_()
-            rates = [config.learning_rate, config.personal_learning_rate]
+            rates = [call.config.learning_rate, call.config.personal_learning_rate]
             for index, group in enumerate(self.optimizer.param_groups):
                 group["lr"].fill_(rates[index >= self.global_groups])  # static: tensors
-            self.sampler.refill(scene)
-        self.step.bind(occupancy)
+            self.sampler.refill(call.scene)
+        self.step.bind(call.occupancy)
 
-    def write_back(self, global_field: Field, personal_field: PersonalField | None) -> None:
+    def write_back(self, call: LocalCall) -> None:
         """Copy the trained weights into the call's fields, when they are not this
         workspace's own."""
         with torch.no_grad():
-            if global_field is not self.global_field:
-                global_field.load_state_dict(self.global_field.state_dict())
+            if call.global_field is not self.global_field:
+                call.global_field.load_state_dict(self.global_field.state_dict())
+            personal_field = call.personal_field
             if personal_field is not None and personal_field is not self.personal_field:
                 assert self.personal_field is not None
                 personal_field.load_state_dict(self.personal_field.state_dict())
@@ -364,7 +376,7 @@ class LocalWorkspace:
 
 class StepGraphs:
     """A node process's static steps kept across users and rounds: one workspace per kind of
-    call (`workspace_key`: the fields' shapes, the scene's size, the loss's options), so one
+    call (`LocalCall.key`: the fields' shapes, the scene's size, the loss's options), so one
     CUDA graph per batch size serves the process's whole run instead of being recaptured
     for every user and round.
 
@@ -386,74 +398,18 @@ class StepGraphs:
         live = sum(workspace.step.captures for workspace in self.workspaces.values())
         return self.dropped_captures + live
 
-    def workspace(
-        self,
-        global_field: Field,
-        personal_field: PersonalField | None,
-        personal: PersonalLoss | None,
-        scene: Scene,
-        config: LocalTrainConfig,
-        render_config: RenderConfig,
-        occupancy: OccupancyGrid | None,
-        global_reference: Mapping[str, Tensor] | None,
-        scaffold: ScaffoldControls | None,
-        cuda_graph: bool,
-        device: torch.device,
-    ) -> LocalWorkspace:
+    def workspace(self, call: LocalCall) -> LocalWorkspace:
         """The workspace for this call, refilled with its weights, scene and controls."""
-        key = workspace_key(
-            global_field, personal_field, personal, scene, config, render_config, occupancy,
-            scaffold is not None, cuda_graph, device,
-        )  # fmt: skip
+        key = call.key()
         workspace = self.workspaces.get(key)
         if workspace is None:
-            owned_personal = None if personal_field is None else copy.deepcopy(personal_field)
-            workspace = LocalWorkspace.build(
-                copy.deepcopy(global_field), owned_personal, personal, _cloned(scene), config,
-                render_config, occupancy, global_reference, _cloned_controls(scaffold),
-                cuda_graph, device,
-            )  # fmt: skip
-            self.workspaces[key] = workspace
+            workspace = self.workspaces[key] = LocalWorkspace(call.owned())
             while len(self.workspaces) > self.max_workspaces:
                 _, dropped = self.workspaces.popitem(last=False)
                 self.dropped_captures += dropped.step.captures
         self.workspaces.move_to_end(key)
-        workspace.refill(
-            global_field, personal_field, scene, config, occupancy, global_reference, scaffold
-        )
+        workspace.refill(call)
         return workspace
-
-
-def workspace_key(
-    global_field: Field,
-    personal_field: PersonalField | None,
-    personal: PersonalLoss | None,
-    scene: Scene,
-    config: LocalTrainConfig,
-    render_config: RenderConfig,
-    occupancy: OccupancyGrid | None,
-    scaffold: bool,
-    cuda_graph: bool,
-    device: torch.device,
-) -> tuple:
-    """Everything a captured step bakes in: two calls with equal keys replay the same graphs
-    on refilled tensors (the learning rates are tensors, so they may differ)."""
-    random_background = config.random_background and bool((scene.masks < 1).any())
-    return (
-        str(device),
-        cuda_graph,
-        _module_signature(global_field),
-        None if personal_field is None else _module_signature(personal_field),
-        personal,
-        tuple(scene.images.shape),
-        (scene.cameras.width, scene.cameras.height, random_background),
-        render_config,
-        None if occupancy is None else occupancy.resolution,
-        static_capacity(config.target_samples, config.batch_rays, render_config),
-        config.proximal_mu,
-        config.weight_decay,
-        scaffold,
-    )
 
 
 def _module_signature(module: torch.nn.Module) -> tuple:
