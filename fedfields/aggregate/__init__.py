@@ -21,9 +21,8 @@ from fedfields.aggregate.decentnerf import (
     decentnerf_aggregate,
 )
 from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
-from fedfields.aggregate.fedavg import weighted_mean
-from fedfields.aggregate.fedexp import FedExPSums, fedexp_update
-from fedfields.aggregate.fednova import FedNovaSums, fednova_update
+from fedfields.aggregate.fedexp import FedExPSums
+from fedfields.aggregate.fednova import FedNovaSums
 from fedfields.aggregate.fedprox import proximal_term
 from fedfields.aggregate.robust import (
     AGGREGATION_RULES,
@@ -32,12 +31,10 @@ from fedfields.aggregate.robust import (
     robust_aggregate,
 )
 from fedfields.aggregate.scaffold import (
-    scaffold_client_control_update,
     scaffold_corrected_gradient,
-    scaffold_server_update,
     scaffold_server_update_from_sums,
 )
-from fedfields.aggregate.states import RunningSum, state_sum
+from fedfields.aggregate.states import RunningSum
 
 __all__ = [
     "AGGREGATION_RULES",
@@ -59,16 +56,10 @@ __all__ = [
     "coordinate_trimmed_mean",
     "fedacg_lookahead",
     "fedacg_update",
-    "fedexp_update",
-    "fednova_update",
     "decentnerf_aggregate",
     "proximal_term",
     "robust_aggregate",
-    "scaffold_client_control_update",
     "scaffold_corrected_gradient",
-    "scaffold_server_update",
     "scaffold_server_update_from_sums",
     "secagg_reconstruction_flops",
-    "state_sum",
-    "weighted_mean",
 ]

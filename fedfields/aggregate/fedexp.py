@@ -15,15 +15,12 @@ the update-norm cap, drive ||Delta|| to 0 and eta_g to 1e8 without the cap).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import Tensor
 
 from fedfields.aggregate.states import (
     RunningSum,
     State,
     check_scalar,
-    check_states,
     difference,
     like,
     squared_norm,
@@ -74,20 +71,3 @@ class FedExPSums:
             key: like(x.detach().double() - step * total[key], x)
             for key, x in self.global_state.items()
         }
-
-
-def fedexp_update(
-    global_state: State,
-    local_states: Sequence[State],
-    weights: Sequence[float],
-    epsilon: float = FEDEXP_EPSILON,
-) -> tuple[dict[str, Tensor], float]:
-    """(new global state, eta_g) from the clients' y_i and example counts n_i."""
-    labels = ["global_state"] + [f"client {i}" for i in range(len(local_states))]
-    check_states([global_state, *local_states], labels)
-    if len(local_states) != len(weights):
-        raise ValueError(f"{len(local_states)} states but {len(weights)} weights")
-    sums = FedExPSums(global_state, epsilon)
-    for state, weight in zip(local_states, weights, strict=True):
-        sums.add(state, weight, checked=True)
-    return sums.update(), sums.server_step()

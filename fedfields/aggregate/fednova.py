@@ -10,15 +10,12 @@ Equal tau_i give FedAvg.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import Tensor
 
 from fedfields.aggregate.states import (
     RunningSum,
     State,
     check_scalar,
-    check_states,
     difference,
     like,
 )
@@ -59,22 +56,3 @@ class FedNovaSums:
             key: like(x.detach().double() - tau_eff * direction[key] / self.weight_sum, x)
             for key, x in self.global_state.items()
         }
-
-
-def fednova_update(
-    global_state: State,
-    local_states: Sequence[State],
-    weights: Sequence[float],
-    local_steps: Sequence[float],
-) -> dict[str, Tensor]:
-    """The new global state from the clients' y_i, example counts n_i and steps tau_i."""
-    labels = ["global_state"] + [f"client {i}" for i in range(len(local_states))]
-    check_states([global_state, *local_states], labels)
-    if not len(local_states) == len(weights) == len(local_steps):
-        raise ValueError(
-            f"{len(local_states)} states, {len(weights)} weights, {len(local_steps)} step counts"
-        )
-    sums = FedNovaSums(global_state)
-    for state, weight, steps in zip(local_states, weights, local_steps, strict=True):
-        sums.add(state, weight, steps, checked=True)
-    return sums.update()

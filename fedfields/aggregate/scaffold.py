@@ -1,13 +1,15 @@
 """Scaffold (Karimireddy et al. 2020, Algorithm 1 with option II control variates).
 
 Client i runs K local steps y <- y - lr (g_i(y) - c_i + c) from the global model x, then
-c_i+ = c_i - c + (x - y_i) / (K lr) and uploads (y_i - x, c_i+ - c_i). The server applies
-x <- x + lr_g mean(delta y) and c <- c + |S|/N mean(delta c) over the sampled set S.
+uploads (y_i - x, c_i+ - c_i); option II's c_i+ = c_i - c + (x - y_i) / (K lr) is written in
+tests/paper_reference.py, while our clients, on Adam, take the mean uncorrected gradient
+(`fedfields.train.federated.ScaffoldCorrector`). The server applies x <- x + lr_g mean(delta y)
+and c <- c + |S|/N mean(delta c) over the sampled set S.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import overload
 
 from torch import Tensor
@@ -50,72 +52,6 @@ def scaffold_corrected_gradient(
     }
 
 
-def scaffold_client_control_update(
-    client_control: State,
-    server_control: State,
-    global_state: State,
-    local_state: State,
-    local_steps: int,
-    learning_rate: float,
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Control variate c_i+ = c_i - c + (x - y_i) / (K lr) (Algorithm 1, option II).
-
-    Returns (c_i+, delta c_i = c_i+ - c_i), both in `client_control`'s dtypes.
-    """
-    check_states(
-        [client_control, server_control, global_state, local_state],
-        names=["client_control", "server_control", "global_state", "local_state"],
-    )
-    if int(local_steps) != local_steps or local_steps < 1:
-        raise ValueError(f"local_steps must be a positive integer, got {local_steps}")
-    step = check_scalar(learning_rate, "learning_rate") * int(local_steps)
-    new_control, control_delta = {}, {}
-    for key, c_i in client_control.items():
-        c_i64 = c_i.detach().double()
-        drift = (global_state[key].detach().double() - local_state[key].detach().double()) / step
-        updated = c_i64 - server_control[key].detach().double() + drift
-        new_control[key] = like(updated, c_i)
-        control_delta[key] = like(updated - c_i64, c_i)
-    return new_control, control_delta
-
-
-def scaffold_server_update(
-    global_state: State,
-    model_deltas: Sequence[State],
-    control_deltas: Sequence[State],
-    server_control: State,
-    num_clients_total: int,
-    global_lr: float = 1.0,
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """x <- x + lr_g mean(y_i - x), c <- c + |S|/N mean(delta c_i) (Algorithm 1).
-
-    Returns (new global state, new server control) in the input dtypes.
-    """
-    if len(model_deltas) != len(control_deltas):
-        raise ValueError(
-            f"{len(model_deltas)} model deltas but {len(control_deltas)} control deltas"
-        )
-    sampled = len(model_deltas)
-    if sampled == 0:
-        raise ValueError("no client deltas given")
-    check_states([global_state, *model_deltas], names=["global_state"] + _clients(sampled))
-    check_states([server_control, *control_deltas], names=["server_control"] + _clients(sampled))
-    if int(num_clients_total) != num_clients_total or num_clients_total < sampled:
-        raise ValueError(
-            f"num_clients_total must be an integer >= the {sampled} sampled clients, "
-            f"got {num_clients_total}"
-        )
-    return scaffold_server_update_from_sums(
-        global_state,
-        {key: _sum(model_deltas, key) for key in global_state},
-        {key: _sum(control_deltas, key) for key in server_control},
-        sampled,
-        server_control,
-        num_clients_total,
-        global_lr,
-    )
-
-
 def scaffold_server_update_from_sums(
     global_state: State,
     model_delta_sum: State,
@@ -125,7 +61,8 @@ def scaffold_server_update_from_sums(
     num_clients_total: int,
     global_lr: float = 1.0,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """`scaffold_server_update` from sum_i (y_i - x) and sum_i delta c_i over |S| clients.
+    """x <- x + lr_g sum_i (y_i - x) / |S|, c <- c + (|S|/N) sum_i delta c_i / |S|
+    (Algorithm 1) from the two sums over the |S| sampled clients.
 
     What a server behind secure aggregation sees: the sums and how many clients are in them.
     """
@@ -149,11 +86,3 @@ def scaffold_server_update_from_sums(
         for key, c in server_control.items()
     }
     return new_global, new_control
-
-
-def _clients(count: int) -> list[str]:
-    return [f"client {i}" for i in range(count)]
-
-
-def _sum(states: Sequence[State], key: str) -> Tensor:
-    return sum(state[key].detach().double() for state in states)

@@ -60,23 +60,14 @@ def like(value: Tensor, reference: Tensor) -> Tensor:
     return value.to(reference.dtype)
 
 
-def state_sum(states: Sequence[State]) -> dict[str, Tensor]:
-    """Key-wise sum of client states: the plain (non-secure) counterpart of a secure sum."""
-    check_states(states)
-    return {
-        key: like(sum(state[key].detach().double() for state in states), reference)
-        for key, reference in states[0].items()
-    }
-
-
 class RunningSum:
     """sum_k w_k x_k and sum_k w_k accumulated one state at a time.
 
     What a server needs to aggregate replies as they arrive: memory is one float64 copy of
     the model whatever the number of states. Accumulating in float64 (not float32, which is
     faster: docs/BENCHMARKS.md) keeps the result independent of the order replies arrive in,
-    so a seeded run repeats exactly; `sum()` / `mean()` equal `state_sum` /
-    `fedfields.aggregate.weighted_mean` and hand back each key's input dtype.
+    so a seeded run repeats exactly; `sum()` / `mean()` hand back each key's input dtype
+    (tests/paper_reference.py's list forms are the reference they are checked against).
     """
 
     def __init__(self) -> None:
