@@ -896,3 +896,18 @@ def test_an_all_empty_run_through_the_launcher_exits_non_zero(
     assert line in output and "updates exceeded max-update-norm = 1e-12" in output, output[-3000:]
     assert "4 replies asked, 0 kept, 4 dropped (dropped-update-norm 4)" in output  # 2 of 3 x 2
     assert not (tmp_path / "run" / "summary.json").exists()  # never reported as completed
+
+
+def test_each_round_logs_one_line_of_replies_summed_dropped_and_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 56, point 6: run through the strategy's own loop (`start`, as a library user
+    calls it), a round of one honest reply, one a check drops and one error logs one INFO
+    line with the three counts, as Flower's strategies print theirs."""
+    records, metrics = honest_reply("fedavg", 1)
+    metrics[NUM_EXAMPLES] = 123456789012.0  # over max_num_examples: dropped
+    grid = InProcessGrid([node(*honest_reply("fedavg", 0)), node(records, metrics), _failing])
+    with caplog.at_level(logging.INFO):
+        make("fedavg", 3).start(grid, state_to_arrays(global_state()), num_rounds=1)
+    lines = [r.getMessage() for r in caplog.records if "aggregate_train:" in r.getMessage()]
+    assert lines == ["aggregate_train: 1 replies summed, 1 dropped, 1 failed"]

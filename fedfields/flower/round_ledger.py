@@ -190,3 +190,18 @@ class EmptyTally:
             f"dropped{f' ({drops})' if drops else ''}, {self.failures} failed"
         )
         return line + (f", {self.failed_sums} secure sums failed" if secure else "")
+
+
+def round_counts(outcome_metrics: Mapping[str, Any], aggregated: bool) -> str:
+    """A round's one log line, as Flower's strategies print theirs: the replies summed, those
+    a check dropped, those that failed (errors, unexpected replies), the nodes that sent
+    nothing, and whether an aggregate formed."""
+    dropped = int(outcome_metrics.get(NUM_DROPPED, 0))
+    failed = int(outcome_metrics.get(NUM_FAILURES, 0)) - dropped
+    missing = int(outcome_metrics.get(NUM_MISSING, 0))
+    line = (
+        f"aggregate_train: {int(outcome_metrics.get(NUM_REPLIES, 0))} replies summed, "
+        f"{dropped} dropped, {failed} failed"
+    )
+    line += f", {missing} missing" if missing else ""
+    return line + ("" if aggregated else "; no aggregate, the global model stays")

@@ -28,7 +28,7 @@ from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from fedfields.flower.protocol import NON_FINITE_AGGREGATE, NUM_REPLIES
 from fedfields.flower.round import RoundOutcome
-from fedfields.flower.round_ledger import EmptyTally
+from fedfields.flower.round_ledger import EmptyTally, round_counts
 from fedfields.flower.round_privacy import PrivacyBudgetSpent
 from fedfields.flower.streaming import StreamingGrid
 from fedfields.privacy.secure_sum import SecureAggregationConfig
@@ -120,6 +120,7 @@ class RoundLoop:
                 break
             replies = grid.send_and_receive(messages=messages, timeout=timeout)
             outcome = strategy.finish_round(server_round, replies)
+            log(INFO, round_counts(outcome.metrics, outcome.arrays is not None))
             if outcome.arrays is not None:
                 arrays = result.arrays = outcome.arrays
                 empty = EmptyTally()
