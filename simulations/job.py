@@ -43,7 +43,7 @@ from fedfields.flower.resume import (
     save_round_checkpoint,
 )
 from fedfields.flower.round import RoundOutcome
-from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.round_loop import RoundEndFn, RoundLoop
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings
@@ -195,7 +195,7 @@ def reply_counts(metrics: dict[str, Any]) -> str:
     return counts + (f", {missing} missing" if missing else "")
 
 
-def round_users(ledger: TrainRound) -> dict[str, list[str]]:
+def round_users(ledger: RoundLedger) -> dict[str, list[str]]:
     """The round's sampled users and the users whose replies its aggregate summed, by user
     key in the order they were summed (`fedfields.flower.user_keys`)."""
     return {"users-sampled": list(ledger.users), "users-summed": ledger.summed_users}

@@ -48,7 +48,7 @@ from fedfields.flower.protocol import (
     reply_metric,
     reply_state,
 )
-from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_ledger import RoundLedger
 
 
 @dataclass
@@ -80,7 +80,7 @@ class ReplyGate:
     delta_scale: str = ""
     """The ARRAYS key s of a payload s x (DecentNeRF's alpha_k): its update is s x - s g."""
 
-    def successful(self, train_round: TrainRound, replies: Iterable[Message]) -> Iterator[Message]:
+    def successful(self, ledger: RoundLedger, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
         is logged and left out.
 
@@ -92,36 +92,36 @@ class ReplyGate:
         """
         seen: set[int] = set()
         answered: set[int] = set()
-        where = f"round {train_round.server_round}"
+        where = f"round {ledger.server_round}"
         for reply in replies:
             node_id = reply.metadata.src_node_id
             answered.add(node_id)
             if reply.has_error():
-                train_round.num_failures += 1
+                ledger.num_failures += 1
                 log(WARNING, "%s: reply from node %d failed and is left out: %s", where, node_id,
                     reply.error.reason)  # fmt: skip
                 continue
-            if node_id not in train_round.node_ids or node_id in seen:
-                train_round.num_failures += 1
+            if node_id not in ledger.node_ids or node_id in seen:
+                ledger.num_failures += 1
                 log(WARNING, "%s: unexpected reply from node %d (not sampled, or a second "
                     "reply) is left out", where, node_id)  # fmt: skip
                 continue
             seen.add(node_id)
-            train_round.bytes_up += content_bytes(reply.content)
+            ledger.bytes_up += content_bytes(reply.content)
             try:
                 check_metrics(reply)
             except BadReply as bad:
-                self.drop(train_round, reply, bad)
+                self.drop(ledger, reply, bad)
                 continue
             yield reply
-        if missing := sorted(set(train_round.node_ids) - answered):
-            train_round.num_missing += len(missing)
+        if missing := sorted(set(ledger.node_ids) - answered):
+            ledger.num_missing += len(missing)
             log(WARNING, "%s: no reply before the timeout (run-config round-timeout) from "
                 "nodes %s: their updates are missing from this round", where, missing)  # fmt: skip
 
     def checked(
         self,
-        train_round: TrainRound,
+        ledger: RoundLedger,
         replies: Iterable[Message],
         records: Mapping[str, Shapes],
         check_update: Callable[[CheckedReply], None],
@@ -138,10 +138,10 @@ class ReplyGate:
         both inclusive, and positive; then the strategy's `check_update` (the update-norm
         bound, or its own).
         """
-        for reply in self.successful(train_round, replies):
+        for reply in self.successful(ledger, replies):
             try:
                 states = {
-                    name: self.record_state(train_round, reply, name, shapes)
+                    name: self.record_state(ledger, reply, name, shapes)
                     for name, shapes in records.items()
                 }
                 checked = CheckedReply(reply.metadata.src_node_id, states)
@@ -155,33 +155,33 @@ class ReplyGate:
                 }
                 check_update(checked)
             except BadReply as bad:
-                self.drop(train_round, reply, bad)
+                self.drop(ledger, reply, bad)
                 continue
             checked.metrics = reply_metrics(reply)
             yield checked
 
     def record_state(
-        self, train_round: TrainRound, reply: Message, name: str, shapes: Shapes
+        self, ledger: RoundLedger, reply: Message, name: str, shapes: Shapes
     ) -> dict[str, Tensor]:
         """Record `name` of `reply` as checked tensors (`reply_state`); a compressed ARRAYS
         record is first decompressed onto the arrays sent, a compressed G_k or delta c_i on
         its own (`decompressed_reply_state`)."""
         if self.compression is None or name not in (ARRAYS, GRADIENT, CONTROL_DELTA):
-            return reply_state(reply, name, shapes, train_round.dtypes)
-        reference = train_round.reference if name == ARRAYS else None
+            return reply_state(reply, name, shapes, ledger.dtypes)
+        reference = ledger.reference if name == ARRAYS else None
         return decompressed_reply_state(
-            reply, shapes, reference, train_round.dtypes, self.compression, self.delta_scale, name
+            reply, shapes, reference, ledger.dtypes, self.compression, self.delta_scale, name
         )
 
     def check_update_norm(
-        self, train_round: TrainRound, node_id: int, state: Mapping[str, Tensor], scale: float
+        self, ledger: RoundLedger, node_id: int, state: Mapping[str, Tensor], scale: float
     ) -> None:
         """Raise `BadReply` ("update-norm") if `state` / `scale` moved further than
         `max_update_norm` * max(||g||, 1) from the arrays sent (g); no-op when off."""
-        if self.max_update_norm is None or not train_round.reference:
+        if self.max_update_norm is None or not ledger.reference:
             return
-        bound = self.max_update_norm * max(train_round.reference_norm, 1.0)
-        if not update_norm(state, train_round.reference, scale) <= bound:
+        bound = self.max_update_norm * max(ledger.reference_norm, 1.0)
+        if not update_norm(state, ledger.reference, scale) <= bound:
             raise BadReply(
                 "update-norm",
                 f"reply from node {node_id}, record {ARRAYS!r}: the update's norm exceeds "
@@ -189,7 +189,7 @@ class ReplyGate:
             )
 
     def holding(
-        self, train_round: TrainRound, replies: Sequence[Message], records: Mapping[str, Shapes]
+        self, ledger: RoundLedger, replies: Sequence[Message], records: Mapping[str, Shapes]
     ) -> list[Message]:
         """The secure-mode replies that hold every one of `records` back; others dropped."""
         holding = []
@@ -199,23 +199,23 @@ class ReplyGate:
             missing = sorted(set(records) - set((held or {}).get(HELD_RECORDS, [])))
             if held is None or missing:
                 bad = BadReply("held", f"{where}: does not hold the records {missing}")
-                self.drop(train_round, reply, bad)
+                self.drop(ledger, reply, bad)
                 continue
             try:
                 names = set(held.get(HELD_METRICS, [])) - PROTOCOL_HELD_METRICS
                 check_metric_names(names, where)
             except BadReply as bad:
-                self.drop(train_round, reply, bad)
+                self.drop(ledger, reply, bad)
                 continue
             holding.append(reply)
         return holding
 
     @staticmethod
-    def drop(train_round: TrainRound, reply: Message, bad: BadReply) -> None:
+    def drop(ledger: RoundLedger, reply: Message, bad: BadReply) -> None:
         """Leave `reply` out of the round: count it and log node and check at WARNING."""
-        train_round.count_drop(bad.check)
+        ledger.count_drop(bad.check)
         log(WARNING, "round %d: reply from node %d dropped (check %r): %s",
-            train_round.server_round, reply.metadata.src_node_id, bad.check, bad)  # fmt: skip
+            ledger.server_round, reply.metadata.src_node_id, bad.check, bad)  # fmt: skip
 
     def drop_reason(self, check: str, strategy: str) -> str:
         """What a reply dropped by `check` lacked, in a user's words (`strategy` names the

@@ -37,7 +37,7 @@ from fedfields.flower.protocol import (
     finite_arrays,
 )
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate
-from fedfields.flower.round_ledger import TrainRound, round_metrics
+from fedfields.flower.round_ledger import RoundLedger, round_metrics
 from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sum_replies import (
     ReplyFold,
@@ -61,7 +61,7 @@ class RoundOutcome:
 
     arrays: ArrayRecord | None
     metrics: dict[str, float]
-    ledger: TrainRound
+    ledger: RoundLedger
 
     @property
     def server_round(self) -> int:
@@ -107,7 +107,7 @@ class Round:
 
     def __init__(
         self,
-        ledger: TrainRound,
+        ledger: RoundLedger,
         gate: ReplyGate,
         check_update: UpdateCheck,
         rules: SumRules,
@@ -126,7 +126,7 @@ class Round:
     @classmethod
     def open(
         cls,
-        ledger: TrainRound,
+        ledger: RoundLedger,
         arrays: ArrayRecord,
         gate: ReplyGate,
         check_update: UpdateCheck,

@@ -1,6 +1,6 @@
 """The ledger of a federated round: who was asked, what came back, what it cost.
 
-A `TrainRound` is opened by the strategy's `begin_round` and filled by the reply gate (drops,
+A `RoundLedger` is opened by the strategy's `begin_round` and filled by the reply gate (drops,
 failures, bytes up) and the sums (secure sums done or failed); `round_metrics` turns it and the
 clients' metrics into the round's train metrics. `EmptyTally` counts consecutive rounds that
 formed no aggregate, for `EmptyRoundsError`'s message.
@@ -37,7 +37,7 @@ SECURE_FAILURES = "secure-sum-failures"
 
 
 @dataclass
-class TrainRound:
+class RoundLedger:
     """What `configure_train` fixed for one round, and what its replies did to it."""
 
     server_round: int
@@ -92,7 +92,7 @@ class TrainRound:
 
 
 def round_metrics(
-    train_round: TrainRound,
+    ledger: RoundLedger,
     metrics: Sequence[Mapping[str, Any]],
     weights: Sequence[float] | None,
     secure: bool,
@@ -108,7 +108,7 @@ def round_metrics(
     """
     weights = [1.0] * len(metrics) if weights is None else weights
     entries: dict[str, list[tuple[float, float]]] = {
-        key: [(1.0, value)] for key, value in (train_round.secure_metrics or {}).items()
+        key: [(1.0, value)] for key, value in (ledger.secure_metrics or {}).items()
     }
     for values, weight in zip(metrics, weights, strict=True):
         for key, value in values.items():
@@ -117,18 +117,18 @@ def round_metrics(
     secure_counts = {}
     if secure:
         secure_counts = {
-            SECURE_SUMS: train_round.secure_sums,
-            SECURE_FAILURES: train_round.failed_sums,
+            SECURE_SUMS: ledger.secure_sums,
+            SECURE_FAILURES: ledger.failed_sums,
         }
     return {
         **{key: weighted_mean(pairs) for key, pairs in entries.items()},
         NUM_REPLIES: len(metrics),
-        NUM_FAILURES: train_round.num_failures,
-        **({NUM_MISSING: train_round.num_missing} if train_round.num_missing else {}),
-        NUM_DROPPED: sum(train_round.dropped.values()),
-        **{DROPPED_PREFIX + check: count for check, count in train_round.dropped.items()},
-        BYTES_UP: train_round.bytes_up,
-        BYTES_DOWN: train_round.bytes_down,
+        NUM_FAILURES: ledger.num_failures,
+        **({NUM_MISSING: ledger.num_missing} if ledger.num_missing else {}),
+        NUM_DROPPED: sum(ledger.dropped.values()),
+        **{DROPPED_PREFIX + check: count for check, count in ledger.dropped.items()},
+        BYTES_UP: ledger.bytes_up,
+        BYTES_DOWN: ledger.bytes_down,
         **secure_counts,
     }
 
@@ -159,17 +159,17 @@ class EmptyTally:
     non_finite: int = 0
     """Aggregates refused because they held NaN or infinite values."""
 
-    def add(self, train_round: TrainRound, kept: int, *, non_finite: bool = False) -> None:
+    def add(self, ledger: RoundLedger, kept: int, *, non_finite: bool = False) -> None:
         """Count one empty round; `kept` replies passed the checks (yet nothing came of it,
         or, if `non_finite`, an aggregate that was refused)."""
-        self.rounds.append(train_round.server_round)
+        self.rounds.append(ledger.server_round)
         self.non_finite += non_finite
-        self.sampled += len(train_round.node_ids)
+        self.sampled += len(ledger.node_ids)
         self.kept += kept
-        self.dropped.update(train_round.dropped)
-        self.failures += train_round.num_failures - sum(train_round.dropped.values())
-        self.failed_sums += train_round.failed_sums
-        self.sum_error = train_round.sum_error or self.sum_error
+        self.dropped.update(ledger.dropped)
+        self.failures += ledger.num_failures - sum(ledger.dropped.values())
+        self.failed_sums += ledger.failed_sums
+        self.sum_error = ledger.sum_error or self.sum_error
 
     def commonest_cause(self) -> str | None:
         """The check that dropped most replies, "failed" (error replies) or "failed-sum"."""

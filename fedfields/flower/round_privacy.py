@@ -3,7 +3,7 @@
 Plaintext sums clip each reply's update and the server adds N(0, (z C)^2) (central DP,
 `central`); under secure aggregation the clients clip and add their share of that noise
 before masking (distributed DP, `client_config`), calibrated to t, the fewest holders a sum
-of the round is unmasked from (`TrainRound.min_holders`), so every unmasked sum carries at
+of the round is unmasked from (`RoundLedger.min_holders`), so every unmasked sum carries at
 least z, more with more holders (`effective_noise_multiplier`), and each is charged.
 Weights are uniform. One `DPAccountant` per run is
 charged once a round with q = sampled / connected and the multiplier combined over the round's
@@ -32,7 +32,7 @@ from fedfields.flower.protocol import (
     SECURE_DELTA_SCALE,
     WEIGHT_KEY,
 )
-from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.sum_replies import (
     CentralPrivacy,
     DistributedPrivacy,
@@ -172,13 +172,13 @@ class RoundPrivacy:
                     "to 0 (the range then follows from C, z and the round's holders)"
                 )
 
-    def distributed(self, train_round: TrainRound, payload: bool) -> DistributedPrivacy:
-        """A secure DP sum of `train_round`: the records' SecAgg+ range (a fixed
+    def distributed(self, ledger: RoundLedger, payload: bool) -> DistributedPrivacy:
+        """A secure DP sum of `ledger`: the records' SecAgg+ range (a fixed
         secagg-clipping-range as set, else C plus the noise tail for its t holders,
         `distributed_noise_range`), the metrics' (the weight, 1 a client, and under adaptive
         clipping the noised bits) and the metrics asked for; `payload` False for DecentNeRF's
         gradient query (no bits)."""
-        holders = train_round.min_holders
+        holders = ledger.min_holders
         adaptive = payload and self.config.adaptive is not None
         if payload:
             self.payload_noise_std = central_noise_std(self.update_multiplier, self.clip_norm)
@@ -275,7 +275,7 @@ class RoundPrivacy:
             )
             raise PrivacyBudgetSpent(self.stop)
 
-    def charge(self, train_round: TrainRound) -> dict[str, float]:
+    def charge(self, ledger: RoundLedger) -> dict[str, float]:
         """Charge the round's noised sums once (q = sampled / connected, z combined over its
         sums: each plaintext sum released, each secure sum unmasked, used or not, at
         z sqrt(h / t) for its h holders); the DP train metrics (epsilon three ways,
@@ -283,17 +283,16 @@ class RoundPrivacy:
         metrics: dict[str, float] = {}
         if self.config.adaptive is not None:
             metrics[DP_NEXT_CLIP_NORM] = self.clip_norm
-        multipliers = list(train_round.dp_multipliers)
+        multipliers = list(ledger.dp_multipliers)
         if self.secure_aggregation is not None:
-            z, holders = self.config.noise_multiplier, train_round.min_holders
+            z, holders = self.config.noise_multiplier, ledger.min_holders
             multipliers += [
-                effective_noise_multiplier(z, holders, summed)
-                for summed in train_round.unmasked_holders
+                effective_noise_multiplier(z, holders, summed) for summed in ledger.unmasked_holders
             ]
-        if not train_round.dp_charged and multipliers:
-            train_round.dp_charged = True
+        if not ledger.dp_charged and multipliers:
+            ledger.dp_charged = True
             z = combined_noise_multiplier(multipliers)
-            sampled, connected = len(train_round.node_ids), train_round.num_nodes_total
+            sampled, connected = len(ledger.node_ids), ledger.num_nodes_total
             self.accountant.charge(sampled / connected, z, sampled, connected)
             metrics[DP_ROUND_MULTIPLIER] = z
         return {**metrics, **self.accountant.report()}
@@ -316,7 +315,7 @@ class RoundPrivacy:
     def released(
         self,
         summed: RoundSum,
-        train_round: TrainRound,
+        ledger: RoundLedger,
         deltas: Sequence[str],
         delta_records: tuple[str, ...],
     ) -> RoundSum:
@@ -325,11 +324,11 @@ class RoundPrivacy:
         differences): sum_k (x_k - s_k g) + (sum_k s_k) g, with the summed s (DecentNeRF's
         noised alpha sum) or the number summed."""
         if self.secure_aggregation is None:
-            train_round.dp_multipliers.append(self.config.noise_multiplier)
+            ledger.dp_multipliers.append(self.config.noise_multiplier)
         if self.config.adaptive is not None and ARRAYS in summed.sums:
             self.adapt(summed)
         restored = [name for name in deltas if name not in delta_records]
-        return with_reference(summed, train_round.reference, restored, self.delta_scale)
+        return with_reference(summed, ledger.reference, restored, self.delta_scale)
 
     def adapt(self, summed: RoundSum) -> None:
         """Move C by the geometric update from the noised count of unclipped updates (the

@@ -35,7 +35,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate
 from fedfields.flower.round import Round, RoundOutcome, SumRules
-from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.round_loop import EvaluateFn, RoundEndFn, RoundLoop
 from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sampling import NodeSampler
@@ -190,7 +190,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_started += 1
         if self.downloads is not None:  # replies are read against `arrays`, kept exact
             self.downloads.advance(server_round, arrays)
-        ledger = TrainRound(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
+        ledger = RoundLedger(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
         gate = ReplyGate(
             self.max_num_examples, self.max_update_norm, self.compression, self.dp_delta_scale

@@ -40,7 +40,7 @@ from fedfields.flower.protocol import (
     Shapes,
 )
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
-from fedfields.flower.round_ledger import TrainRound
+from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.secure_sum import SecureSum
 from fedfields.privacy.dp import clip_records, noised_records, scaled_difference
 from fedfields.privacy.secure_sum import (
@@ -167,7 +167,7 @@ def clipped_update(
 
 def secure_sum(
     gate: ReplyGate,
-    train_round: TrainRound,
+    ledger: RoundLedger,
     config: SecureAggregationConfig,
     replies: Sequence[Message],
     records: Mapping[str, Shapes],
@@ -184,9 +184,9 @@ def secure_sum(
     A reply that does not hold every record is dropped ("held"). A halted SecAgg+ run, a
     summed weight not above the sum's resolution or a non-finite sum is a secure-sum failure:
     logged as an ERROR, counted, None. Every unmasked sum's holders go to
-    `train_round.unmasked_holders`, used or not (DP charges each).
+    `ledger.unmasked_holders`, used or not (DP charges each).
     """
-    holding = gate.holding(train_round, replies, records)
+    holding = gate.holding(ledger, replies, records)
     if not holding:
         return None
     metric_keys = held_metric_keys(holding) if privacy is None else list(privacy.metric_keys)
@@ -195,26 +195,26 @@ def secure_sum(
     secure = SecureSum(config, bits)
     dp_range = None if privacy is None else (privacy.record_range, privacy.metric_range)
     try:
-        result = secure(train_round.grid, node_ids, layout, train_round.server_round,
-                        train_round.min_holders, dp_range)  # fmt: skip
+        result = secure(ledger.grid, node_ids, layout, ledger.server_round,
+                        ledger.min_holders, dp_range)  # fmt: skip
     except SecureAggregationError as error:
-        return sum_failure(train_round, f"SecAgg+ halted: {error}")
-    train_round.unmasked_holders.append(len(result.node_ids))
-    train_round.bytes_up += result.bytes_up
+        return sum_failure(ledger, f"SecAgg+ halted: {error}")
+    ledger.unmasked_holders.append(len(result.node_ids))
+    ledger.bytes_up += result.bytes_up
     held_metrics = result.sums.pop(METRICS)
     weight = float(held_metrics.pop(WEIGHT_KEY))
     unclipped = held_metrics.pop(DP_UNCLIPPED, None)
     if not (math.isfinite(weight) and weight > result.resolution[METRICS][WEIGHT_KEY]):
         return sum_failure(
-            train_round, "the summed weight is not positive (not above the secure sum's resolution)"
+            ledger, "the summed weight is not positive (not above the secure sum's resolution)"
         )
     if not all(bool(torch.isfinite(v).all()) for s in result.sums.values() for v in s.values()):
-        return sum_failure(train_round, "a summed record holds NaN or infinite values")
+        return sum_failure(ledger, "a summed record holds NaN or infinite values")
     metric_means = {key: float(value) / weight for key, value in held_metrics.items()}
     if not all(math.isfinite(value) for value in metric_means.values()):
-        return sum_failure(train_round, "a summed metric is NaN or infinite")
-    train_round.secure_sums += 1
-    train_round.secure_metrics = metric_means
+        return sum_failure(ledger, "a summed metric is NaN or infinite")
+    ledger.secure_sums += 1
+    ledger.secure_metrics = metric_means
     summed = set(result.node_ids)
     metrics = [reply_metrics(r) for r in holding if r.metadata.src_node_id in summed]
     return RoundSum(
@@ -237,12 +237,12 @@ def with_reference(
     return summed
 
 
-def sum_failure(train_round: TrainRound, reason: str) -> None:
+def sum_failure(ledger: RoundLedger, reason: str) -> None:
     """Count a sum that cannot be used (a halted or unusable secure sum, DecentNeRF's alpha sum
     that is not positive; "secure-sum-failures" under secure aggregation) and log it; None."""
-    train_round.failed_sums += 1
-    train_round.sum_error = reason
-    where = f"round {train_round.server_round}"
+    ledger.failed_sums += 1
+    ledger.sum_error = reason
+    where = f"round {ledger.server_round}"
     log(ERROR, "%s: the sum failed, nothing of it is used: %s", where, reason)
 
 
