@@ -548,3 +548,19 @@ def test_a_timeout_python_cannot_wait_is_refused_when_parsed(run_config: dict, r
     crash the first wait of the run; it is refused with the other run-config errors."""
     with pytest.raises(ValueError, match=reason):
         parse_app_config(run_config)
+
+
+def test_the_list_of_strategies_comes_from_the_registry_alone() -> None:
+    """Issue 56, point 5: the reference lists the registry's strategies, generated; no other
+    file keeps the list by hand (the schema's help, pyproject's comment, the docs)."""
+    registered = list(strategy_settings())
+    paragraphs = reference(strategy_settings()).split("\n\n")
+    line = next(text for text in paragraphs if "Registered strategies" in text)
+    assert line.endswith(", ".join(f"`{name}`" for name in registered) + ".")
+    root = DOCS.parents[1]
+    others = [name for name in registered if name not in ("decentnerf", "fedmenf", "fedavg")]
+    for path in [root / "pyproject.toml", root / "fedfields" / "config" / "schema.py",
+                 *sorted((root / "docs").glob("*.md"))]:  # fmt: skip
+        text = path.read_text()
+        if path != DOCS:
+            assert not all(name in text for name in others), f"{path} lists the strategies"

@@ -36,7 +36,8 @@ STRATEGIES_HEADER = """
 
 Each strategy module declares its own keys (a `StrategySettings` dataclass); the App's
 registry maps the strategy's name to its class and those settings. A key changed from its
-default under a strategy that does not read it is refused.
+default under a strategy that does not read it is refused. Registered strategies (the values
+of `strategy`): {names}.
 
 | key | type | default | meaning |
 |---|---|---|---|
@@ -62,7 +63,8 @@ def reference(strategies: StrategyTable) -> str:
         parts.append(f"\n{doc}\n\n| key | type | default | meaning |\n|---|---|---|---|\n")
         for spec in fields(section):
             parts.append(_row(dash(spec.name), spec.default, spec.metadata["doc"]))
-    parts.append(STRATEGIES_HEADER)
+    names = ", ".join(f"`{name}`" for name in strategies)
+    parts.append(STRATEGIES_HEADER.replace("{names}", names))
     for run_key, readers in strategy_keys(strategies).items():
         spec = strategies[readers[0]].keys()[run_key]
         meaning = f"{spec.metadata['doc']} (read by {', '.join(readers)})"

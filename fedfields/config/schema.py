@@ -120,8 +120,8 @@ class CommonSection:
     mode: str = key("federated", "federated | split (SplitNeRF, task scene, one client)")
     strategy: str = key(
         "",
-        '"" = decentnerf (scene) or fedmenf (meta tasks) | fedavg | fedprox | scaffold | '
-        "fednova | fedexp | fedacg | fedavgm | fedadam | fedyogi | fedadagrad",
+        '"" = decentnerf (scene) or fedmenf (meta tasks); else a name in the App\'s registry '
+        "(docs/RUN_CONFIG.md, strategies)",
     )
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(
