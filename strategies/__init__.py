@@ -77,6 +77,7 @@ def shared_options(config: FederatedConfig, cls: type[ProtocolStrategy]) -> dict
         "max_num_examples": robust.max_num_examples,
         "max_update_norm": robust.max_update_norm,
         "max_empty_rounds": robust.max_empty_rounds,
+        "sample_by_user": True,  # the App's ClientApps answer the user-key query
     }
     if cls.settings_class.robust_rules:
         options |= {

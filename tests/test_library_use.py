@@ -156,7 +156,8 @@ APP_FILES = {
         def main(grid: Grid, context: Context) -> None:
             config = context.run_config
             sampling = dict(fraction_train=1.0, min_train_nodes=3, min_available_nodes=3,
-                            fraction_evaluate=0.0, local_steps=5, node_timeout=120.0)
+                            fraction_evaluate=0.0, local_steps=5, node_timeout=120.0,
+                            sample_by_user=True)
             initial = {k: v.detach() for k, v in make_model().state_dict().items()}
             report = {"fedfields": fedfields.__file__, "initial-error": error(initial)}
             for strategy in (DecentNeRF.from_config(config, **sampling), FedAvg(**sampling)):

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
 
@@ -25,6 +25,7 @@ from fedfields.flower.sampling import NodeSampler
 from fedfields.flower.streaming import StreamingGrid
 from fedfields.flower.user_keys import (
     USER_KEY_ACTION,
+    USER_KEY_MESSAGE_TYPE,
     UserKeys,
     answer_user_key,
     natural_order,
@@ -66,7 +67,9 @@ def shuffled_grid(apps: list, first_node_id: int, order: list[int]) -> InProcess
 def sampled_round(seed: int, grid: InProcessGrid) -> tuple[list[str], dict[str, torch.Tensor]]:
     """One FedAvg round sampling half the nodes under `seed`: the sampled users and the
     aggregate (streamed, so replies are summed in the order sent)."""
-    strategy = FedAvg(fraction_train=0.5, min_available_nodes=8, sampling_seed=seed)
+    strategy = FedAvg(
+        fraction_train=0.5, min_available_nodes=8, sampling_seed=seed, sample_by_user=True
+    )
     streaming = StreamingGrid(grid)
     start = state_to_arrays(initial_state())
     messages = strategy.configure_train(1, start, ConfigRecord({"local-steps": 3}), streaming)
@@ -171,3 +174,39 @@ def test_seeded_user_key_samples_are_uniform_and_independent_across_rounds() -> 
     assert all(len(run[0]) == users // 2 for run in runs)
     first_rounds = {frozenset(run[0]) for run in runs}
     assert len(first_rounds) > 900, "seeds should draw (nearly) distinct first samples"
+
+
+def test_by_default_a_stock_client_app_is_never_asked_which_user_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 56, point 6: Flower's ClientApp raises for a message type it has no handler for
+    (and its runtime logs an ERROR with a traceback on the node), so a strategy built without
+    `sample_by_user` sends no user-key query: a stock ClientApp (train only, like Flower's
+    quickstart) trains two quiet rounds; with `sample_by_user=True` the same app is asked
+    (three queries, answered with errors) and the server warns once."""
+    seen: list[str] = []
+
+    def stock_app(msg: Message, context: Context) -> Message:
+        seen.append(msg.metadata.message_type)
+        app = ClientApp()
+
+        @app.train()
+        def train(message: Message, _: Context) -> Message:
+            content = RecordDict({"arrays": message.content["arrays"]})
+            content["metrics"] = MetricRecord({"num-examples": 1})
+            return Message(content, reply_to=message)
+
+        return app(msg, context)
+
+    for ask in (False, True):
+        seen.clear()
+        grid = InProcessGrid([stock_app] * 3)
+        strategy = FedAvg(fraction_evaluate=0.0, min_available_nodes=3, sample_by_user=ask)
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            result = strategy.start(grid, state_to_arrays(initial_state()), num_rounds=2)
+        assert len(result.train_metrics_clientapp) == 2
+        asked = [kind for kind in seen if kind == USER_KEY_MESSAGE_TYPE]
+        assert len(asked) == (3 if ask else 0)
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum("did not say which user" in text for text in messages) == (1 if ask else 0)

@@ -92,7 +92,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         max_update_norm: float | None = DEFAULT_MAX_UPDATE_NORM,
         max_empty_rounds: int = DEFAULT_MAX_EMPTY_ROUNDS,
         sampling_seed: int | None = None,
-        sample_by_user: bool = True,
+        sample_by_user: bool = False,
         differential_privacy: DPConfig | None = None,
         compression: CompressionConfig | None = None,
     ) -> None:
@@ -126,8 +126,10 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         nodes as its plaintext twin."""
         user_keys = UserKeys(node_timeout) if sample_by_user else None
         self.sampler = NodeSampler(self.sampling_rng, user_keys, node_timeout)
-        """Nodes sampled, sent to and summed in user-key order (`fedfields.flower.user_keys`;
-        without `sample_by_user` in node-id order), so one seed gives one run."""
+        """With `sample_by_user`, nodes sampled, sent to and summed in user-key order
+        (`fedfields.flower.user_keys`), so one seed gives one run; without it (the default:
+        a stock ClientApp has no handler for the query, and Flower logs an ERROR for each
+        node asked) in node-id order, which Flower draws at random in simulation."""
         self.open_round: Round | None = None
         """The round `begin_round` opened last: Flower's `aggregate_train` takes only replies."""
         self.rounds_started = 0

@@ -11,7 +11,10 @@ its seeded generator, and the replies are summed in that order
 stock quickstart ClientApp, keeps its node id as its key, with one warning: its place in the
 order then depends on Flower's random ids.
 
-A library user's ClientApp answers the query with `answer_user_key`:
+A strategy asks only with `sample_by_user=True` (this App's strategies do): Flower's
+ClientApp raises for a message type it has no handler for and logs an ERROR with a traceback,
+so by default a library strategy asks nothing and orders nodes by id. A library user's
+ClientApp answers the query with `answer_user_key`:
 
     app.query(USER_KEY_ACTION)(answer_user_key)
 """

@@ -167,7 +167,7 @@ def strategy_for(method: str, settings: Settings, num_users: int) -> ProtocolStr
     the others (alpha-lr 0 for DecentNeRF(-L): the weights stay as they start)."""
     options: dict[str, Any] = dict(fraction_train=1.0, fraction_evaluate=0.0,
                                    min_train_nodes=num_users, min_available_nodes=num_users,
-                                   sampling_seed=settings.seed)  # fmt: skip
+                                   sampling_seed=settings.seed, sample_by_user=True)  # fmt: skip
     if method == "fednerf":
         return FedAvg(**options)
     alpha_lr = settings.alpha_lr if method == "decentnerf" else 0.0

@@ -102,6 +102,7 @@ def bench_server_app(
             min_train_nodes=num_clients,
             min_available_nodes=num_clients,
             secure_aggregation=secure,
+            sample_by_user=True,
         )
         out["times"] = []
 
