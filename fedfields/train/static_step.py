@@ -270,7 +270,8 @@ def graphs_supported(device: torch.device) -> bool:
 
 
 class StaticStep:
-    """One optimiser step of `static_loss` per call; with `cuda_graph`, captured per shape.
+    """One optimiser step of `loss_fn` per call (`static_loss`; `local_train`'s one loop runs
+    its dynamic step, never captured, through it too); with `cuda_graph`, captured per shape.
 
     `after_backward` runs between the backward pass and the optimiser's step (Scaffold's
     correction of the gradients), inside the graph when captured: in place, on the device.
