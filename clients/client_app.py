@@ -1,6 +1,6 @@
 """The ClientApp: decodes each message once, lets the run's client half answer, sends one reply.
 
-Every message becomes a `clients.call.ClientCall` (run-config parsed once, node state and
+Every message becomes a `clients.client_call.ClientCall` (run-config parsed once, node state and
 device resolved); the half registered for run-config `mode` and `task` (`clients.halves`:
 `clients.scene_client` for task scene, `clients.meta_client` for faces, photos, video and
 objects, `clients.split_client` for mode split) computes the reply's parts, and this module
@@ -24,7 +24,7 @@ import time
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from clients.call import ClientCall
+from clients.client_call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import compressed_download_mod, secure_aggregation_mod
 from fedfields.flower.compression import compressed_gradient, compressed_parts

@@ -1,13 +1,13 @@
 """This app's registry of client halves: run-config mode and task -> the half that answers.
 
 Like `strategies` for the server: a half is one module in `clients/` with its `HALF`
-(`clients.call.ClientHalf`) and one entry here.
+(`clients.client_call.ClientHalf`) and one entry here.
 """
 
 from __future__ import annotations
 
 from clients import meta_client, scene_client, split_client
-from clients.call import ClientHalf
+from clients.client_call import ClientHalf
 from fedfields.config import FederatedConfig
 
 HALVES: tuple[ClientHalf, ...] = (scene_client.HALF, meta_client.HALF, split_client.HALF)

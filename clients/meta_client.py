@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from clients.call import ClientCall, ClientHalf
+from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import meta_settings
 from fedfields.config.schema import META_TASKS
 from fedfields.flower import meta_train_parts

@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 from flwr.app import RecordDict
 
-from clients.call import ClientCall, ClientHalf
+from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.common.logger import log
 from torch import Tensor
 
-from clients.call import ClientCall, ClientHalf
+from clients.client_call import ClientCall, ClientHalf
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene

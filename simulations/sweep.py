@@ -9,7 +9,7 @@ a typo stops the sweep before anything runs. A rerun of the same command skips t
 summary.json is complete, resumes a killed run from its round checkpoint (`--resume`) and
 restarts one without a checkpoint cleanly. The tables (table.md, table.csv, pairs.csv) hold
 mean ± sample std per setting and metric, and for each `--pair A B` the per-seed A − B with a
-95% Student-t interval (`simulations.sweep_core`); `--table-only` rebuilds them from the runs
+95% Student-t interval (`simulations.sweep_statistics`); `--table-only` rebuilds them from the runs
 on disk. The exit status is 1 when a run failed (the others still run), 2 for a bad sweep;
 Ctrl-C or SIGTERM stops the running launchers (each stops what it started) and starts no more.
 """
@@ -53,7 +53,7 @@ from simulations.planner import (
     plan_nodes,
     server_error,
 )
-from simulations.sweep_core import (
+from simulations.sweep_statistics import (
     PAIR_HEADER,
     RunValue,
     csv_text,

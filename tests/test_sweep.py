@@ -20,7 +20,7 @@ import pytest
 from scipy import stats
 
 from simulations import sweep
-from simulations.sweep_core import (
+from simulations.sweep_statistics import (
     Paired,
     describe,
     expand_grid,
