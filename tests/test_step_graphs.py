@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from graph_replay import assert_replays_match, deterministic_kernels
+from test_host_syncs import _personal, _scaffold  # the same tiny personal field and controls
 
 from fedfields.data import holdout_indices, load_scene
 from fedfields.data.scene import Scene
-from fedfields.fields import HashGridConfig, PersonalField, PersonalFieldConfig
 from fedfields.render import OccupancyGrid
 from fedfields.train import federated
 from fedfields.train.centralised import default_setup
@@ -29,7 +29,6 @@ from fedfields.train.federated import (
     LocalTrainConfig,
     LocalTrainResult,
     LocalWorkspace,
-    ScaffoldControls,
     StepGraphs,
     local_train,
 )
@@ -44,23 +43,6 @@ def users() -> list[Scene]:
     scene = load_scene(LEGO, downscale=8)
     views = holdout_indices(len(scene), 8)[0][: 6 * USERS]
     return [scene.subset(views[user::USERS]) for user in range(USERS)]
-
-
-def _personal(num_images: int, seed: int) -> PersonalField:
-    torch.manual_seed(seed)
-    encoding = HashGridConfig(
-        num_levels=4, log2_hashmap_size=10, max_resolution=32, implementation="torch"
-    )
-    return PersonalField(PersonalFieldConfig(num_images=num_images, encoding=encoding, hidden=16))
-
-
-def _controls(field: torch.nn.Module, seed: int) -> ScaffoldControls:
-    generator = torch.Generator().manual_seed(seed)
-    server, client = {}, {}
-    for name, parameter in field.named_parameters():
-        server[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
-        client[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
-    return ScaffoldControls(server, client)
 
 
 def _round(
@@ -85,7 +67,7 @@ def _round(
     )  # fmt: skip
     result = local_train(
         field, scene, config, setup.render_config, grid, personal, None,
-        _controls(field, seed=user + 7 * federated_round), graphs=graphs,
+        _scaffold(field, seed=user + 7 * federated_round), graphs=graphs,
     )  # fmt: skip
     return result, [p.detach().clone() for p in (*field.parameters(), *personal.parameters())]
 

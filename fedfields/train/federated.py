@@ -508,7 +508,7 @@ def _train_steps(
     workspace's step (or `config.epochs` passes over the scene's pixels), the grid refreshed
     every `occupancy_update_every` steps; the losses and counts are read at the finite checks
     (every FINITE_CHECK_EVERY steps). A dynamic step resizes its batch after every step from
-    its sample count; a static one at every grid refresh (`StaticBatch`)."""
+    its sample count (`stepped`); a static one at every grid refresh (`StaticBatch`)."""
     field, step = workspace.field, workspace.step
     batch: DynamicBatch | StaticBatch = DynamicBatch(config)
     if config.step_mode != "dynamic":
@@ -534,9 +534,8 @@ def _train_steps(
         window.add(outputs, batch_rays)
         steps += 1
         total_rays += batch_rays
-        if isinstance(batch, DynamicBatch):
-            batch.stepped(outputs)
-            batch_rays = batch.rays
+        batch.stepped(outputs)
+        batch_rays = batch.rays
         if steps % FINITE_CHECK_EVERY == 0:
             checked_losses(unchecked, steps - len(unchecked), "local training")
             samples, dropped, _ = window.read()

@@ -218,6 +218,9 @@ class StaticBatch:
         else:
             self.probe = SampleProbe(sampler, render_config, PROBE_RAYS)
 
+    def stepped(self, outputs: StepOutputs) -> None:
+        """Nothing between refreshes: a static batch changes only when the grid does."""
+
     def refreshed(self, grid: OccupancyGrid) -> int:
         """The batch for the steps until the next refresh of `grid` (just refreshed)."""
         if self.probe is not None:
