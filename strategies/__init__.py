@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any, Unpack
 
 from fedfields.config import FederatedConfig
-from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower import (
     DecentNeRF,
     FedACG,
@@ -29,6 +28,7 @@ from fedfields.flower import (
     Scaffold,
     StrategyOptions,
 )
+from fedfields.methods.settings import StrategySettings
 
 STRATEGIES: dict[str, tuple[type[ProtocolStrategy], type[StrategySettings]]] = {
     cls.strategy_name: (cls, cls.settings_class)

@@ -17,7 +17,7 @@ from paper_reference import (
 )
 from torch import Tensor
 
-from fedfields.aggregate import (
+from fedfields.methods import (
     ALPHA_KEY,
     DECENTNERF_COST,
     DECENTNERF_PAPER_COST,
@@ -33,7 +33,7 @@ from fedfields.aggregate import (
     scaffold_corrected_gradient,
     secagg_reconstruction_flops,
 )
-from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
+from fedfields.methods.fedacg import fedacg_lookahead, fedacg_update
 
 F64 = torch.float64
 

@@ -17,8 +17,8 @@ from dp_reference import flower_epsilons
 from flwr.app import Context, Message, MessageType, RecordDict
 from PIL import Image
 
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower.protocol import ARRAYS, state_to_arrays
+from fedfields.methods import ALPHA_KEY
 from simulations.bench.dp import METHODS, NORMS_FILE, Setup, UpdateNorms, failed_row, parse_args
 from simulations.in_process_grid import set_task_identity
 

@@ -16,7 +16,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from test_federated_nerf import tiny
 from torch import Tensor
 
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.compression import (
     CompressionConfig,
     compress,
@@ -67,6 +66,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.resume import RESUME_FILE, load_round_checkpoint
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
+from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy, run_federated_nerf

@@ -10,7 +10,6 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from test_federated_training import RENDER, composite_mse, make_global, scene  # noqa: F401
 
-from fedfields.aggregate import alpha_gradient, alpha_update
 from fedfields.data.scene import Scene
 from fedfields.flower import DecentNeRFClient, NodeState
 from fedfields.flower.protocol import (
@@ -24,6 +23,7 @@ from fedfields.flower.protocol import (
     STRATEGY,
     state_to_arrays,
 )
+from fedfields.methods import alpha_gradient, alpha_update
 from fedfields.train import federated_state, load_federated_state, loss_gradient
 from fedfields.train.nerfw import nerfw_loss
 from simulations.in_process_grid import set_task_identity

@@ -38,7 +38,6 @@ from test_strategies import (
 )
 from torch import Tensor
 
-from fedfields.aggregate import alpha_weighted_payload
 from fedfields.flower import (
     DecentNeRF,
     FedACG,
@@ -72,6 +71,7 @@ from fedfields.flower.secure_aggregation import (
     private_records,
     secure_aggregation_mod,
 )
+from fedfields.methods import alpha_weighted_payload
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.dp import DPConfig, distributed_noise_std, noise_generator, update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError

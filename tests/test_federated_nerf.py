@@ -13,10 +13,10 @@ import torch
 from flwr.app import ArrayRecord
 
 from clients.scene_client import PERSONAL
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.cli import main as fedfields_main
 from fedfields.data.crowd import CrowdData
 from fedfields.flower.protocol import arrays_to_state
+from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.render.orbit import ORBIT_FILE
 from fedfields.report import REPORT_FILE

@@ -28,9 +28,6 @@ from test_reply_faults import (
     node,
 )
 
-from fedfields.aggregate import ALPHA_KEY, alpha_weighted_payload
-from fedfields.aggregate.fedexp import max_server_step
-from fedfields.aggregate.robust import update_norm
 from fedfields.flower import EmptyRoundsError, FedExP, FedNova, ProtocolStrategy, Scaffold
 from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.protocol import (
@@ -48,6 +45,9 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.round_ledger import weighted_mean
+from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
+from fedfields.methods.fedexp import max_server_step
+from fedfields.methods.robust import update_norm
 from simulations.in_process_grid import InProcessGrid
 
 F32 = torch.float32

@@ -11,13 +11,6 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import strategy as flower_strategy
 from test_reply_faults import max_distance, node
 
-from fedfields.aggregate.robust import (
-    RobustRule,
-    bulyan,
-    krum_selection,
-    robust_aggregate,
-    squared_distances,
-)
 from fedfields.flower import FedAvg, FedMeNF
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -26,6 +19,13 @@ from fedfields.flower.protocol import (
     TRAIN_LOSS,
     arrays_to_state,
     state_to_arrays,
+)
+from fedfields.methods.robust import (
+    RobustRule,
+    bulyan,
+    krum_selection,
+    robust_aggregate,
+    squared_distances,
 )
 from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config

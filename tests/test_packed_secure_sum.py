@@ -18,7 +18,6 @@ from test_secure_aggregation import ALPHAS, make_grid, make_strategy, relative_e
 from test_secure_mode import masked_only
 from test_strategies import initial_state
 
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.compression import CompressionConfig
 from fedfields.config import FederatedConfig
 from fedfields.flower import DecentNeRF, FedAvg, NodeState, ProtocolStrategy
@@ -35,6 +34,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import SECURE_FAILURES
 from fedfields.flower.strategy_options import checked_compression
+from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.packed_sum import (
     Packing,

@@ -25,14 +25,6 @@ from flwr.clientapp import ClientApp
 from scipy import stats
 from torch import Tensor
 
-from fedfields.aggregate import ALPHA_KEY, alpha_weighted_payload
-from fedfields.aggregate.robust import (
-    RobustRule,
-    coordinate_median,
-    coordinate_trimmed_mean,
-    robust_aggregate,
-    update_norm,
-)
 from fedfields.flower import (
     DecentNeRF,
     DecentNeRFClient,
@@ -72,6 +64,14 @@ from fedfields.flower.user_keys import (
     USER_KEY_ACTION,
     USER_KEY_MESSAGE_TYPE,
     answer_user_key,
+)
+from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
+from fedfields.methods.robust import (
+    RobustRule,
+    coordinate_median,
+    coordinate_trimmed_mean,
+    robust_aggregate,
+    update_norm,
 )
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity

@@ -24,7 +24,6 @@ from test_strategies import (
 )
 from torch import Tensor
 
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower import (
     DecentNeRF,
     EmptyRoundsError,
@@ -42,6 +41,7 @@ from fedfields.flower.protocol import ARRAYS, GRADIENT_QUERY, arrays_to_state, s
 from fedfields.flower.round import RoundOutcome
 from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
+from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.secure_sum import (
     EXPONENT_MIN,
     NUM_BUCKETS,

@@ -16,10 +16,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import strategy as flower_strategy
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
 
-from fedfields.aggregate.fedavgm import fedavgm_update
-from fedfields.aggregate.fedopt import AdaptiveStep, adam_moment, adaptive_update
 from fedfields.flower import FedAdagrad, FedAdam, FedAvgM, FedYogi, ProtocolStrategy
 from fedfields.flower.protocol import LOCAL_STEPS, STRATEGY, arrays_to_state, state_to_arrays
+from fedfields.methods.fedavgm import fedavgm_update
+from fedfields.methods.fedopt import AdaptiveStep, adam_moment, adaptive_update
 from simulations.in_process_grid import InProcessGrid
 from strategies import make_strategy, parse_app_config
 

@@ -1,6 +1,6 @@
 """The fedfields strategies through Flower's real ClientApp dispatch on an in-process grid.
 
-Fake clients solve least-squares problems with the fedfields.aggregate client helpers;
+Fake clients solve least-squares problems with the fedfields.methods client helpers;
 Flower's own FedAvg is the oracle for ours.
 """
 
@@ -31,13 +31,6 @@ from paper_reference import (
 )
 from torch import Tensor
 
-from fedfields.aggregate import (
-    ALPHA_KEY,
-    alpha_update,
-    alpha_weighted_payload,
-    decentnerf_aggregate,
-    scaffold_corrected_gradient,
-)
 from fedfields.flower import (
     DecentNeRF,
     FedACG,
@@ -76,6 +69,13 @@ from fedfields.flower.protocol import (
 from fedfields.flower.round import Round
 from fedfields.flower.sum_replies import RoundSum
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
+from fedfields.methods import (
+    ALPHA_KEY,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+    scaffold_corrected_gradient,
+)
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config

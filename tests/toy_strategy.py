@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Unpack
 
-from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower import FedAvg
 from fedfields.flower.fedavg import FedAvgOptions
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from fedfields.compression import SCHEMES, CompressionConfig
-from fedfields.config.strategy_settings import StrategySettings, typed_value
 from fedfields.devices import DEVICE_CHOICES, is_device_text
+from fedfields.methods.settings import StrategySettings, typed_value
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import MAX_TIMEOUT_SECONDS, SecureAggregationConfig

@@ -15,16 +15,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate import (
-    ALPHA_KEY,
-    DECENTNERF_COST,
-    alpha_update,
-    alpha_weighted_payload,
-    decentnerf_aggregate,
-)
-from fedfields.aggregate.robust import update_norm
-from fedfields.aggregate.states import check_scalar
-from fedfields.config.strategy_settings import NON_NEGATIVE, POSITIVE, StrategySettings, setting
 from fedfields.flower.compression import compressed_gradient
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -48,6 +38,16 @@ from fedfields.flower.reply_gate import CheckedReply
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
 from fedfields.flower.strategy_options import StrategyOptions, optional_cap
+from fedfields.methods import (
+    ALPHA_KEY,
+    DECENTNERF_COST,
+    alpha_update,
+    alpha_weighted_payload,
+    decentnerf_aggregate,
+)
+from fedfields.methods.robust import update_norm
+from fedfields.methods.settings import NON_NEGATIVE, POSITIVE, StrategySettings, setting
+from fedfields.methods.states import check_scalar
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh

@@ -12,11 +12,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
-from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU, arrays_to_state, state_to_arrays
 from fedfields.flower.round import Round, RoundOutcome
+from fedfields.methods.fedacg import FEDACG_BETA, FEDACG_LAMBDA, fedacg_lookahead, fedacg_update
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class FedACGSettings(StrategySettings):
 class FedACG(FedAvg):
     """FedACG: clients start from x + lambda m and add beta/2 ||y - (x + lambda m)||^2 to
     their loss (sent as "proximal-mu"); the server averages the replies as FedAvg does (also
-    through SecAgg+) and updates x and its momentum m (`fedfields.aggregate.fedacg`).
+    through SecAgg+) and updates x and its momentum m (`fedfields.methods.fedacg`).
 
     Args:
         momentum: lambda (FedMeNF's Table 7: 0.2).

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Unpack
 
-from fedfields.aggregate.fedopt import adagrad_moment
 from fedfields.flower.fedavg import FedAvgOptions
 from fedfields.flower.fedopt import TAU, AdaptiveOptimiser, AdaptiveSettings
+from fedfields.methods.fedopt import adagrad_moment
 
 
 class FedAdagrad(AdaptiveOptimiser):
     """FedAdagrad: FedAvg's mean (plaintext, SecAgg+ or a robust rule), then with
     delta = mean - x v <- v + delta^2 and no first-moment decay (beta_1 = 0)
-    (`fedfields.aggregate.fedopt`); clients train as for FedAvg.
+    (`fedfields.methods.fedopt`); clients train as for FedAvg.
 
     Args:
         server_learning_rate: eta (Flower's default 1e-1).

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fedfields.aggregate.fedopt import adam_moment
 from fedfields.flower.fedopt import AdaptiveOptimiser, MomentSettings
+from fedfields.methods.fedopt import adam_moment
 
 
 class FedAdam(AdaptiveOptimiser):
     """FedAdam: FedAvg's mean (plaintext, SecAgg+ or a robust rule), then with delta = mean - x
     v <- beta_2 v + (1 - beta_2) delta^2 and Adam's bias-corrected eta
-    (`fedfields.aggregate.fedopt`); clients train as for FedAvg.
+    (`fedfields.methods.fedopt`); clients train as for FedAvg.
 
     Args:
         server_learning_rate: eta (Flower's default 1e-1).

@@ -13,18 +13,18 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate.robust import (
+from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.flower.strategy import ProtocolStrategy
+from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods.robust import (
     AGGREGATION_RULES,
     DEFAULT_TRIM_FRACTION,
     RobustRule,
     check_trim_fraction,
     robust_aggregate,
 )
-from fedfields.config.strategy_settings import StrategySettings
-from fedfields.flower.protocol import ARRAYS, CONFIG, NUM_EXAMPLES, state_to_arrays
-from fedfields.flower.round import Round, RoundOutcome
-from fedfields.flower.strategy import ProtocolStrategy
-from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods.settings import StrategySettings
 
 
 class FedAvgOptions(StrategyOptions, total=False):
@@ -71,7 +71,7 @@ class FedAvg(ProtocolStrategy):
             (g: the arrays sent; 0/None: no bound).
         aggregation_rule: "mean" (the weighted mean, folded in as replies arrive), or the
             coordinate-wise "median" or "trimmed-mean", or "krum", "multi-krum" or "bulyan"
-            (`fedfields.aggregate.robust`, as Flower's Krum, MultiKrum and Bulyan); these hold
+            (`fedfields.methods.robust`, as Flower's Krum, MultiKrum and Bulyan); these hold
             every reply of the round in memory, and only Krum's and Multi-Krum's means weigh
             by "num-examples". Not with secure aggregation (the server never sees one
             client's state).

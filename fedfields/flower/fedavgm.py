@@ -8,11 +8,11 @@ from typing import Any, Unpack
 
 from torch import Tensor
 
-from fedfields.aggregate.fedavgm import FEDAVGM_LEARNING_RATE, FEDAVGM_MOMENTUM, fedavgm_update
-from fedfields.aggregate.states import check_scalar
-from fedfields.config.strategy_settings import NON_NEGATIVE, setting
 from fedfields.flower.fedavg import FedAvgOptions
 from fedfields.flower.fedopt import ServerOptimiser, ServerOptimiserSettings
+from fedfields.methods.fedavgm import FEDAVGM_LEARNING_RATE, FEDAVGM_MOMENTUM, fedavgm_update
+from fedfields.methods.settings import NON_NEGATIVE, setting
+from fedfields.methods.states import check_scalar
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class FedAvgMSettings(ServerOptimiserSettings):
 
 class FedAvgM(ServerOptimiser):
     """FedAvgM: FedAvg's mean (plaintext, SecAgg+ or a robust rule), then
-    v <- beta v + (x - mean), x <- x - eta v (`fedfields.aggregate.fedavgm`); clients train as
+    v <- beta v + (x - mean), x <- x - eta v (`fedfields.methods.fedavgm`); clients train as
     for FedAvg.
 
     Args:

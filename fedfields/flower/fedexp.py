@@ -8,9 +8,6 @@ from typing import Unpack
 
 from flwr.app import Message
 
-from fedfields.aggregate.fedexp import FEDEXP_EPSILON, FedExPSums
-from fedfields.aggregate.states import check_scalar
-from fedfields.config.strategy_settings import POSITIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.fednova import (
     refuse_differential_privacy,
@@ -21,6 +18,9 @@ from fedfields.flower.protocol import ARRAYS, state_to_arrays
 from fedfields.flower.reply_gate import CheckedReply
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods.fedexp import FEDEXP_EPSILON, FedExPSums
+from fedfields.methods.settings import POSITIVE, StrategySettings, setting
+from fedfields.methods.states import check_scalar
 
 SERVER_STEP = "fedexp-server-step"
 """Train metric: the round's eta_g (1 is FedAvg's step)."""
@@ -37,7 +37,7 @@ class FedExPSettings(StrategySettings):
 
 class FedExP(FedAvg):
     """FedExP: x <- x - eta_g Delta with eta_g = max(1, mean ||Delta_i||^2 / 2(||Delta||^2 +
-    eps)) (`fedfields.aggregate.fedexp`); eta_g is reported as "fedexp-server-step".
+    eps)) (`fedfields.methods.fedexp`); eta_g is reported as "fedexp-server-step".
 
     Args:
         epsilon: eps of the step size (FedMeNF's Table 7: 0.001).

@@ -7,12 +7,12 @@ from typing import Unpack
 
 from flwr.app import ConfigRecord, Message
 
-from fedfields.aggregate.fednova import FedNovaSums
-from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower.fedavg import FedAvg
 from fedfields.flower.protocol import ARRAYS, LOCAL_STEPS, TRAIN_STEPS, state_to_arrays
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods.fednova import FedNovaSums
+from fedfields.methods.settings import StrategySettings
 
 
 def refuse_secure_aggregation(name: str, options: StrategyOptions) -> None:
@@ -45,7 +45,7 @@ def refuse_robust_rule(strategy: FedAvg) -> None:
 
 
 class FedNova(FedAvg):
-    """FedNova: x <- x - tau_eff sum_i p_i (x - y_i) / tau_i (`fedfields.aggregate.fednova`).
+    """FedNova: x <- x - tau_eff sum_i p_i (x - y_i) / tau_i (`fedfields.methods.fednova`).
 
     Messages as FedAvg's; replies also carry "train-steps" (tau_i, the local steps the client
     took). Clients that trained longer do not pull x further; equal steps give FedAvg.

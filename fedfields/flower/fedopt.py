@@ -3,8 +3,8 @@
 The clients train as for FedAvg and the round forms FedAvg's mean (plaintext, SecAgg+'s
 summed mean, or a robust rule); the server then treats mean - x as a pseudo-gradient and takes
 its optimiser's step from the global x it sent. The step reads only the mean, so it composes
-with secure aggregation and client-level DP. The maths is `fedfields.aggregate.fedavgm` and
-`fedfields.aggregate.fedopt`.
+with secure aggregation and client-level DP. The maths is `fedfields.methods.fedavgm` and
+`fedfields.methods.fedopt`.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate.fedopt import AdaptiveStep, SecondMoment, adaptive_update
-from fedfields.aggregate.states import check_scalar
-from fedfields.config.strategy_settings import (
+from fedfields.flower.fedavg import FedAvg, FedAvgOptions
+from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.flower.round import Round, RoundOutcome
+from fedfields.methods.fedopt import AdaptiveStep, SecondMoment, adaptive_update
+from fedfields.methods.settings import (
     NON_NEGATIVE,
     POSITIVE,
     Rule,
     StrategySettings,
     setting,
 )
-from fedfields.flower.fedavg import FedAvg, FedAvgOptions
-from fedfields.flower.protocol import arrays_to_state, state_to_arrays
-from fedfields.flower.round import Round, RoundOutcome
+from fedfields.methods.states import check_scalar
 
 BETA_1, BETA_2, TAU = 0.9, 0.99, 1e-3
 """Flower 1.41's FedAdam and FedYogi defaults (FedAdagrad: beta_1 = 0, tau 1e-3 too)."""
@@ -106,7 +106,7 @@ class ServerOptimiser(FedAvg):
 
 class AdaptiveOptimiser(ServerOptimiser):
     """FedOpt (Reddi et al. 2021): x <- x + eta' m / (sqrt(v) + tau) on delta = mean - x;
-    subclasses set the second moment's rule (`fedfields.aggregate.fedopt`).
+    subclasses set the second moment's rule (`fedfields.methods.fedopt`).
 
     Args:
         server_learning_rate: eta (None: the subclass's `default_learning_rate`, Flower's).

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Unpack
 
-from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.fedavg import FedAvg, FedAvgOptions
 from fedfields.flower.protocol import PROXIMAL_MU
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class FedProx(FedAvg):
     """FedProx: FedAvg's aggregation; clients add mu/2 ||w - g||^2 (Eq. 2) to their loss.
 
     The server only sends mu as "proximal-mu" in the train config; clients compute the term
-    with `fedfields.aggregate.proximal_term`. mu = 0 is FedAvg.
+    with `fedfields.methods.proximal_term`. mu = 0 is FedAvg.
 
     Args:
         proximal_mu: weight mu >= 0 of the proximal term (default 0.0, as Flower's FedProx).

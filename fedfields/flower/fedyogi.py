@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fedfields.aggregate.fedopt import yogi_moment
 from fedfields.flower.fedopt import AdaptiveOptimiser, MomentSettings
+from fedfields.methods.fedopt import yogi_moment
 
 
 class FedYogi(AdaptiveOptimiser):
     """FedYogi: FedAvg's mean (plaintext, SecAgg+ or a robust rule), then with delta = mean - x
-    v <- v - (1 - beta_2) delta^2 sign(v - delta^2) (`fedfields.aggregate.fedopt`); clients
+    v <- v - (1 - beta_2) delta^2 sign(v - delta^2) (`fedfields.methods.fedopt`); clients
     train as for FedAvg.
 
     Args:

@@ -14,7 +14,7 @@ Train message (server -> client), records by name:
                   (with "gradient-compressed" in CONFIG: G's compressed record)
 Train reply (client -> server):
   ARRAYS          local state (y_i for Scaffold); DecentNeRF: alpha_k g_k plus alpha_k
-                  under `fedfields.aggregate.ALPHA_KEY`
+                  under `fedfields.methods.ALPHA_KEY`
   METRICS         "num-examples" (pixels; FedAvg/FedProx weights), "train-loss", "train-psnr"
   CONTROL_DELTA   Scaffold only: delta c_i
   With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local

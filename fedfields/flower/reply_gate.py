@@ -26,7 +26,6 @@ from flwr.app import Message
 from flwr.common.logger import log
 from torch import Tensor
 
-from fedfields.aggregate.robust import update_norm
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
@@ -49,6 +48,7 @@ from fedfields.flower.protocol import (
     reply_state,
 )
 from fedfields.flower.round_ledger import RoundLedger
+from fedfields.methods.robust import update_norm
 
 
 @dataclass

@@ -24,7 +24,6 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common.logger import log
 from torch import Tensor
 
-from fedfields.aggregate.robust import update_norm
 from fedfields.flower.protocol import (
     ARRAYS,
     NON_FINITE_AGGREGATE,
@@ -47,6 +46,7 @@ from fedfields.flower.sum_replies import (
     sum_failure,
     with_reference,
 )
+from fedfields.methods.robust import update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
 UpdateCheck = Callable[["Round", CheckedReply], None]

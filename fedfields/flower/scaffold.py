@@ -14,13 +14,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.aggregate import (
-    SCAFFOLD_COST,
-    scaffold_server_update_from_sums,
-)
-from fedfields.aggregate.robust import update_norm
-from fedfields.aggregate.states import check_scalar
-from fedfields.config.strategy_settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -37,6 +30,13 @@ from fedfields.flower.reply_gate import CheckedReply
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
 from fedfields.flower.strategy_options import StrategyOptions, optional_cap
+from fedfields.methods import (
+    SCAFFOLD_COST,
+    scaffold_server_update_from_sums,
+)
+from fedfields.methods.robust import update_norm
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.states import check_scalar
 
 DEFAULT_MAX_CONTROL_NORM = 1e6
 """Cap on ||delta c_i||: a control variate estimates a mean gradient (at most about

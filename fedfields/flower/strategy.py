@@ -19,7 +19,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedfields.aggregate import FEDAVG_COST, CostModel
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import compression_entries
 from fedfields.flower.downloads import DownloadSender, node_contents
@@ -51,6 +50,7 @@ from fedfields.flower.strategy_options import (
     optional_cap,
 )
 from fedfields.flower.user_keys import UserKeys
+from fedfields.methods import FEDAVG_COST, CostModel
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -75,7 +75,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     """Under DP, the key s of the ARRAYS record whose update is x - s g (DecentNeRF's alpha_k:
     alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
-    """Server FLOPs and traffic per round (`fedfields.aggregate.accounting`)."""
+    """Server FLOPs and traffic per round (`fedfields.methods.accounting`)."""
 
     def __init__(
         self,

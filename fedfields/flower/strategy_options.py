@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 from fedfields.compression import CompressionConfig
-from fedfields.config.strategy_settings import StrategySettings
 from fedfields.flower.protocol import LOCAL_STEPS, SERVER_ROUND
+from fedfields.methods.settings import StrategySettings
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -136,7 +136,7 @@ class RunConfigured:
     Flower run-config's keys (your own app)."""
 
     settings_class: ClassVar[type[StrategySettings]] = StrategySettings
-    """The strategy's own run-config keys, typed (`fedfields.config.strategy_settings`)."""
+    """The strategy's own run-config keys, typed (`fedfields.methods.settings`)."""
     shared_keys: ClassVar[dict[str, str]] = {
         "max-num-examples": "max_num_examples",
         "max-update-norm": "max_update_norm",

@@ -4,7 +4,7 @@ Flower 1.41's `send_and_receive` returns a list only once every reply is in, so 
 holds all sampled clients' models at once. `StreamingGrid` pushes the same messages and
 yields each reply in the order its message was pushed, as soon as it and the replies before
 it are in; a strategy that folds each reply into a running sum
-(`fedfields.aggregate.RunningSum`) and drops it keeps O(model) memory while replies come in
+(`fedfields.methods.RunningSum`) and drops it keeps O(model) memory while replies come in
 order, and holds only those that overtake a slower one. Summing in push order (user-key
 order, `fedfields.flower.user_keys`) makes a float sum independent of which client finished
 first. Everything else is forwarded to the wrapped grid.

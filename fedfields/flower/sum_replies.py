@@ -29,7 +29,6 @@ from flwr.app import Message
 from flwr.common.logger import log
 from torch import Tensor
 
-from fedfields.aggregate.states import RunningSum
 from fedfields.flower.protocol import (
     ARRAYS,
     DP_UNCLIPPED,
@@ -42,6 +41,7 @@ from fedfields.flower.protocol import (
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
 from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.secure_sum import SecureSum
+from fedfields.methods.states import RunningSum
 from fedfields.privacy.dp import clip_records, noised_records, scaled_difference
 from fedfields.privacy.secure_sum import (
     SecureAggregationConfig,

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from fedfields.aggregate import proximal_term
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
 from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
+from fedfields.methods import proximal_term
 from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fedfields.aggregate import proximal_term
 from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
 from fedfields.devices import resolve_device
+from fedfields.methods import proximal_term
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.train.federated import _on_device
 from fedfields.train.meta_tasks import MetaTask

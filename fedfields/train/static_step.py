@@ -32,10 +32,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fedfields.aggregate import proximal_term
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field
 from fedfields.geometry.rays import intersect_aabb
+from fedfields.methods import proximal_term
 from fedfields.optim import adam_groups
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.renderer import render_rays_fixed

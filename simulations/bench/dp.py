@@ -50,8 +50,8 @@ from flwr.common.config import parse_config_args
 from matplotlib.figure import Figure
 
 from fedfields import atomic
-from fedfields.aggregate import ALPHA_KEY
 from fedfields.flower.protocol import ARRAYS, NUM_REPLIES, arrays_to_state
+from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.accountant import EPSILON_METRIC
 from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK

@@ -37,8 +37,8 @@ import numpy as np
 import psutil
 import torch
 
-from fedfields.aggregate import RunningSum
 from fedfields.flower.protocol import arrays_to_state, checked_state, state_to_arrays
+from fedfields.methods import RunningSum
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.planner import launch_home, superlinks_with_home

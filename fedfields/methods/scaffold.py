@@ -14,7 +14,7 @@ from typing import overload
 
 from torch import Tensor
 
-from fedfields.aggregate.states import State, check_scalar, check_states, like
+from fedfields.methods.states import State, check_scalar, check_states, like
 
 
 @overload

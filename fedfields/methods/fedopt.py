@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedfields.aggregate.states import State, check_states, like
+from fedfields.methods.states import State, check_states, like
 
 SecondMoment = Callable[[Tensor, Tensor, float], Tensor]
 """v, delta^2 and beta_2 -> the new v (float64)."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from fedfields.aggregate.states import State, check_scalar, check_states, like
+from fedfields.methods.states import State, check_scalar, check_states, like
 
 FEDACG_LAMBDA = 0.2
 FEDACG_BETA = 0.1

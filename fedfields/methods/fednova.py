@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fedfields.aggregate.states import (
+from fedfields.methods.states import (
     RunningSum,
     State,
     check_scalar,

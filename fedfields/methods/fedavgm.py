@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fedfields.aggregate.states import State, check_states, like
+from fedfields.methods.states import State, check_states, like
 
 FEDAVGM_LEARNING_RATE = 1.0
 FEDAVGM_MOMENTUM = 0.0

@@ -3,7 +3,7 @@ DecentNeRF, robust rules (coordinate-wise median, trimmed mean), running sums an
 
 from __future__ import annotations
 
-from fedfields.aggregate.accounting import (
+from fedfields.methods.accounting import (
     DECENTNERF_COST,
     DECENTNERF_PAPER_COST,
     FEDAVG_COST,
@@ -13,28 +13,28 @@ from fedfields.aggregate.accounting import (
     centralised_cost,
     secagg_reconstruction_flops,
 )
-from fedfields.aggregate.decentnerf import (
+from fedfields.methods.decentnerf import (
     ALPHA_KEY,
     alpha_gradient,
     alpha_update,
     alpha_weighted_payload,
     decentnerf_aggregate,
 )
-from fedfields.aggregate.fedacg import fedacg_lookahead, fedacg_update
-from fedfields.aggregate.fedexp import FedExPSums
-from fedfields.aggregate.fednova import FedNovaSums
-from fedfields.aggregate.fedprox import proximal_term
-from fedfields.aggregate.robust import (
+from fedfields.methods.fedacg import fedacg_lookahead, fedacg_update
+from fedfields.methods.fedexp import FedExPSums
+from fedfields.methods.fednova import FedNovaSums
+from fedfields.methods.fedprox import proximal_term
+from fedfields.methods.robust import (
     AGGREGATION_RULES,
     coordinate_median,
     coordinate_trimmed_mean,
     robust_aggregate,
 )
-from fedfields.aggregate.scaffold import (
+from fedfields.methods.scaffold import (
     scaffold_corrected_gradient,
     scaffold_server_update_from_sums,
 )
-from fedfields.aggregate.states import RunningSum
+from fedfields.methods.states import RunningSum
 
 __all__ = [
     "AGGREGATION_RULES",
