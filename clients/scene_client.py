@@ -32,7 +32,6 @@ from fedfields.flower.protocol import (
     ARRAYS,
     LOCAL_STEPS,
     NUM_EXAMPLES,
-    PROXIMAL_MU,
     TRAIN_LOSS,
     TRAIN_PSNR,
     TRAIN_STEPS,
@@ -40,6 +39,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.render import OccupancyGrid, RenderConfig
 from fedfields.train.builders import check_scene_fits, client_seed, global_field, render_config
 from fedfields.train.federated import (

@@ -3,7 +3,7 @@
 A node cannot decode "the global's change since its last round" unless it holds exactly what
 the server compressed against, so the server keeps one chain of references R_1, R_2, ...: in
 round t it compresses the difference between what it sends (its target T_t: the global, or
-FedACG's lookahead) and the last reference, and every node rebuilds the same next reference:
+a method's lookahead) and the last reference, and every node rebuilds the same next reference:
 
     c_t = C(T_t - R_(t-1)),   R_t = R_(t-1) + D(c_t)
 

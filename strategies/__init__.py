@@ -1,9 +1,9 @@
 """This app's one registry of strategies: run-config `strategy` -> (class, settings class).
 
-Adding a strategy: one module in `fedfields/flower/` (a `ProtocolStrategy` subclass with its
-`strategy_name` and, if it has run-config keys of its own, a `StrategySettings` dataclass as
-its `settings_class`) and one line here; the schema, pyproject.toml and docs/RUN_CONFIG.md
-read its keys from this registry (docs/LIBRARY.md).
+Adding a method: one module in `fedfields/methods/` (a `fedfields.methods.base.Method`
+subclass with its `name` and, if it has run-config keys of its own, a `StrategySettings`
+dataclass as its `settings_class`) and one line in `REGISTRY`; the schema, pyproject.toml and
+docs/RUN_CONFIG.md read its keys from this registry (docs/LIBRARY.md).
 """
 
 from __future__ import annotations
@@ -14,38 +14,44 @@ from typing import Any, Unpack
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
     DecentNeRF,
-    FedACG,
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedExP,
     FedMeNF,
-    FedNova,
-    FedProx,
-    FedYogi,
     ProtocolStrategy,
-    Scaffold,
     StrategyOptions,
+    method_strategy,
 )
+from fedfields.methods import fedacg, fedavg, fedavgm, fedexp, fednova, fedopt, fedprox, scaffold
+from fedfields.methods.base import Method
 from fedfields.methods.settings import StrategySettings
 
-STRATEGIES: dict[str, tuple[type[ProtocolStrategy], type[StrategySettings]]] = {
-    cls.strategy_name: (cls, cls.settings_class)
-    for cls in (
-        FedAvg,
-        FedProx,
-        Scaffold,
-        FedNova,
-        FedExP,
-        FedACG,
-        DecentNeRF,
-        FedMeNF,
-        FedAvgM,
-        FedAdam,
-        FedYogi,
-        FedAdagrad,
-    )
+REGISTRY: tuple[type[Method] | type[ProtocolStrategy], ...] = (
+    fedavg.FedAvg,
+    fedprox.FedProx,
+    scaffold.Scaffold,
+    fednova.FedNova,
+    fedexp.FedExP,
+    fedacg.FedACG,
+    DecentNeRF,
+    FedMeNF,
+    fedavgm.FedAvgM,
+    fedopt.FedAdam,
+    fedopt.FedYogi,
+    fedopt.FedAdagrad,
+)
+"""Every method of the App, in the order docs/RUN_CONFIG.md lists them: a `Method` (run
+through `fedfields.flower.MethodStrategy`) or a Flower strategy class of its own."""
+
+
+StrategyEntry = tuple[type[ProtocolStrategy], type[StrategySettings]]
+
+
+def entry(registered: type[Method] | type[ProtocolStrategy]) -> StrategyEntry:
+    """A registry line's strategy class and settings class."""
+    cls = method_strategy(registered) if issubclass(registered, Method) else registered
+    return cls, cls.settings_class
+
+
+STRATEGIES: dict[str, StrategyEntry] = {
+    cls.strategy_name: (cls, settings) for cls, settings in map(entry, REGISTRY)
 }
 
 

@@ -47,17 +47,14 @@ from fedfields.flower.downloads import DOWNLOAD_REFERENCE
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
-    CLIENT_CONTROL,
     COMPRESSION,
     CONFIG,
-    CONTROL_DELTA,
     DOWNLOAD_BASE,
     GRADIENT,
     GRADIENT_QUERY,
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
-    SERVER_CONTROL,
     STRATEGY,
     TRAIN_STEPS,
     ReplyParts,
@@ -67,6 +64,7 @@ from fedfields.flower.protocol import (
 from fedfields.flower.resume import RESUME_FILE, load_round_checkpoint
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.methods import ALPHA_KEY
+from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL
 from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy, run_federated_nerf
@@ -403,7 +401,7 @@ def test_every_strategy_sums_what_the_decompressed_replies_would_give(name: str)
         assert arrays is not None and metrics[NUM_DROPPED] == 0
         state = arrays_to_state(arrays)
         if isinstance(strategy, Scaffold):  # c too: the sum of the decompressed deltas
-            state |= {f"c.{key}": value for key, value in strategy.server_control.items()}
+            state |= {f"c.{key}": value for key, value in strategy.method.server_control.items()}
         results.append(state)
     for key in results[1]:
         torch.testing.assert_close(results[0][key], results[1][key], atol=1e-6, rtol=1e-6)
@@ -511,7 +509,7 @@ def test_scaffold_s_control_delta_goes_compressed_and_c_stays_the_clients_mean()
         arrays, metrics = run_round(strategy, grid, server_round)
         assert arrays is not None and metrics[NUM_DROPPED] == 0
         kept = [NodeState(context).tensors(CLIENT_CONTROL) for context in grid.contexts.values()]
-        for key, c in strategy.server_control.items():
+        for key, c in strategy.method.server_control.items():
             mean = sum(control[key].double() for control in kept) / 3
             torch.testing.assert_close(c.double(), mean, atol=1e-6, rtol=1e-6)
     for reply in grid.received:
@@ -523,7 +521,7 @@ def test_scaffold_s_control_delta_goes_compressed_and_c_stays_the_clients_mean()
         torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * k + r))
         for k in range(3) for r in (1, 2, 3)
     ) / 3  # fmt: skip
-    assert not torch.allclose(strategy.server_control["weight"], exact, atol=1e-3)
+    assert not torch.allclose(strategy.method.server_control["weight"], exact, atol=1e-3)
 
 
 def test_a_malformed_control_delta_is_dropped_whole() -> None:

@@ -55,7 +55,6 @@ from fedfields.flower import (
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
-    CONTROL_DELTA,
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
@@ -72,6 +71,7 @@ from fedfields.flower.secure_aggregation import (
     secure_aggregation_mod,
 )
 from fedfields.methods import alpha_weighted_payload
+from fedfields.methods.scaffold import CONTROL_DELTA
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.dp import DPConfig, distributed_noise_std, noise_generator, update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError
@@ -256,7 +256,7 @@ def test_scaffold_clips_the_model_and_control_deltas_jointly() -> None:
         differential_privacy=DPConfig(1e-12, clip_norm),
     )  # fmt: skip
     arrays, _ = train_round(strategy, InProcessGrid([node]), state_to_arrays(x))
-    moved = torch.cat([arrays_to_state(arrays)["w"], strategy.server_control["w"]])
+    moved = torch.cat([arrays_to_state(arrays)["w"], strategy.method.server_control["w"]])
     assert float(moved.norm()) <= clip_norm * (1 + 1e-9)
     assert float(arrays_to_state(arrays)["w"].norm()) > 0.4 * clip_norm  # both parts kept
 

@@ -29,10 +29,8 @@ from test_reply_faults import (
 )
 
 from fedfields.flower import EmptyRoundsError, FedExP, FedNova, ProtocolStrategy, Scaffold
-from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.protocol import (
     ARRAYS,
-    CONTROL_DELTA,
     GRADIENT,
     NON_FINITE_AGGREGATE,
     NUM_DROPPED,
@@ -46,8 +44,9 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import weighted_mean
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
-from fedfields.methods.fedexp import max_server_step
+from fedfields.methods.fedexp import SERVER_STEP, max_server_step
 from fedfields.methods.robust import update_norm
+from fedfields.methods.scaffold import CONTROL_DELTA
 from simulations.in_process_grid import InProcessGrid
 
 F32 = torch.float32
@@ -141,9 +140,9 @@ def test_scaffolds_huge_control_delta_never_becomes_the_server_control() -> None
         alone = make("scaffold", HONEST)
         round_from(alone, honest, sent)
         assert isinstance(alone, Scaffold)
-        for key, value in alone.server_control.items():  # c <- c + sum delta c_i / N
+        for key, value in alone.method.server_control.items():  # c <- c + sum delta c_i / N
             expected = value * HONEST / (HONEST + 1)
-            torch.testing.assert_close(strategy.server_control[key], expected)
+            torch.testing.assert_close(strategy.method.server_control[key], expected)
 
 
 # ------------------------------------------------------------------ point 1: client numbers

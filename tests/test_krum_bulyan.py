@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import strategy as flower_strategy
 from test_reply_faults import max_distance, node
 
-from fedfields.flower import FedAvg, FedMeNF
+from fedfields.flower import FedAvg, FedMeNF, MethodStrategy
 from fedfields.flower.protocol import (
     ARRAYS,
     NUM_EXAMPLES,
@@ -173,7 +173,7 @@ def test_run_config_reaches_the_rules_and_bulyan_checks_the_node_count() -> None
     config = parse_app_config(run_config)
     assert "num-malicious" not in config.unread_keys()
     strategy = make_strategy(config)
-    assert isinstance(strategy, FedAvg)
+    assert isinstance(strategy, MethodStrategy)
     assert strategy.robust_rule == RobustRule("multi-krum", 0.2, 2, 4)
     meta = FedMeNF.from_config(
         {"aggregation-rule": "bulyan", "num-malicious": 1}, clients_per_round=7, num_clients=7

@@ -24,10 +24,8 @@ from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
     CLIENT,
-    CLIENT_CONTROL,
     CLIENT_INDEX,
     CONFIG,
-    CONTROL_DELTA,
     DOWNLOAD_VERSION,
     METRICS,
     NUM_EXAMPLES,
@@ -38,6 +36,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA
 from fedfields.train.builders import (
     _object_task,
     client_meta_tasks,

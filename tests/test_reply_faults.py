@@ -42,7 +42,6 @@ from fedfields.flower import (
 from fedfields.flower.decentnerf import ALPHA_FLOOR, DEFAULT_ALPHA_MAX
 from fedfields.flower.protocol import (
     ARRAYS,
-    CONTROL_DELTA,
     GRADIENT,
     METRICS,
     NUM_DROPPED,
@@ -73,6 +72,7 @@ from fedfields.methods.robust import (
     robust_aggregate,
     update_norm,
 )
+from fedfields.methods.scaffold import CONTROL_DELTA
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.job import reply_counts
@@ -321,10 +321,10 @@ def test_a_bad_reply_is_dropped_and_the_honest_ones_aggregate(
     assert round_metrics.get(TRAIN_LOSS) == expected_metrics.get(TRAIN_LOSS)
     if isinstance(strategy, Scaffold) and isinstance(alone, Scaffold):
         # c <- c + sum_i delta c_i / N, N the connected nodes: 4 here, 3 alone
-        for key, value in alone.server_control.items():
+        for key, value in alone.method.server_control.items():
             expected_control = value * HONEST / (HONEST + 1)
             torch.testing.assert_close(
-                strategy.server_control[key], expected_control, rtol=1e-12, atol=1e-12
+                strategy.method.server_control[key], expected_control, rtol=1e-12, atol=1e-12
             )
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 1 and "node 102" in dropped[0] and check in dropped[0]
@@ -381,7 +381,7 @@ def test_with_every_reply_bad_the_global_model_stays(name: str) -> None:
     assert arrays is None  # Flower keeps the global model
     assert metrics[NUM_REPLIES] == 0 and metrics[NUM_DROPPED] == HONEST
     if isinstance(strategy, Scaffold):
-        assert all(not c.any() for c in strategy.server_control.values())
+        assert all(not c.any() for c in strategy.method.server_control.values())
 
 
 def test_a_reply_just_inside_the_bounds_is_kept() -> None:

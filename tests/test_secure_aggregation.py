@@ -214,7 +214,7 @@ def test_secure_rounds_equal_plaintext_rounds(name: str) -> None:
         assert np.allclose(secure_alphas, plain_alphas, rtol=1e-5)
         assert len(set(plain_alphas)) > len(ALPHAS)  # the alphas did move
     if name == "scaffold":
-        assert all(c.abs().sum() > 0 for c in strategy.server_control.values())
+        assert all(c.abs().sum() > 0 for c in strategy.method.server_control.values())
 
 
 def test_a_secure_run_is_the_same_whatever_numpys_global_state() -> None:

@@ -106,15 +106,21 @@ def test_the_run_config_builds_them_with_flowers_defaults() -> None:
     """server-learning-rate 0 takes each strategy's (Flower's) default; set, it is used."""
     config = parse_app_config({"strategy": "fedyogi", "beta-1": 0.5, "min-train-nodes": 3})
     yogi = make_strategy(config)
-    assert isinstance(yogi, FedYogi) and (yogi.rule.learning_rate, yogi.rule.beta_1) == (1e-2, 0.5)
+    assert isinstance(yogi, FedYogi) and (
+        yogi.method.rule.learning_rate,
+        yogi.method.rule.beta_1,
+    ) == (1e-2, 0.5)
     avgm = make_strategy(parse_app_config({"strategy": "fedavgm", "server-momentum": 0.9}))
-    assert isinstance(avgm, FedAvgM) and (avgm.server_learning_rate, avgm.server_momentum) == (
+    assert isinstance(avgm, FedAvgM) and (
+        avgm.method.server_learning_rate,
+        avgm.method.server_momentum,
+    ) == (
         1.0,
         0.9,
     )
     adagrad = make_strategy(parse_app_config({"strategy": "fedadagrad",
                                               "server-learning-rate": 0.3}))  # fmt: skip
-    assert adagrad.rule.learning_rate == 0.3 and adagrad.rule.beta_1 == 0.0
+    assert adagrad.method.rule.learning_rate == 0.3 and adagrad.method.rule.beta_1 == 0.0
     with pytest.raises(ValueError, match="'beta-1' = 0.5 is read only with strategy='fedadam'"):
         parse_app_config({"strategy": "fedadagrad", "beta-1": 0.5})
     with pytest.raises(ValueError, match="run-config 'beta-2' must be in \\[0, 1\\)"):

@@ -41,7 +41,6 @@ from fedfields.flower import (
     ProtocolStrategy,
     Scaffold,
 )
-from fedfields.flower.fedexp import SERVER_STEP
 from fedfields.flower.forwarding import ForwardingGrid
 from fedfields.flower.protocol import (
     ALPHA_LR,
@@ -49,7 +48,6 @@ from fedfields.flower.protocol import (
     BYTES_DOWN,
     BYTES_UP,
     CONFIG,
-    CONTROL_DELTA,
     GRADIENT,
     GRADIENT_QUERY,
     LOCAL_STEPS,
@@ -57,8 +55,6 @@ from fedfields.flower.protocol import (
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
-    PROXIMAL_MU,
-    SERVER_CONTROL,
     SERVER_ROUND,
     STRATEGY,
     TRAIN_LOSS,
@@ -76,6 +72,9 @@ from fedfields.methods import (
     decentnerf_aggregate,
     scaffold_corrected_gradient,
 )
+from fedfields.methods.fedexp import SERVER_STEP
+from fedfields.methods.fedprox import PROXIMAL_MU
+from fedfields.methods.scaffold import CONTROL_DELTA, SERVER_CONTROL
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
@@ -750,7 +749,7 @@ def test_constructor_defaults_match_flowers_strategies(
 
 
 def test_fedprox_without_mu_is_fedavg() -> None:
-    assert FedProx().proximal_mu == 0.0 == flower_strategy.FedProx().proximal_mu
+    assert FedProx().method.proximal_mu == 0.0 == flower_strategy.FedProx().proximal_mu
 
 
 # ------------------------------------------------------------------ docs/LIBRARY.md's recipe
@@ -766,12 +765,16 @@ def test_a_toy_strategy_is_one_module_and_one_registry_line(
 
     import strategies
     from fedfields.config.reference import reference
+    from fedfields.flower import method_strategy
 
-    monkeypatch.setitem(strategies.STRATEGIES, "fedtoy", (FedToy, FedToySettings))  # the line
+    monkeypatch.setitem(strategies.STRATEGIES, "fedtoy", strategies.entry(FedToy))  # the line
     config = parse_app_config({"strategy": "fedtoy", "toy-mu": 0.5, "max-empty-rounds": 4})
     assert config.settings == FedToySettings(mu=0.5)
     built = strategies.make_strategy(config, local_steps=2)
-    assert isinstance(built, FedToy) and (built.mu, built.max_empty_rounds) == (0.5, 4)
+    assert isinstance(built.method, FedToy) and (built.method.mu, built.max_empty_rounds) == (
+        0.5,
+        4,
+    )
     assert parse_app_config({"strategy": "fedtoy"}).settings == FedToySettings(mu=0.25)
     with pytest.raises(ValueError, match="unknown run-config key 'toy-mue'; did you mean 'toy-mu'"):
         parse_app_config({"strategy": "fedtoy", "toy-mue": 0.5})
@@ -783,9 +786,10 @@ def test_a_toy_strategy_is_one_module_and_one_registry_line(
     assert "| `toy-mu` | float | 0.25 | FedToy's client weight mu (read by fedtoy) |" in reference(
         strategies.strategy_settings()
     )
-    assert FedToy.from_config({"toy-mu": 0.5}).mu == 0.5  # your own app: no schema
+    toy = method_strategy(FedToy)  # your own app: no schema
+    assert toy.from_config({"toy-mu": 0.5}).method.mu == 0.5 and toy is method_strategy(FedToy)
     with pytest.raises(ValueError, match="unknown run-config key 'toy-mue'"):
-        FedToy.from_config({"toy-mue": 0.5})
+        toy.from_config({"toy-mue": 0.5})
     problems = heterogeneous_problems(count=3)
     grid = InProcessGrid([least_squares_app(problems, 0.05, [1.0] * 3)] * 3, raise_errors=True)
     result = built.start(grid, state_to_arrays(initial_state()), num_rounds=3)

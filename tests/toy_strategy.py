@@ -1,4 +1,4 @@
-"""docs/LIBRARY.md's example strategy as one module: a FedAvg whose clients read "toy-mu".
+"""docs/LIBRARY.md's example method as one module: FedAvg's mean, clients read "toy-mu".
 
 tests/test_strategies.py adds it to the App with one registry line and runs it through the
 App's schema, builder and an in-process federation.
@@ -7,10 +7,8 @@ App's schema, builder and an in-process federation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Unpack
 
-from fedfields.flower import FedAvg
-from fedfields.flower.fedavg import FedAvgOptions
+from fedfields.methods.base import Method
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
 
 
@@ -22,16 +20,15 @@ class FedToySettings(StrategySettings):
     mu: float = setting(0.25, "toy-mu", "FedToy's client weight mu", NON_NEGATIVE)
 
 
-class FedToy(FedAvg):
-    """FedAvg that sends its clients "toy-mu"."""
+class FedToy(Method):
+    """FedAvg's mean; the clients are sent "toy-mu"."""
 
-    strategy_name = "fedtoy"
+    name = "fedtoy"
     settings_class = FedToySettings
 
-    def __init__(self, *, mu: float = 0.0, **options: Unpack[FedAvgOptions]) -> None:
-        super().__init__(**options)
+    def __init__(self, *, mu: float = 0.0) -> None:
         self.mu = mu
 
-    def protocol_config(self) -> dict[str, int | float | str]:
-        """FedAvg's entries plus "toy-mu"."""
-        return {**super().protocol_config(), "toy-mu": self.mu}
+    def client_config(self) -> dict[str, int | float | str]:
+        """mu as "toy-mu"."""
+        return {"toy-mu": self.mu}

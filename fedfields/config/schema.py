@@ -320,7 +320,8 @@ class DPSection:
     each sampled client's update clipped to dp-clip-norm over all its tensors, Gaussian noise
     of std dp-noise-multiplier x dp-clip-norm on their sum, epsilon at dp-delta accounted per
     round. Central on plaintext sums (the server noises), distributed under secure aggregation
-    (each client adds its share before masking); fednova and fedexp refuse it."""
+    (each client adds its share before masking); a method whose server step reads each client's
+    own values refuses it."""
 
     title: ClassVar[str] = "differential privacy"
     used_by: ClassVar[str] = "every task in mode='federated'"
@@ -391,10 +392,11 @@ class RobustSection:
     """What a plaintext reply may carry before the server drops it (counted in the round's
     "num-dropped"), and the aggregation rule. "median" and "trimmed-mean" are coordinate-wise,
     ignore the clients' num-examples and hold all of a round's replies in memory (the mean
-    folds them in one at a time); fedavg, fedprox, fedmenf and fedacg take them, and not
-    with secure aggregation (the server sees only the sum). A run whose rounds keep forming
-    no aggregate (every reply dropped) ends with an error naming the commonest drop reason;
-    so does one that never formed any. Split mode stops at its first unusable sample reply."""
+    folds them in one at a time); the methods whose step starts from the mean take them
+    (docs/RUN_CONFIG.md's strategy list), and not with secure aggregation (the server sees
+    only the sum). A run whose rounds keep forming no aggregate (every reply dropped) ends
+    with an error naming the commonest drop reason; so does one that never formed any. Split
+    mode stops at its first unusable sample reply."""
 
     title: ClassVar[str] = "bad replies and robust aggregation"
     used_by: ClassVar[str] = "every task in mode='federated'"
@@ -569,7 +571,7 @@ class FederatedConfig:
         if task != "scene" and strategy == "decentnerf":
             raise ValueError(
                 f"run-config 'strategy' 'decentnerf' is for task 'scene' only; task "
-                f"{task!r} takes fedmenf, fedavg, fedprox or scaffold"
+                f"{task!r} takes any other strategy"
             )
         if task == "scene" and strategy == "fedmenf":
             raise ValueError("run-config 'strategy' 'fedmenf' is for the meta tasks, not 'scene'")

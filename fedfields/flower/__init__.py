@@ -1,40 +1,44 @@
 """fedfields' reusable Flower layer: strategies, their client halves, the message protocol.
 
 Import these into any Flower 1.41 app; none needs this repository's ServerApp or ClientApp.
-Server side: `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, `DecentNeRF`,
-`FedMeNF` and the server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad` (message-API
-strategies
-built on Flower's FedAvg; `Strategy.from_config(context.run_config, ...)`). Client side:
-`DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i in the
-node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's private
-state), `secure_aggregation_mod` (Flower SecAgg+ for every strategy) and
+Server side: each method of `fedfields.methods` as a Flower strategy (`MethodStrategy`, made
+by `method_strategy`): `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, the
+server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad`, and `DecentNeRF` and
+`FedMeNF` (message-API strategies; `Strategy.from_config(context.run_config, ...)`). Client
+side: `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i
+in the node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's
+private state), `secure_aggregation_mod` (Flower SecAgg+ for every strategy) and
 `compressed_download_mod` (rebuilds a compressed download's global before the handler). The
-`*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's records and
-metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own. Record and key
-names are in `fedfields.flower.protocol`.
+`*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's
+records and metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own.
+Record and key names are in `fedfields.flower.protocol` and the methods' modules.
 """
 
 from __future__ import annotations
 
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.downloads import compressed_download_mod
-from fedfields.flower.fedacg import FedACG
-from fedfields.flower.fedadagrad import FedAdagrad
-from fedfields.flower.fedadam import FedAdam
-from fedfields.flower.fedavg import FedAvg
-from fedfields.flower.fedavgm import FedAvgM
-from fedfields.flower.fedexp import FedExP
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
-from fedfields.flower.fednova import FedNova
-from fedfields.flower.fedprox import FedProx
-from fedfields.flower.fedyogi import FedYogi
+from fedfields.flower.method_strategy import MethodOptions, MethodStrategy, method_strategy
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.round_loop import EmptyRoundsError
 from fedfields.flower.sampling import InsufficientNodesError
-from fedfields.flower.scaffold import Scaffold, ScaffoldClient
+from fedfields.flower.scaffold import ScaffoldClient
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.strategy import ProtocolStrategy
 from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods import fedacg, fedavg, fedavgm, fedexp, fednova, fedopt, fedprox, scaffold
+
+FedAvg = method_strategy(fedavg.FedAvg)
+FedProx = method_strategy(fedprox.FedProx)
+Scaffold = method_strategy(scaffold.Scaffold)
+FedNova = method_strategy(fednova.FedNova)
+FedExP = method_strategy(fedexp.FedExP)
+FedACG = method_strategy(fedacg.FedACG)
+FedAvgM = method_strategy(fedavgm.FedAvgM)
+FedAdam = method_strategy(fedopt.FedAdam)
+FedYogi = method_strategy(fedopt.FedYogi)
+FedAdagrad = method_strategy(fedopt.FedAdagrad)
 
 __all__ = [
     "DecentNeRF",
@@ -51,6 +55,8 @@ __all__ = [
     "FedProx",
     "FedYogi",
     "InsufficientNodesError",
+    "MethodOptions",
+    "MethodStrategy",
     "NodeState",
     "ProtocolStrategy",
     "Scaffold",
@@ -61,5 +67,6 @@ __all__ = [
     "m_of_n_sampling",
     "meta_train_parts",
     "meta_train_reply",
+    "method_strategy",
     "secure_aggregation_mod",
 ]

@@ -35,14 +35,12 @@ from fedfields.compression import (
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
-    CLIENT_CONTROL,
     COMPRESSION,
     COMPRESSION_BITS,
     COMPRESSION_DELTA_SCALE,
     COMPRESSION_FRACTION,
     COMPRESSION_RANK,
     CONFIG,
-    CONTROL_DELTA,
     GRADIENT,
     SECURE_AGGREGATION,
     BadReply,
@@ -52,6 +50,7 @@ from fedfields.flower.protocol import (
     checked_state,
     state_to_arrays,
 )
+from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA
 from fedfields.privacy.dp import scaled_difference
 
 RESIDUAL = "compression-residual"

@@ -37,7 +37,7 @@ from fedfields.flower.protocol import (
 from fedfields.flower.reply_gate import CheckedReply
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
-from fedfields.flower.strategy_options import StrategyOptions, optional_cap
+from fedfields.flower.strategy_options import StrategyOptions
 from fedfields.methods import (
     ALPHA_KEY,
     DECENTNERF_COST,
@@ -46,7 +46,13 @@ from fedfields.methods import (
     decentnerf_aggregate,
 )
 from fedfields.methods.robust import update_norm
-from fedfields.methods.settings import NON_NEGATIVE, POSITIVE, StrategySettings, setting
+from fedfields.methods.settings import (
+    NON_NEGATIVE,
+    POSITIVE,
+    StrategySettings,
+    optional_cap,
+    setting,
+)
 from fedfields.methods.states import check_scalar
 
 DEFAULT_ALPHA_MAX = 100.0

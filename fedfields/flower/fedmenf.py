@@ -16,14 +16,13 @@ from typing import Unpack
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from fedfields.flower.fedavg import FedAvg, FedAvgOptions
+from fedfields.flower.method_strategy import MethodOptions, MethodStrategy
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     LOCAL_STEPS,
     NUM_EXAMPLES,
-    PROXIMAL_MU,
     TRAIN_LOSS,
     TRAIN_STEPS,
     ReplyParts,
@@ -32,6 +31,8 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.scaffold import ScaffoldClient
 from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.methods.fedavg import FedAvg
+from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.train.federated import load_federated_state
 from fedfields.train.meta import MetaConfig, local_meta_update
 from fedfields.train.meta_tasks import MetaTask
@@ -63,7 +64,7 @@ def m_of_n_sampling(
     }
 
 
-class FedMeNF(FedAvg):
+class FedMeNF(MethodStrategy):
     """FedMeNF aggregation: M of N nodes per round, theta = sum_m |D_m| w_m / sum_m |D_m|.
 
     |D_m| is the reply's "num-examples" (the client's dataset size); messages and replies are
@@ -80,6 +81,8 @@ class FedMeNF(FedAvg):
     """
 
     strategy_name = "fedmenf"
+    method_class = FedAvg
+    settings_class = FedAvg.settings_class
 
     def __init__(
         self,
@@ -87,7 +90,7 @@ class FedMeNF(FedAvg):
         clients_per_round: int,
         num_clients: int,
         min_available_nodes: int | None = None,
-        **options: Unpack[FedAvgOptions],
+        **options: Unpack[MethodOptions],
     ) -> None:
         sampling = m_of_n_sampling(clients_per_round, num_clients, min_available_nodes)
         if clashes := sorted(set(sampling) & set(options)):

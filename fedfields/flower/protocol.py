@@ -4,22 +4,22 @@ Strategies and client helpers (`fedfields.flower`) and this repository's ClientA
 config keys and metric keys through these constants only.
 
 Train message (server -> client), records by name:
-  ARRAYS          global federated state g (x for Scaffold)
-  CONFIG          "server-round", "strategy", "local-steps", "proximal-mu" (FedProx),
-                  "compression" and its strength (compressed uploads),
+  ARRAYS          global federated state g (what the method's `sent` returns)
+  CONFIG          "server-round", "strategy", "local-steps", the method's own entries
+                  (`Method.client_config`), "compression" and its strength,
                   "alpha-lr", "alpha-max", "alpha-sum", "aggregate-round" (DecentNeRF),
                   plus the user's train config
-  SERVER_CONTROL  Scaffold only: server control variate c, same keys as ARRAYS
+  ...             any other record the method sends (`Method.sent`)
   GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
                   (with "gradient-compressed" in CONFIG: G's compressed record)
 Train reply (client -> server):
-  ARRAYS          local state (y_i for Scaffold); DecentNeRF: alpha_k g_k plus alpha_k
-                  under `fedfields.methods.ALPHA_KEY`
-  METRICS         "num-examples" (pixels; FedAvg/FedProx weights), "train-loss", "train-psnr"
-  CONTROL_DELTA   Scaffold only: delta c_i
+  ARRAYS          local state; DecentNeRF: alpha_k g_k plus alpha_k under
+                  `fedfields.methods.ALPHA_KEY`
+  METRICS         "num-examples" (pixels; the mean's weight), "train-loss", "train-psnr"
+  ...             the method's other reply records (`Method.reply_records`)
   With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local
-  state minus the ARRAYS received; `fedfields.compression`) instead of the state, and
-  CONTROL_DELTA the record of delta c_i.
+  state minus the ARRAYS received; `fedfields.compression`) instead of the state, and each
+  other compressed reply record its own compressed record.
   With "download-version" in a train message's CONFIG, its ARRAYS is a compressed download
   (`fedfields.flower.downloads`) the node's mod rebuilds into the global before the handler.
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
@@ -45,15 +45,20 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from torch import Tensor
 
+from fedfields.methods.base import (  # noqa: F401 (re-exported: the protocol's shared names)
+    ARRAYS,
+    CONFIG,
+    LOCAL_STEPS,
+    METRICS,
+    NUM_EXAMPLES,
+    TRAIN_STEPS,
+)
+
 # ------------------------------------------------------------------ record names
-ARRAYS = "arrays"
-CONFIG = "config"
-METRICS = "metrics"
-SERVER_CONTROL = "server-control"
-CONTROL_DELTA = "control-delta"
+# ARRAYS, CONFIG and METRICS (and the keys every method shares: "local-steps",
+# "num-examples", "train-steps") come from `fedfields.methods.base`; a method's own records
+# and keys live in its module (Scaffold's controls in `fedfields.methods.scaffold`).
 GRADIENT = "gradient"
-CLIENT_CONTROL = "scaffold-client-control"
-"""Node-state name of a Scaffold client's control variate c_i (not a record: never sent)."""
 
 GRADIENT_QUERY = "query.gradient"
 """Message type of DecentNeRF's in-round gradient exchange (handler `@app.query("gradient")`)."""
@@ -61,8 +66,6 @@ GRADIENT_QUERY = "query.gradient"
 # ------------------------------------------------------------------ train config keys
 SERVER_ROUND = "server-round"
 STRATEGY = "strategy"
-LOCAL_STEPS = "local-steps"
-PROXIMAL_MU = "proximal-mu"
 ALPHA_LR = "alpha-lr"
 ALPHA_SUM = "alpha-sum"
 """DecentNeRF: A^(m-1), the summed alpha that normalised the aggregate the message carries."""
@@ -115,11 +118,8 @@ DP_MIN_HOLDERS = "dp-min-holders"
 reconstruction threshold of every stage): t noise shares sum to std z C."""
 
 # ------------------------------------------------------------------ metric keys
-NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 TRAIN_PSNR = "train-psnr"
-TRAIN_STEPS = "train-steps"
-"""Train metric: local optimiser steps the client took this round (FedNova's tau_i)."""
 CLIENT_SECONDS = "client-seconds"
 """Train metric: wall seconds of the client's train handler (compute, for overhead accounting)."""
 

@@ -30,7 +30,6 @@ from fedfields.compression import CompressionConfig
 from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
     ARRAYS,
-    CONTROL_DELTA,
     GRADIENT,
     HELD,
     HELD_METRICS,
@@ -49,6 +48,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import RoundLedger
 from fedfields.methods.robust import update_norm
+from fedfields.methods.scaffold import CONTROL_DELTA
 
 
 @dataclass

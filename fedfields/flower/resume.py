@@ -1,8 +1,8 @@
 """Per-round checkpoints a federated run resumes from after its ServerApp died.
 
 After each completed round the ServerApp writes, atomically, what the next round needs: the
-global state, the strategy's own state (`ProtocolStrategy.resumable_state`: Scaffold's server
-control, FedACG's momentum, DecentNeRF's bookkeeping), the strategy's node-sampling RNG
+global state, the strategy's own state (`ProtocolStrategy.resumable_state`: the method's controls,
+moments or bookkeeping), the strategy's node-sampling RNG
 (`ProtocolStrategy.sampling_rng`) and torch's RNG. `ProtocolStrategy.start(first_round=k+1)`
 then continues from round k; the clients continue from their own node state.
 

@@ -4,7 +4,7 @@
 strategy's `aggregate` hook reads the replies through it: `sum` checks each reply
 (`checked`: the reply gate, then the strategy's `check_update`) and folds it into the one sum
 of `fedfields.flower.sum_replies`, in plaintext or through SecAgg+, clipped and noised under
-DP; a server step that is not linear in the records (FedNova, FedExP, the robust rules)
+DP; a server step that is not linear in the records (a method's own fold, the robust rules)
 passes its own `ReplyFold`, and still each reply is checked, counted and summed once. The
 round ends in `outcome`: the new global arrays (None: the global stays; an aggregate that is
 not finite in the global's dtypes is refused), the round's train metrics (`metrics`: client
@@ -46,6 +46,7 @@ from fedfields.flower.sum_replies import (
     sum_failure,
     with_reference,
 )
+from fedfields.methods.base import RoundContext
 from fedfields.methods.robust import update_norm
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 
@@ -121,7 +122,9 @@ class Round:
         self.secure_aggregation = secure_aggregation
         self.privacy = privacy
         self.summed: RoundSum | None = None
-        """The round's last sum (its payload's; DecentNeRF's gradient query sums first)."""
+        """The round's last sum (its payload's; a method may sum a query's replies first)."""
+        self.context: RoundContext | None = None
+        """What the method's server step knows of the round (`MethodStrategy` sets it)."""
 
     @classmethod
     def open(

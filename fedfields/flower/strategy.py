@@ -47,10 +47,10 @@ from fedfields.flower.strategy_options import (
     check_max_empty_rounds,
     checked_compression,
     merged_train_config,
-    optional_cap,
 )
 from fedfields.flower.user_keys import UserKeys
 from fedfields.methods import FEDAVG_COST, CostModel
+from fedfields.methods.settings import optional_cap
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 

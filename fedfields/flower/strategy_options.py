@@ -7,7 +7,6 @@ The reply caps bound what one client can do to a round: `max_num_examples` its w
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self, TypedDict, Unpack
 
@@ -44,15 +43,6 @@ yet low enough that one client cannot outweigh the others a billion to one."""
 DEFAULT_MAX_UPDATE_NORM = 1e3
 """Cap on ||g_k - g|| / max(||g||, 1): an honest round moves a model by far less than 1000x
 its own norm; a scaled or exploded update does not."""
-
-
-def optional_cap(value: float | None, name: str) -> float | None:
-    """A positive finite cap, or None for 0/None (no cap); ValueError otherwise."""
-    if value is None or (not isinstance(value, bool) and value == 0):
-        return None
-    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be > 0 and finite (0 or None: no cap), got {value!r}")
-    return float(value)
 
 
 DEFAULT_MAX_EMPTY_ROUNDS = 3

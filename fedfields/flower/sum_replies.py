@@ -1,12 +1,12 @@
 """One sum of a round's replies, in plaintext or through Flower's SecAgg+.
 
 Every fedfields strategy aggregates through it (`fedfields.flower.round.Round.sum`). A server
-step linear in the clients' records (FedAvg, FedProx, FedACG, FedMeNF, Scaffold, DecentNeRF)
-takes sum_k w_k x_k and sum_k w_k: the plaintext sum folds each checked reply in as it
+step linear in the clients' records (the mean's methods, and those summing records of their
+own) takes sum_k w_k x_k and sum_k w_k: the plaintext sum folds each checked reply in as it
 arrives (`RunningSum`, O(model) memory), the secure sum is SecAgg+'s over what the clients
 hold back, so the server never sees one client's record. Records the clients send as
-differences from what they received (`deltas`) are summed as such in both modes. FedNova,
-FedExP and the robust rules pass their own `ReplyFold` to the plaintext sum, which checks and
+differences from what they received (`deltas`) are summed as such in both modes. A method's
+own fold and the robust rules pass their `ReplyFold` to the plaintext sum, which checks and
 counts each reply as for any other. A halted or unusable secure sum is logged, counted in the
 round's "secure-sum-failures" and gives None: nothing raises.
 
@@ -96,7 +96,7 @@ class DistributedPrivacy:
 
 
 ReplyFold = Callable[[CheckedReply], None]
-"""How a server step that is not linear in the records (FedNova, FedExP, the robust rules)
+"""How a server step that is not linear in the records (a method's fold, the robust rules)
 takes each checked reply in, instead of the sums."""
 
 

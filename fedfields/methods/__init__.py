@@ -7,7 +7,6 @@ from fedfields.methods.accounting import (
     DECENTNERF_COST,
     DECENTNERF_PAPER_COST,
     FEDAVG_COST,
-    SCAFFOLD_COST,
     CostModel,
     RoundCost,
     centralised_cost,
@@ -31,6 +30,7 @@ from fedfields.methods.robust import (
     robust_aggregate,
 )
 from fedfields.methods.scaffold import (
+    SCAFFOLD_COST,
     scaffold_corrected_gradient,
     scaffold_server_update_from_sums,
 )

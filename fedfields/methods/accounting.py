@@ -7,8 +7,7 @@ mean) are not counted. Bytes are totals over the N clients of one round, every v
 DecentNeRF figures are for a round m > 1, which also exchanges gradients.
 
 Server FLOPs (d = num_parameters, N = num_clients):
-  fedavg, fedprox    d*N        weighted sum of the states (the proximal term is client-side)
-  scaffold           2*d*N      sums of model deltas and of control deltas
+  the mean's methods d*N        weighted sum of the states (a method's own records add theirs)
   decentnerf         (2d+1)*N   ours: sum of alpha_k g_k with alpha_k, plus sum of G_k; the
                                 clients compute <G, g_k> themselves
   decentnerf_paper   4*d*N      B.2: weights d*N + gradients d*N + dot products 2*d*N
@@ -64,9 +63,8 @@ class CostModel:
 
 
 FEDAVG_COST = CostModel(1, 0, 1, 1, 1)
-"""FedAvg and FedProx: up the state and the example count, down the state."""
-SCAFFOLD_COST = CostModel(2, 0, 2, 0, 2)
-"""Scaffold: up delta y and delta c, down x and c."""
+"""FedAvg and every method on its records: up the state and the example count, down the
+state. A method with other records declares its own `CostModel` in its module."""
 DECENTNERF_COST = CostModel(2, 1, 2, 1, 2)
 """DecentNeRF as fedfields runs it: up G_k, alpha_k g_k and alpha_k; down g^(m-1) and G."""
 DECENTNERF_PAPER_COST = CostModel(4, 0, 2, 0, 2)

@@ -3,14 +3,22 @@
 With the pseudo-gradient d = x - mean (the global minus the clients' mean),
     v <- beta v + d (v = d in the first round),   x <- x - eta v;
 beta = 0 drops the momentum (x <- x - eta d), and eta = 1 with beta = 0 is FedAvg's mean.
-Floating-point tensors only: a non-float one (a counter) takes the mean.
+Floating-point tensors only: a non-float one (a counter) takes the mean. The mean is the
+round's (plaintext, SecAgg+'s, noised under DP, or a robust rule's); clients train as for
+FedAvg.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 from torch import Tensor
 
-from fedfields.methods.states import State, check_states, like
+from fedfields.methods.base import Method, RoundContext, ServerStep
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.states import State, check_scalar, check_states, like
 
 FEDAVGM_LEARNING_RATE = 1.0
 FEDAVGM_MOMENTUM = 0.0
@@ -45,3 +53,73 @@ def fedavgm_update(
         for key, x in global_state.items()
     }
     return new_global, new_momentum
+
+
+@dataclass(frozen=True)
+class ServerOptimiserSettings(StrategySettings):
+    """The server step size every server optimiser reads; 0 takes the method's own default
+    (Flower's), since they differ and a run-config key has one default."""
+
+    robust_rules = True
+    server_learning_rate: float = setting(
+        0.0,
+        "server-learning-rate",
+        "eta of the server optimiser (0: Flower's default: fedavgm 1, fedadam 0.1, fedyogi "
+        "0.01, fedadagrad 0.1)",
+        NON_NEGATIVE,
+    )
+
+    def arguments(self) -> dict[str, Any]:
+        """The constructor arguments, without a server-learning-rate of 0 (the default)."""
+        arguments = super().arguments()
+        if arguments["server_learning_rate"] == 0.0:
+            del arguments["server_learning_rate"]
+        return arguments
+
+
+@dataclass(frozen=True)
+class FedAvgMSettings(ServerOptimiserSettings):
+    """FedAvgM's run-config keys: server-learning-rate (0: Flower's 1) and server-momentum."""
+
+    server_momentum: float = setting(
+        FEDAVGM_MOMENTUM, "server-momentum", "FedAvgM's server momentum beta", NON_NEGATIVE
+    )
+
+
+class FedAvgM(Method):
+    """FedAvgM's server step: v <- beta v + (x - mean), x <- x - eta v.
+
+    Args:
+        server_learning_rate: eta (Flower's default 1.0).
+        server_momentum: beta (Flower's default 0.0: no momentum, so FedAvg).
+    """
+
+    name = "fedavgm"
+    settings_class = FedAvgMSettings
+
+    def __init__(
+        self,
+        *,
+        server_learning_rate: float = FEDAVGM_LEARNING_RATE,
+        server_momentum: float = FEDAVGM_MOMENTUM,
+    ) -> None:
+        self.server_learning_rate = check_scalar(server_learning_rate, "server_learning_rate")
+        self.server_momentum = check_scalar(server_momentum, "server_momentum", positive=False)
+        self.momentum: dict[str, Tensor] | None = None
+        """v, None before the first aggregate and without momentum."""
+
+    def step_from_mean(self, context: RoundContext, mean: State) -> ServerStep:
+        """x - eta v with v <- beta v + (x - mean)."""
+        new_global, self.momentum = fedavgm_update(
+            context.global_state, mean, self.momentum, self.server_learning_rate,
+            self.server_momentum,
+        )  # fmt: skip
+        return ServerStep(new_global)
+
+    def state(self) -> dict[str, Any]:
+        """The momentum v."""
+        return {"momentum": self.momentum}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back v."""
+        self.momentum = state["momentum"]

@@ -11,12 +11,26 @@ eta_g is capped at max(1, M/2) for M clients: M/2 is its value when the M update
 orthogonal with equal norms (Jhunjhunwala et al., Sec. 3), and any larger step needs updates
 that cancel each other, which two colluding clients can fake (opposite updates, each within
 the update-norm cap, drive ||Delta|| to 0 and eta_g to 1e8 without the cap).
+
+The step needs each client's ||Delta_i||: neither SecAgg+ nor client-level DP applies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from torch import Tensor
 
+from fedfields.methods.base import (
+    ARRAYS,
+    Method,
+    ReplyFold,
+    RoundContext,
+    RoundSums,
+    ServerStep,
+)
+from fedfields.methods.settings import POSITIVE, StrategySettings, setting
 from fedfields.methods.states import (
     RunningSum,
     State,
@@ -27,6 +41,8 @@ from fedfields.methods.states import (
 )
 
 FEDEXP_EPSILON = 1e-3
+SERVER_STEP = "fedexp-server-step"
+"""Train metric: the round's eta_g (1 is FedAvg's step)."""
 
 
 def max_server_step(count: int) -> float:
@@ -71,3 +87,46 @@ class FedExPSums:
             key: like(x.detach().double() - step * total[key], x)
             for key, x in self.global_state.items()
         }
+
+
+@dataclass(frozen=True)
+class FedExPSettings(StrategySettings):
+    """FedExP's run-config key."""
+
+    epsilon: float = setting(
+        FEDEXP_EPSILON, "fedexp-epsilon", "FedExP's epsilon in its server step size", POSITIVE
+    )
+
+
+class FedExP(Method):
+    """FedExP's server step: each checked reply folded into `FedExPSums`; eta_g reported as
+    "fedexp-server-step".
+
+    Args:
+        epsilon: eps of the step size (FedMeNF's Table 7: 0.001).
+    """
+
+    name = "fedexp"
+    settings_class = FedExPSettings
+    secure_aggregation = False
+    differential_privacy = False
+    from_mean = False
+
+    def __init__(self, *, epsilon: float = FEDEXP_EPSILON) -> None:
+        self.epsilon = check_scalar(epsilon, "epsilon")
+        self.sums: FedExPSums | None = None
+
+    def fold(self, context: RoundContext) -> ReplyFold:
+        """Fold each reply's y_i with its n_i into the round's `FedExPSums`."""
+        sums = self.sums = FedExPSums(context.global_state, self.epsilon)
+
+        def add(records: Mapping[str, State], weight: float, scalars: Mapping[str, float]) -> None:
+            sums.add(records[ARRAYS], weight, checked=True)
+
+        return add
+
+    def step_from_sums(self, context: RoundContext, sums: RoundSums) -> ServerStep:
+        """x - eta_g Delta, with eta_g among the metrics."""
+        assert self.sums is not None, "fold opens the round's sums"
+        step = {SERVER_STEP: self.sums.server_step()}
+        return ServerStep(self.sums.update(), step)

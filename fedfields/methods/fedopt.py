@@ -9,19 +9,30 @@ With delta = mean - x (the clients' mean minus the global) each round,
     x <- x + eta' m / (sqrt(v) + tau)
 where eta' = eta for FedYogi and FedAdagrad, and FedAdam's bias-corrected
 eta sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1)) in round t (v = 0 before the first round).
-Floating-point tensors only: a non-float one (a counter) takes the mean.
+Floating-point tensors only: a non-float one (a counter) takes the mean. The mean is the
+round's (plaintext, SecAgg+'s, noised under DP, or a robust rule's); clients train as for
+FedAvg. Three methods in one module: one paper, one rule with three second moments.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from fedfields.methods.states import State, check_states, like
+from fedfields.methods.base import Method, RoundContext, ServerStep
+from fedfields.methods.fedavgm import ServerOptimiserSettings
+from fedfields.methods.settings import POSITIVE, Rule, setting
+from fedfields.methods.states import State, check_scalar, check_states, like
+
+BETA_1, BETA_2, TAU = 0.9, 0.99, 1e-3
+"""Flower 1.41's FedAdam and FedYogi defaults (FedAdagrad: beta_1 = 0, tau 1e-3 too)."""
+DECAY: Rule = (lambda value: 0.0 <= value < 1.0, "in [0, 1)")
+"""A moment's decay: 1 would freeze the moment at 0."""
 
 SecondMoment = Callable[[Tensor, Tensor, float], Tensor]
 """v, delta^2 and beta_2 -> the new v (float64)."""
@@ -95,3 +106,106 @@ def adaptive_update(
         for key, x in global_state.items()
     }
     return new_global, (m, v)
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings(ServerOptimiserSettings):
+    """FedAdagrad's run-config keys: server-learning-rate and tau."""
+
+    tau: float = setting(TAU, "tau", "FedAdam, FedYogi, FedAdagrad: adaptivity tau", POSITIVE)
+
+
+@dataclass(frozen=True)
+class MomentSettings(AdaptiveSettings):
+    """FedAdam's and FedYogi's run-config keys: besides eta and tau, beta-1 and beta-2."""
+
+    beta_1: float = setting(BETA_1, "beta-1", "FedAdam, FedYogi: first-moment decay beta_1", DECAY)
+    beta_2: float = setting(BETA_2, "beta-2", "FedAdam, FedYogi: second-moment decay beta_2", DECAY)
+
+
+class AdaptiveOptimiser(Method):
+    """FedOpt's server step x <- x + eta' m / (sqrt(v) + tau) on delta = mean - x; subclasses
+    set the second moment's rule.
+
+    Args:
+        server_learning_rate: eta (None: the subclass's `default_learning_rate`, Flower's).
+        beta_1, beta_2: the moments' decays.
+        tau: the adaptivity floor.
+    """
+
+    second_moment: ClassVar[SecondMoment]
+    bias_corrected: ClassVar[bool] = False
+    default_learning_rate: ClassVar[float]
+
+    def __init__(
+        self,
+        *,
+        server_learning_rate: float | None = None,
+        beta_1: float = BETA_1,
+        beta_2: float = BETA_2,
+        tau: float = TAU,
+    ) -> None:
+        for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if server_learning_rate is None:
+            server_learning_rate = self.default_learning_rate
+        self.rule = AdaptiveStep(
+            check_scalar(server_learning_rate, "server_learning_rate"),
+            beta_1,
+            beta_2,
+            check_scalar(tau, "tau"),
+            type(self).second_moment,
+            self.bias_corrected,
+        )
+        self.moments: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        """(m, v), None before the first aggregate."""
+
+    def step_from_mean(self, context: RoundContext, mean: State) -> ServerStep:
+        """x + eta' m / (sqrt(v) + tau), m and v updated with mean - x."""
+        new_global, self.moments = adaptive_update(
+            self.rule, context.server_round, context.global_state, mean, self.moments
+        )
+        return ServerStep(new_global)
+
+    def state(self) -> dict[str, Any]:
+        """The moments m and v."""
+        return {"moments": self.moments}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back the moments."""
+        self.moments = state["moments"]
+
+
+class FedAdam(AdaptiveOptimiser):
+    """FedAdam: v <- beta_2 v + (1 - beta_2) delta^2 and Adam's bias-corrected eta (Flower's
+    defaults: eta 1e-1, beta_1 0.9, beta_2 0.99, tau 1e-3)."""
+
+    name = "fedadam"
+    settings_class = MomentSettings
+    default_learning_rate = 1e-1
+    second_moment = staticmethod(adam_moment)
+    bias_corrected = True
+
+
+class FedYogi(AdaptiveOptimiser):
+    """FedYogi: v <- v - (1 - beta_2) delta^2 sign(v - delta^2) (Flower's defaults: eta 1e-2,
+    beta_1 0.9, beta_2 0.99, tau 1e-3)."""
+
+    name = "fedyogi"
+    settings_class = MomentSettings
+    default_learning_rate = 1e-2
+    second_moment = staticmethod(yogi_moment)
+
+
+class FedAdagrad(AdaptiveOptimiser):
+    """FedAdagrad: v <- v + delta^2 and no first-moment decay (beta_1 = 0; Flower's defaults:
+    eta 1e-1, tau 1e-3)."""
+
+    name = "fedadagrad"
+    settings_class = AdaptiveSettings
+    default_learning_rate = 1e-1
+    second_moment = staticmethod(adagrad_moment)
+
+    def __init__(self, *, server_learning_rate: float | None = None, tau: float = TAU) -> None:
+        super().__init__(server_learning_rate=server_learning_rate, beta_1=0.0, tau=tau)

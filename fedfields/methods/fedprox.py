@@ -1,14 +1,58 @@
-"""FedProx (Li et al. 2020, Eq. 2): the proximal term mu/2 ||w - w_g||^2 added to a local loss."""
+"""FedProx (Li et al. 2020, Eq. 2): FedAvg's server step, and each client adds the proximal
+term
+
+    h_k(w; w_g) = F_k(w) + mu/2 ||w - w_g||^2
+
+to its local loss, w_g the global it received. The server sends mu as "proximal-mu"; mu = 0
+is FedAvg. A method may send its own weight under the same key (a term around a lookahead).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from fedfields.methods.base import Method
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+
 Parameters = Iterable[Tensor] | Mapping[str, Tensor]
+
+PROXIMAL_MU = "proximal-mu"
+"""Train-config entry: mu of the clients' proximal term (FedProx's mu, FedACG's beta)."""
+
+
+@dataclass(frozen=True)
+class FedProxSettings(StrategySettings):
+    """FedProx's run-config keys."""
+
+    robust_rules = True
+    proximal_mu: float = setting(
+        0.01, "proximal-mu", "FedProx mu (scene and meta tasks)", NON_NEGATIVE
+    )
+
+
+class FedProx(Method):
+    """FedProx's server half: FedAvg's mean, with mu sent to the clients as "proximal-mu".
+
+    Args:
+        proximal_mu: weight mu >= 0 of the proximal term (default 0.0, as Flower's FedProx).
+    """
+
+    name = "fedprox"
+    settings_class = FedProxSettings
+
+    def __init__(self, *, proximal_mu: float = 0.0) -> None:
+        if not (math.isfinite(proximal_mu) and proximal_mu >= 0):
+            raise ValueError(f"proximal_mu must be non-negative and finite, got {proximal_mu}")
+        self.proximal_mu = float(proximal_mu)
+
+    def client_config(self) -> dict[str, int | float | str]:
+        """mu as "proximal-mu"."""
+        return {PROXIMAL_MU: self.proximal_mu}
 
 
 def _aligned(local: Parameters, remote: Parameters) -> list[tuple[str, Tensor, Tensor]]:

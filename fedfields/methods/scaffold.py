@@ -4,17 +4,49 @@ Client i runs K local steps y <- y - lr (g_i(y) - c_i + c) from the global model
 uploads (y_i - x, c_i+ - c_i); option II's c_i+ = c_i - c + (x - y_i) / (K lr) is written in
 tests/paper_reference.py, while our clients, on Adam, take the mean uncorrected gradient
 (`fedfields.train.federated.ScaffoldCorrector`). The server applies x <- x + lr_g mean(delta y)
-and c <- c + |S|/N mean(delta c) over the sampled set S.
+and c <- c + |S|/N mean(delta c) over the sampled set S, from the two sums alone, so it
+composes with SecAgg+ and client-level DP (both records clipped jointly).
+
+Train messages carry ARRAYS (x) and SERVER_CONTROL (c, zeros at first, the keys of x);
+replies carry ARRAYS (y_i, summed as y_i - x) and CONTROL_DELTA (delta c_i). A plaintext
+reply with ||delta c_i|| above max-control-norm is dropped ("control-norm"): honest controls
+estimate a mean gradient, while a 1e30 delta would become the c every client adds to each
+of its gradients. N is the number of nodes connected when the round is sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import overload
+from dataclasses import dataclass
+from typing import Any, overload
 
+import torch
 from torch import Tensor
 
+from fedfields.methods.accounting import CostModel
+from fedfields.methods.base import (
+    ARRAYS,
+    Method,
+    RecordSpec,
+    RoundContext,
+    RoundSums,
+    ServerStep,
+)
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, optional_cap, setting
 from fedfields.methods.states import State, check_scalar, check_states, like
+
+SERVER_CONTROL = "server-control"
+"""Train-message record: the server control variate c, the keys of ARRAYS."""
+CONTROL_DELTA = "control-delta"
+"""Reply record: delta c_i = c_i+ - c_i."""
+CLIENT_CONTROL = "scaffold-client-control"
+"""Node-state name of a client's control variate c_i (not a record: never sent)."""
+SCAFFOLD_COST = CostModel(2, 0, 2, 0, 2)
+"""Two sums up (y_i - x and delta c_i), two states down (x and c)."""
+DEFAULT_MAX_CONTROL_NORM = 1e6
+"""Cap on ||delta c_i||: a control variate estimates a mean gradient (at most about
+sqrt(d) for Adam-sized steps, under 1e4 for the fields here); 1e6 leaves room for any honest
+client and none for one that would scale every later gradient."""
 
 
 @overload
@@ -86,3 +118,93 @@ def scaffold_server_update_from_sums(
         for key, c in server_control.items()
     }
     return new_global, new_control
+
+
+@dataclass(frozen=True)
+class ScaffoldSettings(StrategySettings):
+    """Scaffold's run-config keys."""
+
+    global_lr: float = setting(
+        1.0, "scaffold-global-lr", "Scaffold's server step size", NON_NEGATIVE
+    )
+    max_control_norm: float = setting(
+        DEFAULT_MAX_CONTROL_NORM,
+        "max-control-norm",
+        "Scaffold: a reply with ||delta c_i|| above it is dropped (0: no cap)",
+        NON_NEGATIVE,
+    )
+
+
+class Scaffold(Method):
+    """Scaffold's server half: x <- x + lr_g mean(y_i - x), c <- c + |S|/N mean(delta c_i)
+    (Algorithm 1, lines 16-17), from the round's two sums.
+
+    Args:
+        global_lr: server step size lr_g.
+        max_control_norm: the cap on ||delta c_i|| (0 or None: no cap).
+
+    Attributes:
+        server_control: c as a state dict, carried across rounds (empty before round 1; set
+            it to {} to restart with zeros).
+    """
+
+    name = "scaffold"
+    settings_class = ScaffoldSettings
+    cost_model = SCAFFOLD_COST
+    weight_metric = ""  # Algorithm 1's plain mean over the sampled clients
+    from_mean = False
+
+    def __init__(
+        self, *, global_lr: float = 1.0, max_control_norm: float | None = DEFAULT_MAX_CONTROL_NORM
+    ) -> None:
+        self.global_lr = check_scalar(global_lr, "global_lr")
+        self.max_control_norm = optional_cap(max_control_norm, "max_control_norm")
+        self.server_control: dict[str, Tensor] = {}
+
+    def reply_records(self) -> tuple[RecordSpec, ...]:
+        """y_i summed as y_i - x; delta c_i as it is, its norm capped."""
+        control = RecordSpec(
+            CONTROL_DELTA,
+            norm_check="control-norm",
+            norm_cap=self.max_control_norm,
+            drop_reason="Scaffold replies' ||delta c_i|| exceeded max-control-norm",
+        )
+        return RecordSpec(ARRAYS, delta=True), control
+
+    def sent(self, global_state: State, server_round: int) -> dict[str, State]:
+        """x and c (zeros in the first round); ValueError if c no longer fits x."""
+        if not self.server_control:
+            self.server_control = {key: torch.zeros_like(x) for key, x in global_state.items()}
+        elif {k: c.shape for k, c in self.server_control.items()} != {
+            k: x.shape for k, x in global_state.items()
+        }:
+            raise ValueError(
+                "server_control's keys or shapes differ from the global state's; "
+                "set server_control = {} to restart from zeros"
+            )
+        return {ARRAYS: global_state, SERVER_CONTROL: self.server_control}
+
+    def step_from_sums(self, context: RoundContext, sums: RoundSums) -> ServerStep:
+        """x and c from the sums of y_i - x and delta c_i over the summed replies."""
+        new_global, self.server_control = scaffold_server_update_from_sums(
+            context.global_state,
+            sums.records[ARRAYS],
+            sums.records[CONTROL_DELTA],
+            sums.count,
+            self.server_control,
+            num_clients_total=context.num_nodes_total,
+            global_lr=self.global_lr,
+        )
+        return ServerStep(new_global)
+
+    def state(self) -> dict[str, Any]:
+        """The server control c."""
+        return {"server-control": dict(self.server_control)}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back c."""
+        self.server_control = dict(state["server-control"])
+
+    def describe(self) -> str:
+        """The name and lr_g."""
+        return f"scaffold (global_lr {self.global_lr:g})"

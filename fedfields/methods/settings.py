@@ -21,7 +21,16 @@ NON_NEGATIVE: Rule = (lambda value: math.isfinite(value) and value >= 0, "finite
 POSITIVE: Rule = (lambda value: math.isfinite(value) and value > 0, "finite and > 0")
 MISSPELT_CUTOFF = 0.85
 """difflib similarity above which an unknown key is taken for a misspelling of a known one
-("proximal-mue" of "proximal-mu"; "beta-1" and "beta-2" stay apart)."""
+("beta-l" of "beta-1"; "beta-1" and "beta-2" stay apart)."""
+
+
+def optional_cap(value: float | None, name: str) -> float | None:
+    """A positive finite cap, or None for 0/None (no cap); ValueError otherwise."""
+    if value is None or (not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be > 0 and finite (0 or None: no cap), got {value!r}")
+    return float(value)
 
 
 def setting(default: Any, key: str, doc: str, rule: Rule | None = None) -> Any:
