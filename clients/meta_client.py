@@ -6,10 +6,9 @@ w_E with "num-examples" = |D| (the server's weight, Eq. 2). A node reads only it
 (`fedfields.flower.node`): faces and video are scikit-image's, dealt by the node's client index
 (node-config partition-id); an object is the node's own folder (node-config data-dir, or in
 simulation run-config data-dir/object_NN); it meta-learns on node-config `device` (`node_device`)
-and uploads CPU float32. FedProx's mu comes as "proximal-mu"; for Scaffold the client keeps c_i in
-its private node state (`NodeState`), adds c - c_i to every outer gradient and takes the round's
-mean outer gradient as c_i+ (Scaffold's option I, evaluated along the local steps, so it holds for
-AdamW too), uploading delta c_i (`fedfields.flower.meta_train_parts` does all of it). The app adds
+and uploads CPU float32. The client runs the hooks of the method its message names (a proximal
+term, a control variate kept in its private node state; `fedfields.flower.client_hooks`) and
+adds what they leave to the reply (`fedfields.flower.meta_train_parts` does all of it). The app adds
 the client's index (record CLIENT) so that a simulation's audit can pair an upload with the
 client's data; no strategy reads it.
 """
@@ -36,7 +35,6 @@ def train(call: ClientCall) -> ReplyParts:
         config,
         settings,
         outer_steps=settings.outer_steps,
-        proximal_mu=0.0,
         seed=client_seed(config.common.seed, client, call.federated_round()),
     )
     meta = dataclasses.replace(meta, device=call.device)

@@ -6,10 +6,11 @@ global field it shares and a personal field it keeps; thin glue over
 node-config `device`; replies carry CPU float32 whatever the device. What stays on the node
 lives in its private state (`NodeState`): DecentNeRF's personal field and appearance
 embeddings, the user's alpha and its history, the last local global field, the occupancy grid,
-Scaffold's client control. A reply carries only what the strategy needs: the global field (or
-alpha * g_k and alpha for DecentNeRF), Scaffold's control delta, DecentNeRF's gradient G_k, and
-scalar metrics, among them "client-eval-psnr": the received global field's PSNR on this user's
-held-out views (the last `client-eval-views`, never trained on).
+what the method's client hooks keep (`fedfields.flower.client_hooks`). A reply carries only
+what the strategy needs: the global field (or alpha * g_k and alpha for DecentNeRF), the
+hooks' records, DecentNeRF's gradient G_k, and scalar metrics, among them
+"client-eval-psnr": the received global field's PSNR on this user's held-out views (the last
+`client-eval-views`, never trained on).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
-from fedfields.flower import DecentNeRFClient, NodeState, ScaffoldClient
+from fedfields.flower import DecentNeRFClient, NodeState
+from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.decentnerf import DecentNeRFSettings
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import (
@@ -39,12 +41,10 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.render import OccupancyGrid, RenderConfig
 from fedfields.train.builders import check_scene_fits, client_seed, global_field, render_config
 from fedfields.train.federated import (
     LocalTrainConfig,
-    ScaffoldControls,
     StepGraphs,
     federated_state,
     heldout_psnr,
@@ -92,7 +92,7 @@ def train(call: ClientCall) -> ReplyParts:
         decentnerf = DecentNeRFClient(state, alpha_lr)
     user = call.client
     personal = _personal_field(state, config, settings, len(scene), user) if decentnerf else None
-    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None
+    hooks = received_hooks(msg, state)
     local = LocalTrainConfig(
         steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
         learning_rate=config.scene.learning_rate,
@@ -100,7 +100,6 @@ def train(call: ClientCall) -> ReplyParts:
         target_samples=config.scene.target_samples,
         personal_density_weight=config.scene.personal_density_weight,
         beta_min=config.scene.beta_min,
-        proximal_mu=float(call.round_config.get(PROXIMAL_MU, 0.0)),
         occupancy_update_every=OCCUPANCY_UPDATE_EVERY,
         seed=client_seed(config.common.seed, user, call.federated_round()),
         device=call.device,
@@ -113,10 +112,7 @@ def train(call: ClientCall) -> ReplyParts:
         settings,
         occupancy,
         personal_field=personal,
-        global_reference=federated_state(field),
-        scaffold=None
-        if scaffold is None
-        else ScaffoldControls(server=scaffold.server_control, client=scaffold.client_control),
+        hooks=hooks,
         graphs=STEP_GRAPHS,
     )
     state.put_tensors(OCCUPANCY, occupancy.state_dict())
@@ -127,8 +123,7 @@ def train(call: ClientCall) -> ReplyParts:
         return decentnerf.train_parts(msg, local_state, metrics)
     metrics[NUM_EXAMPLES] = result.num_examples
     records = RecordDict({ARRAYS: state_to_arrays(local_state)})
-    if scaffold is not None:
-        scaffold.reply(records, result.client_control)
+    keep_results(result.hook_results, records, state)
     return ReplyParts(records, metrics)
 
 

@@ -41,6 +41,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.methods.states import to_wire
 from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
 from fedfields.privacy.split import (
@@ -64,7 +65,6 @@ from fedfields.train.builders import (
 )
 from fedfields.train.checkpoint import save_checkpoint
 from fedfields.train.evaluation import evaluate, write_renders
-from fedfields.train.federated import to_wire
 
 HEAD = "split-head"
 HEAD_OPTIMIZER = "split-head-optimizer"

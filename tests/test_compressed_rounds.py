@@ -34,8 +34,9 @@ from fedfields.flower import (
     FedProx,
     NodeState,
     Scaffold,
-    ScaffoldClient,
     compressed_download_mod,
+    keep_results,
+    received_hooks,
 )
 from fedfields.flower.compression import (
     CONTROL_STREAM,
@@ -64,7 +65,8 @@ from fedfields.flower.protocol import (
 from fedfields.flower.resume import RESUME_FILE, load_round_checkpoint
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.methods import ALPHA_KEY
-from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL
+from fedfields.methods.base import HookResult
+from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL, ScaffoldHook
 from fedfields.privacy.dp import scaled_difference
 from fedfields.privacy.secure_sum import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy, run_federated_nerf
@@ -299,7 +301,7 @@ def strategy_node(k: int, compressed: bool) -> Callable:
     """Client k of any strategy: its state is what it received plus update k. Compressed, it
     replies through `compressed_parts`; otherwise it replies, whole, the state the server
     must rebuild from that record (received + decompressed update, computed apart), and
-    Scaffold's control delta (0.01 x update k, through `ScaffoldClient`) as decompressed."""
+    Scaffold's control delta (0.01 x update k, through the client hooks) as decompressed."""
 
     def handler(message: Message, context: Context) -> Message:
         if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
@@ -316,9 +318,7 @@ def strategy_node(k: int, compressed: bool) -> Callable:
         records = RecordDict({ARRAYS: state_to_arrays(local)})
         control_delta = {key: 0.01 * v for key, v in update.items()}
         if SERVER_CONTROL in message.content:  # Scaffold
-            scaffold = ScaffoldClient.receive(message, NodeState(context))
-            kept = scaffold.client_control
-            scaffold.reply(records, {key: kept[key] + control_delta[key] for key in kept})
+            scaffold_reply(message, NodeState(context), records, control_delta)
         parts = ReplyParts(dict(records), metrics)
         if compressed:
             return compressed_parts(message, parts, NodeState(context), seed=k).message(message)
@@ -475,8 +475,18 @@ def test_every_strategy_runs_with_compressed_downloads(
 # ------------------------------------------------------------------ Scaffold's control delta
 
 
+def scaffold_reply(message: Message, state: NodeState, records: RecordDict, step: State) -> None:
+    """A Scaffold client's reply through the library's client hooks (`received_hooks`,
+    `keep_results`): c_i+ = c_i + `step`, delta c_i into `records`, c_i+ kept."""
+    (hook,) = received_hooks(message, state)
+    assert isinstance(hook, ScaffoldHook)
+    new = {key: c + step[key] for key, c in hook.client.items()}
+    delta = {key: value - hook.client[key] for key, value in new.items()}
+    keep_results([HookResult({CONTROL_DELTA: delta}, {CLIENT_CONTROL: new})], records, state)
+
+
 def scaffold_node(k: int, hostile: bool = False) -> Callable:
-    """A Scaffold client through the library's `ScaffoldClient` and `compressed_parts`: its
+    """A Scaffold client through the library's client hooks and `compressed_parts`: its
     new control c_i+ is c_i plus a step of its own each round; `hostile` drops one tensor's
     scale from its compressed control delta."""
 
@@ -484,12 +494,11 @@ def scaffold_node(k: int, hostile: bool = False) -> Callable:
         if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
             return answer_user_key(message, context)
         state = NodeState(context)
-        scaffold = ScaffoldClient.receive(message, state)
         server_round = int(message.content[CONFIG]["server-round"])
         generator = torch.Generator().manual_seed(10 * k + server_round)
         step = {key: torch.randn(v.shape, generator=generator) for key, v in global_state().items()}
         records = RecordDict({ARRAYS: state_to_arrays(local_state(k))})
-        scaffold.reply(records, {key: c + step[key] for key, c in scaffold.client_control.items()})
+        scaffold_reply(message, state, records, step)
         parts = compressed_parts(message, ReplyParts(dict(records), {NUM_EXAMPLES: 1.0}), state, k)
         if hostile:
             del parts.records[CONTROL_DELTA]["weight:scale"]
@@ -562,7 +571,7 @@ def test_the_apps_compressed_scaffold_run_keeps_c_the_mean_of_its_nodes_controls
 
 def test_a_control_delta_without_the_nodes_control_is_refused_by_name() -> None:
     """`compressed_parts` must move the node's kept c_i by the decoded delta: a CONTROL_DELTA
-    made without `ScaffoldClient.reply` (nothing kept) is one error naming both."""
+    made without the hook's kept c_i+ (nothing kept) is one error naming both."""
     strategy = Scaffold(min_available_nodes=3, compression=SCHEMES[1])
     grid = InProcessGrid([scaffold_node(k) for k in range(3)])
     message, *_ = strategy.configure_train(1, state_to_arrays(global_state()), ConfigRecord(), grid)

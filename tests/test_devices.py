@@ -29,10 +29,10 @@ from fedfields.fields import HashGridConfig, HashGridField, HashGridFieldConfig
 from fedfields.flower.node import is_simulated, node_data_dir, node_device
 from fedfields.flower.protocol import state_to_arrays
 from fedfields.geometry.cameras import orbit_cameras
+from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, ScaffoldHook
 from fedfields.render import OccupancyGrid, RenderConfig, render_image
 from fedfields.train.federated import (
     LocalTrainConfig,
-    ScaffoldControls,
     federated_state,
     local_train,
     loss_gradient,
@@ -176,10 +176,10 @@ def test_uploads_are_cpu_float32_whatever_the_training_dtype() -> None:
         LocalTrainConfig(steps=2, batch_rays=32, device="cpu"),
         render,
         None,
-        scaffold=ScaffoldControls(server=zeros, client=zeros),
+        hooks=[ScaffoldHook(zeros, zeros)],
     )
-    assert result.client_control is not None
-    for upload in (state, gradient, result.client_control):
+    (kept,) = result.hook_results
+    for upload in (state, gradient, kept.kept[CLIENT_CONTROL], kept.records[CONTROL_DELTA]):
         arrays = state_to_arrays(upload)
         assert {array.numpy().dtype for array in arrays.values()} == {np.dtype("float32")}
 

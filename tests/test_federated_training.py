@@ -26,11 +26,12 @@ from fedfields.fields import (
 )
 from fedfields.fields.personal import DENSITY_BOUND_IMAGES, INITIAL_DENSITY_SHIFT
 from fedfields.geometry import Rays, image_rays
+from fedfields.methods.fedprox import ProximalHook
+from fedfields.methods.scaffold import CLIENT_CONTROL, ScaffoldHook
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
 from fedfields.render.renderer import RayOutputs
 from fedfields.train import (
     LocalTrainConfig,
-    ScaffoldControls,
     federated_state,
     load_federated_state,
     local_train,
@@ -305,7 +306,7 @@ def test_local_train_reduces_the_loss(scene: Scene) -> None:
     assert result.steps == 60 and result.rays == 60 * 96 and result.samples == 60 * 96 * 24
     assert result.num_examples == VIEWS * 25 * 25
     assert result.psnr == pytest.approx(-10 * np.log10(result.loss))
-    assert result.client_control is None
+    assert result.hook_results == []
 
 
 def test_an_epoch_budget_ends_the_round_after_one_pass_over_the_pixels(scene: Scene) -> None:
@@ -378,7 +379,7 @@ def test_large_proximal_mu_keeps_the_global_field_near_the_reference(scene: Scen
     for mu in (0.0, 1e4):
         field = make_global()
         start = federated_state(field)
-        local_train(field, scene, small_config(steps=30, proximal_mu=mu), RENDER, None)
+        local_train(field, scene, small_config(steps=30), RENDER, None, hooks=[ProximalHook(mu)])
         end = federated_state(field)
         distances[mu] = sum(float((end[k] - start[k]).square().sum()) for k in start) ** 0.5
     assert distances[1e4] < 0.2 * distances[0.0]
@@ -387,9 +388,9 @@ def test_large_proximal_mu_keeps_the_global_field_near_the_reference(scene: Scen
 def test_proximal_reference_defaults_to_the_starting_weights(scene: Scene) -> None:
     first, second = make_global(), make_global()
     reference = federated_state(second)
-    config = small_config(steps=5, proximal_mu=10.0)
-    local_train(first, scene, config, RENDER, None)
-    local_train(second, scene, config, RENDER, None, global_reference=reference)
+    config = small_config(steps=5)
+    local_train(first, scene, config, RENDER, None, hooks=[ProximalHook(10.0)])
+    local_train(second, scene, config, RENDER, None, hooks=[ProximalHook(10.0, reference)])
     for name, parameter in first.named_parameters():
         assert torch.equal(parameter, dict(second.named_parameters())[name])
 
@@ -407,11 +408,11 @@ def test_scaffold_with_equal_controls_is_plain_training(scene: Scene) -> None:
     control = random_state(plain, seed=5, scale=0.3)
     config = small_config(steps=15)
     local_train(plain, scene, config, RENDER, None)
-    scaffold = ScaffoldControls(server=control, client={k: v.clone() for k, v in control.items()})
-    result = local_train(corrected, scene, config, RENDER, None, scaffold=scaffold)
+    scaffold = ScaffoldHook(control, {k: v.clone() for k, v in control.items()})
+    result = local_train(corrected, scene, config, RENDER, None, hooks=[scaffold])
     for name, parameter in plain.named_parameters():
         assert torch.equal(parameter, dict(corrected.named_parameters())[name]), name
-    assert result.client_control is not None
+    assert CLIENT_CONTROL in result.hook_results[0].kept
 
 
 def test_scaffold_control_is_option_two_on_the_local_gradients(scene: Scene) -> None:
@@ -428,10 +429,8 @@ def test_scaffold_control_is_option_two_on_the_local_gradients(scene: Scene) -> 
         parameter.register_hook(lambda grad, name=name: raw[name].append(grad.detach().clone()))
     steps, lr = 12, 1e-2
     config = small_config(steps=steps, learning_rate=lr)
-    result = local_train(
-        field, scene, config, RENDER, None, scaffold=ScaffoldControls(server, client)
-    )
-    assert result.client_control is not None
+    result = local_train(field, scene, config, RENDER, None, hooks=[ScaffoldHook(server, client)])
+    client_control = result.hook_results[0].kept[CLIENT_CONTROL]
     # y under SGD with the corrected gradients, then option II's closed form.
     sgd_end = {k: start[k] - lr * sum(g - client[k] + server[k] for g in raw[k]) for k in start}
     expected, expected_delta = scaffold_client_control_update(
@@ -440,19 +439,17 @@ def test_scaffold_control_is_option_two_on_the_local_gradients(scene: Scene) -> 
     for name in start:
         assert len(raw[name]) == steps
         torch.testing.assert_close(
-            result.client_control[name], torch.stack(raw[name]).mean(0), rtol=1e-5, atol=1e-8
+            client_control[name], torch.stack(raw[name]).mean(0), rtol=1e-5, atol=1e-8
         )
+        torch.testing.assert_close(client_control[name], expected[name], rtol=1e-3, atol=1e-6)
         torch.testing.assert_close(
-            result.client_control[name], expected[name], rtol=1e-3, atol=1e-6
-        )
-        torch.testing.assert_close(
-            result.client_control[name] - client[name], expected_delta[name], rtol=1e-3, atol=1e-6
+            client_control[name] - client[name], expected_delta[name], rtol=1e-3, atol=1e-6
         )
     adam_control, _ = scaffold_client_control_update(
         client, server, start, federated_state(field), steps, lr
     )
     table = "encoding.table"
-    assert adam_control[table].norm() > 1000 * result.client_control[table].norm()
+    assert adam_control[table].norm() > 1000 * client_control[table].norm()
 
 
 # ------------------------------------------------------------------ DecentNeRF's G_k
@@ -534,5 +531,5 @@ def test_local_train_rejects_mismatched_inputs(scene: Scene) -> None:
             small_config(),
             RENDER,
             None,
-            scaffold=ScaffoldControls(control, {"x": torch.zeros(1)}),
+            hooks=[ScaffoldHook(control, {"x": torch.zeros(1)})],
         )

@@ -34,14 +34,13 @@ from fedfields.fields import (
 )
 from fedfields.fields.base import FieldOutputs
 from fedfields.geometry.rays import Rays, intersect_aabb
+from fedfields.methods.scaffold import CLIENT_CONTROL, ScaffoldHook
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.train.centralised import default_setup, train
 from fedfields.train.cuda_syncs import syncing_reason
 from fedfields.train.federated import (
     FINITE_CHECK_EVERY,
     LocalTrainConfig,
-    ScaffoldControls,
-    ScaffoldCorrector,
     local_train,
 )
 from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLoss
@@ -610,14 +609,14 @@ def test_the_static_step_gives_decentnerf_s_loss_and_gradients(tiny_lego: Scene)
     torch.testing.assert_close(short.loss, expected, rtol=1e-5, atol=0)
 
 
-def _scaffold(field: torch.nn.Module, seed: int) -> ScaffoldControls:
+def _scaffold(field: torch.nn.Module, seed: int) -> ScaffoldHook:
     """Controls of the field's shapes, c - c_i of the order of a step's gradients."""
     generator = torch.Generator().manual_seed(seed)
     server, client = {}, {}
     for name, parameter in field.named_parameters():
         server[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
         client[name] = 1e-4 * torch.randn(parameter.shape, generator=generator)
-    return ScaffoldControls(server, client)
+    return ScaffoldHook(server, client)
 
 
 def _composite_scaffold_step(
@@ -626,17 +625,18 @@ def _composite_scaffold_step(
     render: RenderConfig,
     grid: OccupancyGrid,
     cuda_graph: bool,
-) -> tuple[StaticStep, ScaffoldCorrector]:
+) -> tuple[StaticStep, ScaffoldHook]:
     """A static step of the composite under NeRF-W's loss with Scaffold's corrector (seeded
     controls), on the composite's device."""
     device = next(composite.parameters()).device
     optimizer = static_optimizer(composite, 1e-2, 1e-6, device)
     parameters = dict(composite.global_field.named_parameters())
-    corrector = ScaffoldCorrector(_scaffold(composite.global_field, 0), parameters)
+    corrector = _scaffold(composite.global_field, 0)
+    corrector.bind(parameters)
     terms = PersonalLoss(BETA_MIN, TRANSIENT_DENSITY_WEIGHT)
     step = StaticStep(
         lambda g, rays: static_loss(composite, sampler, render, g, rays, 1 << 14, personal=terms),
-        optimizer, grid, cuda_graph=cuda_graph, after_backward=corrector,
+        optimizer, grid, cuda_graph=cuda_graph, after_backward=corrector.after_backward,
     )  # fmt: skip
     return step, corrector
 
@@ -674,7 +674,8 @@ def test_a_static_round_trains_what_the_dynamic_round_trains(
             steps=3, batch_rays=64, target_samples=64 * 16, max_batch_rays=64, device="cpu",
             step_mode=mode,
         )  # fmt: skip
-        result = local_train(field, tiny_lego, config, render, None, personal, None, scaffold)
+        hooks = [] if scaffold is None else [scaffold]
+        result = local_train(field, tiny_lego, config, render, None, personal, hooks)
         trained = [p.detach().clone() for p in field.parameters()]
         if personal is not None:
             trained += [p.detach().clone() for p in personal.parameters()]
@@ -685,9 +686,9 @@ def test_a_static_round_trains_what_the_dynamic_round_trains(
     for got, expected in zip(static_weights, dynamic_weights, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
     if strategy == "scaffold":
-        assert static.client_control is not None and dynamic.client_control is not None
-        for name, value in dynamic.client_control.items():
-            torch.testing.assert_close(static.client_control[name], value, rtol=1e-3, atol=1e-7)
+        static_control = static.hook_results[0].kept[CLIENT_CONTROL]
+        for name, value in dynamic.hook_results[0].kept[CLIENT_CONTROL].items():
+            torch.testing.assert_close(static_control[name], value, rtol=1e-3, atol=1e-7)
 
 
 def test_a_decentnerf_static_round_keeps_its_rays_and_its_sample_target(tiny_lego: Scene) -> None:

@@ -249,9 +249,7 @@ def test_the_measured_best_is_the_default_and_the_paper_one_key_away() -> None:
     def clamp(run_config: dict) -> float | None:
         config = parse_app_config({"task": "faces", **run_config})
         settings = meta_settings(config)
-        return meta_config(
-            config, settings, outer_steps=1, proximal_mu=0.0, seed=0
-        ).memorising_bound
+        return meta_config(config, settings, outer_steps=1, seed=0).memorising_bound
 
     assert clamp({}) == 0.15
     assert clamp({"memorising-bound": 0.0}) is None

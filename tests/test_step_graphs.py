@@ -22,6 +22,8 @@ from test_host_syncs import _personal, _scaffold  # the same tiny personal field
 
 from fedfields.data import holdout_indices, load_scene
 from fedfields.data.scene import Scene
+from fedfields.methods.fedprox import ProximalHook
+from fedfields.methods.scaffold import CLIENT_CONTROL, ScaffoldHook
 from fedfields.render import OccupancyGrid
 from fedfields.train import federated
 from fedfields.train.centralised import default_setup
@@ -62,13 +64,13 @@ def _round(
     grid = OccupancyGrid(field.aabb)
     config = LocalTrainConfig(
         steps=steps, batch_rays=256, target_samples=1 << 12, max_batch_rays=1024,
-        occupancy_update_every=2, proximal_mu=0.01, learning_rate=1e-2 * (1 + federated_round),
+        occupancy_update_every=2, learning_rate=1e-2 * (1 + federated_round),
         seed=federated_round * 10 + user, device="cpu", step_mode=step_mode,
     )  # fmt: skip
+    hooks = [ProximalHook(0.01), _scaffold(field, seed=user + 7 * federated_round)]
     result = local_train(
-        field, scene, config, setup.render_config, grid, personal, None,
-        _scaffold(field, seed=user + 7 * federated_round), graphs=graphs,
-    )  # fmt: skip
+        field, scene, config, setup.render_config, grid, personal, hooks, graphs=graphs
+    )
     return result, [p.detach().clone() for p in (*field.parameters(), *personal.parameters())]
 
 
@@ -87,9 +89,9 @@ def test_the_shared_workspace_trains_each_user_as_a_fresh_one_does(users: list[S
         )  # fmt: skip
         for got, expected in zip(shared_weights, fresh_weights, strict=True):
             assert torch.equal(got, expected)
-        assert shared.client_control is not None and fresh.client_control is not None
-        for name, value in fresh.client_control.items():
-            assert torch.equal(shared.client_control[name], value)
+        shared_control = shared.hook_results[1].kept[CLIENT_CONTROL]
+        for name, value in fresh.hook_results[1].kept[CLIENT_CONTROL].items():
+            assert torch.equal(shared_control[name], value)
     assert len(graphs.workspaces) == 1
     for scene, before in zip(users, pixels, strict=True):
         assert torch.equal(scene.images, before)
@@ -107,10 +109,11 @@ def _addresses(workspace: LocalWorkspace) -> dict[str, int]:
         "background": sampler.background, "poses": sampler.cameras.camera_to_world,
         "fx": sampler.cameras.fx,
     }  # fmt: skip
-    assert workspace.proximal is not None and workspace.corrector is not None
-    tensors |= {f"reference.{n}": t for n, t in workspace.proximal.reference.items()}
-    tensors |= {f"correction.{n}": t for n, t in workspace.corrector.correction.items()}
-    tensors |= {f"gradient_sum.{n}": t for n, t in workspace.corrector.gradient_sum.items()}
+    proximal, scaffold = workspace.hooks
+    assert isinstance(proximal, ProximalHook) and isinstance(scaffold, ScaffoldHook)
+    tensors |= {f"reference.{n}": t for n, t in proximal.device_reference.items()}
+    tensors |= {f"correction.{n}": t for n, t in scaffold.correction.items()}
+    tensors |= {f"gradient_sum.{n}": t for n, t in scaffold.gradient_sum.items()}
     return {name: tensor.data_ptr() for name, tensor in tensors.items()}
 
 

@@ -5,9 +5,11 @@ Server side: each method of `fedfields.methods` as a Flower strategy (`MethodStr
 by `method_strategy`): `FedAvg`, `FedProx`, `Scaffold`, `FedNova`, `FedExP`, `FedACG`, the
 server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad`, and `DecentNeRF` and
 `FedMeNF` (message-API strategies; `Strategy.from_config(context.run_config, ...)`). Client
-side: `DecentNeRFClient` (gradient query, alpha, alpha-weighted reply), `ScaffoldClient` (c_i
-in the node's state), `meta_train_reply` (FedMeNF's LocalUpdate), `NodeState` (a node's
-private state), `secure_aggregation_mod` (Flower SecAgg+ for every strategy) and
+side: `received_hooks` and `keep_results` (the client hooks of the method a message names:
+a loss term, a gradient correction, the records and state they leave), `DecentNeRFClient`
+(gradient query, alpha, alpha-weighted reply), `meta_train_reply` (FedMeNF's LocalUpdate),
+`NodeState` (a node's private state), `secure_aggregation_mod` (Flower SecAgg+ for every
+strategy) and
 `compressed_download_mod` (rebuilds a compressed download's global before the handler). The
 `*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's
 records and metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own.
@@ -16,6 +18,7 @@ Record and key names are in `fedfields.flower.protocol` and the methods' modules
 
 from __future__ import annotations
 
+from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.downloads import compressed_download_mod
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
@@ -23,7 +26,6 @@ from fedfields.flower.method_strategy import MethodOptions, MethodStrategy, meth
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.round_loop import EmptyRoundsError
 from fedfields.flower.sampling import InsufficientNodesError
-from fedfields.flower.scaffold import ScaffoldClient
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.strategy import ProtocolStrategy
 from fedfields.flower.strategy_options import StrategyOptions
@@ -60,13 +62,14 @@ __all__ = [
     "NodeState",
     "ProtocolStrategy",
     "Scaffold",
-    "ScaffoldClient",
     "StrategyOptions",
     "client_index",
     "compressed_download_mod",
+    "keep_results",
     "m_of_n_sampling",
     "meta_train_parts",
     "meta_train_reply",
     "method_strategy",
+    "received_hooks",
     "secure_aggregation_mod",
 ]

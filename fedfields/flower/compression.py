@@ -114,7 +114,7 @@ CONTROL_STREAM = 1_000_003
 def compressed_control(msg: Message, parts: ReplyParts, state: NodeState, seed: int) -> ReplyParts:
     """`parts` with Scaffold's CONTROL_DELTA delta c_i replaced by its compressed record when
     `msg` asks for compression in plaintext: once, and the node's kept control (c_i+, which
-    `ScaffoldClient.reply` stored) becomes c_i + D(C(delta c_i)), what the server adds."""
+    its client hook kept) becomes c_i + D(C(delta c_i)), what the server adds."""
     config = plaintext_compression(msg)
     if config is None or CONTROL_DELTA not in parts.records:
         return parts

@@ -16,6 +16,7 @@ from typing import Unpack
 from flwr.app import Message, RecordDict
 from torch import nn
 
+from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.method_strategy import MethodOptions, MethodStrategy
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
@@ -29,10 +30,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.scaffold import ScaffoldClient
 from fedfields.flower.strategy_options import StrategyOptions
 from fedfields.methods.fedavg import FedAvg
-from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.train.federated import load_federated_state
 from fedfields.train.meta import MetaConfig, local_meta_update
 from fedfields.train.meta_tasks import MetaTask
@@ -104,9 +103,10 @@ def meta_train_reply(
     """One client's LocalUpdate from the received theta, as the train reply: w_E (ARRAYS) and
     |D|, the mean outer loss and gamma (METRICS).
 
-    The message may override E ("local-steps") and set FedProx's mu ("proximal-mu"); from a
-    Scaffold server the client adds c - c_i to every outer gradient and uploads delta c_i
-    with c_i+ = the round's mean outer gradient (`ScaffoldClient`, option I).
+    The message may override E ("local-steps"); the client runs the hooks of the method the
+    message names (`fedfields.flower.client_hooks`: a proximal term, a control variate
+    whose c_i+ is the round's mean outer gradient, Scaffold's option I) and adds what they
+    leave to the reply.
     """
     return meta_train_parts(msg, model, tasks, meta, state).message(msg)
 
@@ -119,18 +119,9 @@ def meta_train_parts(
     theta = arrays_to_state(msg.content[ARRAYS])
     load_federated_state(model, theta)
     meta = dataclasses.replace(
-        meta,
-        outer_steps=int(round_config.get(LOCAL_STEPS, meta.outer_steps)),
-        proximal_mu=float(round_config.get(PROXIMAL_MU, meta.proximal_mu)),
+        meta, outer_steps=int(round_config.get(LOCAL_STEPS, meta.outer_steps))
     )
-    scaffold = ScaffoldClient.receive(msg, state) if ScaffoldClient.sent_by_scaffold(msg) else None
-    result = local_meta_update(
-        model,
-        tasks,
-        meta,
-        global_reference=theta if meta.proximal_mu > 0 else None,
-        scaffold_correction=scaffold.correction() if scaffold is not None else None,
-    )
+    result = local_meta_update(model, tasks, meta, received_hooks(msg, state))
     metrics = {
         NUM_EXAMPLES: result.num_examples,
         TRAIN_LOSS: sum(result.outer_losses) / len(result.outer_losses),
@@ -139,6 +130,5 @@ def meta_train_parts(
     if result.gammas:
         metrics[GAMMA] = sum(result.gammas) / len(result.gammas)
     records = RecordDict({ARRAYS: state_to_arrays(result.state)})
-    if scaffold is not None:
-        scaffold.reply(records, result.mean_outer_gradient)
+    keep_results(result.hook_results, records, state)
     return ReplyParts(records, metrics)

@@ -15,7 +15,11 @@ family of rules, subclasses) next to its paper's equations. The generic round
   a robust rule may replace when its settings class allows `robust_rules`);
 - the server step: `step_from_mean` over the round's mean, or `fold` (each checked reply as
   it arrives) and `step_from_sums` over the round's sums;
-- `state` and `restore`: what a resumed run needs of it (moments, controls).
+- `state` and `restore`: what a resumed run needs of it (moments, controls);
+- `client_hooks`: what its clients add to the one local training loop (`ClientHook`: a term
+  of the loss, a correction after backward, the records it adds to the reply and the state
+  its node keeps), built from the train message; a node runs the hooks of the method its
+  message names ("strategy", looked up in `Method.registered`) and never asks who sent it.
 
 The record and metric names every method shares are defined here, so a method module needs
 no Flower import (`fedfields.flower.protocol` re-exports them).
@@ -27,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from fedfields.methods.accounting import FEDAVG_COST, CostModel
@@ -102,13 +107,64 @@ ReplyFold = Callable[[Mapping[str, Mapping[str, Tensor]], float, Mapping[str, fl
 scalars the method asked for (`Method.reply_scalars`)."""
 
 
-class Method:
-    """A federated method's server half: FedAvg's mean by default.
+@dataclass(frozen=True)
+class HookResult:
+    """What a client hook leaves after a round: records it adds to the reply, and state the
+    node keeps for the next round (by name; CPU float32)."""
 
-    Subclasses set `name` (and `settings_class` when they have run-config keys, whose fields
-    are the constructor's keyword arguments) and override what differs from FedAvg.
+    records: dict[str, State] = field(default_factory=dict)
+    kept: dict[str, State] = field(default_factory=dict)
+
+
+Kept = Callable[[str], State | None]
+"""A node's kept state by name (None: nothing kept yet)."""
+
+
+class ClientHook:
+    """What a method adds to a client's one local training loop, the way nerfacc passes
+    `rgb_sigma_fn` to its renderer: a term of the loss, a correction of the gradients after
+    backward, and what it leaves (`finish`).
+
+    Built on the CPU from the train message (`Method.client_hooks`), then bound to the
+    parameters the loop trains (`bind`, on their device). `loss` and `after_backward` run at
+    every step in place and without host reads, so a captured static step runs them too; a
+    workspace kept across calls takes the next call's hook into its bound one (`refill`).
     """
 
+    def key(self) -> tuple[Any, ...]:
+        """What a captured step bakes in (its Python floats): equal keys share a graph."""
+        return (type(self).__name__,)
+
+    def bind(self, parameters: Mapping[str, torch.Tensor]) -> None:
+        """Take the parameters the loop trains; the hook's tensors move to their device."""
+
+    def loss(self) -> torch.Tensor | None:
+        """A term added to each step's loss, differentiable in the parameters (None: none)."""
+        return None
+
+    def after_backward(self) -> None:
+        """Correct the parameters' gradients in place, before the optimiser's step."""
+
+    def refill(self, other: ClientHook) -> None:
+        """Take `other` (another call's hook, same key, unbound) into this bound hook, in
+        place: a captured step reads these tensors."""
+
+    def finish(self, steps: int) -> HookResult:
+        """The reply records and kept state after `steps` steps of the loop."""
+        return HookResult()
+
+
+class Method:
+    """A federated method's server half and its clients' hooks: FedAvg by default.
+
+    Subclasses set `name` (and `settings_class` when they have run-config keys, whose fields
+    are the constructor's keyword arguments) and override what differs from FedAvg. Defining
+    a subclass with a `name` registers it (`Method.registered`), so a node finds the hooks
+    of the method its train message names.
+    """
+
+    registered: ClassVar[dict[str, type[Method]]] = {}
+    """Every method class defined so far, by `name`: what a node looks its message's up in."""
     name: ClassVar[str]
     settings_class: ClassVar[type[StrategySettings]] = StrategySettings
     cost_model: ClassVar[CostModel] = FEDAVG_COST
@@ -126,6 +182,19 @@ class Method:
     def reply_records(self) -> tuple[RecordSpec, ...]:
         """The records a train reply carries, ARRAYS first, and how each is summed and bounded."""
         return (RecordSpec(ARRAYS),)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls):
+            Method.registered[cls.name] = cls
+
+    @classmethod
+    def client_hooks(
+        cls, config: Mapping[str, Any], received: Mapping[str, State], kept: Kept
+    ) -> list[ClientHook]:
+        """The hooks a client runs for this method's train message: `config` is its CONFIG,
+        `received` its records (ARRAYS: the global as received), `kept` the node's state."""
+        return []
 
     def client_config(self) -> dict[str, int | float | str]:
         """Train-config entries the method's clients read (a loss weight), besides the round's."""

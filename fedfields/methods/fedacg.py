@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedfields.methods.base import ARRAYS, Method, RoundContext, ServerStep
-from fedfields.methods.fedprox import PROXIMAL_MU
+from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, RoundContext, ServerStep
+from fedfields.methods.fedprox import PROXIMAL_MU, proximal_hooks
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
 from fedfields.methods.states import State, check_scalar, check_states, like
 
@@ -94,6 +94,13 @@ class FedACG(Method):
     def client_config(self) -> dict[str, int | float | str]:
         """beta as "proximal-mu": the clients' proximal term around the lookahead."""
         return {PROXIMAL_MU: self.beta}
+
+    @classmethod
+    def client_hooks(
+        cls, config: Mapping[str, Any], received: Mapping[str, State], kept: Kept
+    ) -> list[ClientHook]:
+        """The proximal term (weight beta) around the lookahead received."""
+        return proximal_hooks(config, received)
 
     def sent(self, global_state: State, server_round: int) -> dict[str, State]:
         """The lookahead x + lambda m instead of x (m = 0 in the first round)."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedfields.methods.base import Method
+from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, State
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.states import on_device
 
 Parameters = Iterable[Tensor] | Mapping[str, Tensor]
 
@@ -53,6 +55,53 @@ class FedProx(Method):
     def client_config(self) -> dict[str, int | float | str]:
         """mu as "proximal-mu"."""
         return {PROXIMAL_MU: self.proximal_mu}
+
+    @classmethod
+    def client_hooks(
+        cls, config: Mapping[str, Any], received: Mapping[str, State], kept: Kept
+    ) -> list[ClientHook]:
+        """The proximal term around the global received, when "proximal-mu" > 0."""
+        return proximal_hooks(config, received)
+
+
+def proximal_hooks(config: Mapping[str, Any], received: Mapping[str, State]) -> list[ClientHook]:
+    """[`ProximalHook`] around the received ARRAYS when the message's "proximal-mu" is
+    positive (the clients of any method that sends it), else []."""
+    mu = float(config.get(PROXIMAL_MU, 0.0))
+    return [ProximalHook(mu, received[ARRAYS])] if mu > 0 else []
+
+
+class ProximalHook(ClientHook):
+    """The client's term mu/2 ||w - w_g||^2 on the trained parameters (Eq. 2), w_g the global
+    it received (None: the parameters it starts from)."""
+
+    def __init__(self, mu: float, reference: State | None = None) -> None:
+        if not (math.isfinite(mu) and mu >= 0):
+            raise ValueError(f"proximal_mu must be >= 0 and finite, got {mu}")
+        self.mu = float(mu)
+        self.reference = reference
+        self.parameters: Mapping[str, Tensor] = {}
+        self.device_reference: dict[str, Tensor] = {}
+
+    def key(self) -> tuple[Any, ...]:
+        """mu, which a captured step bakes in."""
+        return ("proximal", self.mu)
+
+    def bind(self, parameters: Mapping[str, Tensor]) -> None:
+        """w_g checked against the parameters, on their device."""
+        self.parameters = parameters
+        self.device_reference = on_device(self.reference, parameters, "global_reference")
+
+    def loss(self) -> Tensor:
+        """mu/2 ||w - w_g||^2."""
+        return proximal_term(self.parameters, self.device_reference, self.mu)
+
+    def refill(self, other: ClientHook) -> None:
+        """`other`'s w_g into this hook's buffers."""
+        assert isinstance(other, ProximalHook)
+        reference = on_device(other.reference, self.parameters, "global_reference")
+        for name, tensor in self.device_reference.items():
+            tensor.copy_(reference[name])
 
 
 def _aligned(local: Parameters, remote: Parameters) -> list[tuple[str, Tensor, Tensor]]:

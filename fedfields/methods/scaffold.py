@@ -3,7 +3,10 @@
 Client i runs K local steps y <- y - lr (g_i(y) - c_i + c) from the global model x, then
 uploads (y_i - x, c_i+ - c_i); option II's c_i+ = c_i - c + (x - y_i) / (K lr) is written in
 tests/paper_reference.py, while our clients, on Adam, take the mean uncorrected gradient
-(`fedfields.train.federated.ScaffoldCorrector`). The server applies x <- x + lr_g mean(delta y)
+(`ScaffoldHook`): under SGD option II's c_i - c + (x - y_i) / (K lr) equals it, while under
+Adam (x - y_i) / (K lr) is a normalised step of order 1 per coordinate whatever the
+gradient's scale, so the mean keeps controls in gradient units
+(tests/test_federated_training.py). The server applies x <- x + lr_g mean(delta y)
 and c <- c + |S|/N mean(delta c) over the sampled set S, from the two sums alone, so it
 composes with SecAgg+ and client-level DP (both records clipped jointly).
 
@@ -26,6 +29,9 @@ from torch import Tensor
 from fedfields.methods.accounting import CostModel
 from fedfields.methods.base import (
     ARRAYS,
+    ClientHook,
+    HookResult,
+    Kept,
     Method,
     RecordSpec,
     RoundContext,
@@ -33,7 +39,14 @@ from fedfields.methods.base import (
     ServerStep,
 )
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, optional_cap, setting
-from fedfields.methods.states import State, check_scalar, check_states, like
+from fedfields.methods.states import (
+    State,
+    check_scalar,
+    check_states,
+    like,
+    on_device,
+    to_wire,
+)
 
 SERVER_CONTROL = "server-control"
 """Train-message record: the server control variate c, the keys of ARRAYS."""
@@ -171,6 +184,22 @@ class Scaffold(Method):
         )
         return RecordSpec(ARRAYS, delta=True), control
 
+    @classmethod
+    def client_hooks(
+        cls, config: Mapping[str, Any], received: Mapping[str, State], kept: Kept
+    ) -> list[ClientHook]:
+        """[`ScaffoldHook`] from the message's c and the node's c_i (zeros at first)."""
+        if SERVER_CONTROL not in received:
+            raise ValueError(f"a Scaffold train message carries {SERVER_CONTROL!r}; this one not")
+        server = received[SERVER_CONTROL]
+        client = kept(CLIENT_CONTROL) or {k: torch.zeros_like(v) for k, v in server.items()}
+        if client.keys() != server.keys():
+            raise ValueError(
+                "the node's Scaffold control c_i has other keys than the server's c: "
+                "was its state directory used by another model?"
+            )
+        return [ScaffoldHook(dict(server), dict(client))]
+
     def sent(self, global_state: State, server_round: int) -> dict[str, State]:
         """x and c (zeros in the first round); ValueError if c no longer fits x."""
         if not self.server_control:
@@ -208,3 +237,53 @@ class Scaffold(Method):
     def describe(self) -> str:
         """The name and lr_g."""
         return f"scaffold (global_lr {self.global_lr:g})"
+
+
+class ScaffoldHook(ClientHook):
+    """Scaffold's client step (Algorithm 1, line 10): c - c_i added to the gradients after
+    backward, the uncorrected ones summed for c_i+, their mean over the steps; the reply
+    carries delta c_i = c_i+ - c_i and the node keeps c_i+. In place on the device, no host
+    read, so a captured static step runs it too."""
+
+    def __init__(self, server: dict[str, Tensor], client: dict[str, Tensor]) -> None:
+        self.server, self.client = server, client
+        self.parameters: Mapping[str, Tensor] = {}
+        self.correction: dict[str, Tensor] = {}
+        self.gradient_sum: dict[str, Tensor] = {}
+
+    def bind(self, parameters: Mapping[str, Tensor]) -> None:
+        """c - c_i on the parameters' device (formed once: equal controls then leave every
+        gradient bit for bit unchanged) and a zero sum of gradients."""
+        server = on_device(self.server, parameters, "scaffold server control")
+        client = on_device(self.client, parameters, "scaffold client control")
+        self.parameters = parameters
+        self.correction = {name: server[name] - client[name] for name in parameters}
+        self.gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
+
+    def after_backward(self) -> None:
+        """Sum each gradient, then add c - c_i to it (a parameter no sample reached gets 0)."""
+        for name, parameter in self.parameters.items():
+            if parameter.grad is None:  # no sample reached it this step
+                parameter.grad = torch.zeros_like(parameter)
+            self.gradient_sum[name] += parameter.grad
+            parameter.grad += self.correction[name]
+
+    def refill(self, other: ClientHook) -> None:
+        """`other`'s controls into this hook's buffers, its sum zeroed."""
+        assert isinstance(other, ScaffoldHook)
+        self.server, self.client = other.server, other.client
+        server = on_device(other.server, self.parameters, "scaffold server control")
+        client = on_device(other.client, self.parameters, "scaffold client control")
+        for name, correction in self.correction.items():
+            correction.copy_(server[name] - client[name])
+            self.gradient_sum[name].zero_()
+
+    def control(self, steps: int) -> dict[str, Tensor]:
+        """c_i+: the mean uncorrected gradient over `steps` steps, in wire form."""
+        return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
+
+    def finish(self, steps: int) -> HookResult:
+        """delta c_i for the reply, c_i+ for the node."""
+        control = self.control(steps)
+        delta = {key: value - self.client[key] for key, value in control.items()}
+        return HookResult(records={CONTROL_DELTA: delta}, kept={CLIENT_CONTROL: control})

@@ -159,3 +159,36 @@ def difference(minuend: State, subtrahend: State) -> dict[str, Tensor]:
 def squared_norm(state: State) -> float:
     """sum of squares over every tensor of `state`, in float64."""
     return sum(float(value.double().square().sum()) for value in state.values())
+
+
+def to_wire(tensor: Tensor) -> Tensor:
+    """A detached CPU copy, float32 if floating: the form every tensor a client uploads takes."""
+    dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to("cpu", dtype, copy=True)
+
+
+def check_state(state: Mapping[str, Tensor], parameters: Mapping[str, Tensor], what: str) -> None:
+    """Raise a ValueError naming missing or unexpected keys, or a key with the wrong shape."""
+    missing = [name for name in parameters if name not in state]
+    unexpected = [name for name in state if name not in parameters]
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+    for name, parameter in parameters.items():
+        if state[name].shape != parameter.shape:
+            raise ValueError(
+                f"{what}, key {name!r}: shape {tuple(state[name].shape)} differs from the "
+                f"field's {tuple(parameter.shape)}"
+            )
+
+
+def on_device(
+    state: Mapping[str, Tensor] | None, parameters: Mapping[str, Tensor], what: str
+) -> dict[str, Tensor]:
+    """`state` checked against the parameters and moved to their device and dtype.
+
+    None stands for the parameters' current values.
+    """
+    if state is None:
+        return {name: p.detach().clone() for name, p in parameters.items()}
+    check_state(state, parameters, what)
+    return {name: state[name].to(p.device, p.dtype) for name, p in parameters.items()}

@@ -14,7 +14,6 @@ from fedfields.train.evaluation import Evaluation, evaluate, write_renders
 from fedfields.train.federated import (
     LocalTrainConfig,
     LocalTrainResult,
-    ScaffoldControls,
     federated_state,
     load_federated_state,
     local_train,
@@ -39,7 +38,6 @@ __all__ = [
     "MetaTask",
     "MetaUpdateResult",
     "RayTask",
-    "ScaffoldControls",
     "Setup",
     "TrainConfig",
     "TrainResult",

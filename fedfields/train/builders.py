@@ -148,7 +148,6 @@ def meta_config(
     settings: MetaSettings,
     *,
     outer_steps: int,
-    proximal_mu: float,
     seed: int,
 ) -> MetaConfig:
     """One client's `MetaConfig`; gamma and the privacy budget reach FedMeNF only."""
@@ -172,7 +171,6 @@ def meta_config(
         clients_per_round=config.meta_clients_per_round,  # what the server samples
         support_batch=settings.support_batch,
         query_batch=settings.query_batch,
-        proximal_mu=proximal_mu,
         seed=seed,
     )
 

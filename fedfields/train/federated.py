@@ -2,8 +2,8 @@
 
 Only the global field is federated. With a personal field the client trains DecentNeRF's
 global+personal composite (NeRF-W's static and transient branches, DecentNeRF Sec. 4.2) and
-the personal field stays on the device. FedProx (Li et al. 2020, Eq. 2) and Scaffold
-(Karimireddy et al. 2020, Algorithm 1) act on the global parameters only.
+the personal field stays on the device. A method's client hooks (`fedfields.methods.base.
+ClientHook`: a loss term, a gradient correction) act on the global parameters only.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -23,7 +23,8 @@ from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
 from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
-from fedfields.methods import proximal_term
+from fedfields.methods.base import ClientHook, HookResult
+from fedfields.methods.states import check_state, to_wire
 from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays
@@ -32,7 +33,6 @@ from fedfields.train.nerfw import BETA_MIN, TRANSIENT_DENSITY_WEIGHT, PersonalLo
 from fedfields.train.static_step import (
     STEP_MODES,
     CheckWindow,
-    Proximal,
     StaticBatch,
     StaticStep,
     StepMode,
@@ -41,6 +41,7 @@ from fedfields.train.static_step import (
     static_capacity,
     static_loss,
     static_optimizer,
+    with_hook_terms,
 )
 
 LOSS_WINDOW = 10
@@ -61,18 +62,12 @@ def federated_state(field: Field) -> dict[str, Tensor]:
     return {name: to_wire(p) for name, p in field.named_parameters()}
 
 
-def to_wire(tensor: Tensor) -> Tensor:
-    """A detached CPU copy, float32 if floating: the form every tensor a client uploads takes."""
-    dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
-    return tensor.detach().to("cpu", dtype, copy=True)
-
-
 def load_federated_state(field: Field, state: Mapping[str, Tensor]) -> None:
     """Copy `state` (keyed like `federated_state(field)`) into the global field's parameters."""
     if isinstance(field, GlobalPersonalField):
         field = field.global_field
     parameters = dict(field.named_parameters())
-    _check_state(state, parameters, "federated state")
+    check_state(state, parameters, "federated state")
     with torch.no_grad():
         for name, parameter in parameters.items():
             parameter.copy_(state[name])
@@ -95,7 +90,6 @@ class LocalTrainConfig:
     max_batch_rays: int = 8192
     personal_density_weight: float = TRANSIENT_DENSITY_WEIGHT  # NeRF-W's lambda_u
     beta_min: float = BETA_MIN  # NeRF-W's floor on the personal uncertainty
-    proximal_mu: float = 0.0  # FedProx mu; 0 turns the proximal term off
     occupancy_update_every: int = 16
     random_background: bool = True
     weight_decay: float = 1e-6
@@ -109,9 +103,10 @@ class LocalTrainConfig:
         for name in ("steps", "batch_rays", "max_batch_rays", "occupancy_update_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("personal_density_weight", "proximal_mu"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.personal_density_weight >= 0:
+            raise ValueError(
+                f"personal_density_weight must be >= 0, got {self.personal_density_weight}"
+            )
         if not (math.isfinite(self.epochs) and self.epochs >= 0):
             raise ValueError(f"epochs must be finite and >= 0, got {self.epochs}")
         if not self.beta_min > 0:
@@ -119,16 +114,8 @@ class LocalTrainConfig:
 
 
 @dataclass
-class ScaffoldControls:
-    """Scaffold's server control c and this client's control c_i, keyed like federated_state."""
-
-    server: dict[str, Tensor]
-    client: dict[str, Tensor]
-
-
-@dataclass
 class LocalTrainResult:
-    """What a round did, its closing photometric loss, and Scaffold's new control if used."""
+    """What a round did, its closing photometric loss, and what its client hooks left."""
 
     steps: int
     rays: int
@@ -137,7 +124,7 @@ class LocalTrainResult:
     loss: float  # photometric MSE averaged over the last LOSS_WINDOW steps
     psnr: float  # of that loss
     num_examples: int  # pixels in the client's scene (FedAvg's weight)
-    client_control: dict[str, Tensor] | None = None  # Scaffold's c_i+ (the upload: c_i+ - c_i)
+    hook_results: list[HookResult] = field(default_factory=list)  # per hook, in order
     dropped_rays: int = 0  # static steps: rays left out of the loss (their samples overflowed)
 
     @property
@@ -152,23 +139,17 @@ def local_train(
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None,
     personal_field: PersonalField | None = None,
-    global_reference: Mapping[str, Tensor] | None = None,
-    scaffold: ScaffoldControls | None = None,
+    hooks: Sequence[ClientHook] = (),
     graphs: StepGraphs | None = None,
 ) -> LocalTrainResult:
     """Fit the global field (and the personal one, if given) to `scene` with Adam on the MSE.
 
     Loss: photometric MSE, or with a personal field NeRF-W's objective (`nerfw_loss`: colour
     error weighted by the personal uncertainty, log beta, `personal_density_weight` * mean
-    personal density), plus FedProx's
-    mu/2 ||g - g_ref||^2 when mu > 0 (`global_reference` defaults to the starting weights).
+    personal density), plus each of `hooks`' loss term (a proximal term, say); each hook's
+    `after_backward` corrects the global gradients before Adam's step (a control variate),
+    and what the hooks leave is `LocalTrainResult.hook_results`, in their order.
     The occupancy grid follows the composite density, so personal content is sampled too.
-
-    Scaffold: each step adds c - c_i to the global gradients before Adam's step. The new
-    control is the mean of the uncorrected local gradients, which is what option II's
-    c_i - c + (x - y_i) / (K lr) equals under SGD; under Adam (x - y_i) / (K lr) is a
-    normalised step of order 1 per coordinate whatever the gradient's scale, so we take the
-    mean directly to keep controls in gradient units (tests/test_federated_training.py).
 
     A static step (`config.step_mode`, `fedfields.train.static_step`) trains the same
     objectives in fixed shapes; 'cuda-graph' on a node without CUDA runs the static step
@@ -197,46 +178,13 @@ def local_train(
         )
     call = LocalCall(
         global_field, personal_field, personal, scene, config, render_config, occupancy,
-        global_reference, scaffold, cuda_graph, device,
+        tuple(hooks), cuda_graph, device,
     )  # fmt: skip
     shared = graphs is not None and config.step_mode != "dynamic"
     workspace = graphs.workspace(call) if shared else LocalWorkspace(call)
     result = _train_steps(workspace, scene, config, render_config, occupancy)
     workspace.write_back(call)
     return result
-
-
-class ScaffoldCorrector:
-    """Scaffold's step (Algorithm 1, l. 10): add c - c_i to the global gradients, and sum
-    the uncorrected ones for the new control c_i+. In place on the device, no host read, so
-    a captured static step runs it too."""
-
-    def __init__(self, scaffold: ScaffoldControls, parameters: dict[str, Tensor]) -> None:
-        server = _on_device(scaffold.server, parameters, "scaffold server control")
-        client = _on_device(scaffold.client, parameters, "scaffold client control")
-        self.parameters = parameters
-        # c - c_i formed once: equal controls then leave every gradient bit for bit unchanged.
-        self.correction = {name: server[name] - client[name] for name in parameters}
-        self.gradient_sum = {name: torch.zeros_like(p) for name, p in parameters.items()}
-
-    def refill(self, scaffold: ScaffoldControls) -> None:
-        """Another call's controls, in place (a captured step reads these buffers)."""
-        server = _on_device(scaffold.server, self.parameters, "scaffold server control")
-        client = _on_device(scaffold.client, self.parameters, "scaffold client control")
-        for name, correction in self.correction.items():
-            correction.copy_(server[name] - client[name])
-            self.gradient_sum[name].zero_()
-
-    def __call__(self) -> None:
-        for name, parameter in self.parameters.items():
-            if parameter.grad is None:  # no sample reached it this step
-                parameter.grad = torch.zeros_like(parameter)
-            self.gradient_sum[name] += parameter.grad
-            parameter.grad += self.correction[name]
-
-    def control(self, steps: int) -> dict[str, Tensor]:
-        """c_i+: the mean uncorrected gradient over `steps` steps, in wire form."""
-        return {name: to_wire(total / steps) for name, total in self.gradient_sum.items()}
 
 
 @dataclass(frozen=True)
@@ -251,13 +199,12 @@ class LocalCall:
     config: LocalTrainConfig
     render_config: RenderConfig
     occupancy: OccupancyGrid | None
-    global_reference: Mapping[str, Tensor] | None  # FedProx's w_ref (None: the start)
-    scaffold: ScaffoldControls | None
+    hooks: tuple[ClientHook, ...]  # the method's, unbound
     cuda_graph: bool
     device: torch.device
 
     def owned(self) -> LocalCall:
-        """This call with fields, scene and controls of its own (a cache's workspace), so
+        """This call with fields, scene and hooks of its own (a cache's workspace), so
         refilling them later never writes into the caller's objects."""
         personal = self.personal_field
         return replace(
@@ -265,7 +212,7 @@ class LocalCall:
             global_field=copy.deepcopy(self.global_field),
             personal_field=None if personal is None else copy.deepcopy(personal),
             scene=_cloned(self.scene),
-            scaffold=_cloned_controls(self.scaffold),
+            hooks=tuple(copy.deepcopy(hook) for hook in self.hooks),
         )
 
     def key(self) -> tuple:
@@ -285,20 +232,14 @@ class LocalCall:
             self.render_config,
             None if occupancy is None else occupancy.resolution,
             static_capacity(config.target_samples, config.batch_rays, self.render_config),
-            config.proximal_mu,
             config.weight_decay,
-            self.scaffold is not None,
+            tuple(hook.key() for hook in self.hooks),
         )
-
-    def reference(self) -> dict[str, Tensor]:
-        """FedProx's reference checked against the global field, on its device."""
-        parameters = dict(self.global_field.named_parameters())
-        return _on_device(self.global_reference, parameters, "global_reference")
 
 
 class LocalWorkspace:
     """What a local step reads: the fields it trains, their optimiser, the scene's pixels,
-    FedProx's reference, Scaffold's buffers, and the step (dynamic, or static with its
+    the method's bound client hooks, and the step (dynamic, or static with its
     graphs) that the one loop, `_train_steps`, calls.
 
     Built on one call's own objects, or, for static steps, owned by `StepGraphs` (built on
@@ -312,12 +253,9 @@ class LocalWorkspace:
         self.global_field, self.personal_field = global_field, personal_field
         self.field = _composite(global_field, personal_field, len(call.scene))
         self.parameters = dict(global_field.named_parameters())
-        self.proximal = None
-        if config.proximal_mu > 0:
-            self.proximal = Proximal(self.parameters, call.reference(), config.proximal_mu)
-        self.corrector = None
-        if call.scaffold is not None:
-            self.corrector = ScaffoldCorrector(call.scaffold, self.parameters)
+        self.hooks = call.hooks
+        for hook in self.hooks:
+            hook.bind(self.parameters)
         static = config.step_mode != "dynamic"
         self.optimizer = _optimizer(global_field, config.learning_rate, config, call.device)
         self.global_groups = len(self.optimizer.param_groups)
@@ -327,32 +265,33 @@ class LocalWorkspace:
                 self.optimizer.add_param_group(group)
         self.sampler = PixelSampler(call.scene, config.random_background)
         self.capacity = static_capacity(config.target_samples, config.batch_rays, render_config)
-        field, sampler, capacity, proximal = self.field, self.sampler, self.capacity, self.proximal
+        field, sampler, capacity, hooks = self.field, self.sampler, self.capacity, self.hooks
 
         def loss_fn(grid: OccupancyGrid | None, rays: int) -> StepOutputs:
             if not static:
-                return dynamic_loss(field, sampler, render_config, grid, rays, proximal, personal)
+                return dynamic_loss(field, sampler, render_config, grid, rays, hooks, personal)
             return static_loss(
-                field, sampler, render_config, grid, rays, capacity, proximal, personal=personal
+                field, sampler, render_config, grid, rays, capacity, hooks, personal=personal
             )
 
+        def after_backward() -> None:
+            for hook in hooks:
+                hook.after_backward()
+
         self.step = StaticStep(
-            loss_fn, self.optimizer, call.occupancy, call.cuda_graph, self.corrector, call.device
-        )
+            loss_fn, self.optimizer, call.occupancy, call.cuda_graph,
+            after_backward if hooks else None, call.device,
+        )  # fmt: skip
 
     def refill(self, call: LocalCall) -> None:
-        """Copy one call's weights, scene, reference and controls into this workspace's
-        tensors, and reset the optimiser to a fresh Adam's state: no tensor is rebound."""
+        """Copy one call's weights, scene and hooks into this workspace's tensors, and reset
+        the optimiser to a fresh Adam's state: no tensor is rebound."""
         with torch.no_grad():
             self.global_field.load_state_dict(call.global_field.state_dict())
             if self.personal_field is not None and call.personal_field is not None:
                 self.personal_field.load_state_dict(call.personal_field.state_dict())
-            if self.proximal is not None:
-                reference = call.reference()
-                for name, tensor in self.proximal.reference.items():
-                    tensor.copy_(reference[name])
-            if self.corrector is not None and call.scaffold is not None:
-                self.corrector.refill(call.scaffold)
+            for hook, other in zip(self.hooks, call.hooks, strict=True):
+                hook.refill(other)
             for state in self.optimizer.state.values():
                 for value in state.values():
                     value.zero_()
@@ -376,7 +315,8 @@ class LocalWorkspace:
 
 class StepGraphs:
     """A node process's static steps kept across users and rounds: one workspace per kind of
-    call (`LocalCall.key`: the fields' shapes, the scene's size, the loss's options), so one
+    call (`LocalCall.key`: the fields' shapes, the scene's size, the loss's options and
+    hooks), so one
     CUDA graph per batch size serves the process's whole run instead of being recaptured
     for every user and round.
 
@@ -399,7 +339,7 @@ class StepGraphs:
         return self.dropped_captures + live
 
     def workspace(self, call: LocalCall) -> LocalWorkspace:
-        """The workspace for this call, refilled with its weights, scene and controls."""
+        """The workspace for this call, refilled with its weights, scene and hooks."""
         key = call.key()
         workspace = self.workspaces.get(key)
         if workspace is None:
@@ -437,15 +377,6 @@ def _cloned(scene: Scene) -> Scene:
     )
 
 
-def _cloned_controls(scaffold: ScaffoldControls | None) -> ScaffoldControls | None:
-    if scaffold is None:
-        return None
-    return ScaffoldControls(
-        server={name: t.clone() for name, t in scaffold.server.items()},
-        client={name: t.clone() for name, t in scaffold.client.items()},
-    )
-
-
 def _optimizer(
     module: torch.nn.Module, learning_rate: float, config: LocalTrainConfig, device: torch.device
 ) -> torch.optim.Adam:
@@ -462,11 +393,11 @@ def dynamic_loss(
     render_config: RenderConfig,
     occupancy: OccupancyGrid | None,
     batch_rays: int,
-    proximal: Proximal | None,
+    hooks: Sequence[ClientHook],
     personal: PersonalLoss | None,
 ) -> StepOutputs:
     """Draw `batch_rays` pixels and render them with as many samples as marching finds (one
-    host read); the MSE (with `personal`, NeRF-W's loss), plus FedProx's term when set."""
+    host read); the MSE (with `personal`, NeRF-W's loss), plus the hooks' loss terms."""
     batch = sampler.sample(batch_rays)
     image_index = None if personal is None else batch.image_index
     rendered, num_samples = render_rays(
@@ -474,9 +405,7 @@ def dynamic_loss(
         image_index=image_index,
     )  # fmt: skip
     photometric, loss = local_loss(rendered, batch.colors, personal)
-    if proximal is not None:
-        loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
-    return StepOutputs(loss, photometric, num_samples, 0)
+    return StepOutputs(with_hook_terms(loss, hooks), photometric, num_samples, 0)
 
 
 class DynamicBatch:
@@ -547,7 +476,6 @@ def _train_steps(
     total_samples, dropped_rays = total_samples + samples, dropped_rays + dropped
     losses = torch.stack(list(recent)).tolist()
     mean_loss = sum(losses) / len(losses)
-    corrector = workspace.corrector
     return LocalTrainResult(
         steps=steps,
         rays=total_rays,
@@ -556,7 +484,7 @@ def _train_steps(
         loss=mean_loss,
         psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
         num_examples=scene.images.shape[:3].numel(),
-        client_control=None if corrector is None else corrector.control(steps),
+        hook_results=[hook.finish(steps) for hook in workspace.hooks],
         dropped_rays=dropped_rays,
     )
 
@@ -643,30 +571,3 @@ def _composite(global_field: Field, personal_field: PersonalField | None, num_im
             f"but the scene has {num_images} images"
         )
     return GlobalPersonalField(global_field, personal_field)
-
-
-def _on_device(
-    state: Mapping[str, Tensor] | None, parameters: dict[str, Tensor], what: str
-) -> dict[str, Tensor]:
-    """`state` checked against the parameters and moved to their device and dtype.
-
-    None stands for the parameters' current values.
-    """
-    if state is None:
-        return {name: p.detach().clone() for name, p in parameters.items()}
-    _check_state(state, parameters, what)
-    return {name: state[name].to(p.device, p.dtype) for name, p in parameters.items()}
-
-
-def _check_state(state: Mapping[str, Tensor], parameters: Mapping[str, Tensor], what: str) -> None:
-    """Raise a ValueError naming missing or unexpected keys, or a key with the wrong shape."""
-    missing = [name for name in parameters if name not in state]
-    unexpected = [name for name in state if name not in parameters]
-    if missing or unexpected:
-        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
-    for name, parameter in parameters.items():
-        if state[name].shape != parameter.shape:
-            raise ValueError(
-                f"{what}, key {name!r}: shape {tuple(state[name].shape)} differs from the "
-                f"field's {tuple(parameter.shape)}"
-            )

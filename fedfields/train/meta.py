@@ -21,9 +21,10 @@ then update w_i with an outer gradient on a query minibatch B_K:
   it); `memorising_bound` clamps L(w) at that MSE, so the push stops once w is that far away
   (our addition, off by default).
 
-Every inner gradient and the outer gradient (plus FedProx's mu (w - w_global) when mu > 0)
-are clipped to `max_grad_norm` (FedMeNF Appendix D: 5; its code clips both loops), Scaffold's
-c - c_i is added, and SGD or AdamW (torch defaults, lr = lambda_o) steps. The server averages
+Every inner gradient and the outer gradient (plus the gradient of the method's client hooks'
+loss terms) are clipped to `max_grad_norm` (FedMeNF Appendix D: 5; its code clips both
+loops), the hooks' corrections are added (a control variate), and SGD or AdamW (torch
+defaults, lr = lambda_o) steps. The server averages
 the uploaded w weighted by |D| (Eq. 2).
 
 Evaluation: `test_time_optimise` adapts from theta on a task's support set and scores its
@@ -34,16 +35,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
 from fedfields.devices import resolve_device
-from fedfields.methods import proximal_term
+from fedfields.methods.base import ClientHook, HookResult
+from fedfields.methods.states import on_device
 from fedfields.metrics import lpips, psnr, ssim
-from fedfields.train.federated import _on_device
 from fedfields.train.meta_tasks import MetaTask
 
 SECOND_ORDER = ("maml", "fedmenf")
@@ -68,7 +69,6 @@ class MetaConfig:
     max_grad_norm: float = 5.0
     support_batch: int = 1024  # pixels or rays per inner-loop batch B_k
     query_batch: int = 1024  # pixels or rays per outer-loop batch B_K
-    proximal_mu: float = 0.0  # FedProx mu; 0 turns the proximal term off
     seed: int = 0
     device: str | torch.device = "auto"  # where w trains: CUDA when visible, "cpu", "cuda:N"
 
@@ -116,8 +116,6 @@ class MetaConfig:
                 "gamma, privacy_budget and memorising_bound apply to learner 'fedmenf' only, "
                 f"not {self.learner!r}"
             )
-        if not (math.isfinite(self.proximal_mu) and self.proximal_mu >= 0):
-            raise ValueError(f"proximal_mu must be >= 0 and finite, got {self.proximal_mu}")
 
 
 @dataclass
@@ -128,7 +126,8 @@ class MetaUpdateResult:
     num_examples: int  # |D|, summed over the client's tasks (the aggregate's weight, Eq. 2)
     outer_losses: list[float]  # per outer step: L(phi_K, B_K), or L_pp for FedMeNF (Eq. 10)
     gammas: list[float]  # FedMeNF's gamma per outer step; empty for the baselines
-    mean_outer_gradient: dict[str, Tensor]  # mean applied gradient, before Scaffold's correction
+    mean_outer_gradient: dict[str, Tensor]  # mean clipped gradient, before the hooks' correction
+    hook_results: list[HookResult] = field(default_factory=list)  # per client hook, in order
 
 
 def adaptive_gamma(
@@ -156,25 +155,22 @@ def local_meta_update(
     model: nn.Module,
     tasks: Sequence[MetaTask],
     config: MetaConfig,
-    global_reference: Mapping[str, Tensor] | None = None,
-    scaffold_correction: Mapping[str, Tensor] | None = None,
+    hooks: Sequence[ClientHook] = (),
 ) -> MetaUpdateResult:
     """E outer steps of `config.learner` from the model's current w (Algorithm 1, LocalUpdate).
 
     The model moves to `config.device` (its tasks follow it) and its parameters end at the new
-    w; what comes back is on the CPU. `global_reference` is FedProx's w_global (default: the
-    starting w); `scaffold_correction` is Scaffold's c - c_i, keyed like the parameters.
+    w; what comes back is on the CPU. A method's client `hooks`, bound to w, act on each outer
+    step: their loss terms' gradients join the outer gradient before clipping (a proximal
+    term), and `after_backward` corrects the clipped gradient before the optimiser's step (a
+    control variate); what they leave is `MetaUpdateResult.hook_results`, in their order.
     """
     if len(tasks) == 0:
         raise ValueError("local_meta_update needs at least one task")
     model.to(resolve_device(config.device))
     params = dict(model.named_parameters())
-    reference = None
-    if config.proximal_mu > 0:
-        reference = _on_device(global_reference, params, "global_reference")
-    correction = None
-    if scaffold_correction is not None:
-        correction = _on_device(scaffold_correction, params, "scaffold_correction")
+    for hook in hooks:
+        hook.bind(params)
     if config.outer_optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(params.values(), lr=config.outer_lr)
     else:
@@ -191,19 +187,19 @@ def local_meta_update(
                 f"meta-learning diverged at outer step {step}: loss is {loss}; "
                 "try lower learning rates"
             )
-        if reference is not None:
-            proximal = proximal_term(params, reference, config.proximal_mu)
-            proximal_gradient = torch.autograd.grad(proximal, list(params.values()))
+        terms = [term for hook in hooks if (term := hook.loss()) is not None]
+        if terms:
+            term_gradient = torch.autograd.grad(sum(terms), list(params.values()))
             gradient = {
-                name: g + p
-                for (name, g), p in zip(gradient.items(), proximal_gradient, strict=True)
+                name: g + p for (name, g), p in zip(gradient.items(), term_gradient, strict=True)
             }
         scale = _clip_scale(gradient.values(), config.max_grad_norm)
         gradient = {name: g.detach() * scale for name, g in gradient.items()}
         for name, parameter in params.items():
             gradient_sum[name] += gradient[name]
-            applied = gradient[name] if correction is None else gradient[name] + correction[name]
-            parameter.grad = applied.detach().clone()
+            parameter.grad = gradient[name].detach().clone()
+        for hook in hooks:
+            hook.after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         outer_losses.append(loss)
@@ -217,6 +213,7 @@ def local_meta_update(
         mean_outer_gradient={
             name: (total / config.outer_steps).cpu() for name, total in gradient_sum.items()
         },
+        hook_results=[hook.finish(config.outer_steps) for hook in hooks],
     )
 
 
@@ -325,7 +322,7 @@ def test_time_optimise(
         )
     params = {
         name: tensor.detach().clone().requires_grad_()
-        for name, tensor in _on_device(state, dict(model.named_parameters()), "state").items()
+        for name, tensor in on_device(state, dict(model.named_parameters()), "state").items()
     }
     optimiser_class = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
     optimiser = optimiser_class(params.values(), lr=learning_rate)
@@ -353,7 +350,7 @@ def privacy_metrics(
 ) -> dict[str, float | None]:
     """PSNR_p (FedMeNF Eq. 6), SSIM_p and LPIPS_p: the uploaded w rendered at the task's own
     query coordinates against its private query targets, with no optimisation."""
-    params = _on_device(state, dict(model.named_parameters()), "state")
+    params = on_device(state, dict(model.named_parameters()), "state")
     quality = _quality(task, task.render_query(model, params), with_lpips)
     return {f"{name}_p": value for name, value in quality.items()}
 
@@ -368,7 +365,7 @@ def rescaled_privacy_psnr(
     "psnr_p_oracle": the least-squares affine fit against the private targets (an upper bound:
     the attacker would need the answer).
     """
-    params = _on_device(state, dict(model.named_parameters()), "state")
+    params = on_device(state, dict(model.named_parameters()), "state")
     render = task.render_query(model, params).double()
     target = task.query_targets.double()
     spread = render.max() - render.min()

@@ -9,7 +9,7 @@ fused (capturable on CUDA, with tensor learning rates) and nothing is read back 
 step. Given the same random draws, its loss and gradients are the dynamic step's
 (tests/test_host_syncs.py): a global field's MSE, DecentNeRF's global+personal composite
 under NeRF-W's loss (`PersonalLoss`: over the complete rays and the filled slots), and
-Scaffold's corrected gradients (`StaticStep.after_backward`).
+a method's corrected gradients (`StaticStep.after_backward`).
 
 `cuda_graph`: the first `WARMUP_STEPS` steps of a shape run eagerly on a side stream (Triton
 compiles, Adam makes its state), the next one captures the step (torch.cuda.graphs, one
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,7 +35,7 @@ from torch import Tensor
 from fedfields.data.pixels import PixelSampler
 from fedfields.fields import Field
 from fedfields.geometry.rays import intersect_aabb
-from fedfields.methods import proximal_term
+from fedfields.methods.base import ClientHook
 from fedfields.optim import adam_groups
 from fedfields.render import OccupancyGrid, RenderConfig, render_rays
 from fedfields.render.renderer import render_rays_fixed
@@ -61,7 +61,7 @@ MIN_BATCH_RAYS = 64
 class StepOutputs:
     """What one step leaves on the device; read back only at the caller's checks."""
 
-    loss: Tensor  # [] the optimised loss (photometric, plus FedProx's term when set)
+    loss: Tensor  # [] the optimised loss (photometric, plus the client hooks' terms)
     photometric: Tensor  # [] mean squared colour error over the complete rays
     samples: Tensor | int  # [] int64 occupied samples marching found (before the cap); the
     # dynamic step's is the host int its marching read back anyway
@@ -101,15 +101,6 @@ class CheckWindow:
         self.samples.clear()
         self.dropped.clear()
         return samples, dropped, rays
-
-
-@dataclass(frozen=True)
-class Proximal:
-    """FedProx's mu/2 ||w - w_ref||^2 on `parameters` (w_ref on the same device)."""
-
-    parameters: Mapping[str, Tensor]
-    reference: Mapping[str, Tensor]
-    mu: float
 
 
 def static_optimizer(
@@ -236,7 +227,7 @@ def static_loss(
     occupancy: OccupancyGrid | None,
     batch_rays: int,
     capacity: int,
-    proximal: Proximal | None = None,
+    hooks: Sequence[ClientHook] = (),
     personal: PersonalLoss | None = None,
 ) -> StepOutputs:
     """Draw `batch_rays` pixels and render them in fixed shapes; the MSE over complete rays
@@ -262,9 +253,16 @@ def static_loss(
         rays_kept, samples_kept = fixed.complete, fixed.valid
         samples, dropped = fixed.count, batch_rays - fixed.complete.sum()
     photometric, loss = local_loss(rendered, batch.colors, personal, rays_kept, samples_kept)
-    if proximal is not None:
-        loss = loss + proximal_term(proximal.parameters, proximal.reference, proximal.mu)
-    return StepOutputs(loss, photometric, samples, dropped)
+    return StepOutputs(with_hook_terms(loss, hooks), photometric, samples, dropped)
+
+
+def with_hook_terms(loss: Tensor, hooks: Sequence[ClientHook]) -> Tensor:
+    """`loss` plus each client hook's term (a proximal term, say), in the hooks' order."""
+    for hook in hooks:
+        term = hook.loss()
+        if term is not None:
+            loss = loss + term
+    return loss
 
 
 def graphs_supported(device: torch.device) -> bool:
@@ -276,7 +274,7 @@ class StaticStep:
     """One optimiser step of `loss_fn` per call (`static_loss`; `local_train`'s one loop runs
     its dynamic step, never captured, through it too); with `cuda_graph`, captured per shape.
 
-    `after_backward` runs between the backward pass and the optimiser's step (Scaffold's
+    `after_backward` runs between the backward pass and the optimiser's step (the client hooks'
     correction of the gradients), inside the graph when captured: in place, on the device.
     Warm-up, capture and replay run with `device` (the field's; None: the current CUDA
     device) made current, on streams of that device. A capture that fails never takes the run

@@ -77,7 +77,6 @@ def federate(
                 config,
                 settings,
                 outer_steps=settings.outer_steps,
-                proximal_mu=0.0,
                 seed=server_round * 1009 + client,
             )
             result = local_meta_update(
