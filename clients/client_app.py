@@ -8,7 +8,7 @@ builds the reply in one place: a federated round's train reply also carries "cli
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
 data; when the server asks for compression, ARRAYS goes as the compressed update with the
-node's residual (`fedfields.flower.compression.compressed_parts`), Scaffold's control delta
+node's residual (`fedfields.flower.compression.compressed_parts`), a control variate's delta
 and a gradient query's G_k as their compressed records; a compressed download is
 rebuilt into the global first (`fedfields.flower.downloads.compressed_download_mod`). The server's
 "query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by

@@ -6,7 +6,7 @@ w_E with "num-examples" = |D| (the server's weight, Eq. 2). A node reads only it
 (`fedfields.flower.node`): faces and video are scikit-image's, dealt by the node's client index
 (node-config partition-id); an object is the node's own folder (node-config data-dir, or in
 simulation run-config data-dir/object_NN); it meta-learns on node-config `device` (`node_device`)
-and uploads CPU float32. The client runs the hooks of the method its message names (a proximal
+and uploads CPU float32. The client runs the hooks of the method its message names (a loss
 term, a control variate kept in its private node state; `fedfields.flower.client_hooks`) and
 adds what they leave to the reply (`fedfields.flower.meta_train_parts` does all of it). The app adds
 the client's index (record CLIENT) so that a simulation's audit can pair an upload with the

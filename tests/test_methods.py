@@ -7,12 +7,19 @@ came with it; the second reads the generic round's modules for any registered me
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import strategies
+from simulations.federated_nerf import run_federated_nerf
+from simulations.in_process_grid import InProcessGrid
+from simulations.run import client_app
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ROOT / "fedfields" / "methods"
@@ -58,3 +65,67 @@ def test_the_generic_round_names_no_method() -> None:
     }
     assert {path: hits for path, hits in found.items() if hits} == {}
     assert pattern.search("Scaffold's control") is not None  # the pattern does match names
+
+
+# ------------------------------------------------------------------ a client-side method added
+
+
+TOY_SCENE = {
+    "num-server-rounds": 2,
+    "local-steps": 2,
+    "fraction-train": 1.0,
+    "eval-views-per-round": 1,
+    "client-eval-views": 0,
+    "target-samples": 2048,
+    "hash-log2-size": 10,
+    "hash-levels": 2,
+    "hash-max-resolution": 32,
+    "seed": 3,
+}
+
+
+def run_toy(config: dict, crowd_dir: Path, run_dir: Path) -> tuple[dict, list[dict]]:
+    """The App's scene job in process over 3 users: the final global and the round lines."""
+    config = {
+        **TOY_SCENE,
+        "data-dir": str(crowd_dir),
+        "state-dir": str(run_dir / "nodes"),
+        "run-dir": str(run_dir / "run"),
+        **config,
+    }
+    grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
+    out = run_federated_nerf(grid, strategies.parse_app_config(config))
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return state["state_dict"], [line for line in lines if "toy-mean-steps" in line]
+
+
+def test_a_toy_client_side_method_is_one_module_and_one_registry_line(
+    monkeypatch: pytest.MonkeyPatch, crowd_dir: Path, tmp_path: Path
+) -> None:
+    """tests/toy_method.py plus one registry line, through the App's ServerApp job and
+    ClientApp: its loss term reaches the one local loop (weight 0 trains FedAvg's weights bit
+    for bit, weight 1 others), its reply record is summed by the server (the clients' 2
+    local steps come back as the summed mean), in plaintext, under SecAgg+ and with
+    compressed uploads."""
+    from toy_method import MEAN_STEPS, FedToyDecay
+
+    monkeypatch.setitem(strategies.STRATEGIES, "fedtoydecay", strategies.entry(FedToyDecay))
+    fedavg, _ = run_toy({"strategy": "fedavg"}, crowd_dir, tmp_path / "fedavg")
+    plain, lines = run_toy({"strategy": "fedtoydecay"}, crowd_dir, tmp_path / "plain")
+    assert all(torch.equal(plain[key], fedavg[key]) for key in fedavg)
+    assert [line[MEAN_STEPS] for line in lines] == [2.0, 2.0]
+    decayed, lines = run_toy(
+        {"strategy": "fedtoydecay", "toy-weight": 1.0}, crowd_dir, tmp_path / "decayed"
+    )
+    assert [line[MEAN_STEPS] for line in lines] == [2.0, 2.0]
+    norm = sum(float(value.square().sum()) for value in decayed.values())
+    assert norm < sum(float(value.square().sum()) for value in plain.values())
+    secure = {"secure-aggregation": True, "min-train-nodes": 3}
+    _, lines = run_toy({"strategy": "fedtoydecay", **secure}, crowd_dir, tmp_path / "secure")
+    assert [line[MEAN_STEPS] for line in lines] == pytest.approx([2.0, 2.0], rel=1e-4)
+    compressed, lines = run_toy(
+        {"strategy": "fedtoydecay", "compression": "quantise"}, crowd_dir, tmp_path / "quantise"
+    )
+    assert [line[MEAN_STEPS] for line in lines] == [2.0, 2.0]
+    assert not all(torch.equal(compressed[key], plain[key]) for key in plain)  # it was coded

@@ -193,7 +193,7 @@ class SceneSection:
         "static-shape local steps captured once per batch shape as CUDA graphs, kept for the "
         "node process's whole run (a Ray actor's users and rounds refill them in place; "
         "DecentNeRF's "
-        "personal field and Scaffold's correction inside the graph; a buffer of 4/3 "
+        "personal field and the method's client hooks inside the graph; a buffer of 4/3 "
         "target-samples, the batch sized at each occupancy refresh); a node without CUDA runs "
         "them uncaptured",
     )

@@ -104,9 +104,8 @@ def meta_train_reply(
     |D|, the mean outer loss and gamma (METRICS).
 
     The message may override E ("local-steps"); the client runs the hooks of the method the
-    message names (`fedfields.flower.client_hooks`: a proximal term, a control variate
-    whose c_i+ is the round's mean outer gradient, Scaffold's option I) and adds what they
-    leave to the reply.
+    message names (`fedfields.flower.client_hooks`: a loss term, a control variate whose
+    c_i+ is the round's mean outer gradient) and adds what they leave to the reply.
     """
     return meta_train_parts(msg, model, tasks, meta, state).message(msg)
 

@@ -239,6 +239,10 @@ class MethodStrategy(ProtocolStrategy):
             return None
         return robust_aggregate(rule, states, summed.weights)
 
+    def compressed_records(self) -> frozenset[str]:
+        """The method's reply records declared `compressed` (`RecordSpec`)."""
+        return frozenset(spec.name for spec in self.method.reply_records() if spec.compressed)
+
     def check_update(self, train_round: Round, reply: CheckedReply) -> None:
         """The update-norm bound on ARRAYS, then each reply record's declared norm cap."""
         super().check_update(train_round, reply)

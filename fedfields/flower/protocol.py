@@ -57,7 +57,7 @@ from fedfields.methods.base import (  # noqa: F401 (re-exported: the protocol's 
 # ------------------------------------------------------------------ record names
 # ARRAYS, CONFIG and METRICS (and the keys every method shares: "local-steps",
 # "num-examples", "train-steps") come from `fedfields.methods.base`; a method's own records
-# and keys live in its module (Scaffold's controls in `fedfields.methods.scaffold`).
+# and keys live in its module (a control variate's records in that method's module).
 GRADIENT = "gradient"
 
 GRADIENT_QUERY = "query.gradient"
@@ -438,7 +438,7 @@ def reply_metric(
 
     The value must be finite, > 0 if `positive` (e.g. "num-examples" as a weight), at most
     `at_most` if given (an absurd example count would outweigh every other client) and at
-    least `at_least` if given (FedNova divides by its step count).
+    least `at_least` if given (a step count a server step divides by).
     """
     where = f"reply from node {message.metadata.src_node_id}, record {METRICS!r}"
     record = message.content.metric_records.get(METRICS)

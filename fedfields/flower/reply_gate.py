@@ -37,6 +37,7 @@ from fedfields.flower.protocol import (
     METRICS,
     NUM_EXAMPLES,
     PROTOCOL_HELD_METRICS,
+    RESERVED_METRIC_PREFIXES,
     TRAIN_STEPS,
     BadReply,
     Shapes,
@@ -48,7 +49,6 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import RoundLedger
 from fedfields.methods.robust import update_norm
-from fedfields.methods.scaffold import CONTROL_DELTA
 
 
 @dataclass
@@ -79,6 +79,9 @@ class ReplyGate:
     compression: CompressionConfig | None = None
     delta_scale: str = ""
     """The ARRAYS key s of a payload s x (DecentNeRF's alpha_k): its update is s x - s g."""
+    compressed: frozenset[str] = frozenset({ARRAYS, GRADIENT})
+    """Records that travel compressed under compressed uploads (the strategy's
+    `compressed_records`): ARRAYS as the update, the others on their own."""
 
     def successful(self, ledger: RoundLedger, replies: Iterable[Message]) -> Iterator[Message]:
         """Replies of sampled nodes without errors, yielded as they come; every other reply
@@ -164,9 +167,9 @@ class ReplyGate:
         self, ledger: RoundLedger, reply: Message, name: str, shapes: Shapes
     ) -> dict[str, Tensor]:
         """Record `name` of `reply` as checked tensors (`reply_state`); a compressed ARRAYS
-        record is first decompressed onto the arrays sent, a compressed G_k or delta c_i on
-        its own (`decompressed_reply_state`)."""
-        if self.compression is None or name not in (ARRAYS, GRADIENT, CONTROL_DELTA):
+        record is first decompressed onto the arrays sent, another compressed record on its
+        own (`decompressed_reply_state`)."""
+        if self.compression is None or name not in self.compressed:
             return reply_state(reply, name, shapes, ledger.dtypes)
         reference = ledger.reference if name == ARRAYS else None
         return decompressed_reply_state(
@@ -239,7 +242,7 @@ class ReplyGate:
             "non-finite-metric": "the replies' metrics held NaN or infinite values",
             "reserved-metric": (
                 "the replies' metrics took names the server writes (num-replies, bytes-up, "
-                "round, seconds, dp-*, dropped-*, secure-*, users-*, upload-*, fedexp-*)"
+                f"round, seconds, {', '.join(p + '*' for p in RESERVED_METRIC_PREFIXES)})"
             ),
             "dtype": "the replies' arrays were integer or bool where the global model's are float",
             "held": "secure-mode replies held nothing back (is secure_aggregation_mod installed?)",
@@ -257,6 +260,5 @@ class ReplyGate:
                 "DecentNeRF replies carried an alpha_k outside [alpha-max * 1e-6, alpha-max]"
             ),
             "gradient-norm": "gradient replies' ||G_k|| exceeded max-gradient-norm",
-            "control-norm": "Scaffold replies' ||delta c_i|| exceeded max-control-norm",
         }
         return reasons.get(check, f"the replies failed the {check!r} check")

@@ -27,6 +27,7 @@ from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     DP_MIN_HOLDERS,
+    GRADIENT,
     LOCAL_STEPS,
     NUM_EXAMPLES,
     STRATEGY,
@@ -195,13 +196,19 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         ledger = RoundLedger(server_round, node_ids, connected, shapes_of(arrays), {}, grid)
         ledger.users = self.sampler.users_of(node_ids)
         gate = ReplyGate(
-            self.max_num_examples, self.max_update_norm, self.compression, self.dp_delta_scale
-        )
+            self.max_num_examples, self.max_update_norm, self.compression, self.dp_delta_scale,
+            self.compressed_records(),
+        )  # fmt: skip
         rules, secure = self.sum_rules(), self.secure_aggregation
         self.open_round = Round.open(
             ledger, arrays, gate, self.check_update, rules, secure, self.privacy
         )
         return self.open_round
+
+    def compressed_records(self) -> frozenset[str]:
+        """Reply records that travel compressed under compressed uploads: ARRAYS and the
+        gradient query's GRADIENT; a strategy with records of its own says which."""
+        return frozenset({ARRAYS, GRADIENT})
 
     def dp_sums_per_round(self, server_round: int) -> int:
         """Noised sums a round makes over its sampled clients (DecentNeRF adds the gradient

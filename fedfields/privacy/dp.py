@@ -188,7 +188,7 @@ RECORD_SEPARATOR = "\x00"
 def clip_records(
     records: Mapping[str, State], clip_norm: float
 ) -> tuple[dict[str, dict[str, Tensor]], float]:
-    """All records of one reply (e.g. Scaffold's y_k - x and delta c_k) clipped to L2 norm
+    """All records of one reply (e.g. an update y_k - x and a control delta c_k) clipped to L2 norm
     <= clip_norm jointly, as one update: the reply is one query of sensitivity C."""
     flat = {
         f"{name}{RECORD_SEPARATOR}{key}": tensor

@@ -146,7 +146,7 @@ def local_train(
 
     Loss: photometric MSE, or with a personal field NeRF-W's objective (`nerfw_loss`: colour
     error weighted by the personal uncertainty, log beta, `personal_density_weight` * mean
-    personal density), plus each of `hooks`' loss term (a proximal term, say); each hook's
+    personal density), plus each of `hooks`' loss term; each hook's
     `after_backward` corrects the global gradients before Adam's step (a control variate),
     and what the hooks leave is `LocalTrainResult.hook_results`, in their order.
     The occupancy grid follows the composite density, so personal content is sampled too.

@@ -161,9 +161,9 @@ def local_meta_update(
 
     The model moves to `config.device` (its tasks follow it) and its parameters end at the new
     w; what comes back is on the CPU. A method's client `hooks`, bound to w, act on each outer
-    step: their loss terms' gradients join the outer gradient before clipping (a proximal
-    term), and `after_backward` corrects the clipped gradient before the optimiser's step (a
-    control variate); what they leave is `MetaUpdateResult.hook_results`, in their order.
+    step: their loss terms' gradients join the outer gradient before clipping, and
+    `after_backward` corrects the clipped gradient before the optimiser's step (a control
+    variate); what they leave is `MetaUpdateResult.hook_results`, in their order.
     """
     if len(tasks) == 0:
         raise ValueError("local_meta_update needs at least one task")

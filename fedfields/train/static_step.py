@@ -257,7 +257,7 @@ def static_loss(
 
 
 def with_hook_terms(loss: Tensor, hooks: Sequence[ClientHook]) -> Tensor:
-    """`loss` plus each client hook's term (a proximal term, say), in the hooks' order."""
+    """`loss` plus each client hook's term, in the hooks' order."""
     for hook in hooks:
         term = hook.loss()
         if term is not None:
