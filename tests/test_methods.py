@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_method_digests import SMALL_SCENE
 
 import strategies
 from simulations.federated_nerf import run_federated_nerf
@@ -70,24 +71,10 @@ def test_the_generic_round_names_no_method() -> None:
 # ------------------------------------------------------------------ a client-side method added
 
 
-TOY_SCENE = {
-    "num-server-rounds": 2,
-    "local-steps": 2,
-    "fraction-train": 1.0,
-    "eval-views-per-round": 1,
-    "client-eval-views": 0,
-    "target-samples": 2048,
-    "hash-log2-size": 10,
-    "hash-levels": 2,
-    "hash-max-resolution": 32,
-    "seed": 3,
-}
-
-
 def run_toy(config: dict, crowd_dir: Path, run_dir: Path) -> tuple[dict, list[dict]]:
     """The App's scene job in process over 3 users: the final global and the round lines."""
     config = {
-        **TOY_SCENE,
+        **SMALL_SCENE,
         "data-dir": str(crowd_dir),
         "state-dir": str(run_dir / "nodes"),
         "run-dir": str(run_dir / "run"),
