@@ -8,9 +8,10 @@ builds the reply in one place: a federated round's train reply also carries "cli
 (the train handler's wall seconds plus this round's gradient query's, kept in the node's
 state) and the CLIENT record naming the client, which a simulation's audit pairs with its
 data; when the server asks for compression, ARRAYS goes as the compressed update with the
-node's residual (`fedfields.flower.compression.compressed_parts`), a control variate's delta
-and a gradient query's G_k as their compressed records; a compressed download is
-rebuilt into the global first (`fedfields.flower.downloads.compressed_download_mod`). The server's
+node's residual (`fedfields.flower.upload_compression.compressed_parts`), a control
+variate's delta and a gradient query's G_k as their compressed records; a compressed download
+is rebuilt into the global first
+(`fedfields.flower.compressed_downloads.compressed_download_mod`). The server's
 "query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by
 which it samples and sums. With run-config
 `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
@@ -27,8 +28,8 @@ from flwr.clientapp import ClientApp
 from clients.client_call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import compressed_download_mod, secure_aggregation_mod
-from fedfields.flower.compression import compressed_gradient, compressed_parts
 from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
+from fedfields.flower.upload_compression import compressed_gradient, compressed_parts
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.train.builders import client_seed
 

@@ -46,7 +46,7 @@ class CompressionConfig:
     """Which scheme compresses updates and how strongly: `rank` r for lowrank, `bits` b for
     quantise, `fraction` f for topk (each used by its scheme only). "none" sends updates whole.
     With `download` the global goes down compressed the same way, as the change since the
-    version a node holds, kept `download_history` rounds (`fedfields.downloads`)."""
+    version a node holds, kept `download_history` rounds (`fedfields.download_chain`)."""
 
     scheme: str = "none"
     rank: int = 4

@@ -20,10 +20,10 @@ from typing import Any, Protocol
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedfields.flower.compression import uploaded_arrays
-from fedfields.flower.downloads import followed
+from fedfields.flower.compressed_downloads import followed
 from fedfields.flower.forwarding import ForwardingGrid
 from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX, state_to_arrays
+from fedfields.flower.upload_compression import uploaded_arrays
 
 
 class Observer(Protocol):

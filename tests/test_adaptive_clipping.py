@@ -29,7 +29,7 @@ from fedfields.privacy.adaptive_clipping import (
     update_noise_multiplier,
 )
 from fedfields.privacy.dp import DPConfig, noise_generator
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
 

@@ -20,10 +20,9 @@ from fedfields.compression import (
     decompress,
     full_bytes,
 )
-from fedfields.downloads import ReferenceChain, rebuilt_chain
+from fedfields.download_chain import ReferenceChain, rebuilt_chain
 from fedfields.flower import FedAvg, NodeState, compressed_download_mod
-from fedfields.flower.compression import compressed_parts, compression_entries
-from fedfields.flower.downloads import (
+from fedfields.flower.compressed_downloads import (
     DOWNLOAD_HELD,
     DOWNLOAD_REFERENCE,
     DownloadSender,
@@ -45,6 +44,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
+from fedfields.flower.upload_compression import compressed_parts, compression_entries
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from simulations.in_process_grid import InProcessGrid
 

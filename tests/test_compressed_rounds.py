@@ -38,13 +38,7 @@ from fedfields.flower import (
     keep_results,
     received_hooks,
 )
-from fedfields.flower.compression import (
-    CONTROL_STREAM,
-    RESIDUAL,
-    compressed_parts,
-    rebuilt_arrays,
-)
-from fedfields.flower.downloads import DOWNLOAD_REFERENCE
+from fedfields.flower.compressed_downloads import DOWNLOAD_REFERENCE
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
@@ -63,12 +57,18 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.resume import RESUME_FILE, load_round_checkpoint
+from fedfields.flower.upload_compression import (
+    CONTROL_STREAM,
+    RESIDUAL,
+    compressed_parts,
+    rebuilt_arrays,
+)
 from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.methods import ALPHA_KEY
 from fedfields.methods.base import HookResult
 from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL, ScaffoldHook
 from fedfields.privacy.dp import scaled_difference
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy, run_federated_nerf
 from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app

@@ -74,7 +74,7 @@ from fedfields.methods import alpha_weighted_payload
 from fedfields.methods.scaffold import CONTROL_DELTA
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.dp import DPConfig, distributed_noise_std, noise_generator, update_norm
-from fedfields.privacy.secure_sum import SecureAggregationConfig, ValueFreeError
+from fedfields.privacy.secagg_plan import SecureAggregationConfig, ValueFreeError
 from simulations.in_process_grid import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]

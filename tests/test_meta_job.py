@@ -19,7 +19,6 @@ from flwr.clientapp import ClientApp
 from fedfields.config import FederatedConfig, meta_settings
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.flower import FedMeNF, m_of_n_sampling
-from fedfields.flower.compression import RESIDUAL
 from fedfields.flower.fedmenf import GAMMA
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -36,6 +35,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.upload_compression import RESIDUAL
 from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA
 from fedfields.train.builders import (
     _object_task,

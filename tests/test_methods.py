@@ -35,8 +35,8 @@ GENERIC_ROUND = (
     "fedfields/flower/strategy_options.py",
     "fedfields/flower/user_keys.py",
     "fedfields/flower/evaluation.py",
-    "fedfields/flower/secure_sum.py",
-    "fedfields/downloads.py",
+    "fedfields/flower/secagg_workflow.py",
+    "fedfields/download_chain.py",
     "fedfields/compression.py",
 )
 """Modules every method's round passes through that already name none (the others are listed

@@ -21,7 +21,6 @@ from test_strategies import initial_state
 from fedfields.compression import CompressionConfig
 from fedfields.config import FederatedConfig
 from fedfields.flower import DecentNeRF, FedAvg, NodeState, ProtocolStrategy
-from fedfields.flower.compression import RESIDUAL
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -34,6 +33,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import SECURE_FAILURES
 from fedfields.flower.strategy_options import checked_compression
+from fedfields.flower.upload_compression import RESIDUAL
 from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.packed_sum import (
@@ -48,7 +48,7 @@ from fedfields.privacy.packed_sum import (
     to_flower,
     unpack,
 )
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.federated_nerf import make_strategy as make_app_strategy
 from simulations.federated_nerf import run_federated_nerf
 from simulations.in_process_grid import InProcessGrid

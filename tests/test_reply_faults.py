@@ -73,7 +73,7 @@ from fedfields.methods.robust import (
     update_norm,
 )
 from fedfields.methods.scaffold import CONTROL_DELTA
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.job import reply_counts
 from simulations.split_job import run_split_job

@@ -483,7 +483,7 @@ def test_a_run_saved_under_older_defaults_reads_back(tmp_path: Path) -> None:
     """A config.json holds every key at the defaults of its day: a scene run saved with
     memorising-bound 0 (before it defaulted to 0.15) is audited and resumed, since the run
     never read the key; a FedMeNF run that read it keeps its 0."""
-    from fedfields.audit.common import RunError, open_run
+    from fedfields.audit.pipeline import RunError, open_run
     from fedfields.flower.resume import ResumeError
     from simulations.job import open_run_dir
 

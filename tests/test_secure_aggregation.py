@@ -42,7 +42,7 @@ from fedfields.flower.round import RoundOutcome
 from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.methods import ALPHA_KEY
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     EXPONENT_MIN,
     NUM_BUCKETS,
     SecureAggregationConfig,

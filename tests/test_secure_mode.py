@@ -47,12 +47,12 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.secagg_workflow import SecureSum
 from fedfields.flower.secure_aggregation import (
     HELD_PREFIX,
     SecureModeClientError,
     secure_aggregation_mod,
 )
-from fedfields.flower.secure_sum import SecureSum
 from fedfields.flower.user_keys import (
     USER_KEY,
     USER_KEY_ACTION,
@@ -60,7 +60,7 @@ from fedfields.flower.user_keys import (
     USER_RECORD,
     answer_user_key,
 )
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     DEFAULT_MAX_EXPONENT,
     EXPONENT_MAX,
     EXPONENT_MIN,

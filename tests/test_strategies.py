@@ -75,7 +75,7 @@ from fedfields.methods import (
 from fedfields.methods.fedexp import SERVER_STEP
 from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.methods.scaffold import CONTROL_DELTA, SERVER_CONTROL
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid
 from strategies import parse_app_config
 

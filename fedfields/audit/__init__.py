@@ -7,7 +7,7 @@ experimenter, and reports one table (`format_table`), audit.json and audit.png p
 (`write_audit`). A deployed server never runs it.
 """
 
-from fedfields.audit.common import AuditConfig, AuditResult, RunError, open_run
+from fedfields.audit.pipeline import AuditConfig, AuditResult, RunError, open_run
 from fedfields.audit.runs import audit_runs, format_table, plot_audit, write_audit
 
 __all__ = [

@@ -27,7 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from fedfields import atomic
-from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
+from fedfields.audit.pipeline import (
+    CHECKPOINT_FILE,
+    AuditConfig,
+    AuditResult,
+    RunInfo,
+    progress_bar,
+)
 from fedfields.config import meta_settings
 from fedfields.devices import resolve_device
 from fedfields.privacy.accountant import EPSILON_METRIC

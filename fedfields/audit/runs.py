@@ -13,7 +13,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from fedfields import atomic
-from fedfields.audit.common import AuditConfig, AuditResult, RunInfo, open_run
+from fedfields.audit.pipeline import AuditConfig, AuditResult, RunInfo, open_run
 from fedfields.report import write_report
 
 AUDIT_JSON = "audit.json"

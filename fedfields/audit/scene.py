@@ -11,7 +11,7 @@ reported as recorded during the run: the checkpoint holds the aggregate only.
 
 from __future__ import annotations
 
-from fedfields.audit.common import (
+from fedfields.audit.pipeline import (
     CHECKPOINT_FILE,
     AuditConfig,
     AuditResult,

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from fedfields.audit.common import CHECKPOINT_FILE, AuditConfig, AuditResult, RunInfo, progress_bar
+from fedfields.audit.pipeline import (
+    CHECKPOINT_FILE,
+    AuditConfig,
+    AuditResult,
+    RunInfo,
+    progress_bar,
+)
 from fedfields.data import Scene
 from fedfields.privacy import ClientPart, ServerPart, SplitExchange, split_field
 from fedfields.privacy.attacks import (

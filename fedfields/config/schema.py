@@ -25,7 +25,7 @@ from fedfields.devices import DEVICE_CHOICES, is_device_text
 from fedfields.methods.settings import StrategySettings, typed_value
 from fedfields.privacy.adaptive_clipping import AdaptiveClipping
 from fedfields.privacy.dp import DPConfig
-from fedfields.privacy.secure_sum import MAX_TIMEOUT_SECONDS, SecureAggregationConfig
+from fedfields.privacy.secagg_plan import MAX_TIMEOUT_SECONDS, SecureAggregationConfig
 
 TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]

@@ -19,8 +19,8 @@ Record and key names are in `fedfields.flower.protocol` and the methods' modules
 from __future__ import annotations
 
 from fedfields.flower.client_hooks import keep_results, received_hooks
+from fedfields.flower.compressed_downloads import compressed_download_mod
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
-from fedfields.flower.downloads import compressed_download_mod
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
 from fedfields.flower.method_strategy import MethodOptions, MethodStrategy, method_strategy
 from fedfields.flower.node import NodeState, client_index

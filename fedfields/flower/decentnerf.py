@@ -15,7 +15,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import Tensor
 
-from fedfields.flower.compression import compressed_gradient
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     AGGREGATE_ROUND,
@@ -38,6 +37,7 @@ from fedfields.flower.reply_gate import CheckedReply
 from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
 from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.flower.upload_compression import compressed_gradient
 from fedfields.methods import (
     ALPHA_KEY,
     DECENTNERF_COST,

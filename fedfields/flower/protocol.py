@@ -21,16 +21,18 @@ Train reply (client -> server):
   state minus the ARRAYS received; `fedfields.compression`) instead of the state, and each
   other compressed reply record its own compressed record.
   With "download-version" in a train message's CONFIG, its ARRAYS is a compressed download
-  (`fedfields.flower.downloads`) the node's mod rebuilds into the global before the handler.
+  (`fedfields.flower.compressed_downloads`) the node's mod rebuilds into the global before
+  the handler.
 Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
 GRADIENT G_k = dL_k/dg at g^(m-1) back.
 
 Secure aggregation (CONFIG "secure-aggregation" true): a train or gradient reply carries no
 arrays and no per-client metrics, only HELD (the names of the records and metrics the client
 holds back). The server then sums what the clients hold with Flower's SecAgg+ over "train"
-messages whose legacy fit config carries the SECURE_SUM_* entries (`fedfields.flower.secure_sum`,
-`fedfields.flower.secure_aggregation`): metrics travel masked in the METRICS pseudo-record together
-with the client's weight under WEIGHT_KEY (its "secure-weight" metric, or 1).
+messages whose legacy fit config carries the SECURE_SUM_* entries
+(`fedfields.flower.secagg_workflow`, `fedfields.flower.secure_aggregation`): metrics travel
+masked in the METRICS pseudo-record together with the client's weight under WEIGHT_KEY (its
+"secure-weight" metric, or 1).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ ALPHA_MAX = "alpha-max"
 COMPRESSION = "compression"
 """The scheme replies compress their ARRAYS update with ("lowrank", "quantise", "topk";
 absent: sent whole), with its strength under COMPRESSION_RANK, _BITS or _FRACTION
-(`fedfields.flower.compression`)."""
+(`fedfields.flower.upload_compression`)."""
 COMPRESSION_RANK = "compression-rank"
 COMPRESSION_BITS = "compression-bits"
 COMPRESSION_FRACTION = "compression-fraction"
@@ -85,8 +87,8 @@ COMPRESSION_DELTA_SCALE = "compression-delta-scale"
 """Train-config entry: the ARRAYS key s of a strategy whose payload is s x (DecentNeRF's
 alpha_k): the compressed update is then s x - s g, and s is sent within it, whole in effect."""
 DOWNLOAD_VERSION = "download-version"
-"""Train-config entry of a compressed download (`fedfields.flower.downloads`): the version t
-of the reference ARRAYS stands for."""
+"""Train-config entry of a compressed download (`fedfields.flower.compressed_downloads`): the
+version t of the reference ARRAYS stands for."""
 DOWNLOAD_BASE = "download-base"
 """Train-config entry: the version b the download's chain starts from (0: ARRAYS is R_t whole)."""
 GRADIENT_COMPRESSED = "gradient-compressed"

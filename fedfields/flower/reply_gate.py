@@ -9,7 +9,7 @@ logged at WARNING with node and check, and counted in the round's ledger ("num-f
 is dropped ("held"). A metric under a name the server writes (`protocol.reserved_metric`,
 "dp-epsilon" say) drops its reply ("reserved-metric"). With compression on, a compressed ARRAYS
 record (or DecentNeRF's G_k) is first rebuilt into the state it stands for
-(`fedfields.flower.compression`), so every
+(`fedfields.flower.upload_compression`), so every
 check runs on what will be summed; a malformed one is dropped ("compression"). `drop_reason`
 says in a user's words what a dropped reply lacked.
 """
@@ -27,7 +27,6 @@ from flwr.common.logger import log
 from torch import Tensor
 
 from fedfields.compression import CompressionConfig
-from fedfields.flower.compression import decompressed_reply_state
 from fedfields.flower.protocol import (
     ARRAYS,
     GRADIENT,
@@ -48,6 +47,7 @@ from fedfields.flower.protocol import (
     reply_state,
 )
 from fedfields.flower.round_ledger import RoundLedger
+from fedfields.flower.upload_compression import decompressed_reply_state
 from fedfields.methods.robust import update_norm
 
 

@@ -41,14 +41,14 @@ from fedfields.flower.round_privacy import RoundPrivacy
 from fedfields.flower.sum_replies import (
     ReplyFold,
     RoundSum,
+    masked_sum,
     plain_sum,
-    secure_sum,
     sum_failure,
     with_reference,
 )
 from fedfields.methods.base import RoundContext
 from fedfields.methods.robust import update_norm
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 UpdateCheck = Callable[["Round", CheckedReply], None]
 """A strategy's own check of a checked reply (`ProtocolStrategy.check_update`): raises
@@ -241,7 +241,7 @@ class Round:
             if held:
                 noise = None if privacy is None else privacy.distributed(ledger, payload)
                 bits = self.rules.secure_bits
-                summed = secure_sum(
+                summed = masked_sum(
                     self.gate, ledger, self.secure_aggregation, held, records, noise, bits
                 )
                 if summed is not None and bits and ARRAYS in records:

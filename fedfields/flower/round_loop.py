@@ -31,7 +31,7 @@ from fedfields.flower.round import RoundOutcome
 from fedfields.flower.round_ledger import EmptyTally, round_counts
 from fedfields.flower.round_privacy import PrivacyBudgetSpent
 from fedfields.flower.streaming import StreamingGrid
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 RoundEndFn = Callable[[RoundOutcome, ArrayRecord], None]

@@ -53,7 +53,7 @@ from fedfields.privacy.dp import (
     noise_generator,
     noise_ratio,
 )
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 DP_EPSILON = EPSILON_METRIC
 """Train metric: epsilon at dp-delta spent by the run so far (DP runs only)."""

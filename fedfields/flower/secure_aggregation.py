@@ -55,7 +55,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from torch import Tensor
 
-from fedfields.flower.compression import RESIDUAL, requested_compression
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -86,6 +85,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
+from fedfields.flower.upload_compression import RESIDUAL, requested_compression
 from fedfields.flower.user_keys import fallback_key, user_key
 from fedfields.privacy.adaptive_clipping import combined_noise_multiplier
 from fedfields.privacy.dp import (
@@ -96,7 +96,7 @@ from fedfields.privacy.dp import (
     scaled_difference,
 )
 from fedfields.privacy.packed_sum import Packing, coded_entries, packed_vectors
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     CLIENT_WEIGHT,
     EXPONENT_MAX,
     ValueFreeError,

@@ -20,8 +20,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedfields.compression import CompressionConfig
-from fedfields.flower.compression import compression_entries
-from fedfields.flower.downloads import DownloadSender, node_contents
+from fedfields.flower.compressed_downloads import DownloadSender, node_contents
 from fedfields.flower.evaluation import FederatedEvaluation
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -49,11 +48,12 @@ from fedfields.flower.strategy_options import (
     checked_compression,
     merged_train_config,
 )
+from fedfields.flower.upload_compression import compression_entries
 from fedfields.flower.user_keys import UserKeys
 from fedfields.methods import FEDAVG_COST, CostModel
 from fedfields.methods.settings import optional_cap
 from fedfields.privacy.dp import DPConfig
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 
 class ProtocolStrategy(RunConfigured, FederatedEvaluation):
@@ -116,7 +116,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         )
         """The scheme replies compress their ARRAYS update with (None: sent whole)."""
         self.downloads = DownloadSender.of(self.compression, sampling_seed)
-        """Compressed downloads' reference chain (`fedfields.flower.downloads`); None: whole."""
+        """Compressed downloads' reference chain (`fedfields.flower.compressed_downloads`);
+        None: sent whole."""
         self.node_timeout = node_timeout
         self.max_num_examples = optional_cap(max_num_examples, "max_num_examples")
         self.max_update_norm = optional_cap(max_update_norm, "max_update_norm")

@@ -14,7 +14,7 @@ from fedfields.compression import CompressionConfig
 from fedfields.flower.protocol import LOCAL_STEPS, SERVER_ROUND
 from fedfields.methods.settings import StrategySettings
 from fedfields.privacy.dp import DPConfig
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 
 class StrategyOptions(TypedDict, total=False):

@@ -40,10 +40,10 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.reply_gate import CheckedReply, ReplyGate, reply_metrics
 from fedfields.flower.round_ledger import RoundLedger
-from fedfields.flower.secure_sum import SecureSum
+from fedfields.flower.secagg_workflow import SecureSum
 from fedfields.methods.states import RunningSum
 from fedfields.privacy.dp import clip_records, noised_records, scaled_difference
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     SecureAggregationConfig,
     SecureAggregationError,
     payload_layout,
@@ -165,7 +165,7 @@ def clipped_update(
     return clip_records(update, privacy.clip_norm)
 
 
-def secure_sum(
+def masked_sum(
     gate: ReplyGate,
     ledger: RoundLedger,
     config: SecureAggregationConfig,

@@ -4,7 +4,7 @@ Pure PyTorch; the Flower glue lives in strategies/ and clients/.
 """
 
 from fedfields.privacy.defences import ClientDefence, NoisyLabel, S2NeRFNoise
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     SecureAggregationConfig,
     SecureAggregationError,
     payload_layout,

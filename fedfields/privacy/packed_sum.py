@@ -23,7 +23,7 @@ to Q levels the same way.
 
 A client that does not run this code can put any integer in its masked entries: its carries
 then spill into the neighbouring fields of the sum. As for every SecAgg+ sum (secure sums carry
-no range proofs; `fedfields.privacy.secure_sum`), what a liar adds to its own vector is not
+no range proofs; `fedfields.privacy.secagg_plan`), what a liar adds to its own vector is not
 bounded; a packing a server sends that does not fit its levels is refused by the clients.
 """
 

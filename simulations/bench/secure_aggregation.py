@@ -36,7 +36,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.privacy.secure_sum import SecureAggregationConfig
+from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from fedfields.train.builders import meta_model
 from fedfields.train.federated import federated_state
 from simulations.bench.devices import add_cpu_only_device_argument

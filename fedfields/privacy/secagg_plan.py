@@ -4,7 +4,7 @@ SecAgg+ clips every value to [-C, C], quantises it to Q levels and sums integers
 values beyond C are clipped silently and n * Q >= M wraps around silently. These pure
 functions choose C, Q and per-tensor power-of-two scales so that neither can happen, and
 pack named tensors into the flat arrays SecAgg+ carries. The Flower glue lives in
-`fedfields.flower.secure_sum` (server) and `fedfields.flower.secure_aggregation` (clients).
+`fedfields.flower.secagg_workflow` (server) and `fedfields.flower.secure_aggregation` (clients).
 
 Automatic bounds: each client reports, per tensor, a one-hot vector of the exponent e with
 max|x| <= 2^e; the *secure sum* of those vectors tells the server how many clients fall in

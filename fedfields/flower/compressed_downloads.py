@@ -3,7 +3,7 @@ the round it last trained in, the node's mod rebuilds the global before anything
 Train messages and DecentNeRF's gradient query go this way; evaluation messages go whole.
 
 Server (`DownloadSender`, kept by `ProtocolStrategy` when `CompressionConfig.download` is on):
-each round advances `fedfields.downloads.ReferenceChain` with what the strategy sends, T_t, and
+each round advances `fedfields.download_chain.ReferenceChain` with what the strategy sends, T_t, and
 gives each node's train message its own ARRAYS for the reference R_t the nodes will hold: R_t
 whole, or the chain of records from the version the server last summed a reply of that user
 for (a reply summed proves the node rebuilt that version; a sampled user whose reply was not
@@ -35,8 +35,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from torch import Tensor
 
 from fedfields.compression import SEPARATOR, CompressionConfig, Record, compress, decompress
-from fedfields.downloads import ReferenceChain, rebuilt_chain
-from fedfields.flower.compression import record_arrays, requested_compression
+from fedfields.download_chain import ReferenceChain, rebuilt_chain
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -50,6 +49,7 @@ from fedfields.flower.protocol import (
     content_bytes,
     state_to_arrays,
 )
+from fedfields.flower.upload_compression import record_arrays, requested_compression
 
 DOWNLOAD_REFERENCE = "download-reference"
 """Node-state tensors: the reference R_v the node rebuilt last; its version under

@@ -20,12 +20,13 @@ initial field); `--combine` builds it too from folders run at different seeds. `
 trains nothing: it prints the bytes of one compressed plaintext upload of the run's global field (a
 seeded random update) per setting, against the float32 upload.
 
-    python -m simulations.bench.compression --users 4 --rounds 2 --schemes topk --fractions 0.05
-    python -m simulations.bench.compression --strategies decentnerf --sums secure --bits 4
-    python -m simulations.bench.compression --schemes quantise --bits 4 --download
-    python -m simulations.bench.compression --schemes quantise --bits 2 --seeds 0 1 2
-    python -m simulations.bench.compression --bytes-only
-    python -m simulations.bench.compression --combine runs/a runs/b --out runs/both
+    python -m simulations.bench.compressed_uploads --users 4 --rounds 2 --schemes topk \
+        --fractions 0.05
+    python -m simulations.bench.compressed_uploads --strategies decentnerf --sums secure --bits 4
+    python -m simulations.bench.compressed_uploads --schemes quantise --bits 4 --download
+    python -m simulations.bench.compressed_uploads --schemes quantise --bits 2 --seeds 0 1 2
+    python -m simulations.bench.compressed_uploads --bytes-only
+    python -m simulations.bench.compressed_uploads --combine runs/a runs/b --out runs/both
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Flower's workflow drives a legacy (`flwr.server.strategy`) strategy inside a `Le
 `aggregate_fit` keeping the unmasked result. Every client sends weight 1 (= max_weight), so the
 workflow's weighted mean times the number of survivors is the exact sum; anything a client
 wants weighted it multiplies into its masked vector itself. Clipping, quantisation and
-scales come from `fedfields.privacy.secure_sum`.
+scales come from `fedfields.privacy.secagg_plan`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from fedfields.flower.protocol import (
     SECURE_SUM_STAGE,
 )
 from fedfields.privacy.packed_sum import Packing, coded_entries, plan_packing, summed_values
-from fedfields.privacy.secure_sum import (
+from fedfields.privacy.secagg_plan import (
     CLIENT_WEIGHT,
     NUM_BUCKETS,
     LayoutEntry,
@@ -114,7 +114,7 @@ class SecureSum:
 
     With `config.clipping_range` 0 it first sums per-tensor exponent one-hots (one SecAgg+
     run) to pick power-of-two scales, capped at 2^`config.max_exponent` whatever a client
-    declares (`fedfields.privacy.secure_sum.plan_scales`), then sums the scaled payload (a
+    declares (`fedfields.privacy.secagg_plan.plan_scales`), then sums the scaled payload (a
     second run); with a fixed clipping range it runs once and clients refuse values beyond it;
     with `dp_range` (distributed DP) it runs once with every record's scale set from C, z and
     t, reading nothing of the noised values. Every run takes `min_holders` t as its

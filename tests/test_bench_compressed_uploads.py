@@ -11,7 +11,7 @@ import pytest
 from fedfields import atomic
 from fedfields.train.builders import global_field
 from fedfields.train.federated import federated_state
-from simulations.bench.compression import (
+from simulations.bench.compressed_uploads import (
     Row,
     Setting,
     accepted,
