@@ -379,8 +379,8 @@ def test_decentnerfs_gradient_query_sums_the_decompressed_gradients_and_drops_a_
                 for k in summed
             )  # fmt: skip
             torch.testing.assert_close(value.double(), expected, atol=1e-6, rtol=1e-6)
-        assert strategy.open_round is not None
-        assert strategy.open_round.ledger.dropped == ({"compression": 1} if lost else {})
+        assert strategy.flower_round is not None
+        assert strategy.flower_round.ledger.dropped == ({"compression": 1} if lost else {})
     replies = [reply for reply in grid.received if GRADIENT in reply.content]
     for reply in replies:
         wire = sum(array.numpy().nbytes for array in reply.content[GRADIENT].values())

@@ -73,7 +73,7 @@ def sampled_round(seed: int, grid: InProcessGrid) -> tuple[list[str], dict[str, 
     streaming = StreamingGrid(grid)
     start = state_to_arrays(initial_state())
     messages = strategy.configure_train(1, start, ConfigRecord({"local-steps": 3}), streaming)
-    outcome = strategy.finish_round(1, streaming.send_and_receive(messages))
+    outcome = strategy.finish_round(strategy.round_of(1), streaming.send_and_receive(messages))
     assert outcome.arrays is not None
     assert outcome.ledger.summed_users == outcome.ledger.users
     return outcome.ledger.users, arrays_to_state(outcome.arrays)

@@ -173,12 +173,13 @@ class DecentNeRF(ProtocolStrategy):
         last = state["last-aggregate"]
         self.last_aggregate = None if last is None else (int(last[0]), float(last[1]))
 
-    def configure_train(
+    def open_train_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample nodes; from round 2 first sum their gradients, then send g^(m-1) and G."""
+    ) -> tuple[Round, list[Message]]:
+        """Sample nodes; from round 2 first sum their gradients, then the round and its
+        messages carrying g^(m-1) and G."""
         train_round = self.begin_round(server_round, arrays, grid)
-        train_config = self.train_config(server_round, config)
+        train_config = self.train_config(train_round, config)
         records: dict[str, ArrayRecord | ConfigRecord] = {ARRAYS: arrays, CONFIG: train_config}
         if server_round >= 2 and train_round.ledger.node_ids:
             gradient_sum = self.gradient_sum(train_round, arrays, train_config, grid)
@@ -186,13 +187,14 @@ class DecentNeRF(ProtocolStrategy):
                 records[GRADIENT] = self.gradient_record(server_round, gradient_sum, train_config)
                 if self.last_aggregate is not None:
                     train_config[AGGREGATE_ROUND], train_config[ALPHA_SUM] = self.last_aggregate
-        return self.messages(RecordDict(records), MessageType.TRAIN)
+        return train_round, self.messages(train_round, RecordDict(records), MessageType.TRAIN)
 
     def gradient_sum(
         self, train_round: Round, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> dict[str, Tensor] | None:
         """G = sum_k dL_k/dg at g^(m-1) over the sampled nodes (Algorithm 1, line 10)."""
-        queries = self.messages(RecordDict({ARRAYS: arrays, CONFIG: config}), GRADIENT_QUERY)
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        queries = self.messages(train_round, content, GRADIENT_QUERY)
         replies = grid.send_and_receive(queries, timeout=self.query_timeout)
         summed = train_round.sum(replies, {GRADIENT: train_round.shapes})
         if summed is None:

@@ -159,15 +159,16 @@ class MethodStrategy(ProtocolStrategy):
         """The shared entries plus the method's `client_config`."""
         return {**super().protocol_config(), **self.method.client_config()}
 
-    def configure_train(
+    def open_train_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample nodes and send them what the method's `sent` returns with the train config."""
+    ) -> tuple[Round, list[Message]]:
+        """Sample nodes; the round and its messages: what the method's `sent` returns with the
+        train config."""
         global_state = arrays_to_state(arrays)
         records = self.method.sent(global_state, server_round)
         sent = arrays if records[ARRAYS] is global_state else state_to_arrays(records[ARRAYS])
         train_round = self.begin_round(server_round, sent, grid)
-        train_config = self.train_config(server_round, config)
+        train_config = self.train_config(train_round, config)
         train_round.context = RoundContext(
             server_round, global_state, dict(train_config), train_round.ledger.num_nodes_total
         )
@@ -178,7 +179,7 @@ class MethodStrategy(ProtocolStrategy):
                 CONFIG: train_config,
             }
         )
-        return self.messages(content, MessageType.TRAIN)
+        return train_round, self.messages(train_round, content, MessageType.TRAIN)
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """The method's server step over the round's mean or sums, as the round's outcome."""

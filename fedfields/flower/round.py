@@ -165,6 +165,11 @@ class Round:
         ]
 
     @property
+    def server_round(self) -> int:
+        """The round's number."""
+        return self.ledger.server_round
+
+    @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The global arrays' shapes, the records' expected ones."""
         return self.ledger.shapes

@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 
 from fedfields.flower.protocol import NON_FINITE_AGGREGATE, NUM_REPLIES
-from fedfields.flower.round import RoundOutcome
+from fedfields.flower.round import Round, RoundOutcome
 from fedfields.flower.round_ledger import EmptyTally, round_counts
 from fedfields.flower.round_privacy import PrivacyBudgetSpent
 from fedfields.flower.streaming import StreamingGrid
@@ -50,11 +50,11 @@ class LoopStrategy(Protocol):
 
     def check_privacy_plan(self, first_round: int, num_rounds: int) -> float: ...
 
-    def configure_train(
+    def open_train_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]: ...
+    ) -> tuple[Round, list[Message]]: ...
 
-    def finish_round(self, server_round: int, replies: Iterable[Message]) -> RoundOutcome: ...
+    def finish_round(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome: ...
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -114,12 +114,14 @@ class RoundLoop:
         for server_round in range(first_round, num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             try:
-                messages = strategy.configure_train(server_round, arrays, train_config, grid)
+                train_round, messages = strategy.open_train_round(
+                    server_round, arrays, train_config, grid
+                )
             except PrivacyBudgetSpent as spent:
                 log(WARNING, "differential privacy: %s (dp-target-epsilon reached)", spent)
                 break
             replies = grid.send_and_receive(messages=messages, timeout=timeout)
-            outcome = strategy.finish_round(server_round, replies)
+            outcome = strategy.finish_round(train_round, replies)
             log(INFO, round_counts(outcome.metrics, outcome.arrays is not None))
             if outcome.arrays is not None:
                 arrays = result.arrays = outcome.arrays

@@ -1,9 +1,11 @@
 """ProtocolStrategy: Flower's FedAvg sampling and evaluation with the fedfields train protocol.
 
 A strategy is Flower glue and its paper's hooks (options, sampling, train config, messages;
-`configure_train`, `aggregate`, `check_update`); what a round does with its replies belongs to
+`open_train_round`, `aggregate`, `check_update`); what a round does with its replies belongs to
 the `Round` that `begin_round` opens (`fedfields.flower.round`: gate -> sum -> privacy ->
-ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`).
+ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`),
+which passes each round as a value from `open_train_round` to `finish_round`; Flower's
+`configure_train` and `aggregate_train` remain for any other loop.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from fedfields.privacy.secagg_plan import SecureAggregationConfig
 class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     """Flower FedAvg's sampling and evaluation with the fedfields train protocol.
 
-    Subclasses set `strategy_name`, extend `protocol_config` and implement `configure_train`
+    Subclasses set `strategy_name`, extend `protocol_config` and implement `open_train_round`
     (`begin_round`, `train_config`, `messages`) and `aggregate` (through the `Round`'s one
     sum); constructor arguments (`StrategyOptions`) are documented on `fedfields.flower.FedAvg`.
     Nodes come and go: a round samples among those connected now (`NodeSampler`), and an error
@@ -132,8 +134,9 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         (`fedfields.flower.user_keys`), so one seed gives one run; without it (the default:
         a stock ClientApp has no handler for the query, and Flower logs an ERROR for each
         node asked) in node-id order, which Flower draws at random in simulation."""
-        self.open_round: Round | None = None
-        """The round `begin_round` opened last: Flower's `aggregate_train` takes only replies."""
+        self.flower_round: Round | None = None
+        """The round Flower's `configure_train` opened (for a loop other than `start`'s, whose
+        `aggregate_train` takes only replies); `start`'s own loop passes rounds as values."""
         self.rounds_started = 0
         self.rounds_aggregated = 0
         """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
@@ -172,12 +175,12 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             bits = self.compression.bits  # only 'quantise' composes with SecAgg+
         return SumRules(self.weight_metric, self.delta_records, self.dp_delta_scale, bits)
 
-    def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
+    def train_config(self, train_round: Round, config: ConfigRecord) -> ConfigRecord:
         """A copy of the user's `config` with the protocol entries (`merged_train_config`:
         clashing values raise) and, for DP under SecAgg+, the round's "dp-min-holders"."""
-        merged = merged_train_config(config, self.protocol_config(), server_round)
+        merged = merged_train_config(config, self.protocol_config(), train_round.server_round)
         if self.dp is not None and self.secure_aggregation is not None:
-            merged[DP_MIN_HOLDERS] = self.round_of(server_round).ledger.min_holders
+            merged[DP_MIN_HOLDERS] = train_round.ledger.min_holders
         return ConfigRecord(merged)
 
     def begin_round(self, server_round: int, arrays: ArrayRecord, grid: Grid) -> Round:
@@ -201,10 +204,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             self.compressed_records(),
         )  # fmt: skip
         rules, secure = self.sum_rules(), self.secure_aggregation
-        self.open_round = Round.open(
-            ledger, arrays, gate, self.check_update, rules, secure, self.privacy
-        )
-        return self.open_round
+        return Round.open(ledger, arrays, gate, self.check_update, rules, secure, self.privacy)
 
     def compressed_records(self) -> frozenset[str]:
         """Reply records that travel compressed under compressed uploads: ARRAYS and the
@@ -225,28 +225,43 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         return self.privacy.check_plan(first_round, num_rounds, self.fraction_train)
 
     def round_of(self, server_round: int) -> Round:
-        """The open `Round` of `server_round`: aggregating needs configure_train first."""
-        if self.open_round is None or self.open_round.ledger.server_round != server_round:
+        """The `Round` Flower's `configure_train` opened for `server_round`; RuntimeError
+        without it."""
+        if self.flower_round is None or self.flower_round.server_round != server_round:
             raise RuntimeError(
                 f"aggregate_train for round {server_round} without configure_train of that round"
             )
-        return self.open_round
+        return self.flower_round
 
-    def messages(self, content: RecordDict, message_type: str) -> list[Message]:
-        """The open round's messages carrying `content` (under compressed downloads a train or
+    def messages(self, train_round: Round, content: RecordDict, message_type: str) -> list[Message]:
+        """`train_round`'s messages carrying `content` (under compressed downloads a train or
         gradient-query message's ARRAYS is each node's own: `node_contents`)."""
-        assert self.open_round is not None, "begin_round opens the round its messages go to"
-        users = self.open_round.ledger.users
+        users = train_round.ledger.users
         contents, sent = node_contents(self.downloads, content, message_type, users)
-        return self.open_round.messages(contents, sent, message_type)
+        return train_round.messages(contents, sent, message_type)
+
+    def open_train_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[Round, list[Message]]:
+        """Sample round `server_round`'s nodes (`begin_round`) and build its train messages:
+        the `Round` comes back as a value, for `finish_round`."""
+        raise NotImplementedError
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower's hook, for a loop other than `start`'s: `open_train_round`, the round kept
+        for `aggregate_train` (`round_of`)."""
+        self.flower_round, messages = self.open_train_round(server_round, arrays, config, grid)
+        return messages
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """The paper's server step over the round's replies, ending in `train_round.outcome`."""
         raise NotImplementedError
 
-    def finish_round(self, server_round: int, replies: Iterable[Message]) -> RoundOutcome:
-        """The outcome of round `server_round` (`aggregate`), counted if it aggregated."""
-        outcome = self.aggregate(self.round_of(server_round), replies)
+    def finish_round(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
+        """The outcome of `train_round` (`aggregate`), counted if it aggregated."""
+        outcome = self.aggregate(train_round, replies)
         self.rounds_aggregated += outcome.arrays is not None
         if self.downloads is not None:
             self.downloads.round_ended(outcome.ledger.users, outcome.ledger.summed_users)
@@ -255,8 +270,9 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's hook: the round's outcome (`finish_round`) as Flower's pair."""
-        outcome = self.finish_round(server_round, replies)
+        """Flower's hook: the outcome of the round `configure_train` opened (`finish_round`)
+        as Flower's pair."""
+        outcome = self.finish_round(self.round_of(server_round), replies)
         return outcome.arrays, MetricRecord(outcome.metrics)
 
     def check_update(self, train_round: Round, reply: CheckedReply) -> None:
