@@ -1,10 +1,7 @@
-"""FedMeNF (FedMeNF paper, Algorithm 1): the server's M of N size-weighted mean and the
+"""FedMeNF (FedMeNF paper, Algorithm 1) on Flower: the server's method
+(`fedfields.methods.fedmenf`, the size-weighted mean) sampling M of N nodes a round, and the
 client's LocalUpdate as a Flower train reply (`meta_train_reply`, or `meta_train_parts` before
 it is sent).
-
-The server of federated meta-learning is FedAvg's: theta <- sum_m |D_m| / sum_i |D_i| w_m over
-the M sampled clients' local meta-learners w_m (Eq. 2). What makes it FedMeNF is the clients'
-privacy-preserving local loss (`fedfields.train.meta`), not the aggregation.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from flwr.app import Message, RecordDict
 from torch import nn
 
 from fedfields.flower.client_hooks import keep_results, received_hooks
-from fedfields.flower.method_strategy import MethodOptions, MethodStrategy
+from fedfields.flower.method_strategy import MethodOptions, method_strategy
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -31,7 +28,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.strategy_options import StrategyOptions
-from fedfields.methods.fedavg import FedAvg
+from fedfields.methods import fedmenf
 from fedfields.train.federated import load_federated_state
 from fedfields.train.meta import MetaConfig, local_meta_update
 from fedfields.train.meta_tasks import MetaTask
@@ -63,7 +60,7 @@ def m_of_n_sampling(
     }
 
 
-class FedMeNF(MethodStrategy):
+class FedMeNF(method_strategy(fedmenf.FedMeNF)):  # type: ignore[misc]
     """FedMeNF aggregation: M of N nodes per round, theta = sum_m |D_m| w_m / sum_m |D_m|.
 
     |D_m| is the reply's "num-examples" (the client's dataset size); messages and replies are
@@ -78,10 +75,6 @@ class FedMeNF(MethodStrategy):
             `fedfields.flower.FedAvg` (a robust `aggregation_rule` replaces the size-weighted
             mean of the w_m).
     """
-
-    strategy_name = "fedmenf"
-    method_class = FedAvg
-    settings_class = FedAvg.settings_class
 
     def __init__(
         self,
