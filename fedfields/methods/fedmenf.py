@@ -11,21 +11,10 @@ aggregation; the M of N sampling is the strategy's (`m_of_n_sampling` in the Flo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from fedfields.methods.base import Method
-from fedfields.methods.settings import StrategySettings
+from fedfields.methods.fedavg import FedAvg
 
 
-@dataclass(frozen=True)
-class FedMeNFSettings(StrategySettings):
-    """FedMeNF's server has no run-config key of its own; its mean may become a robust rule."""
-
-    robust_rules = True
-
-
-class FedMeNF(Method):
-    """FedMeNF's server step: the size-weighted mean as it is (`Method.step_from_mean`)."""
+class FedMeNF(FedAvg):
+    """FedMeNF's server step: FedAvg's, the size-weighted mean as it is (no key of its own)."""
 
     name = "fedmenf"
-    settings_class = FedMeNFSettings
