@@ -70,9 +70,9 @@ from fedfields.methods.robust import (
     coordinate_median,
     coordinate_trimmed_mean,
     robust_aggregate,
-    update_norm,
 )
 from fedfields.methods.scaffold import CONTROL_DELTA
+from fedfields.methods.states import update_norm
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.job import reply_counts

@@ -44,8 +44,8 @@ from fedfields.methods.robust import (
     RobustRule,
     check_trim_fraction,
     robust_aggregate,
-    update_norm,
 )
+from fedfields.methods.states import update_norm
 
 
 class MethodOptions(StrategyOptions, total=False):

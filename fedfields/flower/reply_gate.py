@@ -48,7 +48,7 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round_ledger import RoundLedger
 from fedfields.flower.upload_compression import decompressed_reply_state
-from fedfields.methods.robust import update_norm
+from fedfields.methods.states import update_norm
 
 
 @dataclass

@@ -47,7 +47,7 @@ from fedfields.flower.sum_replies import (
     with_reference,
 )
 from fedfields.methods.base import RoundContext
-from fedfields.methods.robust import update_norm
+from fedfields.methods.states import update_norm
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 UpdateCheck = Callable[["Round", CheckedReply], None]

@@ -175,22 +175,6 @@ def robust_aggregate(
     return bulyan(states, rule.num_malicious)
 
 
-def update_norm(state: State, reference: State | None = None, scale: float = 1.0) -> float:
-    """||state / scale - reference|| in float64 over `reference`'s keys (||state|| over all of
-    its keys without a reference): how far a reply moved from the model it was sent; `scale`
-    divides out DecentNeRF's alpha_k from its payload alpha_k g_k."""
-    keys = state.keys() if reference is None else reference.keys()
-    total = 0.0
-    for key in keys:
-        value = state[key].detach().double()
-        if scale != 1.0:
-            value = value / scale
-        if reference is not None:
-            value = value - reference[key].detach().double()
-        total += float(value.square().sum())
-    return math.sqrt(total)
-
-
 def _sorted_stack(states: Sequence[State], key: str) -> Tensor:
     """The states' `key` stacked along a new first axis in float64, sorted along it."""
     stacked = torch.stack([state[key].detach().double() for state in states])

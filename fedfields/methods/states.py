@@ -192,3 +192,19 @@ def on_device(
         return {name: p.detach().clone() for name, p in parameters.items()}
     check_state(state, parameters, what)
     return {name: state[name].to(p.device, p.dtype) for name, p in parameters.items()}
+
+
+def update_norm(state: State, reference: State | None = None, scale: float = 1.0) -> float:
+    """||state / scale - reference|| in float64 over `reference`'s keys (||state|| over all of
+    its keys without a reference): how far a reply moved from the model it was sent; `scale`
+    divides out a payload's scale (a weight the client multiplied its state by)."""
+    keys = state.keys() if reference is None else reference.keys()
+    total = 0.0
+    for key in keys:
+        value = state[key].detach().double()
+        if scale != 1.0:
+            value = value / scale
+        if reference is not None:
+            value = value - reference[key].detach().double()
+        total += float(value.square().sum())
+    return math.sqrt(total)
