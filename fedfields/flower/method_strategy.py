@@ -57,10 +57,6 @@ class MethodOptions(StrategyOptions, total=False):
     krum_select: int
 
 
-FedAvgOptions = MethodOptions
-"""The options of FedAvg and of every method built on its mean (an alias kept for imports)."""
-
-
 class MethodStrategy(ProtocolStrategy):
     """A `fedfields.methods.base.Method` run through Flower 1.41's message API.
 
