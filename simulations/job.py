@@ -42,8 +42,7 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
-from fedfields.flower.round import RoundOutcome
-from fedfields.flower.round_ledger import RoundLedger
+from fedfields.flower.round import RoundLedger, RoundOutcome
 from fedfields.flower.round_loop import RoundEndFn, RoundLoop
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings

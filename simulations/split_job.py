@@ -41,7 +41,7 @@ from fedfields.flower.protocol import (
     checked_samples,
     state_to_arrays,
 )
-from fedfields.flower.sampling import wait_for_nodes
+from fedfields.flower.strategy import wait_for_nodes
 from fedfields.optim import make_optimizer
 from fedfields.privacy import (
     RaySamples,

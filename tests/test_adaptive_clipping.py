@@ -20,7 +20,7 @@ from test_dp_federation import fixed_nodes, secure, train_round
 
 from fedfields.flower import FedAvg
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
-from fedfields.flower.round_privacy import DP_EPSILON, DP_NEXT_CLIP_NORM, DP_ROUND_MULTIPLIER
+from fedfields.flower.round import DP_EPSILON, DP_NEXT_CLIP_NORM, DP_ROUND_MULTIPLIER
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.adaptive_clipping import (
     AdaptiveClipping,

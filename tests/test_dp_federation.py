@@ -63,7 +63,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
-from fedfields.flower.round_privacy import DP_EPSILON, DP_ROUND_MULTIPLIER
+from fedfields.flower.round import DP_EPSILON, DP_ROUND_MULTIPLIER
 from fedfields.flower.secure_aggregation import (
     CALIBRATED_STATE,
     check_threshold,

@@ -42,7 +42,7 @@ from fedfields.flower.protocol import (
     reserved_metric,
     state_to_arrays,
 )
-from fedfields.flower.round_ledger import weighted_mean
+from fedfields.flower.round import weighted_mean
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
 from fedfields.methods.fedexp import SERVER_STEP, max_server_step
 from fedfields.methods.scaffold import CONTROL_DELTA

@@ -31,8 +31,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.round_ledger import SECURE_FAILURES
-from fedfields.flower.strategy_options import checked_compression
+from fedfields.flower.round import SECURE_FAILURES
+from fedfields.flower.strategy import checked_compression
 from fedfields.flower.upload_compression import RESIDUAL
 from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.dp import DPConfig

@@ -57,7 +57,7 @@ from fedfields.flower.protocol import (
     checked_samples,
     state_to_arrays,
 )
-from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
+from fedfields.flower.round import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.user_keys import (
     USER_KEY_ACTION,

@@ -38,8 +38,7 @@ from fedfields.flower import (
     Scaffold,
 )
 from fedfields.flower.protocol import ARRAYS, GRADIENT_QUERY, arrays_to_state, state_to_arrays
-from fedfields.flower.round import RoundOutcome
-from fedfields.flower.round_ledger import SECURE_FAILURES, SECURE_SUMS
+from fedfields.flower.round import SECURE_FAILURES, SECURE_SUMS, RoundOutcome
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.methods import ALPHA_KEY
 from fedfields.privacy.secagg_plan import (

@@ -41,7 +41,6 @@ from fedfields.flower import (
     ProtocolStrategy,
     Scaffold,
 )
-from fedfields.flower.forwarding import ForwardingGrid
 from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
@@ -62,8 +61,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.round import Round
-from fedfields.flower.sum_replies import RoundSum
+from fedfields.flower.round import Round, RoundSum
+from fedfields.flower.round_loop import ForwardingGrid
 from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.methods import (
     ALPHA_KEY,

@@ -21,8 +21,8 @@ from test_strategies import heterogeneous_problems, initial_state, least_squares
 
 from fedfields.flower import FedAvg
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
-from fedfields.flower.sampling import NodeSampler
-from fedfields.flower.streaming import StreamingGrid
+from fedfields.flower.round_loop import StreamingGrid
+from fedfields.flower.strategy import NodeSampler
 from fedfields.flower.user_keys import (
     USER_KEY_ACTION,
     USER_KEY_MESSAGE_TYPE,

@@ -22,13 +22,17 @@ from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.compressed_downloads import compressed_download_mod
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
-from fedfields.flower.method_strategy import MethodOptions, MethodStrategy, method_strategy
 from fedfields.flower.node import NodeState, client_index
 from fedfields.flower.round_loop import EmptyRoundsError
-from fedfields.flower.sampling import InsufficientNodesError
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.strategy import ProtocolStrategy
-from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.flower.strategy import (
+    InsufficientNodesError,
+    MethodOptions,
+    MethodStrategy,
+    ProtocolStrategy,
+    StrategyOptions,
+    method_strategy,
+)
 from fedfields.methods import fedacg, fedavg, fedavgm, fedexp, fednova, fedopt, fedprox, scaffold
 
 FedAvg = method_strategy(fedavg.FedAvg)

@@ -33,10 +33,8 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.reply_gate import CheckedReply
-from fedfields.flower.round import Round, RoundOutcome
-from fedfields.flower.strategy import ProtocolStrategy
-from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.flower.round import CheckedReply, Round, RoundOutcome
+from fedfields.flower.strategy import ProtocolStrategy, StrategyOptions
 from fedfields.flower.upload_compression import compressed_gradient
 from fedfields.methods import (
     ALPHA_KEY,
@@ -109,7 +107,7 @@ class DecentNeRF(ProtocolStrategy):
     "num-examples". A failed or missing reply is left out of a sum; dividing by the
     remaining clients' summed alpha keeps the aggregate's scale. If no gradient reply
     arrives, no GRADIENT is sent and clients keep their alpha. Without secure aggregation a
-    bad reply is dropped before it reaches a sum (`fedfields.flower.reply_gate`): besides
+    bad reply is dropped before it reaches a sum (`fedfields.flower.round`): besides
     the shared checks, a payload's alpha_k must lie in [alpha_max * 1e-6, alpha_max] and its g_k =
     payload / alpha_k obeys `max_update_norm`; a gradient reply's ||G_k|| must not exceed
     `max_gradient_norm`. Under DP (`differential_privacy`) a payload is summed as
@@ -275,6 +273,14 @@ class DecentNeRF(ProtocolStrategy):
                 f"[alpha-max * {ALPHA_FLOOR:g}, alpha-max = {self.alpha_max:g}]",
             )
         train_round.check_update_norm(reply.node_id, payload, scale=alpha)
+
+    def drop_reason(self, check: str) -> str:
+        """DecentNeRF's own checks in a user's words; the shared ones as the base's."""
+        reasons = {
+            "alpha": "DecentNeRF replies carried an alpha_k outside [alpha-max * 1e-6, alpha-max]",
+            "gradient-norm": "gradient replies' ||G_k|| exceeded max-gradient-norm",
+        }
+        return reasons.get(check) or super().drop_reason(check)
 
 
 ALPHA_STATE = "decentnerf-alpha"

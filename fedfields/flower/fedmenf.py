@@ -14,7 +14,6 @@ from flwr.app import Message, RecordDict
 from torch import nn
 
 from fedfields.flower.client_hooks import keep_results, received_hooks
-from fedfields.flower.method_strategy import MethodOptions, method_strategy
 from fedfields.flower.node import NodeState
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -27,7 +26,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.strategy_options import StrategyOptions
+from fedfields.flower.strategy import MethodOptions, StrategyOptions, method_strategy
 from fedfields.methods import fedmenf
 from fedfields.train.federated import load_federated_state
 from fedfields.train.meta import MetaConfig, local_meta_update

@@ -11,26 +11,25 @@ the global arrays: where a job writes its report line and a resumable run its ch
 `max_empty_rounds` consecutive rounds without an aggregate, or a run whose every round was
 empty, raise one `EmptyRoundsError` naming the drop counts and the commonest reason. Under DP
 the run ends cleanly before a round whose charge would exceed the target
-(`PrivacyBudgetSpent`, logged).
-"""
+(`PrivacyBudgetSpent`, logged)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from logging import INFO, WARNING
 from typing import Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
+from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+from flwr.supercore.run import Run
 
 from fedfields.flower.protocol import NON_FINITE_AGGREGATE, NUM_REPLIES
-from fedfields.flower.round import Round, RoundOutcome
-from fedfields.flower.round_ledger import EmptyTally, round_counts
-from fedfields.flower.round_privacy import PrivacyBudgetSpent
-from fedfields.flower.streaming import StreamingGrid
+from fedfields.flower.round import EmptyTally, PrivacyBudgetSpent, Round, RoundOutcome, round_counts
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
@@ -178,3 +177,114 @@ def empty_reason(strategy: LoopStrategy, empty: EmptyTally, secure: bool) -> str
         sums = "secure sums" if secure else "sums"
         return f"the {sums} failed ({empty.sum_error or 'see the errors above'})"
     return strategy.drop_reason(cause)
+
+
+# A Grid that forwards every call to a wrapped Grid: the base of grids that change one call.
+#
+# Flower 1.41's `Grid` is abstract in seven members; a wrapper that streams replies or shows
+# them to an observer overrides one or two and inherits the rest from here.
+
+
+class ForwardingGrid(Grid):
+    """`grid` itself, call for call; subclasses override what they change."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run: Run) -> None:
+        """Set the run of the wrapped grid."""
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """The wrapped grid's run."""
+        return self.grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """A message built by the wrapped grid."""
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The wrapped grid's connected nodes."""
+        return self.grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        """The wrapped grid's connected nodes with their details."""
+        return self.grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push through the wrapped grid."""
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Pull through the wrapped grid."""
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send and receive through the wrapped grid."""
+        return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+# A Grid whose replies arrive as a stream, so a strategy can aggregate them one at a time.
+#
+# Flower 1.41's `send_and_receive` returns a list only once every reply is in, so the server
+# holds all sampled clients' models at once. `StreamingGrid` pushes the same messages and
+# yields each reply in the order its message was pushed, as soon as it and the replies before
+# it are in; a strategy that folds each reply into a running sum
+# (`fedfields.methods.RunningSum`) and drops it keeps O(model) memory while replies come in
+# order, and holds only those that overtake a slower one. Summing in push order (user-key
+# order, `fedfields.flower.user_keys`) makes a float sum independent of which client finished
+# first. Everything else is forwarded to the wrapped grid.
+
+
+DEFAULT_PULL_INTERVAL = 0.1
+"""Seconds between pulls when the wrapped grid names none (Flower's in-memory grid: 0.1)."""
+
+
+class StreamingGrid(ForwardingGrid):
+    """`grid` with a lazy `send_and_receive`: messages are pushed at once, replies yielded
+    in the order their messages were pushed, each as soon as it and those before it are in,
+    until all arrived or `timeout` passed (Flower's semantics)."""
+
+    def __init__(self, grid: Grid) -> None:
+        super().__init__(grid)
+        self.pull_interval = float(getattr(grid, "pull_interval", DEFAULT_PULL_INTERVAL))
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterator[Message]:
+        """Push `messages` now; the returned iterator yields each reply once pulled."""
+        message_ids = list(self.grid.push_messages(messages))
+        deadline = None if timeout is None else time.time() + timeout
+        return self._replies(message_ids, deadline)
+
+    def _replies(self, message_ids: list[str], deadline: float | None) -> Iterator[Message]:
+        """Pull until every message has its reply or the deadline passed, yielding replies in
+        `message_ids`' order: a reply that comes early waits for those before it, so a sum
+        folded over them never depends on arrival order (the strategies push in user-key
+        order). At the deadline the replies still waiting are yielded in that order."""
+        waiting = set(message_ids)
+        early: dict[str, Message] = {}
+        position = 0
+        while waiting and (deadline is None or time.time() < deadline):
+            pending = [message_id for message_id in message_ids if message_id in waiting]
+            for reply in self.grid.pull_messages(pending):
+                waiting.discard(reply.metadata.reply_to_message_id)
+                early[reply.metadata.reply_to_message_id] = reply
+            while position < len(message_ids) and message_ids[position] in early:
+                yield early.pop(message_ids[position])  # keeps no reference once handed over
+                position += 1
+            if waiting:
+                time.sleep(self.pull_interval)
+        for message_id in message_ids[position:]:
+            if message_id in early:
+                yield early.pop(message_id)

@@ -5,25 +5,28 @@ A strategy is Flower glue and its paper's hooks (options, sampling, train config
 the `Round` that `begin_round` opens (`fedfields.flower.round`: gate -> sum -> privacy ->
 ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`),
 which passes each round as a value from `open_train_round` to `finish_round`; Flower's
-`configure_train` and `aggregate_train` remain for any other loop.
-"""
+`configure_train` and `aggregate_train` remain for any other loop."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import random
+import time
 from collections.abc import Iterable, Mapping
-from logging import INFO
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compressed_downloads import DownloadSender, node_contents
-from fedfields.flower.evaluation import FederatedEvaluation
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -31,31 +34,247 @@ from fedfields.flower.protocol import (
     GRADIENT,
     LOCAL_STEPS,
     NUM_EXAMPLES,
+    SERVER_ROUND,
     STRATEGY,
+    BadReply,
+    arrays_to_state,
+    check_metrics,
     shapes_of,
+    state_to_arrays,
 )
-from fedfields.flower.reply_gate import CheckedReply, ReplyGate
-from fedfields.flower.round import Round, RoundOutcome, SumRules
-from fedfields.flower.round_ledger import RoundLedger
+from fedfields.flower.round import (
+    CheckedReply,
+    ReplyGate,
+    Round,
+    RoundLedger,
+    RoundOutcome,
+    RoundPrivacy,
+    SumRules,
+)
 from fedfields.flower.round_loop import EvaluateFn, RoundEndFn, RoundLoop
-from fedfields.flower.round_privacy import RoundPrivacy
-from fedfields.flower.sampling import NodeSampler
-from fedfields.flower.strategy_options import (
-    DEFAULT_MAX_EMPTY_ROUNDS,
-    DEFAULT_MAX_NUM_EXAMPLES,
-    DEFAULT_MAX_UPDATE_NORM,
-    RunConfigured,
-    check_local_steps,
-    check_max_empty_rounds,
-    checked_compression,
-    merged_train_config,
-)
 from fedfields.flower.upload_compression import compression_entries
-from fedfields.flower.user_keys import UserKeys
+from fedfields.flower.user_keys import UserKeys, fallback_key
 from fedfields.methods import FEDAVG_COST, CostModel
-from fedfields.methods.settings import optional_cap
+from fedfields.methods.base import (
+    Method,
+    RoundContext,
+    RoundSums,
+    ServerStep,
+    State,
+)
+from fedfields.methods.robust import (
+    AGGREGATION_RULES,
+    DEFAULT_TRIM_FRACTION,
+    RobustRule,
+    check_trim_fraction,
+    robust_aggregate,
+)
+from fedfields.methods.settings import StrategySettings, optional_cap
+from fedfields.methods.states import update_norm
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
+
+# The options every fedfields strategy takes (`StrategyOptions`), their defaults and checks,
+# and how a strategy's own train-config entries merge with the user's (`merged_train_config`).
+#
+# The reply caps bound what one client can do to a round: `max_num_examples` its weight,
+# `max_update_norm` how far its update may move the model; 0 or None lifts a cap.
+
+
+class StrategyOptions(TypedDict, total=False):
+    """Constructor arguments every fedfields strategy takes (see `ProtocolStrategy`)."""
+
+    fraction_train: float
+    fraction_evaluate: float
+    min_train_nodes: int
+    min_evaluate_nodes: int
+    min_available_nodes: int
+    local_steps: int | None
+    secure_aggregation: SecureAggregationConfig | None
+    node_timeout: float | None
+    max_num_examples: float | None
+    max_update_norm: float | None
+    max_empty_rounds: int
+    sampling_seed: int | None
+    sample_by_user: bool
+    differential_privacy: DPConfig | None
+    compression: CompressionConfig | None
+
+
+DEFAULT_MAX_NUM_EXAMPLES = 1e9
+"""Cap on a reply's "num-examples": a thousand megapixel photos, far above any client here,
+yet low enough that one client cannot outweigh the others a billion to one."""
+DEFAULT_MAX_UPDATE_NORM = 1e3
+"""Cap on ||g_k - g|| / max(||g||, 1): an honest round moves a model by far less than 1000x
+its own norm; a scaled or exploded update does not."""
+
+
+DEFAULT_MAX_EMPTY_ROUNDS = 3
+"""Consecutive rounds without an aggregate that end a run: one empty round is a bad moment,
+three in a row a federation that cannot train as configured."""
+
+
+def check_max_empty_rounds(value: object) -> int:
+    """`value` as max_empty_rounds: an integer >= 0 (0: no limit); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"max_empty_rounds must be an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"max_empty_rounds must be >= 0 (0: no limit), got {value}")
+    return value
+
+
+DEFAULT_LOCAL_STEPS = 1
+""""local-steps" when neither the strategy nor the user's train config sets it."""
+
+
+def check_local_steps(value: object, name: str) -> None:
+    """Raise ValueError unless `value` is a positive int (bools excluded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def merged_train_config(
+    config: Mapping[str, Any], own: Mapping[str, Any], server_round: int
+) -> dict[str, Any]:
+    """The user's train `config` with the strategy's `own` entries and "server-round"; an own
+    entry the user set to another value raises (set it through the strategy's constructor).
+
+    "local-steps" comes from `own` if set, else from `config`, else `DEFAULT_LOCAL_STEPS`.
+    """
+    clashes = [
+        f"{key!r}={config[key]!r} (strategy: {value!r})"
+        for key, value in own.items()
+        if key in config and config[key] != value
+    ]
+    if clashes:
+        raise ValueError(
+            "train_config sets entries the strategy owns; set them through the strategy's "
+            f"constructor instead: {', '.join(clashes)}"
+        )
+    merged = {LOCAL_STEPS: DEFAULT_LOCAL_STEPS, **config, **own, SERVER_ROUND: server_round}
+    check_local_steps(merged[LOCAL_STEPS], f"train config {LOCAL_STEPS!r}")
+    return merged
+
+
+def checked_compression(
+    config: CompressionConfig | None,
+    secure_aggregation: SecureAggregationConfig | None,
+    privacy: DPConfig | None = None,
+) -> CompressionConfig | None:
+    """`config` if a strategy can take it (None for "none"); ValueError saying why not.
+
+    SecAgg+ sums masked vectors entry by entry: quantised codes on the scale every client
+    shares add up (`fedfields.privacy.packed_sum`), low-rank factors and top-k index sets of
+    different clients do not, so they cannot be masked. Under distributed DP the noised shares
+    are not coarsened to b bits (the accountant charges the noised sum itself).
+    """
+    if config is None or not config.enabled:
+        return None
+    if secure_aggregation is not None and config.scheme in ("lowrank", "topk"):
+        raise ValueError(
+            f"compression {config.scheme!r} cannot compose with secure aggregation: SecAgg+ "
+            "sums masked vectors entry by entry, and clients' low-rank factors or top-k "
+            "indices do not add up to those of the sum"
+        )
+    if secure_aggregation is not None and privacy is not None:
+        raise ValueError(
+            "compression 'quantise' with secure aggregation and differential privacy is "
+            "refused: b-bit codes of each client's noise share are not the noised sum the "
+            "accountant charges; use one or the other"
+        )
+    return config
+
+
+class RunConfigured:
+    """How a strategy is built from run-config: typed `settings` (the App's registry) or a
+    Flower run-config's keys (your own app)."""
+
+    settings_class: ClassVar[type[StrategySettings]] = StrategySettings
+    """The strategy's own run-config keys, typed (`fedfields.methods.settings`)."""
+    shared_keys: ClassVar[dict[str, str]] = {
+        "max-num-examples": "max_num_examples",
+        "max-update-norm": "max_update_norm",
+        "max-empty-rounds": "max_empty_rounds",
+    }
+    """Run-config keys every strategy of this family takes (the App's schema keeps them in
+    its sections) -> constructor arguments; `from_config` reads those of the bases too."""
+
+    @classmethod
+    def from_settings(cls, settings: StrategySettings, **options: Unpack[StrategyOptions]) -> Self:
+        """The strategy with its typed run-config `settings` (an instance of
+        `settings_class`) and the shared `options`: what the App's registry builds."""
+        if not isinstance(settings, cls.settings_class):
+            raise TypeError(
+                f"{cls.__name__} takes {cls.settings_class.__name__}, got {type(settings).__name__}"
+            )
+        return cls(**settings.arguments(), **options)
+
+    @classmethod
+    def from_config(cls, run_config: Mapping[str, Any], **options: Unpack[StrategyOptions]) -> Self:
+        """The strategy with its own settings from a Flower run-config (`settings_class`'s
+        keys and `shared_keys`; absent keys keep the constructor's defaults) and the shared
+        `options`; ValueError naming a key that misspells one of them, or a bad value."""
+        cls.settings_class.refuse_misspelt(run_config)
+        return cls(**cls.settings_class.given(run_config), **cls.shared_config(run_config),
+                   **options)  # fmt: skip
+
+    @classmethod
+    def shared_config(cls, run_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Constructor arguments from the run-config keys in `shared_keys` of this class and
+        its bases (absent keys are left out, so they keep the defaults)."""
+        keys: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            keys.update(vars(klass).get("shared_keys", {}))
+        return {arg: run_config[key] for key, arg in keys.items() if key in run_config}
+
+
+# Flower FedAvg's federated evaluation among the connected nodes, replies checked first.
+#
+# `FederatedEvaluation` is the base every fedfields strategy evaluates through: it samples
+# evaluation nodes with the strategy's seeded `NodeSampler` (so a seed gives one evaluation
+# too) and leaves out failed replies and replies with non-finite metrics before Flower's
+# weighted metric mean.
+
+
+class FederatedEvaluation(FlowerFedAvg):
+    """Flower FedAvg with evaluation sampled by `sampler` (set by the subclass's constructor)
+    and its replies checked."""
+
+    sampler: NodeSampler
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower FedAvg's federated evaluation, sampling among the connected nodes only."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        node_ids = self.sampler.sample(
+            grid, grid.get_node_ids(), self.fraction_evaluate, self.min_evaluate_nodes
+        )
+        config[SERVER_ROUND] = server_round
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        return [
+            Message(content, dst_node_id=node_id, message_type=MessageType.EVALUATE)
+            for node_id in node_ids
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Flower FedAvg's weighted metric mean over the replies without errors or
+        non-finite metrics (`check_metrics`)."""
+        kept = []
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "evaluation reply failed and is left out: %s", reply.error.reason)
+                continue
+            try:
+                check_metrics(reply)
+            except BadReply as bad:
+                log(WARNING, "evaluation reply left out (check %r): %s", bad.check, bad)
+                continue
+            kept.append(reply)
+        return super().aggregate_evaluate(server_round, kept) if kept else None
 
 
 class ProtocolStrategy(RunConfigured, FederatedEvaluation):
@@ -75,8 +294,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     delta_records: ClassVar[tuple[str, ...]] = ()
     """Records summed as differences from what the clients received, in both modes."""
     dp_delta_scale: ClassVar[str] = ""
-    """Under DP, the key s of the ARRAYS record whose update is x - s g (DecentNeRF's alpha_k:
-    alpha_k g_k - alpha_k g); "": x - g."""
+    """Under DP, the key s of the ARRAYS record whose update is x - s g (a client's own weight
+    alpha_k: alpha_k g_k - alpha_k g); "": x - g."""
     cost_model: ClassVar[CostModel] = FEDAVG_COST
     """Server FLOPs and traffic per round (`fedfields.methods.accounting`)."""
 
@@ -145,7 +364,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             differential_privacy, secure_aggregation, self.dp_sums_per_round, self.dp_delta_scale,
             checks,
         )  # fmt: skip
-        """Client-level DP's state (`fedfields.flower.round_privacy`): its settings, the run's
+        """Client-level DP's state (`fedfields.flower.round`): its settings, the run's
         accountant and why it stopped early; None without DP."""
 
     @property
@@ -212,8 +431,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         return frozenset({ARRAYS, GRADIENT})
 
     def dp_sums_per_round(self, server_round: int) -> int:
-        """Noised sums a round makes over its sampled clients (DecentNeRF adds the gradient
-        query's from round 2); the DP accountant's hook."""
+        """Noised sums a round makes over its sampled clients (a strategy with a query
+        phase adds its query sums); the DP accountant's hook."""
         return 1
 
     def check_privacy_plan(self, first_round: int, num_rounds: int) -> float:
@@ -330,3 +549,400 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             self.privacy.restore(state)
         if self.downloads is not None:
             self.downloads.restore(state["downloads"])
+
+
+# Which nodes a round asks: those connected, once enough are, sampled in user-key order.
+#
+# `wait_for_nodes` is the one wait for nodes the server jobs share (a strategy's rounds, the
+# split job's one client): it polls the grid until enough nodes are connected or the timeout
+# has passed. `NodeSampler` draws a round's nodes as Flower's FedAvg does,
+# max(int(connected * fraction), least) but never more than are connected, with the strategy's
+# own seeded RNG over the nodes in user-key order (`fedfields.flower.user_keys`), so one seed
+# gives one run; the sample keeps that order, the order its messages are sent and its replies
+# summed.
+
+
+NODE_POLL_SECONDS = 0.5
+"""How often a wait asks the grid for its nodes: a node that connects is seen within half a
+second, and the SuperLink is asked twice a second at most."""
+
+
+class InsufficientNodesError(RuntimeError):
+    """Too few nodes stayed connected to run a round."""
+
+
+def wait_for_nodes(grid: Grid, wanted: int, timeout: float | None) -> list[int]:
+    """The connected nodes once `wanted` are, or those connected when `timeout` seconds have
+    passed (None: wait for ever), fewer then; logs each poll that finds too few."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(nodes := list(grid.get_node_ids())) < wanted:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        log(INFO, "waiting for nodes: %d connected, %d wanted", len(nodes), wanted)
+        time.sleep(
+            NODE_POLL_SECONDS if deadline is None else min(NODE_POLL_SECONDS, deadline - now)
+        )
+    return nodes
+
+
+@dataclass
+class NodeSampler:
+    """A strategy's node sampling: its seeded `rng`, the nodes' `user_keys` (None: node-id
+    order) and how long a round waits for nodes (`node_timeout`, None: for ever)."""
+
+    rng: random.Random
+    user_keys: UserKeys | None
+    node_timeout: float | None
+
+    def connected(self, grid: Grid, wanted: int, least: int) -> list[int]:
+        """The connected nodes once `wanted` are, or after `node_timeout` with at least
+        `least` (min-train-nodes, logged); InsufficientNodesError with fewer."""
+        nodes = wait_for_nodes(grid, wanted, self.node_timeout)
+        if len(nodes) < least:
+            raise InsufficientNodesError(
+                f"{len(nodes)} nodes connected after {self.node_timeout} s, fewer than "
+                f"min-train-nodes = {least}: the federation has too few nodes"
+            )
+        if len(nodes) < wanted:
+            log(
+                WARNING, "%d of %d nodes connected; the round goes on with them", len(nodes), wanted
+            )
+        return nodes
+
+    def round_nodes(
+        self, grid: Grid, fraction: float, least: int, wanted: int
+    ) -> tuple[list[int], int]:
+        """A train round's sample and how many nodes were connected: once `wanted` are
+        connected (or after `node_timeout`, with at least `least`), `fraction` of them, at
+        least `least`; none for fraction 0."""
+        if fraction == 0.0:
+            return [], len(list(grid.get_node_ids()))
+        connected = self.connected(grid, wanted, least)
+        node_ids = self.sample(grid, connected, fraction, least)
+        log(INFO, "configure_train: sampled %d of %d nodes", len(node_ids), len(connected))
+        return node_ids, len(connected)
+
+    def sample(
+        self, grid: Grid, connected: Iterable[int], fraction: float, least: int
+    ) -> list[int]:
+        """max(int(len(connected) * fraction), least) of the `connected` nodes, at most all of
+        them, drawn in user-key order and kept in it."""
+        ordered = self.ordered(grid, connected)
+        size = min(max(int(len(ordered) * fraction), least), len(ordered))
+        return self.ordered(grid, self.rng.sample(ordered, size))
+
+    def ordered(self, grid: Grid, node_ids: Iterable[int]) -> list[int]:
+        """`node_ids` in user-key order (asking nodes not seen before which user they are),
+        or by node id without `user_keys`."""
+        if self.user_keys is None:
+            return sorted(node_ids)
+        node_ids = list(node_ids)
+        self.user_keys.learn(grid, node_ids)
+        return self.user_keys.ordered(node_ids)
+
+    def users_of(self, node_ids: Iterable[int]) -> list[str]:
+        """The user keys of `node_ids` ("node-<id>" without `user_keys`), in their order."""
+        if self.user_keys is None:
+            return [fallback_key(node_id) for node_id in node_ids]
+        return self.user_keys.of(node_ids)
+
+
+# Any fedfields method (`fedfields.methods`) as a Flower strategy: the one thin adapter.
+#
+# `MethodStrategy` runs a round the same way whatever the method: it sends what the method's
+# `sent` returns with the train config (the method's `client_config` entries merged in), then
+# reads the replies through the round's one sum (`fedfields.flower.round.Round.sum`: gate,
+# plaintext or SecAgg+, DP, ledger). A method whose step starts from the mean gets the
+# replies' weighted mean (or a robust rule's aggregate) in the global's dtypes; any other gets
+# the sums of its declared reply records (or folds each checked reply itself) and takes its
+# step from them. The records' caps declared in `RecordSpec`s are checked here, so the generic
+# round never names a method. `method_strategy(MethodClass)` makes the Flower-facing class a
+# user imports (`fedfields.flower.FedAvg`, ...), whose keyword arguments are the method's own
+# and the shared `MethodOptions`.
+
+
+class MethodOptions(StrategyOptions, total=False):
+    """`StrategyOptions` plus the robust rule that may replace a method's mean."""
+
+    aggregation_rule: str
+    trim_fraction: float
+    num_malicious: int
+    krum_select: int
+
+
+class MethodStrategy(ProtocolStrategy):
+    """A `fedfields.methods.base.Method` run through Flower 1.41's message API.
+
+    Train messages carry ARRAYS (the method's `sent`: the global or a lookahead), any other
+    record the method sends (a control variate) and CONFIG ("server-round",
+    "strategy", "local-steps", the method's `client_config` and the user's train config);
+    replies carry the method's `reply_records` and METRICS (a positive "num-examples" when
+    the method weighs by it). A bad reply (`fedfields.flower.round`, or a record above
+    its declared cap) is dropped and counted and the round aggregates the rest; failed
+    replies are dropped, as in Flower's FedAvg. With no reply left the global stays.
+
+    Args:
+        method: the method's server half; None builds `method_class` from the method's own
+            keyword arguments among `**options`.
+        fraction_train: fraction of the connected nodes sampled for training (Flower's FedAvg).
+        fraction_evaluate: fraction sampled for federated evaluation (0 skips it).
+        min_train_nodes: at least this many nodes are sampled for training.
+        min_evaluate_nodes: at least this many nodes are sampled for evaluation.
+        min_available_nodes: sampling waits until this many nodes are connected.
+        local_steps: local optimisation steps per round, sent as "local-steps"; None (default)
+            takes "local-steps" from the train config given to `start`, else 1.
+        secure_aggregation: SecAgg+ settings; set, the server only learns the sums of what
+            the clients hold back (clients put their weight inside the masked vector).
+            Refused for a method whose step reads each client's own values.
+        node_timeout: seconds a round waits for nodes to connect (None: forever).
+        sampling_seed: seeds the strategy's own node-sampling RNG (None: fresh entropy), so
+            a run samples the same nodes with or without SecAgg+, whose workflow shuffles
+            with Python's global `random`.
+        max_num_examples: a reply whose "num-examples" exceeds it is dropped (0/None: no cap).
+        max_update_norm: a reply with ||g_k - g|| > max_update_norm * max(||g||, 1) is dropped
+            (g: the arrays sent; 0/None: no bound).
+        aggregation_rule: "mean" (the weighted mean, folded in as replies arrive), or the
+            coordinate-wise "median" or "trimmed-mean", or "krum", "multi-krum" or "bulyan"
+            (`fedfields.methods.robust`, as Flower's Krum, MultiKrum and Bulyan); these hold
+            every reply of the round in memory, and only Krum's and Multi-Krum's means weigh
+            by "num-examples". Only for methods whose step starts from the mean; not with
+            secure aggregation (the server never sees one client's state) nor DP.
+        trim_fraction: share of the replies cut from each end of each coordinate by
+            "trimmed-mean", in [0, 0.5).
+        num_malicious: f, the malicious clients Krum, Multi-Krum and Bulyan assume; a Bulyan
+            round with fewer than 4f + 3 checked replies forms no aggregate.
+        krum_select: m, the states Multi-Krum averages (0: n - f).
+        differential_privacy: client-level DP (`fedfields.privacy.dp.DPConfig`): each
+            update clipped to C, uniform weights, N(0, (z C)^2) on the sum (by the server, or
+            in shares by the clients under secure aggregation); epsilon is accounted per
+            round (docs/PRIVACY.md). "mean" only.
+        compression: the scheme replies compress their updates with (None: sent whole).
+    """
+
+    method_class: ClassVar[type[Method]]
+    shared_keys = {
+        "aggregation-rule": "aggregation_rule",
+        "trim-fraction": "trim_fraction",
+        "num-malicious": "num_malicious",
+        "krum-select": "krum_select",
+    }
+
+    def __init__(
+        self,
+        *,
+        method: Method | None = None,
+        aggregation_rule: str = "mean",
+        trim_fraction: float = DEFAULT_TRIM_FRACTION,
+        num_malicious: int = 0,
+        krum_select: int = 0,
+        **options: Any,
+    ) -> None:
+        own = method_arguments(self.method_class, options)
+        if method is None:
+            method = self.method_class(**own)
+        elif own:
+            raise TypeError(f"pass {sorted(own)} to the method, not beside `method`")
+        self.method = method
+        self.weight_metric = method.weight_metric
+        self.delta_records = tuple(spec.name for spec in method.reply_records() if spec.delta)
+        refuse_unsupported(self.strategy_name, method, options)
+        super().__init__(**options)
+        self.aggregation_rule = checked_rule(
+            self.strategy_name, method, aggregation_rule, self.dp is not None,
+            self.secure_aggregation is not None,
+        )  # fmt: skip
+        self.trim_fraction = check_trim_fraction(trim_fraction)
+        self.robust_rule = (
+            None
+            if aggregation_rule == "mean"
+            else RobustRule(aggregation_rule, trim_fraction, num_malicious, krum_select)
+        )
+        """The robust rule's settings; None for the mean."""
+
+    def summary(self) -> None:
+        """Log the method and its settings, then the shared summary."""
+        log(INFO, "\t├──> method: %s", self.method.describe())
+        super().summary()
+
+    def protocol_config(self) -> dict[str, int | float | str]:
+        """The shared entries plus the method's `client_config`."""
+        return {**super().protocol_config(), **self.method.client_config()}
+
+    def open_train_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[Round, list[Message]]:
+        """Sample nodes; the round and its messages: what the method's `sent` returns with the
+        train config."""
+        global_state = arrays_to_state(arrays)
+        records = self.method.sent(global_state, server_round)
+        sent = arrays if records[ARRAYS] is global_state else state_to_arrays(records[ARRAYS])
+        train_round = self.begin_round(server_round, sent, grid)
+        train_config = self.train_config(train_round, config)
+        train_round.context = RoundContext(
+            server_round, global_state, dict(train_config), train_round.ledger.num_nodes_total
+        )
+        content = RecordDict(
+            {
+                ARRAYS: sent,
+                **{name: state_to_arrays(s) for name, s in records.items() if name != ARRAYS},
+                CONFIG: train_config,
+            }
+        )
+        return train_round, self.messages(train_round, content, MessageType.TRAIN)
+
+    def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
+        """The method's server step over the round's mean or sums, as the round's outcome."""
+        context, method = train_round.context, self.method
+        assert context is not None, "configure_train opens the round's context"
+        if method.from_mean:
+            mean = self.mean(train_round, replies)
+            step = None if mean is None else method.step_from_mean(context, mean)
+        else:
+            step = self.step_from_sums(train_round, replies, context)
+        if step is None or step.new_global is None:
+            return train_round.outcome(None, None if step is None else step.metrics)
+        return train_round.outcome(state_to_arrays(step.new_global), step.metrics)
+
+    def step_from_sums(
+        self, train_round: Round, replies: Iterable[Message], context: RoundContext
+    ) -> ServerStep | None:
+        """The method's step from the sums of its reply records (or its own fold of each
+        checked reply); None when nothing was summed."""
+        method, shapes = self.method, train_round.shapes
+        fold = method.fold(context)
+        summed = train_round.sum(
+            replies,
+            {spec.name: shapes for spec in method.reply_records()},
+            scalars=method.reply_scalars(context) or None,
+            fold=None if fold is None else lambda r: fold(r.states, r.weight, r.scalars),
+        )
+        if summed is None:
+            return None
+        sums = RoundSums(summed.sums, summed.weight, len(summed.node_ids))
+        return method.step_from_sums(context, sums)
+
+    def mean(self, train_round: Round, replies: Iterable[Message]) -> State | None:
+        """sum_k n_k x_k / sum_k n_k of the replies' ARRAYS in the global's dtypes (the
+        round's sum: checked and folded in as they arrive, or SecAgg+'s), or the robust rule
+        over all of them; None: no aggregate."""
+        if self.robust_rule is not None:
+            return self.robust_mean(train_round, replies, self.robust_rule)
+        summed = train_round.sum(replies, {ARRAYS: train_round.shapes})
+        if summed is None:
+            return None
+        return train_round.in_global_dtypes(summed.mean(ARRAYS))
+
+    def robust_mean(
+        self, train_round: Round, replies: Iterable[Message], rule: RobustRule
+    ) -> State | None:
+        """The coordinate-wise robust rule over every checked reply of the round's sum (it
+        needs all at once); None below the rule's fewest states."""
+        states: list[State] = []
+        shapes = {ARRAYS: train_round.shapes}
+        summed = train_round.sum(replies, shapes, fold=lambda r: states.append(r.states[ARRAYS]))
+        if summed is None:
+            return None
+        if len(states) < rule.least_states():
+            log(WARNING, "round %d: %s with num-malicious = %d needs %d checked replies, got %d: "
+                "no aggregate", train_round.ledger.server_round, rule.name, rule.num_malicious,
+                rule.least_states(), len(states))  # fmt: skip
+            return None
+        return robust_aggregate(rule, states, summed.weights)
+
+    def compressed_records(self) -> frozenset[str]:
+        """The method's reply records declared `compressed` (`RecordSpec`)."""
+        return frozenset(spec.name for spec in self.method.reply_records() if spec.compressed)
+
+    def check_update(self, train_round: Round, reply: CheckedReply) -> None:
+        """The update-norm bound on ARRAYS, then each reply record's declared norm cap."""
+        super().check_update(train_round, reply)
+        for spec in self.method.reply_records():
+            record = reply.states.get(spec.name)
+            if spec.norm_cap is None or record is None:
+                continue
+            if not update_norm(record) <= spec.norm_cap:
+                raise BadReply(
+                    spec.norm_check,
+                    f"reply from node {reply.node_id}, record {spec.name!r}: its norm exceeds "
+                    f"the cap {spec.norm_cap:g} ({spec.norm_check})",
+                )
+
+    def drop_reason(self, check: str) -> str:
+        """A declared record check's reason, else the gate's."""
+        for spec in self.method.reply_records():
+            if spec.norm_check == check and spec.drop_reason:
+                return spec.drop_reason
+        return super().drop_reason(check)
+
+    def resumable_state(self) -> dict[str, Any]:
+        """The shared state plus the method's (`Method.state`)."""
+        return {**super().resumable_state(), **self.method.state()}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Take back the shared state and the method's."""
+        super().restore_state(state)
+        self.method.restore(state)
+
+
+def method_arguments(method_class: type[Method], options: dict[str, Any]) -> dict[str, Any]:
+    """Pop the method's own keyword arguments (its constructor's) out of `options`."""
+    parameters = inspect.signature(method_class.__init__).parameters
+    names = [name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY]
+    return {name: options.pop(name) for name in names if name in options}
+
+
+def refuse_unsupported(name: str, method: Method, options: Mapping[str, Any]) -> None:
+    """ValueError when SecAgg+ or DP is asked of a method whose step reads each client's own
+    values (its update, norm or step count), which a secure or clipped sum hides."""
+    if not method.secure_aggregation and options.get("secure_aggregation") is not None:
+        raise ValueError(
+            f"{name} needs each client's update (and its norm or step count), which secure "
+            "aggregation hides; use a method whose server step reads only sums"
+        )
+    if not method.differential_privacy and options.get("differential_privacy") is not None:
+        raise ValueError(
+            f"{name} does not support client-level DP (dp-noise-multiplier > 0): its server step "
+            "reads each client's own values, whose sensitivity a clipped sum does not bound"
+        )
+
+
+def checked_rule(name: str, method: Method, rule: str, dp: bool, secure: bool) -> str:
+    """`rule` if the method and the round can take it; ValueError saying why not."""
+    if rule not in AGGREGATION_RULES:
+        raise ValueError(f"aggregation_rule must be one of {AGGREGATION_RULES}, got {rule!r}")
+    if rule == "mean":
+        return rule
+    if not (method.from_mean and method.settings_class.robust_rules):
+        raise ValueError(
+            f"{name} aggregates with its own server step; aggregation_rule {rule!r} is for "
+            "methods whose step starts from the replies' mean"
+        )
+    if dp:
+        raise ValueError(
+            f"aggregation_rule {rule!r} is not a sum of clipped updates, so client-level DP "
+            "(dp-noise-multiplier > 0) does not bound it; use 'mean'"
+        )
+    if secure:
+        raise ValueError(
+            f"aggregation_rule {rule!r} needs each client's state, which secure aggregation "
+            "hides; use 'mean' with secure aggregation"
+        )
+    return rule
+
+
+@functools.cache
+def method_strategy(method_class: type[Method]) -> type[MethodStrategy]:
+    """The Flower strategy class of `method_class` (one per method: the same class on every
+    call): named after it, its `strategy_name` the method's `name`, built from the method's
+    settings (`from_settings`, `from_config`)."""
+    namespace = {
+        "__doc__": f"{method_class.__doc__}\n\n    As a Flower strategy: `MethodStrategy`.",
+        "__module__": __name__,
+        "method_class": method_class,
+        "strategy_name": method_class.name,
+        "settings_class": method_class.settings_class,
+        "weight_metric": method_class.weight_metric,
+        "cost_model": method_class.cost_model,
+    }
+    return type(method_class.__name__, (MethodStrategy,), namespace)

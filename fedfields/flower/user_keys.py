@@ -7,7 +7,7 @@ its data folder's name, else its partition-id. The server asks each node once, w
 `query.user_key` message (`UserKeys.learn`; nodes that join later are asked when first seen),
 orders the connected nodes by that key (digit runs compared as numbers) and samples them with
 its seeded generator, and the replies are summed in that order
-(`fedfields.flower.streaming.StreamingGrid`). A node that does not answer, such as Flower's
+(`fedfields.flower.round_loop.StreamingGrid`). A node that does not answer, such as Flower's
 stock quickstart ClientApp, keeps its node id as its key, with one warning: its place in the
 order then depends on Flower's random ids.
 

@@ -2,7 +2,7 @@
 
 Each method of this package is one module holding its `Method` subclass (or, for one paper's
 family of rules, subclasses) next to its paper's equations. The generic round
-(`fedfields.flower.method_strategy`) reads what the subclass declares and never names it:
+(`fedfields.flower.strategy`) reads what the subclass declares and never names it:
 
 - `name` and `settings_class`: the run-config value of "strategy" and the method's own
   run-config keys with their types, defaults and help (`fedfields.methods.settings`);
