@@ -41,7 +41,7 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.methods.states import to_wire
+from fedfields.methods.base import to_wire
 from fedfields.optim import make_optimizer
 from fedfields.privacy import ClientDefence, NoisyLabel, RaySamples, S2NeRFNoise, split_field
 from fedfields.privacy.split import (

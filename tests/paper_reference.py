@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from fedfields.methods.base import State, check_scalar, check_states, like
 from fedfields.methods.fedexp import FEDEXP_EPSILON, FedExPSums
 from fedfields.methods.fednova import FedNovaSums
 from fedfields.methods.scaffold import scaffold_server_update_from_sums
-from fedfields.methods.states import State, check_scalar, check_states, like
 
 
 def weighted_mean(states: Sequence[State], weights: Sequence[float]) -> dict[str, Tensor]:

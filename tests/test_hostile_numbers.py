@@ -44,9 +44,9 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round import weighted_mean
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
+from fedfields.methods.base import update_norm
 from fedfields.methods.fedexp import SERVER_STEP, max_server_step
 from fedfields.methods.scaffold import CONTROL_DELTA
-from fedfields.methods.states import update_norm
 from simulations.in_process_grid import InProcessGrid
 
 F32 = torch.float32

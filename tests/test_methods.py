@@ -27,7 +27,7 @@ METHODS = ROOT / "fedfields" / "methods"
 GENERIC_ROUND = (
     "fedfields/methods/base.py",
     "fedfields/methods/settings.py",
-    "fedfields/methods/states.py",
+    "fedfields/methods/base.py",
     "fedfields/flower/round_loop.py",
     "fedfields/flower/strategy.py",
     "fedfields/flower/round.py",

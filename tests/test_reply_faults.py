@@ -65,6 +65,7 @@ from fedfields.flower.user_keys import (
     answer_user_key,
 )
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
+from fedfields.methods.base import update_norm
 from fedfields.methods.robust import (
     RobustRule,
     coordinate_median,
@@ -72,7 +73,6 @@ from fedfields.methods.robust import (
     robust_aggregate,
 )
 from fedfields.methods.scaffold import CONTROL_DELTA
-from fedfields.methods.states import update_norm
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
 from simulations.in_process_grid import InProcessGrid, set_task_identity
 from simulations.job import reply_counts

@@ -128,16 +128,6 @@ class DownloadSender:
         self.held = {str(user): int(version) for user, version in state["held"].items()}
 
 
-def node_contents(
-    sender: DownloadSender | None, content: RecordDict, message_type: str, users: list[str]
-) -> tuple[list[RecordDict], int]:
-    """The content of each sampled user's message and the bytes of all: its own download for
-    train and gradient-query messages when `sender` compresses downloads, else `content`."""
-    if sender is None or message_type not in DOWNLOAD_TYPES:
-        return [content] * len(users), content_bytes(content) * len(users)
-    return sender.contents(content, users)
-
-
 def chain_arrays(records: Mapping[int, Record]) -> ArrayRecord:
     """A chain of records as ARRAYS: each record's entries under "<version>:"."""
     wire = ArrayRecord()

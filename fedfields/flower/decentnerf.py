@@ -43,6 +43,7 @@ from fedfields.methods import (
     alpha_weighted_payload,
     decentnerf_aggregate,
 )
+from fedfields.methods.base import check_scalar, update_norm
 from fedfields.methods.settings import (
     NON_NEGATIVE,
     POSITIVE,
@@ -50,7 +51,6 @@ from fedfields.methods.settings import (
     optional_cap,
     setting,
 )
-from fedfields.methods.states import check_scalar, update_norm
 
 DEFAULT_ALPHA_MAX = 100.0
 """Largest alpha_k a plaintext reply may carry: alphas start at 1, so 100 lets one user weigh

@@ -70,8 +70,7 @@ from fedfields.flower.protocol import (
 from fedfields.flower.secagg_workflow import SecureSum
 from fedfields.flower.upload_compression import decompressed_reply_state
 from fedfields.flower.user_keys import fallback_key
-from fedfields.methods.base import RoundContext
-from fedfields.methods.states import RunningSum, update_norm
+from fedfields.methods.base import RoundContext, RunningSum, update_norm
 from fedfields.privacy.accountant import EPSILON_METRIC, DPAccountant, RoundCharge, check_plan
 from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
 from fedfields.privacy.dp import (
@@ -320,7 +319,7 @@ class Round:
 
     def metrics(self) -> dict[str, float]:
         """The round's train metrics: the summed replies' metric means, counts and traffic
-        (`round_ledger.round_metrics`), and under DP the accountant's charge for the round."""
+        (`round_metrics`), and under DP the accountant's charge for the round."""
         summed, secure = self.summed, self.secure_aggregation is not None
         if summed is None:
             record = round_metrics(self.ledger, [], None, secure)
@@ -384,7 +383,7 @@ class RoundLedger:
     secure_sums: int = 0
     failed_sums: int = 0
     """Sums that formed nothing usable: halted or unusable secure sums, and summed weights
-    that were not positive (`sum_replies.sum_failure`)."""
+    that were not positive (`sum_failure`)."""
     sum_error: str = ""
     """Why the round's last failed sum failed (value-free), for `EmptyRoundsError`."""
     secure_metrics: dict[str, float] | None = None

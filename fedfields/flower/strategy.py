@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 
 from fedfields.compression import CompressionConfig
-from fedfields.flower.compressed_downloads import DownloadSender, node_contents
+from fedfields.flower.compressed_downloads import DOWNLOAD_TYPES, DownloadSender
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -39,6 +39,7 @@ from fedfields.flower.protocol import (
     BadReply,
     arrays_to_state,
     check_metrics,
+    content_bytes,
     shapes_of,
     state_to_arrays,
 )
@@ -61,6 +62,7 @@ from fedfields.methods.base import (
     RoundSums,
     ServerStep,
     State,
+    update_norm,
 )
 from fedfields.methods.robust import (
     AGGREGATION_RULES,
@@ -70,7 +72,6 @@ from fedfields.methods.robust import (
     robust_aggregate,
 )
 from fedfields.methods.settings import StrategySettings, optional_cap
-from fedfields.methods.states import update_norm
 from fedfields.privacy.dp import DPConfig
 from fedfields.privacy.secagg_plan import SecureAggregationConfig
 
@@ -380,7 +381,8 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
     def protocol_config(self) -> dict[str, int | float | str]:
         """Train-config entries this strategy owns, besides "server-round"."""
         own: dict[str, int | float | str] = {STRATEGY: self.strategy_name}
-        own |= compression_entries(self.compression, self.dp_delta_scale)
+        if self.compression is not None:
+            own |= compression_entries(self.compression, self.dp_delta_scale)
         if self.local_steps is not None:
             own[LOCAL_STEPS] = self.local_steps
         if self.secure_aggregation is not None:
@@ -454,10 +456,12 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
 
     def messages(self, train_round: Round, content: RecordDict, message_type: str) -> list[Message]:
         """`train_round`'s messages carrying `content` (under compressed downloads a train or
-        gradient-query message's ARRAYS is each node's own: `node_contents`)."""
+        gradient-query message's ARRAYS is each node's own: `DownloadSender.contents`)."""
         users = train_round.ledger.users
-        contents, sent = node_contents(self.downloads, content, message_type, users)
-        return train_round.messages(contents, sent, message_type)
+        if self.downloads is None or message_type not in DOWNLOAD_TYPES:
+            sent = content_bytes(content) * len(users)
+            return train_round.messages([content] * len(users), sent, message_type)
+        return train_round.messages(*self.downloads.contents(content, users), message_type)
 
     def open_train_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -58,12 +58,10 @@ RESIDUAL = "compression-residual"
 
 
 def compression_entries(
-    config: CompressionConfig | None, delta_scale: str = ""
+    config: CompressionConfig, delta_scale: str = ""
 ) -> dict[str, int | float | str]:
-    """The train-config entries asking clients for `config` ({} when updates go whole); with
-    `delta_scale` the ARRAYS key s of a payload s x (the update is then s x - s g)."""
-    if config is None or not config.enabled:
-        return {}
+    """The train-config entries asking clients for `config`; with `delta_scale` the ARRAYS
+    key s of a payload s x (the update is then s x - s g)."""
     entries: dict[str, int | float | str] = {
         COMPRESSION: config.scheme,
         COMPRESSION_RANK: config.rank,

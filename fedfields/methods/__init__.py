@@ -12,6 +12,7 @@ from fedfields.methods.accounting import (
     centralised_cost,
     secagg_reconstruction_flops,
 )
+from fedfields.methods.base import RunningSum
 from fedfields.methods.decentnerf import (
     ALPHA_KEY,
     alpha_gradient,
@@ -34,7 +35,6 @@ from fedfields.methods.scaffold import (
     scaffold_corrected_gradient,
     scaffold_server_update_from_sums,
 )
-from fedfields.methods.states import RunningSum
 
 __all__ = [
     "AGGREGATION_RULES",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fedfields.methods.states import State, check_scalar, check_states, like
+from fedfields.methods.base import State, check_scalar, check_states, like
 
 ALPHA_KEY = "__alpha__"
 """Payload entry holding alpha_k as a 1-element tensor (shape (1,)) of the state's dtype."""

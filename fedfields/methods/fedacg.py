@@ -18,10 +18,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, RoundContext, ServerStep
+from fedfields.methods.base import (
+    ARRAYS,
+    ClientHook,
+    Kept,
+    Method,
+    RoundContext,
+    ServerStep,
+    State,
+    check_scalar,
+    check_states,
+    like,
+)
 from fedfields.methods.fedprox import PROXIMAL_MU, proximal_hooks
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
-from fedfields.methods.states import State, check_scalar, check_states, like
 
 FEDACG_LAMBDA = 0.2
 FEDACG_BETA = 0.1

@@ -16,9 +16,16 @@ from typing import Any
 
 from torch import Tensor
 
-from fedfields.methods.base import Method, RoundContext, ServerStep
+from fedfields.methods.base import (
+    Method,
+    RoundContext,
+    ServerStep,
+    State,
+    check_scalar,
+    check_states,
+    like,
+)
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
-from fedfields.methods.states import State, check_scalar, check_states, like
 
 FEDAVGM_LEARNING_RATE = 1.0
 FEDAVGM_MOMENTUM = 0.0

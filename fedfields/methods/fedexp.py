@@ -28,17 +28,15 @@ from fedfields.methods.base import (
     ReplyFold,
     RoundContext,
     RoundSums,
-    ServerStep,
-)
-from fedfields.methods.settings import POSITIVE, StrategySettings, setting
-from fedfields.methods.states import (
     RunningSum,
+    ServerStep,
     State,
     check_scalar,
     difference,
     like,
     squared_norm,
 )
+from fedfields.methods.settings import POSITIVE, StrategySettings, setting
 
 FEDEXP_EPSILON = 1e-3
 SERVER_STEP = "fedexp-server-step"

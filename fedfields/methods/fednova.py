@@ -25,10 +25,8 @@ from fedfields.methods.base import (
     ReplyFold,
     RoundContext,
     RoundSums,
-    ServerStep,
-)
-from fedfields.methods.states import (
     RunningSum,
+    ServerStep,
     State,
     check_scalar,
     difference,

@@ -24,10 +24,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedfields.methods.base import Method, RoundContext, ServerStep
+from fedfields.methods.base import (
+    Method,
+    RoundContext,
+    ServerStep,
+    State,
+    check_scalar,
+    check_states,
+    like,
+)
 from fedfields.methods.fedavgm import ServerOptimiserSettings
 from fedfields.methods.settings import POSITIVE, Rule, setting
-from fedfields.methods.states import State, check_scalar, check_states, like
 
 BETA_1, BETA_2, TAU = 0.9, 0.99, 1e-3
 """Flower 1.41's FedAdam and FedYogi defaults (FedAdagrad: beta_1 = 0, tau 1e-3 too)."""

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, State
+from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, State, on_device
 from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
-from fedfields.methods.states import on_device
 
 Parameters = Iterable[Tensor] | Mapping[str, Tensor]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedfields.methods.states import State, check_states, like
+from fedfields.methods.base import State, check_states, like
 
 AGGREGATION_RULES = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan")
 """Values of the run-config `aggregation-rule`: "mean" is FedAvg's weighted mean."""

@@ -37,9 +37,6 @@ from fedfields.methods.base import (
     RoundContext,
     RoundSums,
     ServerStep,
-)
-from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, optional_cap, setting
-from fedfields.methods.states import (
     State,
     check_scalar,
     check_states,
@@ -47,6 +44,7 @@ from fedfields.methods.states import (
     on_device,
     to_wire,
 )
+from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, optional_cap, setting
 
 SERVER_CONTROL = "server-control"
 """Train-message record: the server control variate c, the keys of ARRAYS."""

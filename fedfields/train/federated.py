@@ -23,8 +23,7 @@ from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
 from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
-from fedfields.methods.base import ClientHook, HookResult
-from fedfields.methods.states import check_state, to_wire
+from fedfields.methods.base import ClientHook, HookResult, check_state, to_wire
 from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer
 from fedfields.render import OccupancyGrid, RenderConfig, render_image, render_rays

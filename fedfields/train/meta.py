@@ -42,8 +42,7 @@ from torch import Tensor, nn
 
 from fedfields.config.schema import LEARNERS, OUTER_OPTIMIZERS
 from fedfields.devices import resolve_device
-from fedfields.methods.base import ClientHook, HookResult
-from fedfields.methods.states import on_device
+from fedfields.methods.base import ClientHook, HookResult, on_device
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.train.meta_tasks import MetaTask
 
