@@ -58,6 +58,8 @@ from fedfields.flower.protocol import (
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
+    NUM_REPLIES,
+    SECURE_SUM_LAYOUT,
     TRAIN_LOSS,
     arrays_to_state,
     state_to_arrays,
@@ -697,3 +699,118 @@ def test_a_node_refuses_less_noise_than_its_node_config_floor(
     assert len(errors) == int(refused)
     if refused:
         assert "dp-min-noise-multiplier = 1" in errors[0]
+
+
+def tampering(node: Callable, tamper: Callable[[Message], None]) -> Callable:
+    """`node` behind a server that edits each message to it before its mods see it."""
+
+    def handler(message: Message, context: Context) -> Message:
+        tamper(message)
+        return node(message, context)
+
+    return handler
+
+
+def floored_round(tamper: Callable[[Message], None]) -> tuple[dict, list[int], list[str], int]:
+    """A secure DP round (z = C = 1, t = 3) over 4 nodes, the first with node-config floor
+    z >= 1 and behind `tamper`: the round's metrics, who trained, the error replies and the
+    floored node's id."""
+    from fedfields.flower.secure_aggregation import NOISE_FLOOR_KEY
+
+    reference = big_state(0)
+    nodes = fixed_nodes(reference, [big_state(seed, 0.01) for seed in range(1, 5)], [1] * 4)
+    trained: list[int] = []
+
+    def counting(node: Callable) -> Callable:
+        def handler(message: Message, context: Context) -> Message:
+            if message.metadata.message_type == "train" and RECORD_KEY_CONFIGS not in (
+                message.content.config_records
+            ):
+                trained.append(context.node_id)
+            return node(message, context)
+
+        return handler
+
+    handlers = [secure(counting(node)) for node in nodes]
+    handlers[0] = tampering(handlers[0], tamper)
+    grid = InProcessGrid(handlers)
+    floored = next(iter(grid.contexts))
+    grid.contexts[floored].node_config[NOISE_FLOOR_KEY] = 1.0
+    options = {
+        "min_available_nodes": 4,
+        "differential_privacy": DPConfig(1.0, 1.0, max_noise_ratio=0),
+        "secure_aggregation": SecureAggregationConfig(reconstruction_threshold=3),
+    }
+    _, metrics = train_round(FedAvg(**options), grid, state_to_arrays(reference))
+    errors = [r.error.reason for r in grid.received if r.has_error()]
+    return metrics or {}, trained, errors, floored
+
+
+def edit_train_config(**changes: object) -> Callable[[Message], None]:
+    """A tamper that sets (value) or removes (None) train-config entries of train messages."""
+
+    def tamper(message: Message) -> None:
+        if message.metadata.message_type != "train" or "config" not in message.content:
+            return
+        config = message.content["config"]
+        for key, value in changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"dp-clip-norm": None}, "'dp-clip-norm' is None"),
+        ({"dp-clip-norm": math.inf}, "'dp-clip-norm' is inf"),
+        ({"dp-clip-norm": 0.0}, "'dp-clip-norm' is 0.0"),
+        ({"dp-clip-norm": "1.0"}, "'dp-clip-norm' is '1.0'"),
+        ({"dp-gradient-clip-norm": math.nan}, "'dp-gradient-clip-norm' is nan"),
+        ({"dp-min-holders": 1}, "'dp-min-holders' is 1"),
+        ({"dp-min-holders": None}, "'dp-min-holders' is None"),
+        ({"secure-weight": "num-examples"}, "weights the held payload by 'num-examples'"),
+        ({"dp-noise-multiplier": 0.99}, "asked for z = 0.99"),
+        ({"secure-aggregation": False}, "plaintext reply"),
+    ],
+)
+def test_a_floored_node_refuses_a_message_it_could_not_noise_to_its_floor(
+    changes: dict, why: str
+) -> None:
+    """A server that leaves out (or bends) what the node needs to clip and noise its share, or
+    weights the held payload by an unnoised metric, gets an error from the floored node before
+    it trains; the other three still form the round."""
+    metrics, trained, errors, floored = floored_round(edit_train_config(**changes))
+    assert floored not in trained
+    assert len(trained) == 3 and metrics[NUM_FAILURES] == 1
+    assert len(errors) == 1 and "dp-min-noise-multiplier = 1" in errors[0] and why in errors[0]
+
+
+def test_a_floored_node_takes_part_in_an_honest_secure_dp_round() -> None:
+    """The same round untampered: all four train and are summed (the refusals above are the
+    tampering's, not the floor's)."""
+    metrics, trained, errors, floored = floored_round(lambda message: None)
+    assert floored in trained and len(trained) == 4
+    assert errors == [] and metrics[NUM_FAILURES] == 0
+
+
+def test_a_floored_node_sums_no_unnoised_held_metric() -> None:
+    """A SecAgg+ stage whose layout asks the floored node for a held metric other than the
+    weight and the noised bit (its train loss, which carries no noise) is refused: the node
+    drops out of the masked sum instead of releasing it."""
+    from fedfields.privacy.secagg_plan import decode_layout, encode_layout
+
+    def ask_for_the_loss(message: Message) -> None:
+        fit_config = message.content.config_records.get("fitins.config")
+        if fit_config is None or SECURE_SUM_LAYOUT not in fit_config:
+            return
+        layout = decode_layout(str(fit_config[SECURE_SUM_LAYOUT]))
+        fit_config[SECURE_SUM_LAYOUT] = encode_layout([*layout, ("metrics", TRAIN_LOSS, (1,))])
+
+    metrics, trained, errors, floored = floored_round(ask_for_the_loss)
+    assert floored in trained  # it trained and held: the stage is where it says no
+    assert metrics[NUM_REPLIES] == 3  # the masked sum formed over the other three
+    assert len(errors) == 1 and "carry no noise (train-loss)" in errors[0]

@@ -127,23 +127,84 @@ NOISE_FLOOR_KEY = "dp-min-noise-multiplier"
 
 def check_noise_floor(msg: Message, context: Context) -> None:
     """ValueError if this node's node-config sets a `NOISE_FLOOR_KEY` and `msg` (a train or
-    DecentNeRF gradient message) asks for less distributed DP: a plaintext or secure message
-    without "dp-noise-multiplier", or one below the floor."""
-    floor = float(context.node_config.get(NOISE_FLOOR_KEY, 0.0))
+    gradient-query message) asks for less distributed DP than the floor: a plaintext message,
+    a secure one below the floor's z, or one without what the node needs to clip and noise its
+    share (a positive, finite "dp-clip-norm", "dp-min-holders" >= 2) or that weights the held
+    payload by a metric (the weight's sum is released unnoised)."""
+    floor = noise_floor(context)
     config = msg.content.config_records.get(CONFIG)
     updating = msg.metadata.message_type in (MessageType.TRAIN, GRADIENT_QUERY)
     if floor <= 0 or config is None or not updating:
         return
     if RECORD_KEY_CONFIGS in msg.content.config_records:  # a SecAgg+ stage of a checked one
         return
-    secure = bool(config.get(SECURE_AGGREGATION, False))
-    z = requested_multiplier(config) if secure else 0.0
-    if z < floor:
+    refusal = floor_refusal(config, floor)
+    if refusal:
         raise ValueError(
             f"node-config {NOISE_FLOOR_KEY} = {floor:g}: this node adds its noise share only "
-            f"under secure aggregation with dp-noise-multiplier >= {floor:g}; the server asked "
-            f"for {'z = ' + format(z, 'g') if secure else 'a plaintext reply'}"
+            f"under secure aggregation with dp-noise-multiplier >= {floor:g}; {refusal}"
         )
+
+
+def noise_floor(context: Context) -> float:
+    """This node's node-config `NOISE_FLOOR_KEY` (0: none); ValueError if not a finite number
+    >= 0, so a mistyped floor never silently means none."""
+    value = context.node_config.get(NOISE_FLOOR_KEY, 0.0)
+    try:
+        floor = float(value)
+    except (TypeError, ValueError):
+        floor = math.nan
+    if isinstance(value, bool) or not (math.isfinite(floor) and floor >= 0):
+        raise ValueError(f"node-config {NOISE_FLOOR_KEY} must be a number >= 0, got {value!r}")
+    return floor
+
+
+def floor_refusal(config: ConfigRecord, floor: float) -> str:
+    """Why a train config falls short of a node's noise floor ("" when it does not)."""
+    if not bool(config.get(SECURE_AGGREGATION, False)):
+        return "the server asked for a plaintext reply"
+    z = requested_multiplier(config)
+    if not z >= floor:
+        return f"the server asked for z = {z:g}"
+    for key in (DP_CLIP_NORM, DP_GRADIENT_CLIP_NORM):
+        if key not in config and key == DP_GRADIENT_CLIP_NORM:
+            continue
+        norm = _number(config.get(key))
+        if not (math.isfinite(norm) and norm > 0):
+            return f"the message's {key!r} is {config.get(key)!r}, not a positive finite norm"
+    holders = _number(config.get(DP_MIN_HOLDERS))
+    if not (math.isfinite(holders) and holders >= 2 and holders == int(holders)):
+        return f"the message's {DP_MIN_HOLDERS!r} is {config.get(DP_MIN_HOLDERS)!r}, not >= 2"
+    if config.get(SECURE_WEIGHT, ""):
+        return f"the message weights the held payload by {config[SECURE_WEIGHT]!r}, unnoised"
+    return ""
+
+
+def _number(value: object) -> float:
+    """`value` as a float, NaN for anything that is not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return math.nan
+    return float(value)
+
+
+def check_floor_stage(layout: list[tuple[str, str, tuple[int, ...]]], context: Context) -> None:
+    """ValueFreeError if this node has a noise floor and a SecAgg+ stage asks it to sum a held
+    metric other than the weight and the noised clipping bit: the rest carry no noise."""
+    if noise_floor(context) <= 0:
+        return
+    unnoised = sorted(
+        key for record, key, _ in layout if record == METRICS and key not in NOISED_METRICS
+    )
+    if unnoised:
+        raise ValueFreeError(
+            f"node-config {NOISE_FLOOR_KEY}: the SecAgg+ stage asks for held metrics that "
+            f"carry no noise ({', '.join(unnoised)}); this node sums only {NOISED_METRICS}"
+        )
+
+
+NOISED_METRICS = (WEIGHT_KEY, DP_UNCLIPPED)
+"""Held metrics a node with a noise floor takes part in summing: the weight (1 per client
+under DP, which the fixed-size sample makes public) and the noised clipping bit."""
 
 
 def requested_multiplier(config: ConfigRecord) -> float:
@@ -356,11 +417,17 @@ def _clear_held(context: Context) -> None:
 def check_threshold(msg: Message, context: Context) -> None:
     """ValueFreeError if `msg` is a SecAgg+ setup whose reconstruction threshold lies below
     the t this client's held noise share was calibrated to: a sum of fewer shares would carry
-    less than z C, so this client drops out of it rather than take part."""
-    if CALIBRATED_STATE not in context.state:
-        return
+    less than z C, so this client drops out of it rather than take part. A node with a noise
+    floor also refuses a setup when what it holds was never calibrated (held without noise)."""
     stage = msg.content.config_records[RECORD_KEY_CONFIGS]
     if stage.get(SecAggKey.STAGE) != Stage.SETUP:
+        return
+    if CALIBRATED_STATE not in context.state:
+        if noise_floor(context) > 0 and _held_payload(context):
+            raise ValueFreeError(
+                f"node-config {NOISE_FLOOR_KEY}: this node holds a payload without its noise "
+                "share and takes part in no sum of it"
+            )
         return
     calibrated = int(context.state[CALIBRATED_STATE][DP_MIN_HOLDERS])
     threshold = int(stage.get(SecAggKey.THRESHOLD, 0))
@@ -414,6 +481,7 @@ def _answer_stage(msg: Message, context: Context) -> Message:
     """SecAgg+ masked-vector stage: this client's vectors, in Flower's legacy FitRes layout."""
     fit_config = msg.content["fitins.config"]
     layout = decode_layout(str(fit_config[SECURE_SUM_LAYOUT]))
+    check_floor_stage(layout, context)
     held = _held_payload(context)
     payload = {record: held.get(record, {}) for record, _, _ in layout}
     wanted_metrics = {key for record, key, _ in layout if record == METRICS}
