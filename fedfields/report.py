@@ -230,11 +230,12 @@ MEANINGS = {
     "eval-scene-ssim": "structural similarity on the eval-scene-dir views (1 is perfect)",
     "personal-psnr": "users' personal content (their masks) rendered from what the server "
     "reads, in dB: the closer to its floor, the less leaks",
-    "dp-epsilon": "client-level differential privacy spent so far: epsilon at dp-delta "
-    "(smaller is more private; the accountant's bound, not a measurement)",
-    "dp-epsilon-pld": "the same rounds' epsilon through the tighter PLD accountant",
-    "dp-epsilon-without-replacement": "epsilon for what runs: k of n clients sampled without "
-    "replacement (replace-one neighbours)",
+    "dp-epsilon": "client-level differential privacy spent so far: epsilon at dp-delta for "
+    "what runs, k of n clients sampled without replacement (replace-one neighbours; smaller is "
+    "more private; the accountant's bound, not a measurement)",
+    "dp-epsilon-poisson": "the same rounds' epsilon had clients been Poisson-sampled (an "
+    "assumption the runs do not meet; Flower's RdpAccountant)",
+    "dp-epsilon-poisson-pld": "the Poisson figure through the tighter PLD accountant",
     "personal-psnr-floor": "the same score of a field that renders no person: no leak at all",
     "upload-personal-psnr": "personal content rendered from each user's own upload (what a "
     "server without secure aggregation reads), in dB",

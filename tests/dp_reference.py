@@ -1,5 +1,6 @@
 """Epsilon computed independently of fedfields: Flower 1.41's own RdpAccountant, the oracle the
-DP tests hold our accountant and the jobs' reported "dp-epsilon" against."""
+DP tests hold our accountant and the jobs' reported "dp-epsilon" against (`headline_epsilons`;
+that its z/2 is the right multiplier is checked against closed forms in tests/test_dp.py)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def flower_epsilons(
         accountant.compose(event)
         epsilons.append(accountant.get_epsilon(delta))
     return epsilons
+
+
+def headline_epsilons(
+    sampled: int, population: int, noise_multiplier: float, rounds: int, delta: float = 1e-5
+) -> list[float]:
+    """ "dp-epsilon" after each round as Flower accounts it: k of n sampled without
+    replacement, replace-one neighbours, where one replaced clipped update moves the sum by up
+    to 2C, so the multiplier relative to that sensitivity is z/2."""
+    return flower_epsilons(
+        sampled, population, noise_multiplier / 2, rounds, delta, without_replacement=True
+    )

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dp_reference import flower_epsilons
+from dp_reference import headline_epsilons
 from flwr.app import Context, Message, MessageType, RecordDict
 from PIL import Image
 
@@ -51,8 +51,9 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
     config = json.loads((Path(noised["run_dir"]) / "config.json").read_text())
     assert config["dp-clip-norm"] == noised["clip_norm"]
     assert config["dp-noise-multiplier"] == 1.0
-    # epsilon: one round of PER_ROUND of CLIENTS at z = 1, delta 1e-5, by Flower's accountant
-    expected = flower_epsilons(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])[-1]
+    # epsilon: one round of PER_ROUND of CLIENTS without replacement at z = 1, delta 1e-5,
+    # by Flower's accountant (replace-one, z/2)
+    expected = headline_epsilons(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])[-1]
     assert noised["dp_form"] == "central"
     assert noised["epsilon"] == pytest.approx(expected, rel=1e-9)
     for row in rows:  # utility and PSNR_p read back from the runs' summaries

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_reference import flower_epsilons
+from dp_reference import headline_epsilons
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
@@ -543,7 +543,7 @@ def budget_run(target: float, rounds: int) -> tuple[FedAvg, InProcessGrid, dict]
     grid = InProcessGrid(nodes)
     strategy = FedAvg(
         fraction_train=0.34, min_train_nodes=2, min_available_nodes=3, sampling_seed=0,
-        differential_privacy=DPConfig(1.0, 1.0, 1e-5, target),
+        differential_privacy=DPConfig(2.0, 1.0, 1e-5, target),
     )  # fmt: skip
     result = strategy.start(grid, state_to_arrays(reference), num_rounds=rounds)
     return strategy, grid, result.train_metrics_clientapp
@@ -552,11 +552,13 @@ def budget_run(target: float, rounds: int) -> tuple[FedAvg, InProcessGrid, dict]
 def test_a_target_epsilon_stops_the_run_before_it_is_exceeded(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    q = 2 / 3
-    two, three = (epsilon_of([RoundCharge(q, 1.0)] * r, 1e-5) for r in (2, 3))
+    """z = 2, 2 of 3 sampled a round while the plan assumes q = 0.34: the plan passes, and the
+    run stops before the round that would take epsilon (k of n without replacement) above
+    the target, having sent nothing of it."""
+    two, three = (epsilon_of([RoundCharge(2 / 3, 2.0, 2, 3)] * r, 1e-5) for r in (2, 3))
     target = (two + three) / 2
-    assert epsilon_of([RoundCharge(0.34, 1.0)] * 5, 1e-5) <= target  # the plan passes
-    strategy, grid, metrics = budget_run(target, rounds=5)
+    assert epsilon_of([RoundCharge(0.34, 2.0)] * 4, 1e-5) <= target  # the plan passes
+    strategy, grid, metrics = budget_run(target, rounds=4)
     assert sorted(metrics) == [1, 2]
     assert metrics[2][DP_EPSILON] == pytest.approx(two, rel=1e-12) and two <= target
     assert strategy.privacy is not None and "round 3 not run" in strategy.privacy.stop
@@ -590,20 +592,21 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
     """The documented command as a user types it (`python -m simulations.launch`: `flwr run .`
     on Ray) with secure aggregation and distributed DP on the session's 3 users (all 3 a
     round: min-train-nodes 3, secure aggregation's floor, while the plan assumes the default
-    fraction-train 0.5), z = 1, C = 1, dp-target-epsilon 7 over 3 rounds. Each round fixes
+    fraction-train 0.5), z = 2, C = 1, dp-target-epsilon 7.6 over 3 rounds. Each round fixes
     t = 2 (SecAgg+'s threshold of 3) and calibrates the noise shares to it, so 3 holders carry
-    z sqrt(3/2), the multiplier charged. The plan (3 rounds at q = 0.5: 6.48) passes; rounds
+    z sqrt(3/2), the multiplier charged. The plan (3 rounds at q = 0.5: 7.47) passes; rounds
     1-2 run; round 3's worst case (only t = 2 holders: z) would take epsilon to 7.75, so the
     run stops cleanly after round 2, summary.json says why and the launcher exits 0
-    (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3 of 3 sampled at
-    z sqrt(3/2)."""
-    charged = math.sqrt(3 / 2)
-    flower = flower_epsilons(3, 3, charged, rounds=2)
-    target = 7.0
-    assert epsilon_of([RoundCharge(0.5, 1.0)] * 3, 1e-5) <= target  # the plan passes
-    assert epsilon_of([RoundCharge(1.0, charged)] * 2 + [RoundCharge(1.0, 1.0)], 1e-5) > target
+    (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3 of 3 sampled
+    without replacement at z sqrt(3/2) / 2 (replace-one)."""
+    charged = 2 * math.sqrt(3 / 2)
+    flower = headline_epsilons(3, 3, charged, rounds=2)
+    target = 7.6
+    assert epsilon_of([RoundCharge(0.5, 2.0)] * 3, 1e-5) <= target  # the plan passes
+    assert epsilon_of([RoundCharge(1.0, charged, 3, 3)] * 2 + [RoundCharge(1.0, 2.0, 3, 3)],
+                      1e-5) > target  # fmt: skip
     run_config = (
-        "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=1.0 dp-clip-norm=1.0 "
+        "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=2.0 dp-clip-norm=1.0 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
         "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
         "client-eval-views=0 dp-max-noise-ratio=0"
@@ -623,7 +626,7 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
     summary = json.loads((run_dir / "summary.json").read_text())
     privacy = summary["differential-privacy"]
     assert privacy["form"].startswith("distributed") and privacy["rounds-charged"] == 2
-    assert privacy["stopped"].startswith("round 3 not run: its charge (q = 1, z = 1)")
+    assert privacy["stopped"].startswith("round 3 not run: its charge (q = 1, z = 2)")
     assert "the run stops after round 2" in privacy["stopped"]
     assert summary["final"][DP_EPSILON] == pytest.approx(flower[1], rel=1e-9)
     assert summary["final"][DP_EPSILON] <= target
@@ -637,7 +640,7 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     from test_meta_job import run_in_process, tiny
 
     def epsilon(rounds: int) -> float:
-        return epsilon_of([RoundCharge(0.5, 1.0)] * rounds, 1e-5)
+        return epsilon_of([RoundCharge(0.5, 1.0, 2, 4)] * rounds, 1e-5)
 
     run_dir = tmp_path / "run"
     settings = {"simulation-audit": False, "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0,
@@ -645,10 +648,10 @@ def test_a_meta_job_reports_epsilon_and_a_resumed_run_continues_it(tmp_path: Pat
     run_in_process(tiny(run_dir, **{"num-server-rounds": 1}, **settings))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"][DP_EPSILON] == pytest.approx(epsilon(1), rel=1e-12)
-    # beside it: the PLD figure (tighter) and the bound for what runs (fixed-size sampling)
-    pld = summary["final"]["dp-epsilon-pld"]
-    without = summary["final"]["dp-epsilon-without-replacement"]
-    assert 0 < pld < epsilon(1) < without
+    # beside it, as assumptions: Poisson sampling's figure and its PLD (tighter still)
+    poisson = summary["final"]["dp-epsilon-poisson"]
+    pld = summary["final"]["dp-epsilon-poisson-pld"]
+    assert 0 < pld < poisson < epsilon(1)
     assert summary["differential-privacy"]["form"] == "central (server)"
     run_in_process(tiny(run_dir, resume=True, **settings))  # a restarted server and nodes
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1203,7 +1203,7 @@ class RoundPrivacy:
             return
         sampling_rate = num_sampled / connected
         z = self.planned_multiplier(server_round)
-        after = self.accountant.epsilon_after(sampling_rate, z)
+        after = self.accountant.epsilon_after(sampling_rate, z, 1, num_sampled, connected)
         if after > target:
             self.stop = (
                 f"round {server_round} not run: its charge (q = {sampling_rate:.4g}, z = {z:.4g}) "

@@ -1,12 +1,13 @@
 """The privacy loss of client-level DP rounds: charges, epsilon, and the plan a run may spend.
 
-`DPAccountant` composes the rounds as Poisson-subsampled Gaussian mechanisms (add-or-remove-one
-client) in Renyi DP with Google's dp-accounting (what Flower's `RdpAccountant` wraps) and
-reports epsilon at delta. Beside it (`DPAccountant.report`): the same Poisson rounds through
-dp-accounting's privacy-loss-distribution accountant (PLD, tighter), and what actually runs,
-k of n clients sampled without replacement, which dp-accounting bounds for replace-one
-neighbours only: replacing one client's clipped update moves the sum by up to 2C, so each
-round is the without-replacement subsampled Gaussian of multiplier z/2 (Wang et al. 2019).
+A round samples a fixed k of the n connected clients without replacement, so the figure a run
+reports and `dp-target-epsilon` holds to (`EPSILON_METRIC`) is the bound for that sampling:
+Renyi DP under replace-one neighbours (n is public; one client's data is swapped for
+another's), where replacing one clipped update moves the sum by up to 2C, so each round is
+the without-replacement subsampled Gaussian of multiplier z/2 (Wang, Balle and Kasiviswanathan
+2019, Theorem 27), composed with Google's dp-accounting. Beside it, as assumptions the runs do
+not meet: the same rounds as Poisson-subsampled Gaussians under add-or-remove-one neighbours
+(what Flower's `RdpAccountant` reports; `EPSILON_POISSON_METRIC`) and their PLD figure.
 `check_plan` refuses a run whose planned rounds would exceed dp-target-epsilon. The mechanism
 (clipping, noise) is `fedfields.privacy.dp`.
 """
@@ -19,18 +20,24 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from fedfields.privacy.dp import DELTA_KEY, NOISE_MULTIPLIER_KEY, TARGET_EPSILON_KEY, DPConfig
 
 EPSILON_METRIC = "dp-epsilon"
-"""Metric (metrics.jsonl, summary.json's final): epsilon at dp-delta the run has spent
-(Poisson-subsampled rounds, Renyi DP: the figure dp-target-epsilon is held to)."""
-EPSILON_PLD_METRIC = "dp-epsilon-pld"
-"""Metric: the same rounds' epsilon through the PLD accountant (tighter than RDP)."""
-EPSILON_WOR_METRIC = "dp-epsilon-without-replacement"
-"""Metric: epsilon for what runs, k of n sampled without replacement (replace-one neighbours,
-Renyi DP); absent when a round's counts are unknown (a run resumed from an older checkpoint)."""
+"""Metric (metrics.jsonl, summary.json's final): epsilon at dp-delta the run has spent, for
+what runs (k of n sampled without replacement, replace-one neighbours, Renyi DP): the figure
+dp-target-epsilon holds to."""
+EPSILON_POISSON_METRIC = "dp-epsilon-poisson"
+"""Metric: the same rounds' epsilon were they Poisson-sampled with q = k/n (add-or-remove-one
+neighbours, Renyi DP; Flower's `RdpAccountant`): an assumption the runs do not meet."""
+EPSILON_PLD_METRIC = "dp-epsilon-poisson-pld"
+"""Metric: the Poisson rounds' epsilon through the PLD accountant (tighter than RDP)."""
+WOR_DENOMINATOR = 1 << 20
+"""A round charged by its rate q alone (a plan, or a charge from before k and n were kept) is
+accounted as k of n with k/n the nearest fraction to q of denominator at most this: the
+without-replacement bound depends on q = k/n only."""
 PLD_INTERVAL = 1e-2
 """dp-accounting's PLD value discretisation: pessimistic, so still an upper bound, a little
 above the default 1e-4's epsilon and far faster (docs/PRIVACY.md gives the figures)."""
@@ -43,9 +50,10 @@ MAX_ROUNDS = 1 << 40
 
 @dataclass(frozen=True)
 class RoundCharge:
-    """One round as the accountant sees it: clients sampled with probability q, noise
+    """One round as the accountant sees it: the rate q = k/n of clients sampled, noise
     multiplier z (the effective one where dropouts lowered it), and, when known, the k
-    clients sampled of the n connected (0, 0: unknown)."""
+    clients sampled of the n connected (0, 0: a plan, or a charge from before they were
+    kept; accounted as the nearest fraction to q)."""
 
     sampling_rate: float
     noise_multiplier: float
@@ -64,7 +72,7 @@ class RoundCharge:
 
     @property
     def counted(self) -> bool:
-        """Whether the round's k of n are known (sampling without replacement accountable)."""
+        """Whether the round's k of n are known (else q stands for them)."""
         return self.population > 0
 
 
@@ -75,13 +83,39 @@ def _check_delta(delta: float) -> float:
 
 
 def _rdp_accountant(orders: Sequence[float] | None) -> Any:
-    """A fresh dp-accounting RDP accountant (add-or-remove-one neighbours)."""
+    """A fresh dp-accounting RDP accountant for the headline bound (replace-one neighbours)."""
+    from dp_accounting import NeighboringRelation
     from dp_accounting.rdp import RdpAccountant
 
-    return RdpAccountant(orders=None if orders is None else list(orders))
+    orders = None if orders is None else list(orders)
+    return RdpAccountant(orders=orders, neighboring_relation=NeighboringRelation.REPLACE_ONE)
+
+
+def _sizes(charge: RoundCharge) -> tuple[int, int]:
+    """(n, k) of a round: its counts when known, else the nearest fraction to its rate."""
+    if charge.counted:
+        return charge.population, charge.sampled
+    rate = Fraction(charge.sampling_rate).limit_denominator(WOR_DENOMINATOR)
+    return rate.denominator, rate.numerator
 
 
 def _compose(accountant: Any, charge: RoundCharge, count: int) -> None:
+    """Compose `count` rounds of `charge` as k of n sampled without replacement, each a
+    Gaussian of multiplier z/2 under replace-one neighbours (sensitivity 2C)."""
+    from dp_accounting import dp_event
+
+    population, sampled = _sizes(charge)
+    if sampled == 0:  # nobody's data was touched: free
+        return
+    gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier / 2)
+    if charge.noise_multiplier == 0:  # dp-accounting divides by z here; no noise: unbounded
+        _quiet_compose(accountant, gaussian, count)
+        return
+    event = dp_event.SampledWithoutReplacementDpEvent(population, sampled, gaussian)
+    _quiet_compose(accountant, event, count)
+
+
+def _compose_poisson(accountant: Any, charge: RoundCharge, count: int) -> None:
     """Compose `count` rounds of `charge` as Poisson-subsampled Gaussian mechanisms.
 
     dp-accounting logs a warning for each fractional order whose series does not converge
@@ -132,31 +166,25 @@ def epsilon_pld(charges: Iterable[RoundCharge], delta: float) -> float | None:
     return float(accountant.get_epsilon(delta))
 
 
-def epsilon_without_replacement(charges: Iterable[RoundCharge], delta: float) -> float | None:
-    """Epsilon at `delta` of the rounds as run: k of n sampled without replacement, each a
-    Gaussian of multiplier z/2 under replace-one neighbours (sensitivity 2C; Renyi DP). None
-    when a round's k and n are unknown."""
-    from dp_accounting import NeighboringRelation, dp_event
+def epsilon_poisson(
+    charges: Iterable[RoundCharge], delta: float, orders: Sequence[float] | None = None
+) -> float:
+    """Epsilon at `delta` of the rounds were they Poisson-sampled with q = k/n (Renyi DP,
+    add-or-remove-one client): an assumption, reported beside the headline figure."""
     from dp_accounting.rdp import RdpAccountant
 
-    charges = list(charges)
-    if not all(charge.counted for charge in charges):
-        return None
-    accountant = RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE)
+    accountant = RdpAccountant(orders=None if orders is None else list(orders))
     for charge, count in Counter(charges).items():
-        gaussian = dp_event.GaussianDpEvent(charge.noise_multiplier / 2)
-        population, sampled = charge.population, charge.sampled
-        event = dp_event.SampledWithoutReplacementDpEvent(population, sampled, gaussian)
-        _quiet_compose(accountant, event, count)
+        _compose_poisson(accountant, charge, count)
     return float(accountant.get_epsilon(_check_delta(delta)))
 
 
 def epsilon_of(
     charges: Iterable[RoundCharge], delta: float, orders: Sequence[float] | None = None
 ) -> float:
-    """Epsilon at `delta` of the composed rounds (Renyi DP of Poisson-subsampled Gaussians,
-    add-or-remove-one client; dp-accounting's default orders unless `orders` is given).
-    inf when a sampled round had no noise; 0 for no rounds."""
+    """Epsilon at `delta` of the composed rounds as they run: k of n sampled without
+    replacement, replace-one neighbours (dp-accounting's default orders unless `orders` is
+    given). inf when a sampled round had no noise; 0 for no rounds."""
     accountant = _rdp_accountant(orders)
     for charge, count in Counter(charges).items():
         _compose(accountant, charge, count)
@@ -242,24 +270,31 @@ class DPAccountant:
         return float(self._backend.get_epsilon(self.delta))
 
     def report(self) -> dict[str, float]:
-        """Epsilon three ways: Poisson RDP (`EPSILON_METRIC`, what the target holds to),
-        Poisson PLD (unless dp-accounting cannot discretise it) and, when every round's counts
-        are known, sampling without replacement."""
-        others = {
-            EPSILON_PLD_METRIC: epsilon_pld(self._charges, self.delta),
-            EPSILON_WOR_METRIC: epsilon_without_replacement(self._charges, self.delta),
+        """Epsilon three ways: the headline (`EPSILON_METRIC`, k of n without replacement,
+        what the target holds to), and as assumptions Poisson RDP and Poisson PLD (unless
+        dp-accounting cannot discretise it)."""
+        report = {
+            EPSILON_METRIC: self.epsilon(),
+            EPSILON_POISSON_METRIC: epsilon_poisson(self._charges, self.delta),
         }
-        found = {name: value for name, value in others.items() if value is not None}
-        return {EPSILON_METRIC: self.epsilon(), **found}
+        pld = epsilon_pld(self._charges, self.delta)
+        return report if pld is None else {**report, EPSILON_PLD_METRIC: pld}
 
     def epsilon_after(
-        self, sampling_rate: float, noise_multiplier: float, rounds: int = 1
+        self,
+        sampling_rate: float,
+        noise_multiplier: float,
+        rounds: int = 1,
+        sampled: int = 0,
+        population: int = 0,
     ) -> float:
-        """Epsilon if `rounds` more rounds of (q, z) were charged; charges nothing."""
+        """Epsilon if `rounds` more rounds of (q, z) (k of n when given) were charged;
+        charges nothing."""
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         probe = copy.deepcopy(self._backend)
-        _compose(probe, RoundCharge(sampling_rate, noise_multiplier), rounds)
+        charge = RoundCharge(sampling_rate, noise_multiplier, sampled, population)
+        _compose(probe, charge, rounds)
         return float(probe.get_epsilon(self.delta))
 
     def rounds_left(
