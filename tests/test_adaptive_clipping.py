@@ -23,6 +23,7 @@ from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 from fedfields.flower.round import DP_EPSILON, DP_NEXT_CLIP_NORM, DP_ROUND_MULTIPLIER
 from fedfields.privacy.accountant import RoundCharge, epsilon_of
 from fedfields.privacy.adaptive_clipping import (
+    CLIP_NORM_RANGE,
     AdaptiveClipping,
     combined_noise_multiplier,
     next_clip_norm,
@@ -220,3 +221,24 @@ def test_a_secure_decentnerf_run_with_adaptive_clipping_and_its_own_gradient_cli
     )
     norms = [2.0] + [metrics[r][DP_NEXT_CLIP_NORM] for r in (1, 2, 3)]
     assert all(a != b for a, b in zip(norms, norms[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("quantile", "rate", "noised", "bound"),
+    [(0.0, 10.0, 3.0, CLIP_NORM_RANGE[0]), (1.0, 10.0, -1e300, CLIP_NORM_RANGE[1]),
+     (1.0, 10.0, 0.0, CLIP_NORM_RANGE[1])],
+)  # fmt: skip
+def test_accepted_adaptive_settings_keep_the_clip_norm_in_range_for_any_count(
+    quantile: float, rate: float, noised: float, bound: float
+) -> None:
+    """The extremes the parser accepts (gamma 0 or 1, eta at its cap) pushed by 40 rounds of
+    the most extreme counts hold C at the edge of its range, never 0, inf or an
+    OverflowError; a count that is not a number leaves C where it was."""
+    config = AdaptiveClipping(quantile, rate)
+    clip_norm = 1.0
+    for _ in range(40):
+        clip_norm = next_clip_norm(clip_norm, noised, 3, config)
+    assert clip_norm == bound
+    assert next_clip_norm(0.7, math.nan, 3, config) == 0.7
+    with pytest.raises(ValueError, match="'dp-clip-norm-lr' must be in"):
+        AdaptiveClipping(0.5, 1e300)

@@ -486,8 +486,31 @@ def test_dp_config_validation_names_the_run_config_key() -> None:
             "'dp-noise-multiplier' belongs to the differential privacy section, used by every "
             "task in mode='federated'",
         ),
+        (
+            {"dp-adaptive-clipping": True},
+            "run-config 'dp-adaptive-clipping' = True is read only with dp-noise-multiplier > 0",
+        ),
+        (
+            {"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, "dp-target-quantile": 0.9},
+            "run-config 'dp-target-quantile' = 0.9 is read only with dp-adaptive-clipping=true",
+        ),
+        (
+            {"strategy": "fedavg", "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0,
+             "dp-gradient-clip-norm": 2.0},
+            "run-config 'dp-gradient-clip-norm' = 2.0 is read only with strategy='decentnerf'",
+        ),
+        (
+            {"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, "dp-adaptive-clipping": True,
+             "dp-clip-norm-lr": 1e300},
+            "'dp-clip-norm-lr' must be in \\(0, 10\\]",
+        ),
+        ({"seed": -1}, "run-config 'seed' must be in \\[0, 2147483647\\], got -1"),
+        ({"seed": 1 << 31}, "run-config 'seed' must be in \\[0, 2147483647\\]"),
+        ({"strategy": "fedavgm", "server-momentum": 1.0},
+         "'server-momentum' must be in \\[0, 1\\)"),
+        ({"strategy": "fedadam", "tau": 1e-300}, "'tau' must be finite and >= 1e-09"),
     ],
-)
+)  # fmt: skip
 def test_bad_dp_run_config_gets_one_error_naming_the_key(run_config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_app_config(run_config)

@@ -485,3 +485,33 @@ def test_a_compressed_run_goes_through_the_app_with_its_residuals_in_the_nodes_s
     train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]
     assert all((DOWNLOAD_VERSION in m.content[CONFIG]) == download for m in train)
     assert all(len(line["clients"]) == 2 and line["psnr_p"] > 0 for line in lines)  # the audit
+
+
+def test_the_largest_seed_the_parser_accepts_runs_two_rounds_of_each_job(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """run-config seed 2^31 - 1 (the parser's largest) through 2 rounds of the meta job and
+    the scene job in process: every generator derived from it (torch's, numpy's task split,
+    the client and download seeds) takes it, and both runs finish."""
+    from test_method_digests import SMALL_SCENE
+
+    import strategies
+    from fedfields.config.schema import MAX_SEED
+    from simulations.federated_nerf import run_federated_nerf
+
+    meta_dir, _ = run_in_process(tiny(tmp_path / "meta", seed=MAX_SEED))
+    assert len((meta_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    config = {
+        **SMALL_SCENE,
+        "data-dir": str(crowd_dir),
+        "state-dir": str(tmp_path / "nodes"),
+        "run-dir": str(tmp_path / "scene"),
+        "seed": MAX_SEED,
+        "num-server-rounds": 2,
+        "strategy": "fedavg",
+        "compression": "quantise",
+        "compression-download": True,
+    }
+    grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
+    scene_dir = run_federated_nerf(grid, strategies.parse_app_config(config))
+    assert len((scene_dir / "metrics.jsonl").read_text().splitlines()) == 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -117,6 +117,49 @@ def test_a_node_without_the_handler_keeps_its_node_id_with_one_warning(
     assert len(warnings) == 1 and "1 node(s)" in warnings[0].getMessage()
     queries = [m for m in grid.sent if m.metadata.message_type == "query.user_key"]
     assert len(queries) == 3
+
+
+@pytest.mark.parametrize(
+    ("answer", "key"),
+    [("9" * 5000, "node-12"), ("²", "²"), ("user\n2", "node-12"), ("", "node-12"),
+     ("x" * 129, "node-12"), (7, "node-12"), (["a"], "node-12")],
+    ids=["5000-digits", "unicode-digit", "newline", "empty", "129-chars", "int", "list"],
+)  # fmt: skip
+def test_a_hostile_user_key_answer_falls_back_to_the_node_id_and_the_round_runs(
+    answer: object, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One node answers the user-key query with a key the server cannot take (a number of 5,000
+    digits, which int() refuses; a Unicode digit; a control character; empty; too long; not a
+    string): it keeps "node-<id>" with the one warning (a Unicode digit is a key of text), and
+    the round samples, sums and forms an aggregate over all three nodes."""
+    problems = heterogeneous_problems(3)
+
+    def lie(msg: Message, context: Context, call_next: Callable) -> Message:
+        if msg.metadata.message_type != USER_KEY_MESSAGE_TYPE:
+            return call_next(msg, context)
+        content = RecordDict({"user": ConfigRecord({"user-key": answer})})  # type: ignore[dict-item]
+        return Message(content, reply_to=msg)
+
+    apps = [least_squares_app(problems, 0.05) for _ in range(2)]
+    apps.append(least_squares_app(problems, 0.05, mods=[lie]))
+    grid = InProcessGrid(apps, first_node_id=10)
+    for node_id, user in zip(grid.contexts, range(3), strict=True):
+        grid.contexts[node_id].node_config["partition-id"] = user
+    strategy = FedAvg(min_available_nodes=3, fraction_train=1.0, sample_by_user=True)
+    start = state_to_arrays(initial_state())
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        messages = strategy.configure_train(1, start, ConfigRecord({"local-steps": 3}), grid)
+        outcome = strategy.finish_round(strategy.round_of(1), grid.send_and_receive(messages))
+    assert ("1 node(s) did not say which user" in caplog.text) is (key == "node-12")
+    assert outcome.arrays is not None
+    assert outcome.ledger.summed_users == ["0", "1", key]
+
+
+def test_user_keys_of_any_length_sort_without_converting_digits() -> None:
+    """Digit runs compare by value without int(), so a run of 5,000 digits sorts (after a
+    shorter number) and a Unicode digit is text."""
+    keys = ["9" * 5000, "10", "²", "user_007", "user_8"]
+    assert sorted(keys, key=natural_order) == ["10", "9" * 5000, "user_007", "user_8", "²"]
 
 
 class OvertakingGrid(InProcessGrid):

@@ -74,8 +74,23 @@ COMPRESSION_STRENGTHS = {
     "compression-fraction": "topk",
 }
 """Each compression strength -> the scheme that reads it."""
-DP_KEYS = ("dp-clip-norm", "dp-delta", "dp-target-epsilon", "dp-max-noise-ratio")
+ADAPTIVE_KEYS = ("dp-target-quantile", "dp-clip-norm-lr", "dp-clipped-count-stddev")
+"""Keys only read beside dp-adaptive-clipping = true."""
+DP_KEYS = (
+    "dp-clip-norm",
+    "dp-delta",
+    "dp-target-epsilon",
+    "dp-max-noise-ratio",
+    "dp-adaptive-clipping",
+    "dp-gradient-clip-norm",
+    *ADAPTIVE_KEYS,
+)
 """Keys only read beside dp-noise-multiplier > 0."""
+
+
+MAX_SEED = (1 << 31) - 1
+"""Largest run-config seed: every generator derived from it (torch's, numpy's, the client and
+download seeds, which add rounds and users to multiples of it) stays in range."""
 
 
 def key(default: Any, doc: str) -> Any:
@@ -126,8 +141,8 @@ class CommonSection:
     num_server_rounds: int = key(8, "federated rounds")
     seed: int = key(
         0,
-        "seeds the initial model, the server's node sampling (over stable user keys, so one "
-        "seed gives one run, through Ray too) and local randomness",
+        "0 to 2^31 - 1: seeds the initial model, the server's node sampling (over stable user "
+        "keys, so one seed gives one run, through Ray too) and local randomness",
     )
     run_dir: str = key("", '"" -> runs/<UTC time>-<strategy> in the working directory')
     resume: bool = key(False, "continue run-dir's run from its last completed round")
@@ -151,6 +166,7 @@ class CommonSection:
             )
         _choice(self, "mode", MODES)
         _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
+        _check(self, ["seed"], lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.resume and not self.run_dir:
             raise ValueError("run-config 'resume' = true needs 'run-dir': the run to continue")
         if self.resume and self.mode == "split":
@@ -650,6 +666,10 @@ class FederatedConfig:
             unread.setdefault("krum-select", "aggregation-rule='multi-krum'")
         if self.dp.dp_noise_multiplier == 0:
             unread |= {k: "dp-noise-multiplier > 0" for k in DP_KEYS if k not in unread}
+        if not self.dp.dp_adaptive_clipping:
+            unread |= {k: "dp-adaptive-clipping=true" for k in ADAPTIVE_KEYS if k not in unread}
+        if self.strategy_name != "decentnerf":
+            unread.setdefault("dp-gradient-clip-norm", "strategy='decentnerf'")
         for run_key, scheme in COMPRESSION_STRENGTHS.items():
             if self.compression.compression != scheme:
                 unread.setdefault(run_key, f"compression='{scheme}'")

@@ -72,21 +72,35 @@ def answer_user_key(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+DIGITS = re.compile(r"([0-9]+)")
+"""A run of ASCII digits (a Unicode digit such as '²' is text)."""
+MAX_KEY_LENGTH = 128
+"""Longest user key a server takes: a key is written into every round's metrics line."""
+
+
 def natural_order(key: str) -> tuple[tuple[int, int, str], ...]:
-    """Sort key of a user key: digit runs compare as numbers, so "user_10" follows "user_9"."""
+    """Sort key of a user key: runs of ASCII digits compare as numbers (their length first,
+    then the digits, so no run is ever converted), so "user_10" follows "user_9"."""
     return tuple(
-        (0, int(part), "") if part.isdigit() else (1, 0, part)
-        for part in re.split(r"(\d+)", key)
+        (0, len(part.lstrip("0")), part.lstrip("0")) if DIGITS.fullmatch(part) else (1, 0, part)
+        for part in DIGITS.split(key)
         if part
     )
 
 
+def valid_key(key: object) -> bool:
+    """Whether a node's answer is a key the server takes: a non-empty printable string of at
+    most `MAX_KEY_LENGTH` characters."""
+    return isinstance(key, str) and 0 < len(key) <= MAX_KEY_LENGTH and key.isprintable()
+
+
 def reply_key(reply: Message) -> str | None:
-    """The user key a reply to the query carries; None for an error or a malformed reply."""
+    """The user key a reply to the query carries; None for an error or a malformed reply (not
+    a string, empty, unprintable or longer than `MAX_KEY_LENGTH`)."""
     if reply.has_error() or USER_RECORD not in reply.content.config_records:
         return None
     key = reply.content.config_records[USER_RECORD].get(USER_KEY)
-    return key if isinstance(key, str) and key else None
+    return key if valid_key(key) else None
 
 
 class UserKeys:

@@ -89,7 +89,10 @@ class FedAvgMSettings(ServerOptimiserSettings):
     """FedAvgM's run-config keys: server-learning-rate (0: Flower's 1) and server-momentum."""
 
     server_momentum: float = setting(
-        FEDAVGM_MOMENTUM, "server-momentum", "FedAvgM's server momentum beta", NON_NEGATIVE
+        FEDAVGM_MOMENTUM,
+        "server-momentum",
+        "FedAvgM's server momentum beta, in [0, 1) (1 or more grows every step without bound)",
+        (lambda value: 0.0 <= value < 1.0, "in [0, 1)"),
     )
 
 
@@ -112,6 +115,8 @@ class FedAvgM(Method):
     ) -> None:
         self.server_learning_rate = check_scalar(server_learning_rate, "server_learning_rate")
         self.server_momentum = check_scalar(server_momentum, "server_momentum", positive=False)
+        if not 0.0 <= self.server_momentum < 1.0:
+            raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
         self.momentum: dict[str, Tensor] | None = None
         """v, None before the first aggregate and without momentum."""
 

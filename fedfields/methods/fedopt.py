@@ -34,10 +34,13 @@ from fedfields.methods.base import (
     like,
 )
 from fedfields.methods.fedavgm import ServerOptimiserSettings
-from fedfields.methods.settings import POSITIVE, Rule, setting
+from fedfields.methods.settings import Rule, setting
 
 BETA_1, BETA_2, TAU = 0.9, 0.99, 1e-3
 """Flower 1.41's FedAdam and FedYogi defaults (FedAdagrad: beta_1 = 0, tau 1e-3 too)."""
+MIN_TAU = 1e-9
+"""Least tau a run-config may set: a step where a second moment is 0 is eta |m| / tau, which
+tau 1e-300 turns into 1e298 times the update."""
 DECAY: Rule = (lambda value: 0.0 <= value < 1.0, "in [0, 1)")
 """A moment's decay: 1 would freeze the moment at 0."""
 
@@ -119,7 +122,13 @@ def adaptive_update(
 class AdaptiveSettings(ServerOptimiserSettings):
     """FedAdagrad's run-config keys: server-learning-rate and tau."""
 
-    tau: float = setting(TAU, "tau", "FedAdam, FedYogi, FedAdagrad: adaptivity tau", POSITIVE)
+    tau: float = setting(
+        TAU,
+        "tau",
+        f"FedAdam, FedYogi, FedAdagrad: adaptivity tau, >= {MIN_TAU:g} (it bounds each step by "
+        "eta |m| / tau where a second moment is 0)",
+        (lambda value: math.isfinite(value) and value >= MIN_TAU, f"finite and >= {MIN_TAU:g}"),
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,8 @@ class AdaptiveOptimiser(Method):
         for name, value in (("beta_1", beta_1), ("beta_2", beta_2)):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if not check_scalar(tau, "tau") >= MIN_TAU:
+            raise ValueError(f"tau must be >= {MIN_TAU:g}, got {tau!r}")
         if server_learning_rate is None:
             server_learning_rate = self.default_learning_rate
         self.rule = AdaptiveStep(

@@ -24,6 +24,12 @@ from dataclasses import dataclass
 TARGET_QUANTILE_KEY = "dp-target-quantile"
 CLIP_NORM_LR_KEY = "dp-clip-norm-lr"
 COUNT_STDDEV_KEY = "dp-clipped-count-stddev"
+MAX_CLIP_NORM_LR = 10.0
+"""Largest eta: C moves by at most a factor exp(eta |b_bar - gamma|) a round (0.2 in the paper)."""
+CLIP_NORM_RANGE = (1e-12, 1e12)
+"""The adapted C is held inside this range, so no setting drives it to 0 (every update then
+clipped to nothing) or past float range; where C lies is post-processing of the noised count
+and costs no privacy."""
 DEFAULT_COUNT_STDDEV_FRACTION = 1 / 20
 """sigma_b = n / 20 when not set: Andrew et al.'s suggestion and Flower's default."""
 
@@ -42,9 +48,10 @@ class AdaptiveClipping:
             raise ValueError(
                 f"'{TARGET_QUANTILE_KEY}' must be in [0, 1], got {self.target_quantile}"
             )
-        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+        if not 0 < self.learning_rate <= MAX_CLIP_NORM_LR:
             raise ValueError(
-                f"'{CLIP_NORM_LR_KEY}' must be finite and > 0, got {self.learning_rate}"
+                f"'{CLIP_NORM_LR_KEY}' must be in (0, {MAX_CLIP_NORM_LR:g}], got "
+                f"{self.learning_rate}"
             )
         if not (math.isfinite(self.count_stddev) and self.count_stddev >= 0):
             raise ValueError(
@@ -81,8 +88,17 @@ def next_clip_norm(
     clip_norm: float, noised_unclipped: float, num_summed: int, config: AdaptiveClipping
 ) -> float:
     """C exp(-eta (b_bar - gamma)) with b_bar = `noised_unclipped` / `num_summed` (the geometric
-    update); b_bar is not clamped to [0, 1], as in the paper, so the noise stays unbiased."""
+    update), held inside `CLIP_NORM_RANGE`; b_bar is not clamped to [0, 1], as in the paper,
+    so the noise stays unbiased."""
     if num_summed < 1:
         raise ValueError("no client was summed: the clip norm has nothing to follow")
     fraction = noised_unclipped / num_summed
-    return clip_norm * math.exp(-config.learning_rate * (fraction - config.target_quantile))
+    low, high = CLIP_NORM_RANGE
+    exponent = -config.learning_rate * (fraction - config.target_quantile)
+    if math.isnan(exponent):  # a count that is not a number moves nothing
+        return clip_norm
+    if exponent >= math.log(high / clip_norm):
+        return high
+    if exponent <= math.log(low / clip_norm):
+        return low
+    return min(max(clip_norm * math.exp(exponent), low), high)
