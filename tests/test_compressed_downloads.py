@@ -5,6 +5,7 @@ with compressed downloads: tests/test_packed_secure_sum.py."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -310,3 +311,33 @@ def test_downloads_need_a_scheme_and_a_positive_history() -> None:
         CompressionConfig("quantise", download=True, download_history=0)
     with pytest.raises(ValueError, match="compression-download must be true or false"):
         CompressionConfig("quantise", download="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("version", "base", "poison", "message"),
+    [
+        (3, 0, math.nan, "the rebuilt global of version 3 is not finite at 'w'"),
+        (3, 0, math.inf, "the rebuilt global of version 3 is not finite at 'w'"),
+        (2, 3, 0.0, "the download's version 2 is below its base 3"),
+        (-1, 0, 0.0, "the download's version -1 is below its base 0"),
+    ],
+)
+def test_a_node_refuses_a_download_it_must_not_train_from(
+    version: int, base: int, poison: float, message: str
+) -> None:
+    """The node's download mod refuses, before its handler runs, a global that is not finite
+    and a version below its base (a server sending either is broken or hostile)."""
+    state = {"w": torch.ones(4)}
+    state["w"][1] = poison
+    config = ConfigRecord(
+        {**compression_entries(QUANTISE), DOWNLOAD_VERSION: version, DOWNLOAD_BASE: base}
+    )
+    msg = Message(
+        RecordDict({ARRAYS: state_to_arrays(state), CONFIG: config}), dst_node_id=1,
+        message_type="train",
+    )  # fmt: skip
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    ran: list[Message] = []
+    with pytest.raises(ValueError, match=message):
+        compressed_download_mod(msg, context, lambda m, c: ran.append(m) or m)
+    assert ran == [] and DOWNLOAD_REFERENCE not in context.state

@@ -292,3 +292,22 @@ def test_metric_means_do_not_overflow() -> None:
         metrics[TRAIN_LOSS] = 1e308
     _, metrics = round_from(make("fedavg", 2), honest, global_state())
     assert math.isfinite(metrics[TRAIN_LOSS]) and metrics[TRAIN_LOSS] == pytest.approx(1e308)
+
+
+@pytest.mark.parametrize("weight", [5e-324, 1e-300, 1e-7])
+def test_replies_weighted_below_the_floor_are_dropped_and_the_mean_stays_exact(
+    weight: float,
+) -> None:
+    """Every reply but one carries a num-examples below `MIN_NUM_EXAMPLES` (5e-324 made the
+    weighted mean of such replies wrong by 0.44): each is dropped and counted, and the round's
+    mean is the one reply left, exactly; at the floor a reply is summed."""
+    from fedfields.flower.round import MIN_NUM_EXAMPLES
+
+    replies = [honest_reply("fedavg", k) for k in range(HONEST)]
+    tiny = [(records, {**metrics, NUM_EXAMPLES: weight}) for records, metrics in replies[1:]]
+    got, metrics = round_from(make("fedavg", HONEST), [replies[0], *tiny], global_state())
+    assert metrics[NUM_DROPPED] == HONEST - 1
+    assert_same_arrays(got, state_to_arrays(replies[0][0][ARRAYS]))
+    at_floor = [(records, {**m, NUM_EXAMPLES: MIN_NUM_EXAMPLES}) for records, m in replies]
+    _, metrics = round_from(make("fedavg", HONEST), at_floor, global_state())
+    assert metrics[NUM_DROPPED] == 0

@@ -152,6 +152,38 @@ def test_bulyan_needs_4f_plus_3_states_and_the_strategy_skips_the_round(
 
 
 @pytest.mark.parametrize(
+    ("options", "count", "message"),
+    [
+        ({"aggregation_rule": "krum", "num_malicious": 1}, 4, "needs 5 checked replies, got 4"),
+        ({"aggregation_rule": "multi-krum", "num_malicious": 1}, 4, "needs 5 checked replies"),
+        (
+            {"aggregation_rule": "multi-krum", "num_malicious": 1, "krum_select": 5},
+            5,
+            "krum-select = 5 and num-malicious = 1 needs 6 checked replies, got 5",
+        ),
+    ],
+)
+def test_krum_and_multi_krum_skip_a_round_too_small_for_their_guarantee(
+    options: dict, count: int, message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Krum with n <= 2f + 2 replies, or Multi-Krum asked for more than n - f of them (which
+    would average in the f it assumes malicious), forms no aggregate and says why, where they
+    used to run on (Multi-Krum quietly becoming the plain mean, attacker included)."""
+    states = client_states(count, 1, seed=2)
+    grid, sent = same_replies(states, [1.0] * count)
+    strategy = FedAvg(min_available_nodes=count, **options)
+    messages = strategy.configure_train(1, sent, ConfigRecord(), grid)
+    with caplog.at_level(logging.WARNING):
+        arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert arrays is None
+    assert any(message in r.getMessage() for r in caplog.records)
+    enough = FedAvg(min_available_nodes=count + 1, **options)
+    grid, sent = same_replies(client_states(count + 1, 1, seed=2), [1.0] * (count + 1))
+    messages = enough.configure_train(1, sent, ConfigRecord(), grid)
+    assert enough.aggregate_train(1, grid.send_and_receive(messages))[0] is not None
+
+
+@pytest.mark.parametrize(
     ("settings", "message"),
     [
         ({"name": "mean"}, "robust rule must be one of"),

@@ -155,10 +155,17 @@ def received_state(
     compression: CompressionConfig,
 ) -> tuple[int, dict[str, Tensor]]:
     """(t, R_t) of a train message's download, given the (version, reference) a node holds;
-    ValueError saying why when it cannot be rebuilt."""
+    ValueError saying why when it cannot be rebuilt, when its version lies below its base, or
+    when what it rebuilds is not finite."""
     version, base = int(config[DOWNLOAD_VERSION]), int(config[DOWNLOAD_BASE])
+    if not 0 <= base <= version:
+        raise ValueError(f"the download's version {version} is below its base {base}")
+    if held is not None and version < held[0]:
+        raise ValueError(
+            f"the download's version {version} is older than the version {held[0]} this node holds"
+        )
     if base == 0:
-        return version, arrays_to_state(arrays)
+        return version, finite_state(arrays_to_state(arrays), version)
     if held is None or held[0] != base:
         have = "no version" if held is None else f"version {held[0]}"
         raise ValueError(
@@ -167,7 +174,17 @@ def received_state(
             "rebuild the global; the server sends it whole next time"
         )
     records = chain_records(arrays)
-    return version, rebuilt_chain(held[1], base, records, version, compression)
+    return version, finite_state(
+        rebuilt_chain(held[1], base, records, version, compression), version
+    )
+
+
+def finite_state(state: dict[str, Tensor], version: int) -> dict[str, Tensor]:
+    """`state` if every floating entry is finite; ValueError naming the version and key."""
+    for key, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"the rebuilt global of version {version} is not finite at {key!r}")
+    return state
 
 
 def compressed_download_mod(

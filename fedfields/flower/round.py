@@ -564,6 +564,11 @@ def reply_metrics(reply: Message) -> dict[str, Any]:
     return dict(reply.content.metric_records.get(METRICS, {}))
 
 
+MIN_NUM_EXAMPLES = 1e-6
+"""Least "num-examples" a weighted reply may carry: smaller weights (down to 5e-324) make the
+products w_k x_k subnormal, and a mean of them off by tens of percent."""
+
+
 @dataclass(frozen=True)
 class ReplyGate:
     """The caps a reply must stay within (None: no cap) and the compression its ARRAYS record
@@ -645,7 +650,11 @@ class ReplyGate:
                 checked = CheckedReply(reply.metadata.src_node_id, states)
                 if weighted:
                     checked.weight = reply_metric(
-                        reply, NUM_EXAMPLES, positive=True, at_most=self.max_num_examples
+                        reply,
+                        NUM_EXAMPLES,
+                        positive=True,
+                        at_least=MIN_NUM_EXAMPLES,
+                        at_most=self.max_num_examples,
                     )
                 checked.scalars = {
                     key: reply_metric(reply, key, positive=True, at_least=floor, at_most=cap)
@@ -721,8 +730,9 @@ class ReplyGate:
         mismatch = "the replies' arrays did not match the global model's keys and shapes"
         reasons = {
             NUM_EXAMPLES: (
-                f"the clients must report a positive, finite {NUM_EXAMPLES!r} metric (at most "
-                f"max-num-examples = {self.max_num_examples or math.inf:g})"
+                f"the clients must report a finite {NUM_EXAMPLES!r} metric of at least "
+                f"{MIN_NUM_EXAMPLES:g} (at most max-num-examples = "
+                f"{self.max_num_examples or math.inf:g})"
             ),
             TRAIN_STEPS: (
                 f"the clients must report {TRAIN_STEPS!r} (the local steps each took, from 1 "

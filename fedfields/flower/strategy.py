@@ -847,10 +847,8 @@ class MethodStrategy(ProtocolStrategy):
         summed = train_round.sum(replies, shapes, fold=lambda r: states.append(r.states[ARRAYS]))
         if summed is None:
             return None
-        if len(states) < rule.least_states():
-            log(WARNING, "round %d: %s with num-malicious = %d needs %d checked replies, got %d: "
-                "no aggregate", train_round.ledger.server_round, rule.name, rule.num_malicious,
-                rule.least_states(), len(states))  # fmt: skip
+        if shortfall := rule.shortfall(len(states)):
+            log(WARNING, "round %d: %s: no aggregate", train_round.ledger.server_round, shortfall)
             return None
         return robust_aggregate(rule, states, summed.weights)
 

@@ -54,8 +54,30 @@ class RobustRule:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
     def least_states(self) -> int:
-        """The fewest states the rule aggregates: 4f + 3 for Bulyan, else 1."""
-        return 4 * self.num_malicious + 3 if self.name == "bulyan" else 1
+        """The fewest states the rule aggregates: 4f + 3 for Bulyan, 2f + 3 for Krum and
+        Multi-Krum (their guarantee needs n > 2f + 2), else 1."""
+        if self.name == "bulyan":
+            return 4 * self.num_malicious + 3
+        if self.name in ("krum", "multi-krum"):
+            return 2 * self.num_malicious + 3
+        return 1
+
+    def shortfall(self, count: int) -> str:
+        """Why `count` states are too few for the rule ("" when they are enough): fewer than
+        `least_states`, or fewer than Multi-Krum's m + f (it would average in the f it
+        assumes malicious)."""
+        if count < self.least_states():
+            return (
+                f"{self.name} with num-malicious = {self.num_malicious} needs "
+                f"{self.least_states()} checked replies, got {count}"
+            )
+        if self.name == "multi-krum" and self.krum_select > count - self.num_malicious:
+            return (
+                f"multi-krum with krum-select = {self.krum_select} and num-malicious = "
+                f"{self.num_malicious} needs {self.krum_select + self.num_malicious} checked "
+                f"replies, got {count}"
+            )
+        return ""
 
 
 DEFAULT_TRIM_FRACTION = 0.2
