@@ -60,6 +60,7 @@ from fedfields.flower.protocol import (
     NUM_FAILURES,
     NUM_REPLIES,
     SECURE_SUM_LAYOUT,
+    SECURE_SUM_STAGE,
     TRAIN_LOSS,
     arrays_to_state,
     state_to_arrays,
@@ -405,6 +406,31 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
     assert all("secure-weight" not in m.content[CONFIG] for m in sent)  # uniform weights
     assert all(m.content[CONFIG]["dp-min-holders"] == 3 for m in sent)
+    assert secure_stages(grid) and "bounds" not in secure_stages(grid)  # range from C, z, t
+
+
+def secure_stages(grid: InProcessGrid) -> set[str]:
+    """The fedfields secure-sum stages the server's SecAgg+ messages asked for."""
+    return {
+        str(m.content.config_records["fitins.config"][SECURE_SUM_STAGE])
+        for m in grid.sent
+        if "fitins.config" in m.content.config_records
+        and SECURE_SUM_STAGE in m.content.config_records["fitins.config"]
+    }
+
+
+def test_without_dp_a_secure_sum_first_asks_for_bounds() -> None:
+    """The contrast: a plaintext-weighted secure round (no DP) plans its range from a bounds
+    stage, so the assertion above that DP runs none can fail."""
+    reference = big_state(0)
+    updates = [big_state(seed, 0.01) for seed in range(1, 5)]
+    grid = InProcessGrid([secure(node) for node in fixed_nodes(reference, updates, [1] * 4)])
+    strategy = FedAvg(
+        min_available_nodes=4,
+        secure_aggregation=SecureAggregationConfig(reconstruction_threshold=3),
+    )
+    arrays, _ = train_round(strategy, grid, state_to_arrays(reference))
+    assert arrays is not None and "bounds" in secure_stages(grid)
 
 
 def dropping_first(count: int) -> Callable:
