@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from datetime import UTC, datetime
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from fedfields.flower.resume import (
     resumed_history,
     save_round_checkpoint,
 )
-from fedfields.flower.round import RoundLedger, RoundOutcome
+from fedfields.flower.round import RoundLedger, RoundOutcome, journal_charge
 from fedfields.flower.round_loop import RoundEndFn, RoundLoop
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings
@@ -238,9 +238,11 @@ def run_strategy_job(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path
         report.resuming(initial)
         report.history = resumed_history(run_dir, checkpoint.server_round)
         checkpoint.restore(strategy)
+        charge_journal(run_dir, checkpoint.server_round, strategy)
         arrays = checkpoint.arrays()
         log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)
         loop = RoundLoop(strategy, num_rounds, checkpoint.server_round + 1)  # restored charges
+    keep_journal(run_dir, strategy)
     assert loop is not None, "a fresh run builds its loop first, a resumed one from its checkpoint"
     with report.tracking(config, tracking, resumed_after):
         if checkpoint is None:
@@ -257,6 +259,39 @@ def run_strategy_job(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path
     log(INFO, "fedfields: final %s", json.dumps(summary["final"]))
     log(INFO, "fedfields: run directory %s", run_dir.resolve())
     return run_dir
+
+
+DP_JOURNAL = "dp-journal.json"
+"""A run directory's write-ahead record of noised sums released before their round was
+charged (`RoundPrivacy.write_ahead`)."""
+
+
+def keep_journal(run_dir: Path, strategy: ProtocolStrategy) -> None:
+    """Have a DP strategy write its early releases to the run's journal, atomically."""
+    if strategy.privacy is not None:
+        strategy.privacy.journal = lambda entry: atomic.write_json(run_dir / DP_JOURNAL, entry)
+
+
+def charge_journal(run_dir: Path, resumed_after: int, strategy: ProtocolStrategy) -> None:
+    """Charge what the journal says a round past the checkpoint released before the crash
+    (its noised sums left the server, its charge was never written), with a WARNING."""
+    path = run_dir / DP_JOURNAL
+    if strategy.privacy is None or not path.exists():
+        return
+    try:
+        entry = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ResumeError(f"cannot resume {run_dir}: {DP_JOURNAL} is malformed: {error}") from None
+    if int(entry.get("round", 0)) <= resumed_after or not entry.get("multipliers"):
+        return
+    try:
+        charge = journal_charge(entry)
+    except ValueError as error:
+        raise ResumeError(f"cannot resume {run_dir}: {error}") from None
+    accountant = strategy.privacy.accountant
+    epsilon = accountant.charge(*astuple(charge))
+    log(WARNING, "fedfields: round %d released noised sums before the run stopped; charged "
+        "(z = %.4g): epsilon %.4g", entry["round"], charge.noise_multiplier, epsilon)  # fmt: skip
 
 
 def attach(grid: Grid, observers: Sequence[Observer]) -> Grid:

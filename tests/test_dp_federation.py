@@ -13,7 +13,7 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -55,6 +55,7 @@ from fedfields.flower import (
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
+    GRADIENT,
     NUM_DROPPED,
     NUM_EXAMPLES,
     NUM_FAILURES,
@@ -65,7 +66,12 @@ from fedfields.flower.protocol import (
     arrays_to_state,
     state_to_arrays,
 )
-from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
+from fedfields.flower.resume import (
+    ResumeError,
+    RoundCheckpoint,
+    load_round_checkpoint,
+    save_round_checkpoint,
+)
 from fedfields.flower.round import DP_EPSILON, DP_ROUND_MULTIPLIER
 from fedfields.flower.secure_aggregation import (
     CALIBRATED_STATE,
@@ -843,3 +849,65 @@ def test_a_floored_node_sums_no_unnoised_held_metric() -> None:
     assert floored in trained  # it trained and held: the stage is where it says no
     assert metrics[NUM_REPLIES] == 3  # the masked sum formed over the other three
     assert len(errors) == 1 and "carry no noise (train-loss)" in errors[0]
+
+
+# ------------------------------------------------------------------ the write-ahead journal
+
+
+class CrashingGrid(InProcessGrid):
+    """Raises (the server crashes) when it is asked to push train messages carrying G."""
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        if any(m.metadata.message_type == "train" and GRADIENT in m.content for m in messages):
+            raise RuntimeError("the server crashed sending G")
+        return super().push_messages(messages)
+
+
+def test_a_noised_g_released_before_a_crash_is_charged_when_the_run_resumes(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """DecentNeRF under central DP sends round 2's noised G with its train messages before
+    the round is charged. The server writes the release to the run's journal first; when it
+    crashes right there, the resumed run charges that release (z, 3 of 3) besides round 1's
+    and the rerun round 2's, so the epsilon it reports is the one the releases earned."""
+    from test_method_digests import SMALL_SCENE
+
+    import strategies
+    from simulations.federated_nerf import run_federated_nerf
+    from simulations.job import DP_JOURNAL
+    from simulations.run import client_app
+
+    z = 0.01  # small enough that the noised alpha sums form aggregates
+    config = {**SMALL_SCENE, "data-dir": str(crowd_dir), "state-dir": str(tmp_path / "nodes"),
+              "run-dir": str(tmp_path / "run"), "strategy": "decentnerf", "num-server-rounds": 2,
+              "dp-noise-multiplier": z, "dp-clip-norm": 1.0, "dp-max-noise-ratio": 0.0,
+              "max-empty-rounds": 0}  # fmt: skip
+    with pytest.raises(RuntimeError, match="crashed sending G"):
+        run_federated_nerf(
+            CrashingGrid([client_app(config)] * 3), strategies.parse_app_config(config)
+        )
+    journal = json.loads((tmp_path / "run" / DP_JOURNAL).read_text())
+    assert journal == {"round": 2, "multipliers": [z], "sampled": 3, "population": 3}
+    resumed = {**config, "resume": True}
+    grid = InProcessGrid([client_app(resumed)] * 3, raise_errors=True)
+    run_dir = run_federated_nerf(grid, strategies.parse_app_config(resumed))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    charges = [RoundCharge(1.0, z, 3, 3), RoundCharge(1.0, z, 3, 3),
+               RoundCharge(1.0, z / math.sqrt(2), 3, 3)]  # fmt: skip
+    assert lines[-1][DP_EPSILON] == pytest.approx(epsilon_of(charges, 1e-5), rel=1e-12)
+    assert lines[0][DP_EPSILON] == pytest.approx(epsilon_of(charges[:1], 1e-5), rel=1e-12)
+
+
+def test_a_malformed_journal_stops_the_resume_naming_the_file(tmp_path: Path) -> None:
+    from simulations.job import DP_JOURNAL, charge_journal
+
+    strategy = FedAvg(differential_privacy=DPConfig(1.0, 1.0))
+    (tmp_path / DP_JOURNAL).write_text('{"round": 3, "multipliers": [1.0]')
+    with pytest.raises(ResumeError, match="dp-journal.json is malformed"):
+        charge_journal(tmp_path, 2, strategy)
+    (tmp_path / DP_JOURNAL).write_text('{"round": 3, "multipliers": [1.0], "sampled": 2}')
+    with pytest.raises(ResumeError, match="DP journal entry is malformed"):
+        charge_journal(tmp_path, 2, strategy)
+    charge_journal(tmp_path, 3, strategy)  # the round finished: nothing to charge
+    assert strategy.privacy is not None and strategy.privacy.accountant.charges == ()

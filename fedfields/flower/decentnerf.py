@@ -181,6 +181,8 @@ class DecentNeRF(ProtocolStrategy):
         if server_round >= 2 and train_round.ledger.node_ids:
             gradient_sum = self.gradient_sum(train_round, arrays, train_config, grid)
             if gradient_sum is not None:
+                if self.privacy is not None:  # G leaves before the round is charged
+                    self.privacy.write_ahead(train_round.ledger)
                 records[GRADIENT] = self.gradient_record(server_round, gradient_sum, train_config)
                 if self.last_aggregate is not None:
                     train_config[AGGREGATE_ROUND], train_config[ALPHA_SUM] = self.last_aggregate

@@ -970,6 +970,18 @@ def with_reference(
     return summed
 
 
+def journal_charge(entry: Mapping[str, Any]) -> RoundCharge:
+    """The charge of a journal entry (`RoundPrivacy.write_ahead`): its round's released sums
+    combined, k of n; ValueError naming what is malformed."""
+    try:
+        multipliers = [float(z) for z in entry["multipliers"]]
+        sampled, population = int(entry["sampled"]), int(entry["population"])
+        z = combined_noise_multiplier(multipliers)
+        return RoundCharge(sampled / population, z, sampled, population)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise ValueError(f"DP journal entry is malformed: {error}") from None
+
+
 def sum_failure(ledger: RoundLedger, reason: str) -> None:
     """Count a sum that cannot be used (a halted or unusable secure sum, a summed weight
     that is not positive; "secure-sum-failures" under secure aggregation) and log it; None."""
@@ -1047,6 +1059,10 @@ class RoundPrivacy:
         self.payload_noise_std = 0.0
         """Std of the noise on each entry of the latest payload sum (at least; more holders
         add more), z C at the C it was clipped to."""
+        self.journal: Callable[[dict[str, Any]], None] | None = None
+        """Where a noised sum released before its round is charged is written first (a run
+        directory's file, `simulations.job`), so a crash between the two cannot leave it
+        uncharged: a resumed run charges what the journal holds past its checkpoint."""
 
     def before_round(
         self, server_round: int, num_sampled: int, connected: int, num_params: int, first: bool
@@ -1222,6 +1238,32 @@ class RoundPrivacy:
             )
             raise PrivacyBudgetSpent(self.stop)
 
+    def multipliers(self, ledger: RoundLedger) -> list[float]:
+        """The noise multipliers of the sums `ledger`'s round has released so far: each
+        plaintext sum's, each unmasked secure sum's z sqrt(h / t) for its h holders."""
+        multipliers = list(ledger.dp_multipliers)
+        if self.secure_aggregation is not None:
+            z, holders = self.config.noise_multiplier, ledger.min_holders
+            multipliers += [
+                effective_noise_multiplier(z, holders, summed) for summed in ledger.unmasked_holders
+            ]
+        return multipliers
+
+    def write_ahead(self, ledger: RoundLedger) -> None:
+        """Before a noised sum leaves the server ahead of its round's charge (a query's sum
+        sent with the train messages), write what the round has released so far to the
+        journal; a resumed run charges it if the round never finished (`journal_charge`)."""
+        if self.journal is None:
+            return
+        self.journal(
+            {
+                "round": ledger.server_round,
+                "multipliers": self.multipliers(ledger),
+                "sampled": len(ledger.node_ids),
+                "population": ledger.num_nodes_total,
+            }
+        )
+
     def charge(self, ledger: RoundLedger) -> dict[str, float]:
         """Charge the round's noised sums once (q = sampled / connected, z combined over its
         sums: each plaintext sum released, each secure sum unmasked, used or not, at
@@ -1230,12 +1272,7 @@ class RoundPrivacy:
         metrics: dict[str, float] = {}
         if self.config.adaptive is not None:
             metrics[DP_NEXT_CLIP_NORM] = self.clip_norm
-        multipliers = list(ledger.dp_multipliers)
-        if self.secure_aggregation is not None:
-            z, holders = self.config.noise_multiplier, ledger.min_holders
-            multipliers += [
-                effective_noise_multiplier(z, holders, summed) for summed in ledger.unmasked_holders
-            ]
+        multipliers = self.multipliers(ledger)
         if not ledger.dp_charged and multipliers:
             ledger.dp_charged = True
             z = combined_noise_multiplier(multipliers)
