@@ -177,7 +177,7 @@ def test_a_bad_value_names_its_key_and_value(run_config: dict, message: str) -> 
         ({"trim-fraction": -0.1}, r"'trim-fraction' must be in \[0, 0.5\), got -0.1"),
         ({"max-update-norm": -1.0}, r"'max-update-norm' must be finite and >= 0, got -1.0"),
         ({"max-num-examples": float("inf")}, r"'max-num-examples' must be finite and >= 0"),
-        ({"alpha-max": 0.0}, r"'alpha-max' must be finite and > 0, got 0.0"),
+        ({"alpha-max": 0.0}, r"'alpha-max' must be in \[1, 1e\+06\], got 0.0"),
         (
             {"aggregation-rule": "median"},
             r"'aggregation-rule' 'median' is for strategies .*; strategy 'decentnerf'",

@@ -46,10 +46,10 @@ from fedfields.methods import (
 from fedfields.methods.base import check_scalar, update_norm
 from fedfields.methods.settings import (
     NON_NEGATIVE,
-    POSITIVE,
     StrategySettings,
     optional_cap,
     setting,
+    within,
 )
 
 DEFAULT_ALPHA_MAX = 100.0
@@ -81,8 +81,9 @@ class DecentNeRFSettings(StrategySettings):
     alpha_max: float = setting(
         DEFAULT_ALPHA_MAX,
         "alpha-max",
-        "DecentNeRF: a reply with alpha_k outside [alpha-max * 1e-6, alpha-max] is dropped",
-        POSITIVE,
+        "DecentNeRF: a reply with alpha_k outside [alpha-max * 1e-6, alpha-max] is dropped; "
+        "in [1, 1e6] (alphas start at 1; a larger one overflows the float32 payload)",
+        within(1.0, 1e6),
     )
     max_gradient_norm: float = setting(
         DEFAULT_MAX_GRADIENT_NORM,

@@ -31,7 +31,12 @@ from fedfields.methods.base import (
     like,
 )
 from fedfields.methods.fedprox import PROXIMAL_MU, proximal_hooks
-from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.settings import (
+    MAX_LOSS_WEIGHT,
+    StrategySettings,
+    setting,
+    within,
+)
 
 FEDACG_LAMBDA = 0.2
 FEDACG_BETA = 0.1
@@ -70,13 +75,16 @@ class FedACGSettings(StrategySettings):
 
     robust_rules = True
     momentum: float = setting(
-        FEDACG_LAMBDA, "fedacg-lambda", "FedACG's server momentum lambda", NON_NEGATIVE
+        FEDACG_LAMBDA,
+        "fedacg-lambda",
+        "FedACG's server momentum lambda, in [0, 1)",
+        within(0.0, 1.0, high_open=True),
     )
     beta: float = setting(
         FEDACG_BETA,
         "fedacg-beta",
-        "FedACG's proximal weight beta around the lookahead",
-        NON_NEGATIVE,
+        "FedACG's proximal weight beta around the lookahead, at most 1e6",
+        within(0.0, MAX_LOSS_WEIGHT),
     )
 
 

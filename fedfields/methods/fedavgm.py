@@ -25,7 +25,12 @@ from fedfields.methods.base import (
     check_states,
     like,
 )
-from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.settings import (
+    MAX_STEP_SCALE,
+    StrategySettings,
+    setting,
+    within,
+)
 
 FEDAVGM_LEARNING_RATE = 1.0
 FEDAVGM_MOMENTUM = 0.0
@@ -72,8 +77,8 @@ class ServerOptimiserSettings(StrategySettings):
         0.0,
         "server-learning-rate",
         "eta of the server optimiser (0: Flower's default: fedavgm 1, fedadam 0.1, fedyogi "
-        "0.01, fedadagrad 0.1)",
-        NON_NEGATIVE,
+        "0.01, fedadagrad 0.1); at most 1000",
+        within(0.0, MAX_STEP_SCALE),
     )
 
     def arguments(self) -> dict[str, Any]:

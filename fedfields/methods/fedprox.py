@@ -18,7 +18,12 @@ import torch
 from torch import Tensor
 
 from fedfields.methods.base import ARRAYS, ClientHook, Kept, Method, State, on_device
-from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, setting
+from fedfields.methods.settings import (
+    MAX_LOSS_WEIGHT,
+    StrategySettings,
+    setting,
+    within,
+)
 
 Parameters = Iterable[Tensor] | Mapping[str, Tensor]
 
@@ -32,7 +37,10 @@ class FedProxSettings(StrategySettings):
 
     robust_rules = True
     proximal_mu: float = setting(
-        0.01, "proximal-mu", "FedProx mu (scene and meta tasks)", NON_NEGATIVE
+        0.01,
+        "proximal-mu",
+        "FedProx mu (scene and meta tasks), at most 1e6",
+        within(0.0, MAX_LOSS_WEIGHT),
     )
 
 

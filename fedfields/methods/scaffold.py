@@ -44,7 +44,14 @@ from fedfields.methods.base import (
     on_device,
     to_wire,
 )
-from fedfields.methods.settings import NON_NEGATIVE, StrategySettings, optional_cap, setting
+from fedfields.methods.settings import (
+    MAX_STEP_SCALE,
+    NON_NEGATIVE,
+    StrategySettings,
+    optional_cap,
+    setting,
+    within,
+)
 
 SERVER_CONTROL = "server-control"
 """Train-message record: the server control variate c, the keys of ARRAYS."""
@@ -136,7 +143,10 @@ class ScaffoldSettings(StrategySettings):
     """Scaffold's run-config keys."""
 
     global_lr: float = setting(
-        1.0, "scaffold-global-lr", "Scaffold's server step size", NON_NEGATIVE
+        1.0,
+        "scaffold-global-lr",
+        "Scaffold's server step size, in (0, 1000]",
+        within(0.0, MAX_STEP_SCALE, low_open=True),
     )
     max_control_norm: float = setting(
         DEFAULT_MAX_CONTROL_NORM,

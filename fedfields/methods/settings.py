@@ -19,6 +19,25 @@ Rule = tuple[Callable[[Any], bool], str]
 
 NON_NEGATIVE: Rule = (lambda value: math.isfinite(value) and value >= 0, "finite and >= 0")
 POSITIVE: Rule = (lambda value: math.isfinite(value) and value > 0, "finite and > 0")
+
+
+def within(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Rule:
+    """A value in the interval from `low` to `high` (each end closed unless said open)."""
+
+    def check(value: float) -> bool:
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return math.isfinite(value) and above and below
+
+    words = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    return (check, words)
+
+
+MAX_STEP_SCALE = 1e3
+"""Largest server learning rate a run-config may set: a step a thousand times the mean update."""
+MAX_LOSS_WEIGHT = 1e6
+"""Largest weight of a proximal term a run-config may set: beyond it the term alone overflows
+a float32 loss once the weights move."""
 MISSPELT_CUTOFF = 0.85
 """difflib similarity above which an unknown key is taken for a misspelling of a known one
 ("beta-l" of "beta-1"; "beta-1" and "beta-2" stay apart)."""
