@@ -36,8 +36,8 @@ def within(low: float, high: float, *, low_open: bool = False, high_open: bool =
 MAX_STEP_SCALE = 1e3
 """Largest server learning rate a run-config may set: a step a thousand times the mean update."""
 MAX_LOSS_WEIGHT = 1e6
-"""Largest weight of a proximal term a run-config may set: beyond it the term alone overflows
-a float32 loss once the weights move."""
+"""Largest weight a run-config may give a penalty term of the local loss: beyond it the term
+overflows a float32 loss once the weights move."""
 MISSPELT_CUTOFF = 0.85
 """difflib similarity above which an unknown key is taken for a misspelling of a known one
 ("beta-l" of "beta-1"; "beta-1" and "beta-2" stay apart)."""
