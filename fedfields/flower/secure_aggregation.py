@@ -166,9 +166,8 @@ def floor_refusal(config: ConfigRecord, floor: float) -> str:
     z = requested_multiplier(config)
     if not z >= floor:
         return f"the server asked for z = {z:g}"
-    for key in (DP_CLIP_NORM, DP_GRADIENT_CLIP_NORM):
-        if key not in config and key == DP_GRADIENT_CLIP_NORM:
-            continue
+    norms = [DP_CLIP_NORM] + ([DP_GRADIENT_CLIP_NORM] if DP_GRADIENT_CLIP_NORM in config else [])
+    for key in norms:
         norm = _number(config.get(key))
         if not (math.isfinite(norm) and norm > 0):
             return f"the message's {key!r} is {config.get(key)!r}, not a positive finite norm"
