@@ -638,7 +638,7 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
     assert epsilon_of([RoundCharge(1.0, charged, 3, 3)] * 2 + [RoundCharge(1.0, 2.0, 3, 3)],
                       1e-5) > target  # fmt: skip
     run_config = (
-        "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=2.0 dp-clip-norm=1.0 "
+        "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=2.0 dp-clip-norm=0.1 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
         "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
         "client-eval-views=0 dp-max-noise-ratio=0"
