@@ -298,6 +298,29 @@ def test_photos_clients_hold_two_crops_each_and_none_is_held_out() -> None:
     assert model(torch.zeros(5, 2)).shape == (5, 3)
 
 
+def test_photo_crop_and_size_give_a_thousand_clients_their_own_crops() -> None:
+    """photo-crop 24 cuts 2,975 disjoint crops: 1,000 clients hold two each of
+    photo-size x photo-size, none held out; a size above its crop or 0 is refused by name."""
+    config = parse_app_config(
+        {"task": "photos", "num-clients": 1000, "photo-crop": 24, "photo-size": 16}
+    )
+    settings = meta_settings(config)
+    held = {task.name for task in heldout_meta_tasks(config, settings)}
+    names = [
+        task.name
+        for client in (0, 1, 500, 999)
+        for task in client_meta_tasks(config, settings, client)
+    ]
+    assert len(set(names)) == 8 and not held & set(names)
+    assert client_meta_tasks(config, settings, 999)[0].num_examples == 16 * 16
+    for bad in ({"photo-size": 32, "photo-crop": 24}, {"photo-size": 0}, {"photo-crop": 5000}):
+        with pytest.raises(ValueError, match="photo-"):
+            parse_app_config({"task": "photos", **bad})
+    default = parse_app_config({"task": "photos", "num-clients": 1000})
+    with pytest.raises(ValueError, match="2010 crops of 128 px"):
+        client_meta_tasks(default, meta_settings(default), 0)
+
+
 def test_a_failing_node_is_counted_and_the_round_goes_on(tmp_path: Path) -> None:
     config = tiny(tmp_path / "run", **{"num-server-rounds": 1, "clients-per-round": 4})
 

@@ -91,6 +91,8 @@ DP_KEYS = (
 MAX_SEED = (1 << 31) - 1
 """Largest run-config seed: every generator derived from it (torch's, numpy's, the client and
 download seeds, which add rounds and users to multiples of it) stays in range."""
+MAX_PHOTO_PIXELS = 1024
+"""Largest photo-crop and photo-size: the largest bundled photo's side."""
 
 
 def key(default: Any, doc: str) -> Any:
@@ -259,6 +261,12 @@ class MetaSection:
     )
     tto_lr: float = key(0.0, "its Adam learning rate (0.0001, 0.0001, 0.0001, 0.001)")
     privacy_audit: bool = key(True, "simulation only: PSNR_p of each upload against its data")
+    photo_crop: int = key(
+        128,
+        "task photos: side of each disjoint crop in photo pixels (the photos hold 91 crops of "
+        "128, 401 of 64, 2975 of 24; two a client plus the held-out ones)",
+    )
+    photo_size: int = key(64, "task photos: the crops resized to this side (<= photo-crop)")
 
     def __post_init__(self) -> None:
         _choice(self, "meta_learner", LEARNERS)
@@ -267,6 +275,10 @@ class MetaSection:
         counts = ["num_clients", "outer_steps", "inner_steps", "tto_steps"]
         _check(self, counts, lambda v: v >= 0, ">= 0 (0: the task's preset)")
         _check(self, ["gamma"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        pixels = f"in [1, {MAX_PHOTO_PIXELS}]"
+        _check(self, ["photo_size"], lambda v: 1 <= v <= MAX_PHOTO_PIXELS, pixels)
+        _check(self, ["photo_crop"], lambda v: self.photo_size <= v <= MAX_PHOTO_PIXELS,
+               f"in [photo-size, {MAX_PHOTO_PIXELS}]")  # fmt: skip
         rates = ["privacy_budget", "memorising_bound", "inner_lr", "outer_lr", "tto_lr"]
         _check(self, rates, _finite(0.0), "finite and >= 0")
 

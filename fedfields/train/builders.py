@@ -204,7 +204,8 @@ def client_meta_tasks(
     """Client `client`'s private tasks (its D_train): faces, photo crops, a clip, or an object.
 
     faces: the LFW faces outside the held-out ones, dealt IID to the N clients by `seed`;
-    photos: `PHOTOS_PER_CLIENT` crops of `photo_crops`, dealt the same way;
+    photos: `PHOTOS_PER_CLIENT` crops of `photo_crops` (run-config photo-crop, photo-size), dealt
+    the same way;
     video: clip `client` of `video_clips` (both scikit-image's, picked by the client's index);
     objects: the object in `object_dir`, the client's own folder (its node's data-dir).
     """
@@ -216,7 +217,11 @@ def client_meta_tasks(
         return [_object_task(Path(object_dir), config.common.downscale)]
     return list(
         _coordinate_tasks(
-            config.common.task, settings.num_clients, settings.heldout_tasks, config.common.seed
+            config.common.task,
+            settings.num_clients,
+            settings.heldout_tasks,
+            config.common.seed,
+            (config.meta.photo_crop, config.meta.photo_size),
         )[client]
     )
 
@@ -233,7 +238,11 @@ def heldout_meta_tasks(config: FederatedConfig, settings: MetaSettings) -> list[
         return [_object_task(folder, config.common.downscale) for folder in folders]
     return list(
         _coordinate_tasks(
-            config.common.task, settings.num_clients, settings.heldout_tasks, config.common.seed
+            config.common.task,
+            settings.num_clients,
+            settings.heldout_tasks,
+            config.common.seed,
+            (config.meta.photo_crop, config.meta.photo_size),
         )[-1]
     )
 
@@ -257,15 +266,17 @@ PHOTOS_PER_CLIENT = 2
 
 @lru_cache(maxsize=8)
 def _coordinate_tasks(
-    task: str, num_clients: int, heldout: int, seed: int
+    task: str, num_clients: int, heldout: int, seed: int, photo: tuple[int, int]
 ) -> tuple[tuple[CoordinateTask, ...], ...]:
     """Each client's faces, crops or clip, then the held-out ones last (built once per
-    process)."""
+    process); `photo` is the photos' (crop, size) in pixels."""
     if task == "video":
         clips = coordinate_tasks(video_clips(num_clients + heldout))
         return (*((clip,) for clip in clips[:num_clients]), tuple(clips[num_clients:]))
     if task == "photos":
-        crops = coordinate_tasks(photo_crops(PHOTOS_PER_CLIENT * num_clients + heldout, seed=seed))
+        crop, size = photo
+        count = PHOTOS_PER_CLIENT * num_clients + heldout
+        crops = coordinate_tasks(photo_crops(count, size=size, crop=crop, seed=seed))
         groups = client_tasks(crops[: len(crops) - heldout], num_clients, seed)
         return (*(tuple(group) for group in groups), tuple(crops[len(crops) - heldout :]))
     if num_clients + heldout > LFW_FACES:
