@@ -12,7 +12,7 @@ node's residual (`fedfields.flower.upload_compression.compressed_parts`), a cont
 variate's delta and a gradient query's G_k as their compressed records; a compressed download
 is rebuilt into the global first
 (`fedfields.flower.compressed_downloads.compressed_download_mod`). The server's
-"query.user_key" is answered with the node's user key (`fedfields.flower.user_keys`), by
+"query.user_key" is answered with the node's user key (`fedfields.flower.node.answer_user_key`), by
 which it samples and sums. With run-config
 `secure-aggregation` on, `secure_aggregation_mod` holds all of it back
 for Flower's SecAgg+ (`fedfields.flower.secure_aggregation`).
@@ -28,9 +28,15 @@ from flwr.clientapp import ClientApp
 from clients.client_call import ClientCall
 from clients.halves import half_for
 from fedfields.flower import compressed_download_mod, secure_aggregation_mod
-from fedfields.flower.protocol import CLIENT, CLIENT_INDEX, CLIENT_SECONDS, ReplyParts
+from fedfields.flower.node import answer_user_key
+from fedfields.flower.protocol import (
+    CLIENT,
+    CLIENT_INDEX,
+    CLIENT_SECONDS,
+    USER_KEY_ACTION,
+    ReplyParts,
+)
 from fedfields.flower.upload_compression import compressed_gradient, compressed_parts
-from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from fedfields.train.builders import client_seed
 
 QUERY_TIMING = "query-timing"  # node-state values: {"round", "seconds"} of the last G_k query

@@ -43,7 +43,7 @@ from fedfields.flower.resume import (
     save_round_checkpoint,
 )
 from fedfields.flower.round import RoundLedger, RoundOutcome, journal_charge
-from fedfields.flower.round_loop import RoundEndFn, RoundLoop
+from fedfields.flower.strategy import RoundEndFn, RoundLoop
 from fedfields.report import write_report
 from fedfields.tracking import RunTracker, TrackingSettings
 from simulations.observers import Observer
@@ -196,7 +196,7 @@ def reply_counts(metrics: dict[str, Any]) -> str:
 
 def round_users(ledger: RoundLedger) -> dict[str, list[str]]:
     """The round's sampled users and the users whose replies its aggregate summed, by user
-    key in the order they were summed (`fedfields.flower.user_keys`)."""
+    key in the order they were summed (`fedfields.flower.strategy.UserKeys`)."""
     return {"users-sampled": list(ledger.users), "users-summed": ledger.summed_users}
 
 

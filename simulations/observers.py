@@ -22,7 +22,7 @@ from flwr.serverapp import Grid
 
 from fedfields.flower.compressed_downloads import followed
 from fedfields.flower.protocol import ARRAYS, CLIENT, CLIENT_INDEX, state_to_arrays
-from fedfields.flower.round_loop import ForwardingGrid
+from fedfields.flower.strategy import ForwardingGrid
 from fedfields.flower.upload_compression import uploaded_arrays
 
 

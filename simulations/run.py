@@ -22,9 +22,9 @@ from flwr.serverapp import Grid, ServerApp
 from clients import client_app as nerf_client
 from fedfields.devices import resolve_device
 from fedfields.flower.compressed_downloads import compressed_download_mod
-from fedfields.flower.protocol import GRADIENT_QUERY
+from fedfields.flower.node import answer_user_key
+from fedfields.flower.protocol import GRADIENT_QUERY, USER_KEY_ACTION
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
 from simulations.server_app import run_job
 from strategies import parse_app_config
 

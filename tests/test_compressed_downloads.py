@@ -29,6 +29,7 @@ from fedfields.flower.compressed_downloads import (
     DownloadSender,
     followed,
 )
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
@@ -40,13 +41,13 @@ from fedfields.flower.protocol import (
     NUM_EXAMPLES,
     NUM_FAILURES,
     NUM_REPLIES,
+    USER_KEY_MESSAGE_TYPE,
     ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
 from fedfields.flower.resume import RoundCheckpoint, load_round_checkpoint, save_round_checkpoint
 from fedfields.flower.upload_compression import compressed_parts, compression_entries
-from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from simulations.in_process_grid import InProcessGrid
 
 State = dict[str, Tensor]

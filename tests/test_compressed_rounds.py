@@ -39,6 +39,7 @@ from fedfields.flower import (
     received_hooks,
 )
 from fedfields.flower.compressed_downloads import DOWNLOAD_REFERENCE
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     BYTES_DOWN,
@@ -52,6 +53,7 @@ from fedfields.flower.protocol import (
     NUM_FAILURES,
     STRATEGY,
     TRAIN_STEPS,
+    USER_KEY_MESSAGE_TYPE,
     ReplyParts,
     arrays_to_state,
     state_to_arrays,
@@ -63,7 +65,6 @@ from fedfields.flower.upload_compression import (
     compressed_parts,
     rebuilt_arrays,
 )
-from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.methods import ALPHA_KEY
 from fedfields.methods.base import HookResult
 from fedfields.methods.scaffold import CLIENT_CONTROL, CONTROL_DELTA, SERVER_CONTROL, ScaffoldHook

@@ -83,7 +83,8 @@ APP_FILES = {
         from fedfields.flower.protocol import (
             ARRAYS, CONFIG, LOCAL_STEPS, METRICS, arrays_to_state, state_to_arrays,
         )
-        from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
+        from fedfields.flower.protocol import USER_KEY_ACTION
+        from fedfields.flower.node import answer_user_key
         from tinyapp.task import make_model, node_data
 
         app = ClientApp(mods=[secure_aggregation_mod])

@@ -7,17 +7,20 @@ came with it; the second reads the generic round's modules for any registered me
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_method_digests import SMALL_SCENE
 
 import strategies
+from simulations import server_app
 from simulations.federated_nerf import run_federated_nerf
 from simulations.in_process_grid import InProcessGrid
 from simulations.run import client_app
@@ -27,11 +30,8 @@ METHODS = ROOT / "fedfields" / "methods"
 GENERIC_ROUND = (
     "fedfields/methods/base.py",
     "fedfields/methods/settings.py",
-    "fedfields/methods/base.py",
-    "fedfields/flower/round_loop.py",
     "fedfields/flower/strategy.py",
     "fedfields/flower/round.py",
-    "fedfields/flower/user_keys.py",
     "fedfields/flower/secagg_workflow.py",
     "fedfields/download_chain.py",
     "fedfields/compression.py",
@@ -63,6 +63,77 @@ def test_the_generic_round_names_no_method() -> None:
     }
     assert {path: hits for path, hits in found.items() if hits} == {}
     assert pattern.search("Scaffold's control") is not None  # the pattern does match names
+
+
+# ------------------------------------------------------------------ one FedAvg round, file by file
+
+
+def repository_file(name: str) -> str | None:
+    """`name` relative to the repository, or None for a test, the test grid or a package."""
+    if not name.startswith(f"{ROOT}/"):
+        return None
+    relative = Path(name).relative_to(ROOT).as_posix()
+    skipped = (".venv/", "tests/", "simulations/in_process_grid")
+    return None if relative.startswith(skipped) else relative
+
+
+def round_walk(crowd_dir: Path, run_dir: Path) -> list[str]:
+    """The repository files one FedAvg round's server runs, in order: those on the call stack
+    from the ServerApp's `run_job` into `RoundLoop.run`, then every file whose code runs from
+    there to the first round's `finish_round`; the nodes' handlers left out."""
+    config = {
+        **SMALL_SCENE,
+        "strategy": "fedavg",
+        "num-server-rounds": 1,
+        "data-dir": str(crowd_dir),
+        "state-dir": str(run_dir / "nodes"),
+        "run-dir": str(run_dir / "run"),
+    }
+    order: list[str] = []
+    state = {"active": False, "inside": 0}
+
+    def add(name: str) -> None:
+        relative = repository_file(name)
+        if relative is not None and relative not in order:
+            order.append(relative)
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        name, code = frame.f_code.co_filename, frame.f_code.co_name
+        if event == "call" and code == "run" and name.endswith("flower/strategy.py"):
+            state["active"] = True
+            for caller in reversed(inspect.getouterframes(frame)):
+                add(caller.filename)
+        if not state["active"]:
+            return
+        if event == "return" and code == "finish_round":
+            state["active"] = False
+        elif code == "_dispatch" and name.endswith("in_process_grid.py"):
+            state["inside"] += {"call": 1, "return": -1}.get(event, 0)
+        elif event == "call" and not state["inside"]:
+            add(name)
+
+    grid = InProcessGrid([client_app(config)] * 3, raise_errors=True)
+    sys.setprofile(profile)
+    try:
+        server_app.run_job(grid, config)
+    finally:
+        sys.setprofile(None)
+    return order
+
+
+def test_one_fedavg_round_crosses_the_eight_files_library_md_lists(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    listed = re.findall(
+        r"`((?:fedfields|simulations|strategies)/[\w/]+\.py)`",
+        (ROOT / "docs" / "LIBRARY.md")
+        .read_text()
+        .split("### One FedAvg round, file by file")[1]
+        .split("\nThat is ")[0],
+    )
+    walked = round_walk(crowd_dir, tmp_path)
+    assert walked[0] == "simulations/server_app.py" and len(walked) <= 8
+    assert [path for path in listed if path != "fedfields/methods/fedavg.py"] == walked
 
 
 # ------------------------------------------------------------------ a client-side method added

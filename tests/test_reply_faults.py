@@ -40,6 +40,7 @@ from fedfields.flower import (
     Scaffold,
 )
 from fedfields.flower.decentnerf import ALPHA_FLOOR, DEFAULT_ALPHA_MAX
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     GRADIENT,
@@ -52,6 +53,8 @@ from fedfields.flower.protocol import (
     SAMPLES,
     TRAIN_LOSS,
     TRAIN_STEPS,
+    USER_KEY_ACTION,
+    USER_KEY_MESSAGE_TYPE,
     BadReply,
     arrays_to_state,
     checked_samples,
@@ -59,11 +62,6 @@ from fedfields.flower.protocol import (
 )
 from fedfields.flower.round import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
-from fedfields.flower.user_keys import (
-    USER_KEY_ACTION,
-    USER_KEY_MESSAGE_TYPE,
-    answer_user_key,
-)
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
 from fedfields.methods.base import update_norm
 from fedfields.methods.robust import (

@@ -39,11 +39,16 @@ from fedfields.config import meta_settings
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import EmptyRoundsError, secure_aggregation
 from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     CONFIG,
     SECURE_AGGREGATION,
     SECURE_SUM_SCALES,
     SECURE_SUM_STAGE,
+    USER_KEY,
+    USER_KEY_ACTION,
+    USER_KEY_MESSAGE_TYPE,
+    USER_RECORD,
     arrays_to_state,
     state_to_arrays,
 )
@@ -52,13 +57,6 @@ from fedfields.flower.secure_aggregation import (
     HELD_PREFIX,
     SecureModeClientError,
     secure_aggregation_mod,
-)
-from fedfields.flower.user_keys import (
-    USER_KEY,
-    USER_KEY_ACTION,
-    USER_KEY_MESSAGE_TYPE,
-    USER_RECORD,
-    answer_user_key,
 )
 from fedfields.privacy.secagg_plan import (
     DEFAULT_MAX_EXPONENT,

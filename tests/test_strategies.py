@@ -41,6 +41,7 @@ from fedfields.flower import (
     ProtocolStrategy,
     Scaffold,
 )
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ALPHA_LR,
     ARRAYS,
@@ -58,12 +59,12 @@ from fedfields.flower.protocol import (
     STRATEGY,
     TRAIN_LOSS,
     TRAIN_STEPS,
+    USER_KEY_ACTION,
     arrays_to_state,
     state_to_arrays,
 )
 from fedfields.flower.round import Round, RoundSum
-from fedfields.flower.round_loop import ForwardingGrid
-from fedfields.flower.user_keys import USER_KEY_ACTION, answer_user_key
+from fedfields.flower.strategy import ForwardingGrid
 from fedfields.methods import (
     ALPHA_KEY,
     alpha_update,

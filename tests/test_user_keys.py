@@ -20,17 +20,14 @@ from flwr.clientapp import ClientApp
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
 
 from fedfields.flower import FedAvg
-from fedfields.flower.protocol import arrays_to_state, state_to_arrays
-from fedfields.flower.round_loop import StreamingGrid
-from fedfields.flower.strategy import NodeSampler
-from fedfields.flower.user_keys import (
+from fedfields.flower.node import answer_user_key, user_key
+from fedfields.flower.protocol import (
     USER_KEY_ACTION,
     USER_KEY_MESSAGE_TYPE,
-    UserKeys,
-    answer_user_key,
-    natural_order,
-    user_key,
+    arrays_to_state,
+    state_to_arrays,
 )
+from fedfields.flower.strategy import NodeSampler, StreamingGrid, UserKeys, natural_order
 from simulations.in_process_grid import InProcessGrid
 
 

@@ -8,7 +8,8 @@ server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad`, and `DecentNeRF
 side: `received_hooks` and `keep_results` (the client hooks of the method a message names:
 a loss term, a gradient correction, the records and state they leave), `DecentNeRFClient`
 (gradient query, alpha, alpha-weighted reply), `meta_train_reply` (FedMeNF's LocalUpdate),
-`NodeState` (a node's private state), `secure_aggregation_mod` (Flower SecAgg+ for every
+`NodeState` (a node's private state), `answer_user_key` (the node's answer to
+`USER_KEY_ACTION`, which user it is), `secure_aggregation_mod` (Flower SecAgg+ for every
 strategy) and
 `compressed_download_mod` (rebuilds a compressed download's global before the handler). The
 `*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's
@@ -22,10 +23,11 @@ from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.compressed_downloads import compressed_download_mod
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
-from fedfields.flower.node import NodeState, client_index
-from fedfields.flower.round_loop import EmptyRoundsError
+from fedfields.flower.node import NodeState, answer_user_key, client_index
+from fedfields.flower.protocol import USER_KEY_ACTION
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.strategy import (
+    EmptyRoundsError,
     InsufficientNodesError,
     MethodOptions,
     MethodStrategy,
@@ -47,6 +49,7 @@ FedYogi = method_strategy(fedopt.FedYogi)
 FedAdagrad = method_strategy(fedopt.FedAdagrad)
 
 __all__ = [
+    "USER_KEY_ACTION",
     "DecentNeRF",
     "DecentNeRFClient",
     "EmptyRoundsError",
@@ -67,6 +70,7 @@ __all__ = [
     "ProtocolStrategy",
     "Scaffold",
     "StrategyOptions",
+    "answer_user_key",
     "client_index",
     "compressed_download_mod",
     "keep_results",

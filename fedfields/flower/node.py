@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from torch import Tensor
 
 from fedfields import atomic
 from fedfields.devices import parse_device
-from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.flower.protocol import USER_KEY, USER_RECORD, arrays_to_state, state_to_arrays
 
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
@@ -186,3 +186,30 @@ class NodeState:
             self.context.state[name] = ConfigRecord({"json": text})
             return
         atomic.write_text(self.directory / f"{name}.json", text)
+
+
+USER = "user"
+"""A deployed node's node-config key naming its user."""
+
+
+def user_key(context: Context) -> str:
+    """This node's user: partition-id in simulation; when deployed, node-config `user`, else
+    its `data-dir` folder's name, else partition-id. ValueError when it has none of them."""
+    config = context.node_config
+    if not is_simulated(context):
+        if USER in config:
+            return str(config[USER])
+        if DATA_DIR in config:
+            return Path(str(config[DATA_DIR])).name
+    if PARTITION_ID in config:
+        return str(config[PARTITION_ID])
+    raise ValueError(
+        f"node {context.node_id}: node-config names no user: give it '{USER}', "
+        f"'{DATA_DIR}' or '{PARTITION_ID}'"
+    )
+
+
+def answer_user_key(msg: Message, context: Context) -> Message:
+    """A ClientApp's reply to the server's "query.user_key": this node's `user_key`."""
+    content = RecordDict({USER_RECORD: ConfigRecord({USER_KEY: user_key(context)})})
+    return Message(content, reply_to=msg)

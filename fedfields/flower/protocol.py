@@ -44,7 +44,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from torch import Tensor
 
 from fedfields.methods.base import (  # noqa: F401 (re-exported: the protocol's shared names)
@@ -471,3 +479,41 @@ def checked_samples(reply: Message, max_rays: int, samples: int) -> dict[str, Te
         )
     shapes = {"origins": (count, 3), "directions": (count, 3), "edges": (count, samples + 1)}
     return reply_state(reply, SAMPLES, shapes, dict.fromkeys(shapes, "float32"))
+
+
+# ------------------------------------------------------------------ user keys
+# Which user a node is: the query a server sends each node once, and the check of its answer.
+# A strategy samples, sends to and sums nodes in the order of these stable keys, never by
+# Flower's random node ids (`fedfields.flower.strategy.UserKeys`); a node answers with
+# `fedfields.flower.node.answer_user_key`.
+
+USER_KEY_ACTION = "user_key"
+"""The query's action (an identifier, as Flower requires): message type "query.user_key"."""
+USER_KEY_MESSAGE_TYPE = f"{MessageType.QUERY}.{USER_KEY_ACTION}"
+USER_RECORD = "user"
+"""The reply's ConfigRecord, holding the key under `USER_KEY`."""
+USER_KEY = "user-key"
+FALLBACK_PREFIX = "node-"
+"""Key of a node that did not say which user it is: "node-<node id>"."""
+MAX_KEY_LENGTH = 128
+"""Longest user key a server takes: a key is written into every round's metrics line."""
+
+
+def fallback_key(node_id: int) -> str:
+    """The key of a node that did not say which user it is: "node-<node id>"."""
+    return f"{FALLBACK_PREFIX}{node_id}"
+
+
+def valid_key(key: object) -> bool:
+    """Whether a node's answer is a key the server takes: a non-empty printable string of at
+    most `MAX_KEY_LENGTH` characters."""
+    return isinstance(key, str) and 0 < len(key) <= MAX_KEY_LENGTH and key.isprintable()
+
+
+def reply_key(reply: Message) -> str | None:
+    """The user key a reply to the query carries; None for an error or a malformed reply (not
+    a string, empty, unprintable or longer than `MAX_KEY_LENGTH`)."""
+    if reply.has_error() or USER_RECORD not in reply.content.config_records:
+        return None
+    key = reply.content.config_records[USER_RECORD].get(USER_KEY)
+    return key if valid_key(key) else None

@@ -63,13 +63,13 @@ from fedfields.flower.protocol import (
     check_metric_names,
     check_metrics,
     content_bytes,
+    fallback_key,
     finite_arrays,
     reply_metric,
     reply_state,
 )
 from fedfields.flower.secagg_workflow import SecureSum
 from fedfields.flower.upload_compression import decompressed_reply_state
-from fedfields.flower.user_keys import fallback_key
 from fedfields.methods.base import RoundContext, RunningSum, update_norm
 from fedfields.privacy.accountant import EPSILON_METRIC, DPAccountant, RoundCharge, check_plan
 from fedfields.privacy.adaptive_clipping import next_clip_norm, update_noise_multiplier
@@ -370,7 +370,7 @@ class RoundLedger:
     dtypes: dict[str, str]
     grid: Grid
     users: list[str] = field(default_factory=list)
-    """The sampled nodes' user keys, in `node_ids`' order (`fedfields.flower.user_keys`)."""
+    """The sampled nodes' user keys, in `node_ids`' order (`fedfields.flower.strategy.UserKeys`)."""
     summed_nodes: list[int] = field(default_factory=list)
     """The nodes whose replies the round's (last) aggregate summed, in summation order."""
     bytes_down: int = 0

@@ -55,7 +55,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from torch import Tensor
 
-from fedfields.flower.node import NodeState
+from fedfields.flower.node import NodeState, user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -83,10 +83,10 @@ from fedfields.flower.protocol import (
     SERVER_ROUND,
     WEIGHT_KEY,
     arrays_to_state,
+    fallback_key,
     state_to_arrays,
 )
 from fedfields.flower.upload_compression import RESIDUAL, requested_compression
-from fedfields.flower.user_keys import fallback_key, user_key
 from fedfields.privacy.adaptive_clipping import combined_noise_multiplier
 from fedfields.privacy.dp import (
     clip_records,

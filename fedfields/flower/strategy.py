@@ -3,9 +3,10 @@
 A strategy is Flower glue and its paper's hooks (options, sampling, train config, messages;
 `open_train_round`, `aggregate`, `check_update`); what a round does with its replies belongs to
 the `Round` that `begin_round` opens (`fedfields.flower.round`: gate -> sum -> privacy ->
-ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`round_loop`),
-which passes each round as a value from `open_train_round` to `finish_round`; Flower's
-`configure_train` and `aggregate_train` remain for any other loop."""
+ledger -> `RoundOutcome`), and `start` runs the resumable loop over rounds (`RoundLoop`, last
+in this file, as Flower keeps `Strategy.start` beside its strategy), which passes each round as
+a value from `open_train_round` to `finish_round`; Flower's `configure_train` and
+`aggregate_train` remain for any other loop."""
 
 from __future__ import annotations
 
@@ -13,17 +14,21 @@ import functools
 import inspect
 import math
 import random
+import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Self, TypedDict, Unpack
+from typing import Any, ClassVar, Protocol, Self, TypedDict, Unpack
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
+from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
+from flwr.supercore.run import Run
 
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compressed_downloads import DOWNLOAD_TYPES, DownloadSender
@@ -33,28 +38,34 @@ from fedfields.flower.protocol import (
     DP_MIN_HOLDERS,
     GRADIENT,
     LOCAL_STEPS,
+    NON_FINITE_AGGREGATE,
     NUM_EXAMPLES,
+    NUM_REPLIES,
     SERVER_ROUND,
     STRATEGY,
+    USER_KEY_MESSAGE_TYPE,
     BadReply,
     arrays_to_state,
     check_metrics,
     content_bytes,
+    fallback_key,
+    reply_key,
     shapes_of,
     state_to_arrays,
 )
 from fedfields.flower.round import (
     CheckedReply,
+    EmptyTally,
+    PrivacyBudgetSpent,
     ReplyGate,
     Round,
     RoundLedger,
     RoundOutcome,
     RoundPrivacy,
     SumRules,
+    round_counts,
 )
-from fedfields.flower.round_loop import EvaluateFn, RoundEndFn, RoundLoop
 from fedfields.flower.upload_compression import compression_entries
-from fedfields.flower.user_keys import UserKeys, fallback_key
 from fedfields.methods import FEDAVG_COST, CostModel
 from fedfields.methods.base import (
     Method,
@@ -351,7 +362,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         user_keys = UserKeys(node_timeout) if sample_by_user else None
         self.sampler = NodeSampler(self.sampling_rng, user_keys, node_timeout)
         """With `sample_by_user`, nodes sampled, sent to and summed in user-key order
-        (`fedfields.flower.user_keys`), so one seed gives one run; without it (the default:
+        (`UserKeys`), so one seed gives one run; without it (the default:
         a stock ClientApp has no handler for the query, and Flower logs an ERROR for each
         node asked) in node-id order, which Flower draws at random in simulation."""
         self.flower_round: Round | None = None
@@ -522,7 +533,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         first_round: int = 1,
         round_end_fn: RoundEndFn | None = None,
     ) -> Result:
-        """Flower's `Strategy.start` loop, resumable (`fedfields.flower.round_loop.RoundLoop`):
+        """Flower's `Strategy.start` loop, resumable (`RoundLoop`):
         rounds `first_round`..`num_rounds`; `round_end_fn(outcome, arrays)` last in each round,
         where a resumable run writes its `fedfields.flower.resume.RoundCheckpoint`."""
         loop = RoundLoop(self, num_rounds, first_round)
@@ -561,14 +572,92 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
 # split job's one client): it polls the grid until enough nodes are connected or the timeout
 # has passed. `NodeSampler` draws a round's nodes as Flower's FedAvg does,
 # max(int(connected * fraction), least) but never more than are connected, with the strategy's
-# own seeded RNG over the nodes in user-key order (`fedfields.flower.user_keys`), so one seed
-# gives one run; the sample keeps that order, the order its messages are sent and its replies
-# summed.
+# own seeded RNG over the nodes in user-key order, so one seed gives one run; the sample keeps
+# that order, the order its messages are sent and its replies summed.
+#
+# Flower 1.41 gives simulated SuperNodes random node ids (from os.urandom) and lists them as a
+# set, so a seeded sample over them would pick other users in every run. Each node knows which
+# user it is (`fedfields.flower.node.user_key`): its partition-id in simulation; when deployed,
+# its node-config `user`, else its data folder's name, else its partition-id. `UserKeys` asks
+# each node once with a "query.user_key" message (nodes that join later are asked when first
+# seen) and orders the nodes by that key, digit runs compared as numbers. A node that does not
+# answer, such as Flower's stock quickstart ClientApp, keeps "node-<id>" with one warning: its
+# place then depends on Flower's random ids. A strategy asks only with `sample_by_user=True`
+# (this App's strategies do): Flower's ClientApp raises for a message type it has no handler
+# for and logs an ERROR with a traceback, so by default a library strategy asks nothing and
+# orders nodes by id. A library user's ClientApp answers with
+# `app.query(USER_KEY_ACTION)(answer_user_key)`.
 
 
 NODE_POLL_SECONDS = 0.5
 """How often a wait asks the grid for its nodes: a node that connects is seen within half a
 second, and the SuperLink is asked twice a second at most."""
+
+
+DIGITS = re.compile(r"([0-9]+)")
+"""A run of ASCII digits (a Unicode digit such as '²' is text)."""
+
+
+def natural_order(key: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key of a user key: runs of ASCII digits compare as numbers (their length first,
+    then the digits, so no run is ever converted), so "user_10" follows "user_9"."""
+    return tuple(
+        (0, len(part.lstrip("0")), part.lstrip("0")) if DIGITS.fullmatch(part) else (1, 0, part)
+        for part in DIGITS.split(key)
+        if part
+    )
+
+
+class UserKeys:
+    """The server's map from node id to user key, learnt once per node."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+        """Seconds to wait for the nodes' answers (None: until all answered)."""
+        self.keys: dict[int, str] = {}
+
+    def learn(self, grid: Grid, node_ids: Iterable[int]) -> None:
+        """Ask the nodes among `node_ids` not asked before which user they are; a node that
+        does not answer keeps "node-<id>" (one warning per call naming them)."""
+        unknown = sorted(set(node_ids) - set(self.keys))
+        if not unknown:
+            return
+        messages = [
+            Message(RecordDict(), dst_node_id=node_id, message_type=USER_KEY_MESSAGE_TYPE)
+            for node_id in unknown
+        ]
+        for reply in grid.send_and_receive(messages, timeout=self.timeout):
+            key = reply_key(reply)
+            if key is not None and reply.metadata.src_node_id in unknown:
+                self.keys[reply.metadata.src_node_id] = key
+        silent = [node_id for node_id in unknown if node_id not in self.keys]
+        for node_id in silent:
+            self.keys[node_id] = fallback_key(node_id)
+        if silent:
+            log(
+                WARNING,
+                "%d node(s) did not say which user they are (no '%s' handler in their "
+                "ClientApp?): they are ordered by Flower's node ids, which change every run",
+                len(silent),
+                USER_KEY_MESSAGE_TYPE,
+            )
+        self._warn_shared(unknown)
+
+    def _warn_shared(self, node_ids: list[int]) -> None:
+        """Warn when new nodes share a user key with another node (their order is then by id)."""
+        seen: dict[str, int] = {}
+        for node_id, key in self.keys.items():
+            if key in seen and (node_id in node_ids or seen[key] in node_ids):
+                log(WARNING, "nodes %d and %d are both user %r", seen[key], node_id, key)
+            seen.setdefault(key, node_id)
+
+    def ordered(self, node_ids: Iterable[int]) -> list[int]:
+        """`node_ids` by user key (ties by node id); every node must have been learnt."""
+        return sorted(node_ids, key=lambda node_id: (natural_order(self.keys[node_id]), node_id))
+
+    def of(self, node_ids: Iterable[int]) -> list[str]:
+        """The user keys of `node_ids`, in their order ("node-<id>" for one never learnt)."""
+        return [self.keys.get(node_id, fallback_key(node_id)) for node_id in node_ids]
 
 
 class InsufficientNodesError(RuntimeError):
@@ -948,3 +1037,275 @@ def method_strategy(method_class: type[Method]) -> type[MethodStrategy]:
         "cost_model": method_class.cost_model,
     }
     return type(method_class.__name__, (MethodStrategy,), namespace)
+
+
+# The loop over rounds: Flower 1.41's `Strategy.start`, resumable, over rounds as values.
+#
+# `RoundLoop(strategy, num_rounds, first_round)` refuses, when it is built and so before
+# anything is sent or written, a DP plan that cannot meet dp-target-epsilon. `run` then runs
+# rounds `first_round`..`num_rounds` as Flower does (train, federated evaluation, the server's
+# `evaluate_fn`) over a `StreamingGrid`, so replies reach the round's sum as they arrive and the
+# running sums hold one model, not one per node. Each round ends in the strategy's
+# `RoundOutcome` (`fedfields.flower.round`), which `round_end_fn` receives last in the round
+# with the global arrays: where a job writes its report line and a resumable run its
+# checkpoint. `max_empty_rounds` consecutive rounds without an aggregate, or a run whose every
+# round was empty, raise one `EmptyRoundsError` naming the drop counts and the commonest
+# reason. Under DP the run ends cleanly before a round whose charge would exceed the target
+# (`PrivacyBudgetSpent`, logged).
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+RoundEndFn = Callable[[RoundOutcome, ArrayRecord], None]
+"""Called last in each round with its outcome and the global arrays after it."""
+
+
+class LoopStrategy(Protocol):
+    """What the loop needs of a strategy: Flower's train and evaluate pairs, each round's
+    outcome, and the settings the loop enforces."""
+
+    max_empty_rounds: int
+    rounds_aggregated: int
+    secure_aggregation: SecureAggregationConfig | None
+
+    def summary(self) -> None: ...
+
+    def check_privacy_plan(self, first_round: int, num_rounds: int) -> float: ...
+
+    def open_train_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> tuple[Round, list[Message]]: ...
+
+    def finish_round(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome: ...
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None: ...
+
+    def drop_reason(self, check: str) -> str: ...
+
+
+class EmptyRoundsError(RuntimeError):
+    """Rounds ended without an aggregate: `max_empty_rounds` in a row, or every round of a
+    run (its global model never changed). The message names the drop counts and the
+    commonest reason in the user's words."""
+
+
+class RoundLoop:
+    """Rounds `first_round`..`num_rounds` of `strategy`; building it checks the DP plan
+    (`check_privacy_plan`: ValueError naming dp-target-epsilon beyond it)."""
+
+    def __init__(self, strategy: LoopStrategy, num_rounds: int, first_round: int = 1) -> None:
+        if not 1 <= first_round <= num_rounds + 1:
+            raise ValueError(f"first_round must lie in [1, {num_rounds + 1}], got {first_round}")
+        self.strategy = strategy
+        self.num_rounds = num_rounds
+        self.first_round = first_round
+        strategy.check_privacy_plan(first_round, num_rounds)
+
+    def run(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: EvaluateFn | None = None,
+        round_end_fn: RoundEndFn | None = None,
+    ) -> Result:
+        """The rounds from `initial_arrays`; `evaluate_fn(0, ...)` only when starting at round
+        1, `round_end_fn(outcome, arrays)` last in each round."""
+        strategy, first_round, num_rounds = self.strategy, self.first_round, self.num_rounds
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        if not isinstance(grid, StreamingGrid):
+            grid = StreamingGrid(grid)
+        name = type(strategy).__name__
+        log(INFO, "Starting %s strategy (rounds %d-%d):", name, first_round, num_rounds)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
+        strategy.summary()
+        result = Result(arrays=initial_arrays)
+        if evaluate_fn and first_round == 1:
+            if (initial := evaluate_fn(0, initial_arrays)) is not None:
+                result.evaluate_metrics_serverapp[0] = initial
+        arrays, empty = initial_arrays, EmptyTally()
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            try:
+                train_round, messages = strategy.open_train_round(
+                    server_round, arrays, train_config, grid
+                )
+            except PrivacyBudgetSpent as spent:
+                log(WARNING, "differential privacy: %s (dp-target-epsilon reached)", spent)
+                break
+            replies = grid.send_and_receive(messages=messages, timeout=timeout)
+            outcome = strategy.finish_round(train_round, replies)
+            log(INFO, round_counts(outcome.metrics, outcome.arrays is not None))
+            if outcome.arrays is not None:
+                arrays = result.arrays = outcome.arrays
+                empty = EmptyTally()
+            else:
+                kept = int(outcome.metrics.get(NUM_REPLIES, 0))
+                refused = NON_FINITE_AGGREGATE in outcome.metrics
+                empty.add(outcome.ledger, kept, non_finite=refused)
+            result.train_metrics_clientapp[server_round] = MetricRecord(outcome.metrics)
+            messages = strategy.configure_evaluate(server_round, arrays, evaluate_config, grid)
+            replies = grid.send_and_receive(messages=messages, timeout=timeout)
+            if (evaluated := strategy.aggregate_evaluate(server_round, replies)) is not None:
+                result.evaluate_metrics_clientapp[server_round] = evaluated
+            if evaluate_fn and (scored := evaluate_fn(server_round, arrays)) is not None:
+                result.evaluate_metrics_serverapp[server_round] = scored
+            if round_end_fn is not None:
+                round_end_fn(outcome, arrays)
+            if strategy.max_empty_rounds and len(empty.rounds) >= strategy.max_empty_rounds:
+                raise EmptyRoundsError(empty_rounds_message(strategy, empty, consecutive=True))
+        if empty.rounds and strategy.rounds_aggregated == 0:
+            raise EmptyRoundsError(empty_rounds_message(strategy, empty, consecutive=False))
+        return result
+
+
+def empty_rounds_message(strategy: LoopStrategy, empty: EmptyTally, *, consecutive: bool) -> str:
+    """One line: which rounds formed no aggregate, the drop counts, the commonest reason."""
+    first, last = empty.rounds[0], empty.rounds[-1]
+    span = f"{first}-{last}" if last != first else f"{first}"
+    if consecutive:
+        head = (
+            f"{len(empty.rounds)} consecutive rounds ({span}) formed no aggregate "
+            f"(max-empty-rounds = {strategy.max_empty_rounds}): the run stops"
+        )
+    else:
+        head = (
+            f"no round of this run formed an aggregate (rounds {span}): the global model "
+            "never changed, so the run did not complete"
+        )
+    secure = strategy.secure_aggregation is not None
+    counts = empty.counts(secure)
+    return f"{head}; {counts}; commonest reason: {empty_reason(strategy, empty, secure)}"
+
+
+def empty_reason(strategy: LoopStrategy, empty: EmptyTally, secure: bool) -> str:
+    """The commonest cause of the empty rounds, in a user's words."""
+    cause = empty.commonest_cause()
+    if cause is None:
+        return "no node replied with a usable update (check the nodes' logs)"
+    if cause == "failed":
+        return "the nodes' replies were errors (their ClientApps raised or they left)"
+    if cause == NON_FINITE_AGGREGATE:
+        return "the aggregates held NaN or infinite values in the global model's dtypes"
+    if cause == "failed-sum":
+        sums = "secure sums" if secure else "sums"
+        return f"the {sums} failed ({empty.sum_error or 'see the errors above'})"
+    return strategy.drop_reason(cause)
+
+
+# A Grid that forwards every call to a wrapped Grid: the base of grids that change one call.
+#
+# Flower 1.41's `Grid` is abstract in seven members; a wrapper that streams replies or shows
+# them to an observer overrides one or two and inherits the rest from here.
+
+
+class ForwardingGrid(Grid):
+    """`grid` itself, call for call; subclasses override what they change."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run: Run) -> None:
+        """Set the run of the wrapped grid."""
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """The wrapped grid's run."""
+        return self.grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """A message built by the wrapped grid."""
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """The wrapped grid's connected nodes."""
+        return self.grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        """The wrapped grid's connected nodes with their details."""
+        return self.grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push through the wrapped grid."""
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Pull through the wrapped grid."""
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send and receive through the wrapped grid."""
+        return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+# A Grid whose replies arrive as a stream, so a strategy can aggregate them one at a time.
+#
+# Flower 1.41's `send_and_receive` returns a list only once every reply is in, so the server
+# holds all sampled clients' models at once. `StreamingGrid` pushes the same messages and
+# yields each reply in the order its message was pushed, as soon as it and the replies before
+# it are in; a strategy that folds each reply into a running sum
+# (`fedfields.methods.RunningSum`) and drops it keeps O(model) memory while replies come in
+# order, and holds only those that overtake a slower one. Summing in push order (user-key
+# order, `UserKeys`) makes a float sum independent of which client finished
+# first. Everything else is forwarded to the wrapped grid.
+
+
+DEFAULT_PULL_INTERVAL = 0.1
+"""Seconds between pulls when the wrapped grid names none (Flower's in-memory grid: 0.1)."""
+
+
+class StreamingGrid(ForwardingGrid):
+    """`grid` with a lazy `send_and_receive`: messages are pushed at once, replies yielded
+    in the order their messages were pushed, each as soon as it and those before it are in,
+    until all arrived or `timeout` passed (Flower's semantics)."""
+
+    def __init__(self, grid: Grid) -> None:
+        super().__init__(grid)
+        self.pull_interval = float(getattr(grid, "pull_interval", DEFAULT_PULL_INTERVAL))
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterator[Message]:
+        """Push `messages` now; the returned iterator yields each reply once pulled."""
+        message_ids = list(self.grid.push_messages(messages))
+        deadline = None if timeout is None else time.time() + timeout
+        return self._replies(message_ids, deadline)
+
+    def _replies(self, message_ids: list[str], deadline: float | None) -> Iterator[Message]:
+        """Pull until every message has its reply or the deadline passed, yielding replies in
+        `message_ids`' order: a reply that comes early waits for those before it, so a sum
+        folded over them never depends on arrival order (the strategies push in user-key
+        order). At the deadline the replies still waiting are yielded in that order."""
+        waiting = set(message_ids)
+        early: dict[str, Message] = {}
+        position = 0
+        while waiting and (deadline is None or time.time() < deadline):
+            pending = [message_id for message_id in message_ids if message_id in waiting]
+            for reply in self.grid.pull_messages(pending):
+                waiting.discard(reply.metadata.reply_to_message_id)
+                early[reply.metadata.reply_to_message_id] = reply
+            while position < len(message_ids) and message_ids[position] in early:
+                yield early.pop(message_ids[position])  # keeps no reference once handed over
+                position += 1
+            if waiting:
+                time.sleep(self.pull_interval)
+        for message_id in message_ids[position:]:
+            if message_id in early:
+                yield early.pop(message_id)

@@ -29,19 +29,20 @@ from fedfields.data.crowd import CrowdData, CrowdUser
 from fedfields.fields import Field
 from fedfields.fields.personal import PersonalField
 from fedfields.flower import DecentNeRF, DecentNeRFClient, FedAvg, NodeState
+from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     GRADIENT_QUERY,
     NUM_EXAMPLES,
     SERVER_ROUND,
+    USER_KEY_MESSAGE_TYPE,
     ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
 from fedfields.flower.round import RoundOutcome
 from fedfields.flower.strategy import ProtocolStrategy
-from fedfields.flower.user_keys import USER_KEY_MESSAGE_TYPE, answer_user_key
 from fedfields.render import OccupancyGrid
 from fedfields.train.builders import global_field
 from fedfields.train.federated import (
