@@ -58,6 +58,10 @@ from simulations.observers import Observer, ReplyTap, plaintext_uploads, train_r
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
 ATTACK_FOLDS = 5  # every client a target once; each attacker trains on the other 4/5
+MAX_ATTACK_CLIENTS = 100
+"""The attacks' cost grows with the square of the clients attacked (each shadow upload renders
+every shadow client's views); above this many clients with an upload, a seeded sample of this
+many is attacked (summary "attack-clients" says how many)."""
 
 
 @dataclass
@@ -162,11 +166,13 @@ class PrivacyAudit:
         clients train the attacker, the others are its targets) and, for objects, property
         inference of the object's kind. The clients are cut into up to five folds of at
         least two and each fold is the targets once, so every client's upload is attacked;
-        the figures pool all folds' targets. Empty with fewer than 5 clients."""
+        the figures pool all folds' targets. Empty with fewer than 5 clients; a seeded sample
+        of `MAX_ATTACK_CLIENTS` when more have uploaded."""
         clients = sorted(self.latest)
         if len(clients) < MIN_ATTACK_CLIENTS:
             return {}
-        order = random.Random(self.config.common.seed).sample(clients, len(clients))
+        attacked = min(len(clients), MAX_ATTACK_CLIENTS)
+        order = random.Random(self.config.common.seed).sample(clients, attacked)
         splits = attack_folds(order, min(ATTACK_FOLDS, len(order) // 2))
         kinds = None  # objects: the property the PIA infers, read once for every fold
         if self.config.common.task == "objects":
@@ -182,6 +188,7 @@ class PrivacyAudit:
             if result.auc is not None:
                 found[f"{name}-auc"] = result.auc
         found["attack-folds"] = len(splits)
+        found["attack-clients"] = attacked
         self.shadow_renders.clear()
         return found
 

@@ -44,6 +44,7 @@ from fedfields.train.builders import (
     meta_model,
     tto_schedule,
 )
+from simulations import meta_observer
 from simulations.in_process_grid import InProcessGrid
 from simulations.meta_job import run_meta_job
 from simulations.meta_observer import meta_observers
@@ -471,6 +472,7 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
     config["num-server-rounds"] = 1
     run_dir, _ = run_in_process(config)
     final = json.loads((run_dir / "summary.json").read_text())["final"]
+    assert final["attack-clients"] == 6
     assert final["mia-chance"] == 0.5  # balanced pairs: own upload vs another client's
     assert 0.0 <= final["mia-accuracy"] <= 1.0 and 0.0 <= final["mia-auc"] <= 1.0
     for similarity in ("mse", "correlation"):  # threshold attacks on the same pairs
@@ -478,6 +480,23 @@ def test_the_audit_attacks_every_clients_last_upload(tmp_path: Path) -> None:
         assert 0.0 <= final[f"mia-{similarity}-auc"] <= 1.0
     assert "pia-accuracy" not in final  # faces carry no property to infer
     assert final["attack-folds"] == 3  # 6 clients: 3 folds of 2 targets, each a target once
+
+
+def test_the_audit_attacks_a_seeded_sample_above_its_client_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attacks' cost grows with the square of the clients: above MAX_ATTACK_CLIENTS
+    uploads (4 here, of 6) a seeded sample is attacked, the same in two runs."""
+    monkeypatch.setattr(meta_observer, "MAX_ATTACK_CLIENTS", 4)
+    finals = []
+    for name in ("first", "second"):
+        config = tiny(tmp_path / name, **{"num-clients": 6, "clients-per-round": 6})
+        config["num-server-rounds"] = 1
+        run_dir, _ = run_in_process(config)
+        final = json.loads((run_dir / "summary.json").read_text())["final"]
+        finals.append({key: value for key, value in final.items() if key.startswith("mia")})
+        assert final["attack-clients"] == 4 and final["attack-folds"] == 2
+    assert finals[0] == finals[1]
 
 
 @pytest.mark.parametrize("download", [False, True], ids=["uploads", "downloads-too"])
