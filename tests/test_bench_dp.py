@@ -19,7 +19,16 @@ from PIL import Image
 
 from fedfields.flower.protocol import ARRAYS, state_to_arrays
 from fedfields.methods import ALPHA_KEY
-from simulations.bench.dp import METHODS, NORMS_FILE, Setup, UpdateNorms, failed_row, parse_args
+from simulations.bench.dp import (
+    METHODS,
+    NORMS_FILE,
+    Setup,
+    UpdateNorms,
+    dp_config,
+    failed_row,
+    overrides,
+    parse_args,
+)
 from simulations.in_process_grid import set_task_identity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +45,7 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
     command = [sys.executable, "-m", "simulations.bench.dp", "--tasks", "photos"]
     command += ["--methods", "MAML", "--noise-multipliers", "1", "0", "--rounds", "1"]
     command += ["--clients", str(CLIENTS), "--photos-run-config", TINY_PHOTOS, "--out", str(out)]
+    command += ["--dp-run-config", "dp-adaptive-clipping=true dp-clipped-count-stddev=1.0"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -51,6 +61,11 @@ def test_the_bench_as_typed_measures_c_then_runs_dp_and_writes_table_rows_and_fi
     config = json.loads((Path(noised["run_dir"]) / "config.json").read_text())
     assert config["dp-clip-norm"] == noised["clip_norm"]
     assert config["dp-noise-multiplier"] == 1.0
+    assert config["dp-adaptive-clipping"] is True  # --dp-run-config: the DP runs only
+    assert config["dp-max-noise-ratio"] == 0.0  # no --preflight: the check is lifted
+    plain_config = json.loads((Path(plain["run_dir"]) / "config.json").read_text())
+    assert plain_config["dp-adaptive-clipping"] is False
+    assert all(row["peak_gib"] > 0.1 for row in rows)  # this process and its Ray workers
     # epsilon: one round of PER_ROUND of CLIENTS without replacement at z = 1, delta 1e-5,
     # by Flower's accountant (replace-one, z/2)
     expected = headline_epsilons(PER_ROUND, CLIENTS, 1.0, 1, config["dp-delta"])[-1]
@@ -131,6 +146,13 @@ def test_bad_flags_get_one_error_naming_the_flag(
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert complaint in capsys.readouterr().err
+
+
+def test_preflight_keeps_the_noise_over_signal_check_in_the_dp_runs() -> None:
+    args = parse_args(["--preflight", "--dp-run-config", "dp-adaptive-clipping=true"])
+    assert args.preflight and overrides(args.dp_run_config) == {"dp-adaptive-clipping": True}
+    assert "dp-max-noise-ratio" not in dp_config(1.5, 0.2, preflight=True)
+    assert dp_config(1.5, 0.2)["dp-max-noise-ratio"] == 0.0 and dp_config(0.0, None) == {}
 
 
 def bench_row(method: str, task: str, noise: float, **figures: float | None) -> dict:

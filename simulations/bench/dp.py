@@ -40,7 +40,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 from simulations.bench.fedmenf_table import read_row, run_one
+from simulations.bench.scale import TreeMemory
 from simulations.bench.secure_twins import twin_config
 from simulations.planner import ENVIRONMENT, DataOptions, crowd_dataset, job_config
 from simulations.run import run_with_ray
@@ -108,6 +109,7 @@ class Row:
     replies: int | None = None  # successful train replies over all rounds (0: nothing trained)
     sampled: int | None = None  # photos: clients sampled in the last round
     population: int | None = None  # photos: num-clients, the population sampled from
+    peak_gib: float | None = None  # PSS of this process and its children (Ray), at its peak
 
 
 class UpdateNorms:
@@ -139,14 +141,16 @@ def median_norm(path: Path) -> float:
     return statistics.median(json.loads(line)["norm"] for line in lines)
 
 
-def dp_config(noise: float, clip_norm: float | None) -> dict[str, Any]:
-    """The dp-* run-config of noise multiplier `noise` ({} for none). The pre-flight limit is
-    lifted (dp-max-noise-ratio 0): the bench measures what noise that drowns the updates does
-    to utility and leakage, which is what the limit would refuse to run."""
+def dp_config(noise: float, clip_norm: float | None, preflight: bool = False) -> dict[str, Any]:
+    """The dp-* run-config of noise multiplier `noise` ({} for none). Unless `preflight`, the
+    pre-flight limit is lifted (dp-max-noise-ratio 0): the bench measures what noise that
+    drowns the updates does to utility and leakage, which is what the limit would refuse to
+    run; with it, a run the check refuses is a failed row."""
     if noise == 0:
         return {}
     assert clip_norm is not None
-    return {"dp-noise-multiplier": noise, "dp-clip-norm": clip_norm, "dp-max-noise-ratio": 0.0}
+    lifted = {} if preflight else {"dp-max-noise-ratio": 0.0}
+    return {"dp-noise-multiplier": noise, "dp-clip-norm": clip_norm, **lifted}
 
 
 def round_lines(run_dir: Path) -> list[dict[str, Any]]:
@@ -229,6 +233,10 @@ class Setup:
     users: int
     clients: int
     device: str
+    dp_extra: dict[str, Any] = field(default_factory=dict)
+    """Run-config of the DP runs only (z > 0), such as adaptive clipping."""
+    preflight: bool = False
+    """Keep the pre-flight noise-over-signal check in the DP runs (`dp_config`)."""
 
 
 def run_method(method: Method, noise: float, clip_norm: float | None, setup: Setup) -> Path:
@@ -238,7 +246,8 @@ def run_method(method: Method, noise: float, clip_norm: float | None, setup: Set
     runs = setup.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     mods = (UpdateNorms(runs / f"{method.name}-{NORMS_FILE}"),) if noise == 0 else ()
-    overrides = {**method.run_config, **setup.extra, **dp_config(noise, clip_norm)}
+    dp = {**dp_config(noise, clip_norm, setup.preflight), **(setup.dp_extra if noise > 0 else {})}
+    overrides = {**method.run_config, **setup.extra, **dp}
     if method.task == "scene":
         assert setup.crowd is not None
         base = job_config("").to_run_config() | {"num-server-rounds": setup.rounds} | overrides
@@ -270,9 +279,11 @@ def measure(
         try:
             if noise > 0 and clip_norm is None:
                 clip_norm = median_norm(setup.out / "runs" / f"{method.name}-{NORMS_FILE}")
-            run_dir = run_method(method, noise, clip_norm, setup)
+            with TreeMemory(os.getpid()) as memory:
+                run_dir = run_method(method, noise, clip_norm, setup)
             reader = scene_row if method.task == "scene" else photos_row
             row = reader(method, noise, clip_norm if noise > 0 else None, run_dir)
+            row = replace(row, peak_gib=memory.peak_bytes / 2**30)
         except Exception as error:  # a failed run is a result: its row says why
             message = f"{type(error).__name__}: {error}"[:300]
             row = failed_row(method, noise, clip_norm, setup, message)
@@ -307,8 +318,9 @@ def table(rows: list[Row]) -> str:
     """Markdown table: one line per run."""
     lines = [
         "| task | method | z | C | DP | epsilon | utility dB | server reads, personal dB "
-        "| released field, personal dB | floor dB | MIA CNN | replies | job s | sampled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| released field, personal dB | floor dB | MIA CNN | replies | job s | peak GiB "
+        "| sampled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         epsilon = "-" if row.noise_multiplier == 0 else cell(row.epsilon, "{:.3g}")
@@ -319,7 +331,7 @@ def table(rows: list[Row]) -> str:
             f"{cell(row.clip_norm, '{:.3g}')} | {row.dp_form} | {epsilon} | {cell(row.utility)} | "
             f"{cell(row.server_reads)} | {cell(row.released)} | {cell(row.floor)} | "
             f"{cell(row.mia, '{:.1%}')} | {cell(row.replies, '{:d}')} | {row.seconds:.0f} | "
-            f"{scale(row) or '-'} |"
+            f"{cell(row.peak_gib)} | {scale(row) or '-'} |"
         )
     return "\n".join(lines)
 
@@ -411,6 +423,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--photos-run-config", default="", help="extra run-config for the photos runs only"
     )
     parser.add_argument(
+        "--dp-run-config", default="",
+        help="extra run-config for the DP runs only, e.g. \"dp-adaptive-clipping=true\" (C from "
+        "the z = 0 median is then the initial clip norm)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--preflight", action="store_true",
+        help="keep the pre-flight noise-over-signal check in the DP runs (default: lifted, to "
+        "measure what drowning noise does)",
+    )  # fmt: skip
+    parser.add_argument(
         "--out", type=Path, default=None, help="output folder (default runs/<time>-dp)"
     )
     parser.add_argument(
@@ -427,6 +449,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in [folder / "dp.json" for folder in args.report or []]:
         if not path.is_file():
             parser.error(f"--report: {path} does not exist (no benchmark output there)")
+    for flag in ("run_config", "scene_run_config", "photos_run_config", "dp_run_config"):
+        try:
+            overrides(getattr(args, flag))
+        except ValueError as error:
+            parser.error(f"--{flag.replace('_', '-')}: {error}")
     for flag in ("rounds", "users", "views_per_user", "clients"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -466,7 +493,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         task_extra = args.scene_run_config if method.task == "scene" else args.photos_run_config
         task_config = extra | overrides(task_extra)
-        setup = Setup(out, args.rounds, task_config, crowd, args.users, args.clients, args.device)
+        setup = Setup(
+            out, args.rounds, task_config, crowd, args.users, args.clients, args.device,
+            overrides(args.dp_run_config), args.preflight,
+        )  # fmt: skip
         measure(method, args.noise_multipliers, setup, args.clip_norm, rows)
     write_results(out, rows)
 
@@ -477,8 +507,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def reread(row: Row) -> Row:
-    """`row` read again from its finished run directory (the current readers), or with its
-    run's replies counted when the run failed."""
+    """`row` read again from its finished run directory (the current readers; its peak memory
+    kept), or with its run's replies counted when the run failed."""
     run_dir = Path(row.run_dir)
     if not row.run_dir:
         return row
@@ -486,7 +516,8 @@ def reread(row: Row) -> Row:
         return row if row.replies is not None else replace(row, replies=replies_of(run_dir))
     method = next(method for method in METHODS if method.name == row.method)
     reader = scene_row if method.task == "scene" else photos_row
-    return reader(method, row.noise_multiplier, row.clip_norm, run_dir)
+    fresh = reader(method, row.noise_multiplier, row.clip_norm, run_dir)
+    return replace(fresh, peak_gib=row.peak_gib)  # measured while it ran, not in the run dir
 
 
 def write_results(out: Path, rows: list[Row]) -> None:

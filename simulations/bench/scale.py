@@ -48,10 +48,10 @@ CPUS = psutil.cpu_count(logical=True) or 1
 
 
 class TreeMemory:
-    """Samples the PSS of a process tree (plus the SuperLinks with Flower home `flwr_home`)
-    and keeps the peak."""
+    """Samples the PSS of a process tree (plus the SuperLinks with Flower home `flwr_home`,
+    when given) and keeps the peak."""
 
-    def __init__(self, root: int, flwr_home: Path, interval: float = 1.0) -> None:
+    def __init__(self, root: int, flwr_home: Path | None = None, interval: float = 1.0) -> None:
         self.root, self.flwr_home, self.interval = root, flwr_home, interval
         self.peak_bytes = 0
         self.peak_processes = 0
@@ -69,7 +69,8 @@ class TreeMemory:
     def processes(self) -> list[psutil.Process]:
         """The root, its descendants and its launch's SuperLinks' trees (flwr detaches them)."""
         found: dict[int, psutil.Process] = {}
-        for pid in [self.root, *superlinks_with_home(self.flwr_home)]:
+        homes = [] if self.flwr_home is None else superlinks_with_home(self.flwr_home)
+        for pid in [self.root, *homes]:
             try:
                 top = psutil.Process(pid)
                 for proc in [top, *top.children(recursive=True)]:
