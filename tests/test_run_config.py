@@ -121,7 +121,7 @@ def test_keys_of_the_run_and_shared_keys_are_accepted_in_every_mode() -> None:
 @pytest.mark.parametrize(
     ("run_config", "message"),
     [
-        ({"local-steps": 0}, "'local-steps' must be >= 1, got 0"),
+        ({"local-steps": 0}, r"'local-steps' must be in \[1, 1000000\], got 0"),
         ({"fraction-train": 1.5}, "'fraction-train' must be in \\(0, 1\\], got 1.5"),
         (
             {"hash-backend": "cuda"},
@@ -144,8 +144,8 @@ def test_a_bad_value_names_its_key_and_value(run_config: dict, message: str) -> 
 @pytest.mark.parametrize(
     ("run_config", "message"),
     [
-        ({"eval-views-per-round": 0}, r"'eval-views-per-round' must be >= 1, got 0"),
-        ({"eval-views-per-round": -2}, r"'eval-views-per-round' must be >= 1, got -2"),
+        ({"eval-views-per-round": 0}, r"'eval-views-per-round' must be in \[1, 10000\], got 0"),
+        ({"eval-views-per-round": -2}, r"'eval-views-per-round' must be in \[1, 10000\], got -2"),
         (
             {"secure-aggregation": True},
             r"'secure-aggregation' = true needs at least 3 clients per round .* "

@@ -91,6 +91,13 @@ DP_KEYS = (
 MAX_SEED = (1 << 31) - 1
 """Largest run-config seed: every generator derived from it (torch's, numpy's, the client and
 download seeds, which add rounds and users to multiples of it) stays in range."""
+MAX_COUNT = 1_000_000
+"""Largest round and local-step count: work grows with them, and a larger plan is a typo."""
+MAX_VIEWS = 10_000
+"""Largest count of views scored per round: more than any crowd holds."""
+MAX_LEARNING_RATE = 0.1
+"""Largest Adam learning rate of the scene's fields: at 1.0 the personal field's loss is NaN
+after one step (issue 57's extremes walk)."""
 MAX_PHOTO_PIXELS = 1024
 """Largest photo-crop and photo-size: the largest bundled photo's side."""
 
@@ -167,14 +174,15 @@ class CommonSection:
                 f"run-config 'server-device' must be {DEVICE_CHOICES}, got {self.server_device!r}"
             )
         _choice(self, "mode", MODES)
-        _check(self, ["num_server_rounds"], lambda v: v >= 1, ">= 1")
+        _check(self, ["num_server_rounds"], lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
         _check(self, ["seed"], lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]")
         if self.resume and not self.run_dir:
             raise ValueError("run-config 'resume' = true needs 'run-dir': the run to continue")
         if self.resume and self.mode == "split":
             raise ValueError("run-config 'resume' = true: split runs (mode 'split') do not resume")
-        _check(self, ["field_width", "field_depth"], lambda v: v >= 0, ">= 0")
-        _check(self, ["downscale"], lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+        _check(self, ["field_width"], lambda v: 0 <= v <= 4096, "in [0, 4096]")
+        _check(self, ["field_depth"], lambda v: 0 <= v <= 64, "in [0, 64]")
+        _check(self, ["downscale"], lambda v: 0.5 <= v <= 16, "in [0.5, 16]")
         if self.mode == "split" and self.task != "scene":
             raise ValueError("run-config 'mode' 'split' trains a scene: set task 'scene'")
 
@@ -221,16 +229,21 @@ class SceneSection:
 
     def __post_init__(self) -> None:
         _choice(self, "hash_backend", HASH_BACKENDS)
-        _check(self, ["local_steps", "target_samples", "hash_levels"], lambda v: v >= 1, ">= 1")
-        _check(self, ["eval_views_per_round"], lambda v: v >= 1, ">= 1")
-        _check(self, ["client_eval_views"], lambda v: v >= 0, ">= 0")
+        _check(self, ["local_steps"], lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
+        _check(self, ["target_samples"], lambda v: 1 <= v <= 1 << 22, "in [1, 4194304]")
+        _check(self, ["hash_levels"], lambda v: 1 <= v <= 32, "in [1, 32]")
+        _check(
+            self, ["eval_views_per_round"], lambda v: 1 <= v <= MAX_VIEWS, f"in [1, {MAX_VIEWS}]"
+        )
+        _check(self, ["client_eval_views"], lambda v: 0 <= v <= MAX_VIEWS, f"in [0, {MAX_VIEWS}]")
         _check(self, ["fraction_train"], lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check(self, ["hash_log2_size"], lambda v: 10 <= v <= 22, "in [10, 22]")
         _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")
-        _check(self, ["scene_bound", "beta_min"], lambda v: math.isfinite(v) and v > 0,
-               "finite and > 0")  # fmt: skip
-        rates = ["learning_rate", "personal_learning_rate", "personal_density_weight"]
-        _check(self, rates, _finite(0.0), "finite and >= 0")
+        _check(self, ["scene_bound"], lambda v: 0 < v <= 100, "in (0, 100]")
+        _check(self, ["beta_min"], lambda v: 1e-3 <= v <= 10, "in [0.001, 10]")
+        rates = ["learning_rate", "personal_learning_rate"]
+        _check(self, rates, lambda v: 0 <= v <= MAX_LEARNING_RATE, f"in [0, {MAX_LEARNING_RATE}]")
+        _check(self, ["personal_density_weight"], lambda v: 0 <= v <= 1000, "in [0, 1000]")
 
 
 @dataclass(frozen=True)
