@@ -7,13 +7,13 @@ server optimisers `FedAvgM`, `FedAdam`, `FedYogi`, `FedAdagrad`, and `DecentNeRF
 `FedMeNF` (message-API strategies; `Strategy.from_config(context.run_config, ...)`). Client
 side: `received_hooks` and `keep_results` (the client hooks of the method a message names:
 a loss term, a gradient correction, the records and state they leave), `DecentNeRFClient`
-(gradient query, alpha, alpha-weighted reply), `meta_train_reply` (FedMeNF's LocalUpdate),
+(gradient query, alpha, alpha-weighted reply), `meta_train_parts` (FedMeNF's LocalUpdate),
 `NodeState` (a node's private state), `answer_user_key` (the node's answer to
-`USER_KEY_ACTION`, which user it is), `secure_aggregation_mod` (Flower SecAgg+ for every
-strategy) and
-`compressed_download_mod` (rebuilds a compressed download's global before the handler). The
-`*_parts` variants (`meta_train_parts`, `DecentNeRFClient.train_parts`) return a reply's
-records and metrics before it is sent (`protocol.ReplyParts`), for an app that adds its own.
+`USER_KEY_ACTION`: which user it is), `secure_aggregation_mod` (Flower SecAgg+ for every
+strategy) and `compressed_download_mod` (rebuilds a compressed download's global before the
+handler). The `*_parts` functions (`meta_train_parts`, `DecentNeRFClient.train_parts`)
+return a reply's records and metrics before it is sent (`protocol.ReplyParts`, whose
+`message(msg)` makes the reply), for an app that adds its own.
 Record and key names are in `fedfields.flower.protocol` and the methods' modules.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from fedfields.flower.client_hooks import keep_results, received_hooks
 from fedfields.flower.compressed_downloads import compressed_download_mod
 from fedfields.flower.decentnerf import DecentNeRF, DecentNeRFClient
-from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts, meta_train_reply
+from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts
 from fedfields.flower.node import NodeState, answer_user_key, client_index
 from fedfields.flower.protocol import USER_KEY_ACTION
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
@@ -76,7 +76,6 @@ __all__ = [
     "keep_results",
     "m_of_n_sampling",
     "meta_train_parts",
-    "meta_train_reply",
     "method_strategy",
     "received_hooks",
     "secure_aggregation_mod",

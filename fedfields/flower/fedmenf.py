@@ -1,7 +1,6 @@
 """FedMeNF (FedMeNF paper, Algorithm 1) on Flower: the server's method
 (`fedfields.methods.fedmenf`, the size-weighted mean) sampling M of N nodes a round, and the
-client's LocalUpdate as a Flower train reply (`meta_train_reply`, or `meta_train_parts` before
-it is sent).
+client's LocalUpdate as a Flower train reply's parts (`meta_train_parts`).
 """
 
 from __future__ import annotations
@@ -89,23 +88,17 @@ class FedMeNF(method_strategy(fedmenf.FedMeNF)):  # type: ignore[misc]
         super().__init__(**sampling, **options)
 
 
-def meta_train_reply(
+def meta_train_parts(
     msg: Message, model: nn.Module, tasks: Sequence[MetaTask], meta: MetaConfig, state: NodeState
-) -> Message:
-    """One client's LocalUpdate from the received theta, as the train reply: w_E (ARRAYS) and
-    |D|, the mean outer loss and gamma (METRICS).
+) -> ReplyParts:
+    """One client's LocalUpdate from the received theta, as a train reply's parts: w_E (ARRAYS)
+    and |D|, the mean outer loss and gamma (METRICS); `.message(msg)` makes the reply, after an
+    app has added its own metrics in one place.
 
     The message may override E ("local-steps"); the client runs the hooks of the method the
     message names (`fedfields.flower.client_hooks`: a loss term, a control variate whose
     c_i+ is the round's mean outer gradient) and adds what they leave to the reply.
     """
-    return meta_train_parts(msg, model, tasks, meta, state).message(msg)
-
-
-def meta_train_parts(
-    msg: Message, model: nn.Module, tasks: Sequence[MetaTask], meta: MetaConfig, state: NodeState
-) -> ReplyParts:
-    """`meta_train_reply` before it is sent (an app adds its own metrics in one place)."""
     round_config = msg.content[CONFIG]
     theta = arrays_to_state(msg.content[ARRAYS])
     load_federated_state(model, theta)
