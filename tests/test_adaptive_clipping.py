@@ -164,7 +164,7 @@ def test_distributed_adaptive_clipping_moves_c_as_the_central_round_does(
     clipped_mean = sum(u["w"] * min(1.0, 3.0 / float(u["w"].norm())) for u in kept) / len(kept)
     torch.testing.assert_close(arrays_to_state(arrays)["w"], clipped_mean, rtol=0, atol=1e-4)
     assert metrics[DP_EPSILON] == pytest.approx(
-        epsilon_of([RoundCharge(1.0, z * math.sqrt(len(kept) / 3))], 1e-5), rel=1e-9
+        epsilon_of([RoundCharge(1.0, z * math.sqrt((len(kept) - 1) / 2))], 1e-5), rel=1e-9
     )
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and "config" in m.content]
     assert all(m.content["config"]["dp-clipped-count-stddev"] == count_std for m in sent)
@@ -198,8 +198,9 @@ def test_a_count_noise_too_small_is_refused_by_the_plan_before_any_file(tmp_path
 def test_a_secure_decentnerf_run_with_adaptive_clipping_and_its_own_gradient_clip() -> None:
     """strategy.start (its summary reads the client config before sigma_b is fixed) with
     SecAgg+, DP, adaptive clipping and dp-gradient-clip-norm: every round aggregates, rounds
-    2-3 unmask both sums, each charged z sqrt(4/3) (4 holders, t = 3) and combined over the
-    two, and C moves each round."""
+    2-3 unmask both sums, each charged z sqrt(3/2) (4 holders, t = 3: one holder fewer over
+    the t - 1 its shares are calibrated to) and combined over the two, and C moves each
+    round."""
     from test_strategies import heterogeneous_problems, initial_state, least_squares_app
 
     from fedfields.flower import DecentNeRF
@@ -215,7 +216,7 @@ def test_a_secure_decentnerf_run_with_adaptive_clipping_and_its_own_gradient_cli
     metrics = result.train_metrics_clientapp
     assert strategy.rounds_aggregated == 3
     assert [metrics[r]["secure-sums"] for r in (1, 2, 3)] == [1, 2, 2]
-    per_sum = 0.01 * math.sqrt(4 / 3)
+    per_sum = 0.01 * math.sqrt(3 / 2)
     assert [metrics[r][DP_ROUND_MULTIPLIER] for r in (1, 2, 3)] == pytest.approx(
         [per_sum, per_sum / math.sqrt(2), per_sum / math.sqrt(2)]
     )

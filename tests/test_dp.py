@@ -200,24 +200,31 @@ def test_central_noise_has_std_z_c_on_the_sum_and_flowers_z_c_over_n_on_the_mean
     assert measured / clients == pytest.approx(compute_stdv(z, clip_norm, clients), rel=0.01)
 
 
-def test_distributed_noise_shares_sum_to_z_c_and_dropouts_lower_it_as_charged() -> None:
-    """n clients each add N(0, z^2 C^2 / n); the secure sum of all n shares has std z C; with d
-    dropouts the surviving shares have std z C sqrt((n - d) / n) = effective multiplier x C."""
+def test_distributed_noise_shares_leave_z_c_one_holder_fewer_and_are_charged_so() -> None:
+    """Calibrated to t = 7 holders, each of the 7 clients adds N(0, z^2 C^2 / 6): any 6 shares
+    sum to std z C, all 7 to z C sqrt(7/6). A sum of h holders is charged the multiplier of its
+    neighbour with one holder fewer, z sqrt((h - 1) / (t - 1)): measured on h - 1 shares."""
     z, clip_norm, clients, size = 1.1, 2.0, 7, 100_000
     share_std = distributed_noise_std(z, clip_norm, clients)
-    assert share_std == pytest.approx(z * clip_norm / math.sqrt(clients))
+    assert share_std == pytest.approx(z * clip_norm / math.sqrt(clients - 1))
     zero = {"w": torch.zeros(size)}
     shares = [add_gaussian_noise(zero, share_std, noise_generator(100 + k))["w"] for k in range(7)]
-    assert float(torch.stack(shares).sum(0).std()) == pytest.approx(z * clip_norm, rel=0.015)
-    for dropped in (1, 3):
-        survivors = torch.stack(shares[dropped:]).sum(0)
-        effective = effective_noise_multiplier(z, clients, clients - dropped)
-        assert effective == pytest.approx(z * math.sqrt((clients - dropped) / clients))
-        assert float(survivors.std()) == pytest.approx(effective * clip_norm, rel=0.015)
-    assert effective_noise_multiplier(z, clients, clients) == z
-    assert effective_noise_multiplier(z, 5, clients) == pytest.approx(z * math.sqrt(7 / 5))
-    with pytest.raises(ValueError, match="summed clients must be >= 0"):
-        effective_noise_multiplier(z, clients, -1)
+    all_shares = float(torch.stack(shares).sum(0).std())
+    assert all_shares == pytest.approx(z * clip_norm * math.sqrt(7 / 6), rel=0.015)
+    assert float(torch.stack(shares[1:]).sum(0).std()) == pytest.approx(z * clip_norm, rel=0.015)
+    assert effective_noise_multiplier(z, clients, clients) == pytest.approx(z)
+    for summed in (7, 9):  # h = t and h > t: the neighbour one holder fewer holds h - 1 shares
+        charged = effective_noise_multiplier(z, clients, summed)
+        assert charged == pytest.approx(z * math.sqrt((summed - 1) / (clients - 1)))
+        fewer = [add_gaussian_noise(zero, share_std, noise_generator(200 + k))["w"]
+                 for k in range(summed - 1)]  # fmt: skip
+        assert float(torch.stack(fewer).sum(0).std()) == pytest.approx(
+            charged * clip_norm, rel=0.015
+        )
+        assert charged >= z
+    for bad_calibration, bad_summed in ((1, 3), (7, 0)):
+        with pytest.raises(ValueError, match="must be >= "):
+            effective_noise_multiplier(z, bad_calibration, bad_summed)
 
 
 def test_noise_is_reproducible_under_a_seed_and_secret_without_one() -> None:

@@ -313,7 +313,7 @@ def test_decentnerf_charges_both_noised_sums_of_a_round() -> None:
 def test_an_unmasked_secure_sum_refused_afterwards_is_still_charged() -> None:
     """Secure DecentNeRF under DP with z = 5: the payload's noised alpha sum lies within 3
     noise stds of 0, so no aggregate is formed; the server saw that sum all the same, so the
-    round is charged for its 3 holders at t = 2 (z sqrt(3/2))."""
+    round is charged for its 3 holders at t = 2 (z sqrt(2/1), its one-fewer neighbour's)."""
     problems = heterogeneous_problems(3)
     app = secure(least_squares_app(problems, 0.05, (0.5, 1.0, 1.5)))
     strategy = DecentNeRF(
@@ -324,9 +324,9 @@ def test_an_unmasked_secure_sum_refused_afterwards_is_still_charged() -> None:
         strategy, InProcessGrid([app] * 3), state_to_arrays(initial_state())
     )
     assert arrays is None and strategy.round_of(1).ledger.unmasked_holders == [3]
-    assert metrics is not None and metrics[DP_ROUND_MULTIPLIER] == pytest.approx(5 * math.sqrt(1.5))
+    assert metrics is not None and metrics[DP_ROUND_MULTIPLIER] == pytest.approx(5 * math.sqrt(2))
     assert metrics[DP_EPSILON] == pytest.approx(
-        epsilon_of([RoundCharge(1.0, 5 * math.sqrt(1.5))], 1e-5), rel=1e-12
+        epsilon_of([RoundCharge(1.0, 5 * math.sqrt(2))], 1e-5), rel=1e-12
     )
 
 
@@ -381,9 +381,10 @@ def test_a_clients_private_records_are_clipped_jointly_then_noised() -> None:
 @pytest.mark.parametrize("dropped", [set(), {2}])
 def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int]) -> None:
     """4 secure clients, updates 10x C, reconstruction threshold t = 3: each noise share is
-    calibrated to t, so the secure aggregate minus the survivors' clipped mean, times the
-    survivors, is the summed noise of std z C sqrt(4/3), or exactly z C when one drops after
-    key sharing, which is the multiplier the accountant is charged."""
+    calibrated so that t - 1 = 2 of them carry z C: the secure aggregate minus the survivors'
+    clipped mean, times the survivors, is the summed noise of std z C sqrt(h / 2) for h = 4
+    survivors (or 3 when one drops after key sharing); the accountant is charged the
+    multiplier of one holder fewer, z sqrt((h - 1) / 2)."""
     z, clip_norm, n = 1.0, 0.5, 4
     reference = big_state(0)
     updates = [big_state(seed, 10 * clip_norm / math.sqrt(SIZE)) for seed in range(1, n + 1)]
@@ -401,13 +402,14 @@ def test_distributed_noise_sums_to_z_c_and_dropouts_are_charged(dropped: set[int
     expected = plus(reference, {k: sum(clipped(u, clip_norm)[k] for u in survivors) / kept
                                 for k in reference})  # fmt: skip
     noise_on_sum = flat(plus(arrays_to_state(arrays), expected, -1.0)) * kept
-    effective = z * math.sqrt(kept / 3)
-    ratio = float(noise_on_sum.std()) / (effective * clip_norm)
-    print(f"distributed noise std / (z_eff C), {len(dropped)} dropped: {ratio:.4f}")
+    carried = z * math.sqrt(kept / 2)
+    ratio = float(noise_on_sum.std()) / (carried * clip_norm)
+    print(f"distributed noise std / (z sqrt(h / (t - 1)) C), {len(dropped)} dropped: {ratio:.4f}")
     assert abs(ratio - 1) < STD_TOLERANCE
-    assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(effective)
+    charged = z * math.sqrt((kept - 1) / 2)
+    assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(charged)
     assert metrics[DP_EPSILON] == pytest.approx(
-        epsilon_of([RoundCharge(1.0, effective)], 1e-5), rel=1e-12
+        epsilon_of([RoundCharge(1.0, charged)], 1e-5), rel=1e-12
     )
     sent = [m for m in grid.sent if m.metadata.message_type == "train" and CONFIG in m.content]
     assert all("secure-weight" not in m.content[CONFIG] for m in sent)  # uniform weights
@@ -464,8 +466,8 @@ def test_secure_dp_never_exceeds_its_target_whatever_drops(
 ) -> None:
     """20 of 40 sampled, z = 1, dp-target-epsilon = one round's epsilon at z = 1: the round
     fixes t = 13 (SecAgg+'s threshold of 20) and sends it to the clients, whose noise shares
-    sum to z C over any 13. Down to 13 holders the sum is released and charged z sqrt(h / 13)
-    >= z; with 12 or fewer it is never unmasked, nothing is released or charged. Epsilon never
+    sum to z C over any 12. Down to 13 holders the sum is released and charged
+    z sqrt((h - 1) / 12) >= z; with 12 or fewer it is never unmasked, nothing is released or charged. Epsilon never
     exceeds the target (the old plan let 9 of 20 through at z sqrt(9 / 20): 6.61 > 6)."""
     z, clip_norm, population, size = 1.0, 1.0, 40, 64
     target = epsilon_of([RoundCharge(0.5, z)], 1e-5) * (1 + 1e-9)
@@ -490,7 +492,7 @@ def test_secure_dp_never_exceeds_its_target_whatever_drops(
         assert DP_ROUND_MULTIPLIER not in metrics and metrics[DP_EPSILON] == 0
     else:
         assert arrays is not None
-        assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(z * math.sqrt(holders / 13))
+        assert metrics[DP_ROUND_MULTIPLIER] == pytest.approx(z * math.sqrt((holders - 1) / 12))
 
 
 def test_a_client_refuses_a_secagg_setup_below_its_calibration() -> None:
@@ -561,7 +563,7 @@ def test_a_fixed_secagg_clipping_range_must_leave_room_for_the_noise() -> None:
     with pytest.raises(ValueError, match="secagg-clipping-range = 3 leaves no room for the DP"):
         FedAvg(differential_privacy=dp, secure_aggregation=SecureAggregationConfig(
             clipping_range=3.0))  # fmt: skip
-    FedAvg(differential_privacy=dp, secure_aggregation=SecureAggregationConfig(clipping_range=13))
+    FedAvg(differential_privacy=dp, secure_aggregation=SecureAggregationConfig(clipping_range=17))
 
 
 # ------------------------------------------------------------------ budget and resume
@@ -623,22 +625,23 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
 ) -> None:
     """The documented command as a user types it (`python -m simulations.launch`: `flwr run .`
     on Ray) with secure aggregation and distributed DP on the session's 3 users (all 3 a
-    round: min-train-nodes 3, secure aggregation's floor, while the plan assumes the default
-    fraction-train 0.5), z = 2, C = 1, dp-target-epsilon 7.6 over 3 rounds. Each round fixes
-    t = 2 (SecAgg+'s threshold of 3) and calibrates the noise shares to it, so 3 holders carry
-    z sqrt(3/2), the multiplier charged. The plan (3 rounds at q = 0.5: 7.47) passes; rounds
-    1-2 run; round 3's worst case (only t = 2 holders: z) would take epsilon to 7.75, so the
-    run stops cleanly after round 2, summary.json says why and the launcher exits 0
-    (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3 of 3 sampled
-    without replacement at z sqrt(3/2) / 2 (replace-one)."""
-    charged = 2 * math.sqrt(3 / 2)
+    round: min-train-nodes 3, secure aggregation's floor, while the plan assumes fraction-train
+    0.25), z = 2, C = 0.1, dp-target-epsilon 6 over 3 rounds. Each round fixes t = 2 (SecAgg+'s
+    threshold of 3) and calibrates the noise shares so that t - 1 carry z C, so 3 holders are
+    charged their one-fewer neighbour's z sqrt(2/1). The plan (3 rounds at q = 0.25: 5.25)
+    passes; rounds 1-2 run; round 3's worst case (only t = 2 holders: z) would take epsilon to
+    7.08, so the run stops cleanly after round 2, summary.json says why and the launcher exits
+    0 (docs/PRIVACY.md). Each round's epsilon is Flower's RdpAccountant's for 3 of 3 sampled
+    without replacement at z sqrt(2) / 2 (replace-one)."""
+    charged = 2 * math.sqrt(2)
     flower = headline_epsilons(3, 3, charged, rounds=2)
-    target = 7.6
-    assert epsilon_of([RoundCharge(0.5, 2.0)] * 3, 1e-5) <= target  # the plan passes
+    target = 6.0
+    assert epsilon_of([RoundCharge(0.25, 2.0)] * 3, 1e-5) <= target  # the plan passes
     assert epsilon_of([RoundCharge(1.0, charged, 3, 3)] * 2 + [RoundCharge(1.0, 2.0, 3, 3)],
                       1e-5) > target  # fmt: skip
     run_config = (
         "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=2.0 dp-clip-norm=0.1 "
+        "fraction-train=0.25 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
         "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
         "client-eval-views=0 dp-max-noise-ratio=0"

@@ -87,6 +87,7 @@ from fedfields.privacy.dp import (
     noise_ratio,
     noised_records,
     scaled_difference,
+    share_std,
 )
 from fedfields.privacy.secagg_plan import (
     SecureAggregationConfig,
@@ -1004,9 +1005,10 @@ def held_metric_keys(replies: Sequence[Message]) -> list[str]:
 #
 # Plaintext sums clip each reply's update and the server adds N(0, (z C)^2) (central DP,
 # `central`); under secure aggregation the clients clip and add their share of that noise
-# before masking (distributed DP, `client_config`), calibrated to t, the fewest holders a sum
-# of the round is unmasked from (`RoundLedger.min_holders`), so every unmasked sum carries at
-# least z, more with more holders (`effective_noise_multiplier`), and each is charged.
+# before masking (distributed DP, `client_config`), calibrated so that t - 1 shares carry z C,
+# t the fewest holders a sum of the round is unmasked from (`RoundLedger.min_holders`): every
+# unmasked sum of h holders, and its neighbour with one fewer, carries at least
+# z sqrt((h - 1) / (t - 1)) >= z (`effective_noise_multiplier`), and each is charged that.
 # Weights are uniform. One `DPAccountant` per run is
 # charged once a round with q = sampled / connected and the multiplier combined over the round's
 # noised sums ("dp-epsilon" after it); a plan beyond dp-target-epsilon is refused
@@ -1153,7 +1155,7 @@ class RoundPrivacy:
             record_range = distributed_noise_range(self.update_multiplier, clip_norm, holders)
         metric_range = 1.0
         if adaptive:
-            metric_range += NOISE_TAIL * self.count_std / math.sqrt(holders)
+            metric_range += NOISE_TAIL * share_std(self.count_std, holders)
         keys = (WEIGHT_KEY, DP_UNCLIPPED) if adaptive else (WEIGHT_KEY,)
         return DistributedPrivacy(record_range, metric_range, keys)
 
@@ -1240,7 +1242,8 @@ class RoundPrivacy:
 
     def multipliers(self, ledger: RoundLedger) -> list[float]:
         """The noise multipliers of the sums `ledger`'s round has released so far: each
-        plaintext sum's, each unmasked secure sum's z sqrt(h / t) for its h holders."""
+        plaintext sum's, each unmasked secure sum's z sqrt((h - 1) / (t - 1)) for its h
+        holders (`effective_noise_multiplier`)."""
         multipliers = list(ledger.dp_multipliers)
         if self.secure_aggregation is not None:
             z, holders = self.config.noise_multiplier, ledger.min_holders
@@ -1267,7 +1270,7 @@ class RoundPrivacy:
     def charge(self, ledger: RoundLedger) -> dict[str, float]:
         """Charge the round's noised sums once (q = sampled / connected, z combined over its
         sums: each plaintext sum released, each secure sum unmasked, used or not, at
-        z sqrt(h / t) for its h holders); the DP train metrics (epsilon three ways,
+        z sqrt((h - 1) / (t - 1)) for its h holders); the DP train metrics (epsilon three ways,
         `DPAccountant.report`). A round that unmasked and released no sum is not charged."""
         metrics: dict[str, float] = {}
         if self.config.adaptive is not None:

@@ -94,6 +94,7 @@ from fedfields.privacy.dp import (
     noise_generator,
     noised_records,
     scaled_difference,
+    share_std,
 )
 from fedfields.privacy.packed_sum import Packing, coded_entries, packed_vectors
 from fedfields.privacy.secagg_plan import (
@@ -380,10 +381,11 @@ def private_records(
     gradient_query: bool = False,
 ) -> tuple[dict[str, dict[str, Tensor]], float | None]:
     """The records clipped to "dp-clip-norm" jointly plus this client's share of the noise,
-    N(0, z^2 C^2 / t) per entry (`distributed_noise_std`, t = "dp-min-holders"); under adaptive
-    clipping ("dp-clipped-count-stddev" sigma_b) also the bit 1[norm <= C] plus
-    N(0, sigma_b^2 / t), else None. A DecentNeRF `gradient_query` is clipped to
-    "dp-gradient-clip-norm" (when sent) with the z the pair composes to, and has no bit. The
+    N(0, z^2 C^2 / (t - 1)) per entry (`distributed_noise_std`, t = "dp-min-holders", so one
+    holder fewer than t still carries z C); under adaptive clipping ("dp-clipped-count-stddev"
+    sigma_b) also the bit 1[norm <= C] plus N(0, sigma_b^2 / (t - 1)), else None. A DecentNeRF
+    `gradient_query` is clipped to "dp-gradient-clip-norm" (when sent) with the z the pair
+    composes to, and has no bit. The
     generator is secret-seeded unless a test passes one."""
     holders = int(config[DP_MIN_HOLDERS])
     if holders < 2:
@@ -399,7 +401,7 @@ def private_records(
     noised = noised_records(clipped, distributed_noise_std(z, clip_norm, holders), generator)
     if not count_std:
         return noised, None
-    share = count_std / math.sqrt(holders)
+    share = share_std(count_std, holders)
     noise = float(torch.randn((), generator=generator, dtype=torch.float64))
     return noised, float(norm <= clip_norm) + share * noise
 

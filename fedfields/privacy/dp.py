@@ -8,11 +8,13 @@ with noise multiplier z:
 - central DP: the server adds N(0, (z C)^2) to the sum (`central_noise_std`). Divided by the
   n sampled clients this is Flower's std z*C/n on the mean (`mean_noise_std`, Flower's
   `compute_stdv`), the same mechanism when the mean is uniform over n clients.
-- distributed DP (secure aggregation): the server fixes t, the fewest clients a sum may be
-  unmasked from, before the round; each client adds N(0, z^2 C^2 / t) to its clipped update
-  before masking (`distributed_noise_std`), so only the noised sum ever exists and any sum of
-  h >= t shares carries z*sqrt(h/t) >= z (`effective_noise_multiplier`), which is what the
-  accountant is charged; a sum of fewer than t is never unmasked.
+- distributed DP (secure aggregation): the server fixes t >= 2, the fewest clients a sum
+  may be unmasked from, before the round; each client adds N(0, z^2 C^2 / (t - 1)) to its
+  clipped update before masking (`share_std`, `distributed_noise_std`), so only the noised sum
+  ever exists and any t - 1 shares already sum to std z C: a sum of h >= t holders carries
+  z sqrt(h / (t - 1)), and its neighbour with one holder fewer (add-or-remove) still
+  z sqrt((h - 1) / (t - 1)) >= z, which is what the accountant is charged
+  (`effective_noise_multiplier`); a sum of fewer than t is never unmasked.
 
 The accountant that charges each round is `fedfields.privacy.accountant`. Pure PyTorch;
 updates are state dicts (`dict[str, Tensor]`).
@@ -244,10 +246,19 @@ NOISE_TAIL = 8.0
 room a SecAgg+ range leaves for the noise (`distributed_noise_range`)."""
 
 
+def share_std(total_std: float, num_holders: int) -> float:
+    """Std of one client's share of a noise of std `total_std` calibrated to t = `num_holders`:
+    any t - 1 shares sum to `total_std`, so one holder fewer than the least a sum is unmasked
+    from still carries it: total / sqrt(t - 1)."""
+    if num_holders < 2:
+        raise ValueError(f"holders must be >= 2, got {num_holders}")
+    return total_std / math.sqrt(num_holders - 1)
+
+
 def distributed_noise_std(noise_multiplier: float, clip_norm: float, num_holders: int) -> float:
-    """Std each client adds to its clipped update before secure aggregation, so that the sum
-    of `num_holders` t shares has std z C: z C / sqrt(t)."""
-    return noise_multiplier * clip_norm / math.sqrt(_positive_count(num_holders, "holders"))
+    """Std each client adds to its clipped update before secure aggregation, so that any t - 1
+    of the shares (t = `num_holders`) sum to std z C: z C / sqrt(t - 1)."""
+    return share_std(noise_multiplier * clip_norm, num_holders)
 
 
 def distributed_noise_range(noise_multiplier: float, clip_norm: float, num_holders: int) -> float:
@@ -260,13 +271,15 @@ def distributed_noise_range(noise_multiplier: float, clip_norm: float, num_holde
 def effective_noise_multiplier(
     noise_multiplier: float, num_calibrated: int, num_summed: int
 ) -> float:
-    """The multiplier a secure sum carries when `num_summed` shares, each calibrated so that
-    `num_calibrated` of them sum to std z C, were summed: z sqrt(num_summed / num_calibrated)
-    (above z with more holders, below it with fewer)."""
-    calibrated = _positive_count(num_calibrated, "calibrated holders")
-    if num_summed < 0:
-        raise ValueError(f"summed clients must be >= 0, got {num_summed}")
-    return noise_multiplier * math.sqrt(num_summed / calibrated)
+    """The multiplier charged for a secure sum of h = `num_summed` shares, each calibrated to
+    t = `num_calibrated` (`share_std`): that of the sum's neighbour with one holder fewer,
+    z sqrt((h - 1) / (t - 1)), at least z for h >= t. The sum itself carries more
+    (z sqrt(h / (t - 1))), so the charge holds for replace-one and add-or-remove neighbours."""
+    if num_calibrated < 2:
+        raise ValueError(f"calibrated holders must be >= 2, got {num_calibrated}")
+    if num_summed < 1:
+        raise ValueError(f"summed clients must be >= 1, got {num_summed}")
+    return noise_multiplier * math.sqrt((num_summed - 1) / (num_calibrated - 1))
 
 
 def _positive_count(count: int, what: str) -> int:
