@@ -58,7 +58,7 @@ from simulations.observers import Observer, ReplyTap, plaintext_uploads, train_r
 RENDERED_CLIENTS = 4  # rows of the render grid: the last round's first participants
 MIN_ATTACK_CLIENTS = 5  # the inference attacks need shadow and target clients
 ATTACK_FOLDS = 5  # every client a target once; each attacker trains on the other 4/5
-MAX_ATTACK_CLIENTS = 100
+MAX_ATTACK_CLIENTS = 50
 """The attacks' cost grows with the square of the clients attacked (each shadow upload renders
 every shadow client's views); above this many clients with an upload, a seeded sample of this
 many is attacked (summary "attack-clients" says how many)."""

@@ -467,8 +467,9 @@ def test_secure_dp_never_exceeds_its_target_whatever_drops(
     """20 of 40 sampled, z = 1, dp-target-epsilon = one round's epsilon at z = 1: the round
     fixes t = 13 (SecAgg+'s threshold of 20) and sends it to the clients, whose noise shares
     sum to z C over any 12. Down to 13 holders the sum is released and charged
-    z sqrt((h - 1) / 12) >= z; with 12 or fewer it is never unmasked, nothing is released or charged. Epsilon never
-    exceeds the target (the old plan let 9 of 20 through at z sqrt(9 / 20): 6.61 > 6)."""
+    z sqrt((h - 1) / 12) >= z; with 12 or fewer it is never unmasked, nothing is released or
+    charged. Epsilon never exceeds the target (the old plan let 9 of 20 through at
+    z sqrt(9 / 20): 6.61 > 6)."""
     z, clip_norm, population, size = 1.0, 1.0, 40, 64
     target = epsilon_of([RoundCharge(0.5, z)], 1e-5) * (1 + 1e-9)
     generator = torch.Generator().manual_seed(3)
