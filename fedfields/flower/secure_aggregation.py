@@ -385,8 +385,7 @@ def private_records(
     holder fewer than t still carries z C); under adaptive clipping ("dp-clipped-count-stddev"
     sigma_b) also the bit 1[norm <= C] plus N(0, sigma_b^2 / (t - 1)), else None. A DecentNeRF
     `gradient_query` is clipped to "dp-gradient-clip-norm" (when sent) with the z the pair
-    composes to, and has no bit. The
-    generator is secret-seeded unless a test passes one."""
+    composes to, and has no bit. The generator is secret-seeded unless a test passes one."""
     holders = int(config[DP_MIN_HOLDERS])
     if holders < 2:
         raise ValueFreeError(f"{DP_MIN_HOLDERS} must be >= 2, got {holders}")
