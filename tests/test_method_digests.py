@@ -91,6 +91,14 @@ SCENE_CASES: dict[str, dict[str, Any]] = {
         "dp-clipped-count-stddev": 0.5,
     },  # fmt: skip
     "fedprox-distributed-dp": {"strategy": "fedprox", **SECURE, **DP},
+    "decentnerf-central-dp": {"strategy": "decentnerf", **DP},
+    "decentnerf-distributed-dp": {"strategy": "decentnerf", **SECURE, **DP},
+    "decentnerf-quantise": {"strategy": "decentnerf", "compression": "quantise"},
+    "decentnerf-topk-downloads": {
+        "strategy": "decentnerf",
+        "compression": "topk",
+        "compression-download": True,
+    },  # fmt: skip
 }
 META_CASES: dict[str, dict[str, Any]] = {
     f"{strategy}-{learner}": {"strategy": strategy, "meta-learner": learner}
