@@ -59,7 +59,7 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.query("gradient")
 def gradient(msg: Message, context: Context) -> Message:
-    """DecentNeRF's G_k (compressed if the server asks); its wall seconds are kept for this
+    """A gradient query's G_k (compressed if the server asks); its wall seconds are kept for this
     round's train reply's "client-seconds" (the reply to the query carries nothing but G_k)."""
     started = time.perf_counter()
     call = ClientCall.decode(msg, context)

@@ -4,11 +4,11 @@ One user's views (its own folder, from node-config `data-dir`, `fedfields.flower
 global field it shares and a personal field it keeps; thin glue over
 `fedfields.train.federated`. Training, the gradient query and the held-out score run on
 node-config `device`; replies carry CPU float32 whatever the device. What stays on the node
-lives in its private state (`NodeState`): DecentNeRF's personal field and appearance
-embeddings, the user's alpha and its history, the last local global field, the occupancy grid,
-what the method's client hooks keep (`fedfields.flower.client_hooks`). A reply carries only
-what the strategy needs: the global field (or alpha * g_k and alpha for DecentNeRF), the
-hooks' records, DecentNeRF's gradient G_k, and scalar metrics, among them
+lives in its private state (`NodeState`): the personal field and appearance embeddings of a
+method that declares one, the occupancy grid, what the method's reply and client hooks keep
+(`fedfields.flower.client_hooks`). A reply carries only what the method needs: the global
+field (or the method's transform of it), the hooks' records, a gradient query's G_k, and
+scalar metrics, among them
 "client-eval-psnr": the received global field's PSNR on this user's held-out views (the last
 `client-eval-views`, never trained on).
 """
@@ -19,27 +19,28 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from flwr.app import RecordDict
 
 from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
 from fedfields.fields import HashGridField
 from fedfields.fields.personal import PersonalField, PersonalFieldConfig
-from fedfields.flower import DecentNeRFClient, NodeState
-from fedfields.flower.client_hooks import keep_results, received_hooks
-from fedfields.flower.decentnerf import DecentNeRFSettings
+from fedfields.flower import NodeState
+from fedfields.flower.client_hooks import (
+    gradient_parts,
+    received_hooks,
+    received_method,
+    reply_parts,
+)
 from fedfields.flower.node import node_data_dir
 from fedfields.flower.protocol import (
     ARRAYS,
     LOCAL_STEPS,
-    NUM_EXAMPLES,
     TRAIN_LOSS,
     TRAIN_PSNR,
     TRAIN_STEPS,
     ReplyParts,
     arrays_to_state,
-    state_to_arrays,
 )
 from fedfields.render import OccupancyGrid, RenderConfig
 from fedfields.train.builders import check_scene_fits, client_seed, global_field, render_config
@@ -85,13 +86,10 @@ def train(call: ClientCall) -> ReplyParts:
             field, views.heldout, settings, call.device, EVAL_OCCUPANCY_PASSES
         )
     occupancy = _occupancy(state, field)
-    decentnerf = None
-    if DecentNeRFClient.sent_by_decentnerf(msg):
-        own = config.settings
-        alpha_lr = (own if isinstance(own, DecentNeRFSettings) else DecentNeRFSettings()).alpha_lr
-        decentnerf = DecentNeRFClient(state, alpha_lr)
     user = call.client
-    personal = _personal_field(state, config, settings, len(scene), user) if decentnerf else None
+    personal = None
+    if received_method(msg).personal_field:
+        personal = _personal_field(state, config, settings, len(scene), user)
     hooks = received_hooks(msg, state)
     local = LocalTrainConfig(
         steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
@@ -117,22 +115,21 @@ def train(call: ClientCall) -> ReplyParts:
     )
     state.put_tensors(OCCUPANCY, occupancy.state_dict())
     metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
-    local_state = federated_state(field)
-    if decentnerf is not None and personal is not None:
+    if personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())
-        return decentnerf.train_parts(msg, local_state, metrics)
-    metrics[NUM_EXAMPLES] = result.num_examples
-    records = RecordDict({ARRAYS: state_to_arrays(local_state)})
-    keep_results(result.hook_results, records, state)
-    return ReplyParts(records, metrics)
+    local_state = federated_state(field)
+    return reply_parts(msg, state, local_state, metrics, result.num_examples, result.hook_results)
 
 
 def gradient(call: ClientCall) -> ReplyParts:
-    """DecentNeRF's G_k: the loss gradient at the received aggregate, both fields frozen."""
+    """A gradient query's G_k: the loss gradient at the received aggregate, the global field
+    and (when the method declares one) the personal field frozen."""
     config, state = call.config, call.state
     scene = _user_views(call).train
     settings = render_config(config, scene)
-    personal = _personal_field(state, config, settings, len(scene), call.client)
+    personal = None
+    if received_method(call.msg).personal_field:
+        personal = _personal_field(state, config, settings, len(scene), call.client)
     seed = config.common.seed + call.federated_round()
 
     def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -150,7 +147,7 @@ def gradient(call: ClientCall) -> ReplyParts:
             device=call.device,
         )
 
-    return DecentNeRFClient.gradient_parts(call.msg, loss_gradient)
+    return gradient_parts(call.msg, loss_gradient)
 
 
 HALF = ClientHalf("scene", mode="federated", tasks=("scene",), train=train, gradient=gradient)

@@ -34,9 +34,9 @@ from PIL import Image
 from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData
-from fedfields.flower.decentnerf import ALPHA_STATE
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.methods import ALPHA_KEY
+from fedfields.methods.decentnerf import ALPHA_STATE
 from fedfields.metrics import psnr
 from fedfields.privacy.leakage import PERSONAL_FLOOR, UPLOAD_LEAK, score_crowd
 from fedfields.train.evaluation import FieldRenderer

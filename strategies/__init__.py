@@ -13,13 +13,22 @@ from typing import Any, Unpack
 
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
-    DecentNeRF,
     FedMeNF,
     ProtocolStrategy,
     StrategyOptions,
     method_strategy,
 )
-from fedfields.methods import fedacg, fedavg, fedavgm, fedexp, fednova, fedopt, fedprox, scaffold
+from fedfields.methods import (
+    decentnerf,
+    fedacg,
+    fedavg,
+    fedavgm,
+    fedexp,
+    fednova,
+    fedopt,
+    fedprox,
+    scaffold,
+)
 from fedfields.methods.base import Method
 from fedfields.methods.settings import StrategySettings
 
@@ -30,7 +39,7 @@ REGISTRY: tuple[type[Method] | type[ProtocolStrategy], ...] = (
     fednova.FedNova,
     fedexp.FedExP,
     fedacg.FedACG,
-    DecentNeRF,
+    decentnerf.DecentNeRF,
     FedMeNF,
     fedavgm.FedAvgM,
     fedopt.FedAdam,

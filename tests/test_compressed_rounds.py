@@ -26,7 +26,6 @@ from fedfields.compression import (
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
     DecentNeRF,
-    DecentNeRFClient,
     FedACG,
     FedAvg,
     FedExP,
@@ -34,6 +33,7 @@ from fedfields.flower import (
     FedProx,
     NodeState,
     Scaffold,
+    answer_gradient_query,
     compressed_download_mod,
     keep_results,
     received_hooks,
@@ -352,7 +352,7 @@ def gradient_node(k: int, scale_lost: bool = False) -> Callable:
         if message.metadata.message_type == USER_KEY_MESSAGE_TYPE:
             return answer_user_key(message, context)
         assert message.metadata.message_type == GRADIENT_QUERY
-        reply = DecentNeRFClient.answer_gradient_query(message, lambda _: gradient_k(k), seed=k)
+        reply = answer_gradient_query(message, lambda _: gradient_k(k), seed=k)
         if scale_lost:
             del reply.content[GRADIENT]["weight:scale"]
         return reply

@@ -13,9 +13,6 @@ from test_federated_training import RENDER, composite_mse, make_global, scene  #
 from fedfields.data.scene import Scene
 from fedfields.flower import DecentNeRFClient, NodeState
 from fedfields.flower.protocol import (
-    AGGREGATE_ROUND,
-    ALPHA_LR,
-    ALPHA_SUM,
     ARRAYS,
     CONFIG,
     GRADIENT,
@@ -24,6 +21,7 @@ from fedfields.flower.protocol import (
     state_to_arrays,
 )
 from fedfields.methods import alpha_gradient, alpha_update
+from fedfields.methods.decentnerf import AGGREGATE_ROUND, ALPHA_LR, ALPHA_SUM
 from fedfields.train import federated_state, load_federated_state, loss_gradient
 from fedfields.train.nerfw import nerfw_loss
 from simulations.in_process_grid import set_task_identity

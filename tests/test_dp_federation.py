@@ -282,8 +282,8 @@ def test_decentnerf_clips_alpha_times_update_and_alpha_jointly() -> None:
         differential_privacy=DPConfig(1e-12, clip_norm),
     )  # fmt: skip
     arrays, _ = train_round(strategy, InProcessGrid([node]), state_to_arrays(g))
-    assert strategy.last_aggregate is not None
-    alpha_sum = strategy.last_aggregate[1]
+    assert strategy.method.last_aggregate is not None
+    alpha_sum = strategy.method.last_aggregate[1]
     update = arrays_to_state(arrays)["w"] - g["w"]
     assert alpha_sum * math.sqrt(float(update.square().sum()) + 1) <= clip_norm * (1 + 1e-9)
     torch.testing.assert_close(arrays_to_state(arrays), g_k, rtol=1e-6, atol=0)

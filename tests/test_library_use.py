@@ -72,16 +72,19 @@ APP_FILES = {
             return float(sum((state[k] - v).pow(2).sum() for k, v in TRUTH.items()))
     ''',
     "tinyapp/client_app.py": '''
-        """The app's own ClientApp: local SGD; DecentNeRF's half from fedfields.flower."""
+        """The app's own ClientApp: local SGD; the method's reply from fedfields.flower."""
 
         import torch
-        from flwr.app import Context, Message, MetricRecord, RecordDict
+        from flwr.app import Context, Message
         from flwr.clientapp import ClientApp
 
         import fedfields
-        from fedfields.flower import DecentNeRFClient, NodeState, secure_aggregation_mod
+        from fedfields.flower import (
+            DecentNeRFClient, NodeState, answer_gradient_query, reply_parts,
+            secure_aggregation_mod,
+        )
         from fedfields.flower.protocol import (
-            ARRAYS, CONFIG, LOCAL_STEPS, METRICS, arrays_to_state, state_to_arrays,
+            ARRAYS, CONFIG, LOCAL_STEPS, ReplyParts, arrays_to_state,
         )
         from fedfields.flower.protocol import USER_KEY_ACTION
         from fedfields.flower.node import answer_user_key
@@ -113,14 +116,10 @@ APP_FILES = {
                 optimiser.step()
             local = {k: v.detach().clone() for k, v in model.state_dict().items()}
             metrics = {"train-loss": float(loss), "from-wheel": float(_from_wheel())}
-            if DecentNeRFClient.sent_by_decentnerf(msg):
-                client = DecentNeRFClient(NodeState(context))
-                reply = client.train_reply(msg, local, metrics)
-                reply.content[METRICS]["alpha"] = client.alpha
-                return reply
-            metrics["num-examples"] = 64.0
-            content = RecordDict({ARRAYS: state_to_arrays(local), METRICS: MetricRecord(metrics)})
-            return Message(content, reply_to=msg)
+            state = NodeState(context)
+            parts = reply_parts(msg, state, local, metrics, num_examples=64)  # any method's
+            alpha = DecentNeRFClient(state).alpha  # 1.0 unless DecentNeRF's reply moved it
+            return ReplyParts(parts.records, {**parts.metrics, "alpha": alpha}).message(msg)
 
 
         @app.query("gradient")
@@ -130,7 +129,7 @@ APP_FILES = {
                 _loss(model, context).backward()
                 return {name: p.grad for name, p in model.named_parameters()}
 
-            return DecentNeRFClient.answer_gradient_query(msg, loss_gradient)
+            return answer_gradient_query(msg, loss_gradient)
 
 
         def _from_wheel() -> bool:
@@ -165,7 +164,7 @@ APP_FILES = {
                 result = strategy.start(grid, state_to_arrays(initial),
                                         num_rounds=int(config["num-server-rounds"]))
                 report[strategy.strategy_name] = {
-                    "alpha-lr": getattr(strategy, "alpha_lr", None),
+                    "alpha-lr": getattr(strategy.method, "alpha_lr", None),
                     "error": error(arrays_to_state(result.arrays)),
                     "rounds": {str(r): dict(m) for r, m in result.train_metrics_clientapp.items()},
                 }

@@ -18,9 +18,9 @@ from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
 from fedfields.fields.encodings import tcnn_available
 from fedfields.flower import FedAvg
-from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.flower.protocol import NUM_FAILURES, NUM_REPLIES, arrays_to_state, state_to_arrays
 from fedfields.flower.strategy import InsufficientNodesError
+from fedfields.methods.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.train.builders import global_field
 from simulations.federated_nerf import run_federated_nerf
 from simulations.in_process_grid import InProcessGrid, set_task_identity

@@ -39,7 +39,6 @@ from fedfields.flower import (
     ProtocolStrategy,
     Scaffold,
 )
-from fedfields.flower.decentnerf import ALPHA_FLOOR, DEFAULT_ALPHA_MAX
 from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
@@ -64,6 +63,7 @@ from fedfields.flower.round import SECURE_FAILURES, SECURE_SUMS
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.methods import ALPHA_KEY, alpha_weighted_payload
 from fedfields.methods.base import update_norm
+from fedfields.methods.decentnerf import ALPHA_FLOOR, DEFAULT_ALPHA_MAX
 from fedfields.methods.robust import (
     RobustRule,
     coordinate_median,
@@ -576,10 +576,10 @@ def test_run_config_keys_reach_the_strategies() -> None:
     assert (fedprox.max_update_norm, fedprox.max_num_examples) == (5.0, None)
     scene = parse_app_config({"alpha-max": 7.0})
     decentnerf = make_strategy(scene)
-    assert isinstance(decentnerf, DecentNeRF) and decentnerf.alpha_max == 7.0
-    assert decentnerf.max_gradient_norm == 1e4
+    assert isinstance(decentnerf, DecentNeRF) and decentnerf.method.alpha_max == 7.0
+    assert decentnerf.method.max_gradient_norm == 1e4
     capped = parse_app_config({"max-gradient-norm": 0.0})
-    assert make_strategy(capped).max_gradient_norm is None
+    assert make_strategy(capped).method.max_gradient_norm is None
     assert decentnerf.max_update_norm == 1000.0 and decentnerf.max_num_examples == 1e9
     faces = parse_app_config({"task": "faces", "aggregation-rule": "median"})
     fedmenf = make_meta_strategy(faces, meta_settings(faces))
@@ -677,7 +677,7 @@ def test_a_secure_decentnerf_sum_of_non_positive_alpha_skips_the_round(
     arrays, metrics, strategy = secure_round("decentnerf", replies)
     assert arrays is None and metrics[SECURE_FAILURES] == 1
     assert "summed alpha_k is not positive" in caplog.text
-    assert isinstance(strategy, DecentNeRF) and strategy.last_aggregate is None
+    assert isinstance(strategy, DecentNeRF) and strategy.method.last_aggregate is None
 
 
 def test_secure_empty_rounds_end_the_run_with_the_secure_failure_named() -> None:

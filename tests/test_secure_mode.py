@@ -38,7 +38,6 @@ from clients.scene_client import PERSONAL
 from fedfields.config import meta_settings
 from fedfields.data.crowd import CrowdData
 from fedfields.flower import EmptyRoundsError, secure_aggregation
-from fedfields.flower.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     CONFIG,
@@ -58,6 +57,7 @@ from fedfields.flower.secure_aggregation import (
     SecureModeClientError,
     secure_aggregation_mod,
 )
+from fedfields.methods.decentnerf import ALPHA_STATE, PREVIOUS_GLOBAL
 from fedfields.privacy.secagg_plan import (
     DEFAULT_MAX_EXPONENT,
     EXPONENT_MAX,

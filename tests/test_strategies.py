@@ -43,7 +43,6 @@ from fedfields.flower import (
 )
 from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
-    ALPHA_LR,
     ARRAYS,
     BYTES_DOWN,
     BYTES_UP,
@@ -72,6 +71,7 @@ from fedfields.methods import (
     decentnerf_aggregate,
     scaffold_corrected_gradient,
 )
+from fedfields.methods.decentnerf import ALPHA_LR
 from fedfields.methods.fedexp import SERVER_STEP
 from fedfields.methods.fedprox import PROXIMAL_MU
 from fedfields.methods.scaffold import CONTROL_DELTA, SERVER_CONTROL

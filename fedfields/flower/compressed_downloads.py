@@ -1,6 +1,6 @@
 """Compressed downloads on Flower records: the strategy sends each node the global's change since
 the round it last trained in, the node's mod rebuilds the global before anything reads it.
-Train messages and DecentNeRF's gradient query go this way; evaluation messages go whole.
+Train messages and a method's gradient query go this way; evaluation messages go whole.
 
 Server (`DownloadSender`, kept by `ProtocolStrategy` when `CompressionConfig.download` is on):
 each round advances `fedfields.download_chain.ReferenceChain` with what the strategy sends, T_t, and
@@ -9,10 +9,11 @@ whole, or the chain of records from the version the server last summed a reply o
 for (a reply summed proves the node rebuilt that version; a sampled user whose reply was not
 summed gets R_t whole next time). CONFIG carries "download-version" t and "download-base" b
 (0: whole); the chain's record of version v travels as ArrayRecord entries "<v>:<key>:<part>".
-The round reads each reply as T_t plus the update the node computed from R_t. DecentNeRF's
-summed gradient G, new each round, goes down compressed once with the run's scheme and no
-feedback (`DownloadSender.gradient`; CONFIG "gradient-compressed"): a node reads G only in
-<G, g_k - g>, and quantise's unbiased rounding keeps that product unbiased.
+The round reads each reply as T_t plus the update the node computed from R_t. A gradient
+query's sum G (`Method.gradient_query`), new each round, goes down compressed once with the
+run's scheme and no feedback (`DownloadSender.gradient`; CONFIG "gradient-compressed"): a
+node reads G only in inner products (<G, g_k - g>), and quantise's unbiased rounding keeps
+them unbiased.
 
 Node (`compressed_download_mod`, outermost of the ClientApp's mods): rebuilds R_t from the
 reference it keeps in its private state (`NodeState`, under DOWNLOAD_REFERENCE) and puts it in the
@@ -56,7 +57,7 @@ DOWNLOAD_REFERENCE = "download-reference"
 DOWNLOAD_HELD ({"version": v})."""
 DOWNLOAD_HELD = "download-held"
 DOWNLOAD_TYPES = (MessageType.TRAIN, GRADIENT_QUERY)
-"""Messages whose ARRAYS may come compressed: train, and DecentNeRF's gradient query (the same
+"""Messages whose ARRAYS may come compressed: train, and a gradient query (the same
 version: a node that answered the query is sent nothing more for the round's train message)."""
 
 
@@ -80,8 +81,9 @@ class DownloadSender:
         self.chain.advance(server_round, arrays_to_state(arrays), self.generator(server_round))
 
     def gradient(self, server_round: int, gradient: Mapping[str, Tensor]) -> ArrayRecord:
-        """DecentNeRF's G of `server_round` compressed for its way down (module docstring), its
-        rounding drawn from a stream of the server's seed apart from the chain's."""
+        """A gradient query's sum G of `server_round` compressed for its way down (module
+        docstring), its rounding drawn from a stream of the server's seed apart from the
+        chain's."""
         record = compress(gradient, self.chain.config, self.generator(server_round, stream=1))
         return record_arrays(record)
 
@@ -218,8 +220,8 @@ def compressed_download_mod(
 def received_gradient(
     arrays: ArrayRecord, received: Mapping[str, Tensor], compression: CompressionConfig
 ) -> ArrayRecord:
-    """DecentNeRF's G from its compressed record, shaped as the global `received`; ValueError
-    naming the record and why for a record the scheme could not have sent."""
+    """A gradient query's sum G from its compressed record, shaped as the global `received`;
+    ValueError naming the record and why for a record the scheme could not have sent."""
     shapes = {key: tuple(value.shape) for key, value in received.items()}
     try:
         gradient = decompress({name: a.numpy() for name, a in arrays.items()}, shapes, compression)

@@ -7,14 +7,13 @@ Train message (server -> client), records by name:
   ARRAYS          global federated state g (what the method's `sent` returns)
   CONFIG          "server-round", "strategy", "local-steps", the method's own entries
                   (`Method.client_config`), "compression" and its strength,
-                  "alpha-lr", "alpha-max", "alpha-sum", "aggregate-round" (DecentNeRF),
-                  plus the user's train config
+                  with G the method's `query_config` entries, plus the user's train config
   ...             any other record the method sends (`Method.sent`)
-  GRADIENT        DecentNeRF only, from round 2: G = sum_k G_k of the gradient query
+  GRADIENT        a method with a gradient query, from round 2: G = sum_k G_k
                   (with "gradient-compressed" in CONFIG: G's compressed record)
 Train reply (client -> server):
-  ARRAYS          local state; DecentNeRF: alpha_k g_k plus alpha_k under
-                  `fedfields.methods.ALPHA_KEY`
+  ARRAYS          local state; a payload scaled by the client's weight s: s x plus s under
+                  the scale's key (`fedfields.methods.base.ScaleSpec`)
   METRICS         "num-examples" (pixels; the mean's weight), "train-loss", "train-psnr"
   ...             the method's other reply records (`Method.reply_records`)
   With "compression" in CONFIG, ARRAYS holds the record of the compressed update (local
@@ -23,8 +22,8 @@ Train reply (client -> server):
   With "download-version" in a train message's CONFIG, its ARRAYS is a compressed download
   (`fedfields.flower.compressed_downloads`) the node's mod rebuilds into the global before
   the handler.
-Gradient query (DecentNeRF, message type GRADIENT_QUERY): ARRAYS g^(m-1) and CONFIG out,
-GRADIENT G_k = dL_k/dg at g^(m-1) back.
+Gradient query (`Method.gradient_query`, message type GRADIENT_QUERY): ARRAYS g^(m-1) and
+CONFIG out, GRADIENT G_k = dL_k/dg at g^(m-1) back.
 
 Secure aggregation (CONFIG "secure-aggregation" true): a train or gradient reply carries no
 arrays and no per-client metrics, only HELD (the names of the records and metrics the client
@@ -58,31 +57,25 @@ from torch import Tensor
 from fedfields.methods.base import (  # noqa: F401 (re-exported: the protocol's shared names)
     ARRAYS,
     CONFIG,
+    GRADIENT,
     LOCAL_STEPS,
     METRICS,
     NUM_EXAMPLES,
+    SERVER_ROUND,
     TRAIN_STEPS,
 )
 
 # ------------------------------------------------------------------ record names
 # ARRAYS, CONFIG and METRICS (and the keys every method shares: "local-steps",
-# "num-examples", "train-steps") come from `fedfields.methods.base`; a method's own records
-# and keys live in its module (a control variate's records in that method's module).
-GRADIENT = "gradient"
+# "num-examples", "train-steps") and GRADIENT come from `fedfields.methods.base`; a method's
+# own records and keys live in its module (a control variate's records in that method's module).
 
 GRADIENT_QUERY = "query.gradient"
-"""Message type of DecentNeRF's in-round gradient exchange (handler `@app.query("gradient")`)."""
+"""Message type of a method's gradient query before training (`Method.gradient_query`;
+handler `@app.query("gradient")`)."""
 
 # ------------------------------------------------------------------ train config keys
-SERVER_ROUND = "server-round"
 STRATEGY = "strategy"
-ALPHA_LR = "alpha-lr"
-ALPHA_SUM = "alpha-sum"
-"""DecentNeRF: A^(m-1), the summed alpha that normalised the aggregate the message carries."""
-AGGREGATE_ROUND = "aggregate-round"
-"""DecentNeRF: the round whose replies formed that aggregate (m - 1)."""
-ALPHA_MAX = "alpha-max"
-"""DecentNeRF: the largest alpha_k the server takes; clients clamp theirs into (0, alpha-max]."""
 
 COMPRESSION = "compression"
 """The scheme replies compress their ARRAYS update with ("lowrank", "quantise", "topk";
@@ -92,15 +85,15 @@ COMPRESSION_RANK = "compression-rank"
 COMPRESSION_BITS = "compression-bits"
 COMPRESSION_FRACTION = "compression-fraction"
 COMPRESSION_DELTA_SCALE = "compression-delta-scale"
-"""Train-config entry: the ARRAYS key s of a strategy whose payload is s x (DecentNeRF's
-alpha_k): the compressed update is then s x - s g, and s is sent within it, whole in effect."""
+"""Train-config entry: the ARRAYS key s of a method whose payload is s x (`ScaleSpec`): the
+compressed update is then s x - s g, and s is sent within it, whole in effect."""
 DOWNLOAD_VERSION = "download-version"
 """Train-config entry of a compressed download (`fedfields.flower.compressed_downloads`): the
 version t of the reference ARRAYS stands for."""
 DOWNLOAD_BASE = "download-base"
 """Train-config entry: the version b the download's chain starts from (0: ARRAYS is R_t whole)."""
 GRADIENT_COMPRESSED = "gradient-compressed"
-"""Train-config entry under compressed downloads: GRADIENT holds the record of DecentNeRF's G
+"""Train-config entry under compressed downloads: GRADIENT holds the record of the query's G
 compressed with the run's scheme, which the node's mod decompresses before the handler."""
 
 SECURE_AGGREGATION = "secure-aggregation"
@@ -111,7 +104,7 @@ SECURE_DELTA = "secure-delta"
 """Records (list) the client holds as reply minus the message's record of the same name."""
 SECURE_DELTA_SCALE = "secure-delta-scale"
 """Key inside a "secure-delta" record whose value s scales the reference: held as x - s g
-(DecentNeRF's alpha_k g_k - alpha_k g under DP); absent: x - g."""
+(a scaled payload's s x - s g under DP: `ScaleSpec`); absent: x - g."""
 DP_CLIP_NORM = "dp-clip-norm"
 """Secure DP: the client clips all its held records jointly to this L2 norm C."""
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
@@ -120,7 +113,7 @@ DP_COUNT_STDDEV = "dp-clipped-count-stddev"
 """Secure DP with adaptive clipping: sigma_b; the client also holds its bit 1[||Delta|| <= C]
 plus N(0, sigma_b^2 / t) under DP_UNCLIPPED (`fedfields.privacy.adaptive_clipping`)."""
 DP_GRADIENT_CLIP_NORM = "dp-gradient-clip-norm"
-"""Secure DP, DecentNeRF: the clip norm of the gradient query's G_k (absent: dp-clip-norm)."""
+"""Secure DP: the clip norm of a gradient query's G_k (absent: dp-clip-norm)."""
 DP_UNCLIPPED = "dp-unclipped"
 """Held metric under adaptive clipping: the client's noised unclipped bit, summed securely."""
 DP_MIN_HOLDERS = "dp-min-holders"
@@ -375,7 +368,7 @@ def checked_dtype(dtype: torch.dtype, expected: str | None) -> torch.dtype | Non
     The rule: a floating array (float16, float32, float64) is cast to the expected floating
     dtype (the global's); an integer, bool or complex array where a float is expected is
     dropped, as is any array whose expected dtype is not floating and differs. With no
-    expected dtype (e.g. DecentNeRF's alpha entry) any floating dtype is taken as it is.
+    expected dtype (a scaled payload's weight entry) any floating dtype is taken as it is.
     """
     if expected is None:
         return dtype if dtype.is_floating_point else None

@@ -383,8 +383,8 @@ def private_records(
     """The records clipped to "dp-clip-norm" jointly plus this client's share of the noise,
     N(0, z^2 C^2 / (t - 1)) per entry (`distributed_noise_std`, t = "dp-min-holders", so one
     holder fewer than t still carries z C); under adaptive clipping ("dp-clipped-count-stddev"
-    sigma_b) also the bit 1[norm <= C] plus N(0, sigma_b^2 / (t - 1)), else None. A DecentNeRF
-    `gradient_query` is clipped to "dp-gradient-clip-norm" (when sent) with the z the pair
+    sigma_b) also the bit 1[norm <= C] plus N(0, sigma_b^2 / (t - 1)), else None. A
+    `gradient_query` reply is clipped to "dp-gradient-clip-norm" (when sent) with the z the pair
     composes to, and has no bit. The generator is secret-seeded unless a test passes one."""
     holders = int(config[DP_MIN_HOLDERS])
     if holders < 2:

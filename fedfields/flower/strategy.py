@@ -18,9 +18,10 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar, Protocol, Self, TypedDict, Unpack
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.proto.node_pb2 import NodeInfo
@@ -29,6 +30,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
 from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore.run import Run
+from torch import Tensor
 
 from fedfields.compression import CompressionConfig
 from fedfields.flower.compressed_downloads import DOWNLOAD_TYPES, DownloadSender
@@ -37,6 +39,8 @@ from fedfields.flower.protocol import (
     CONFIG,
     DP_MIN_HOLDERS,
     GRADIENT,
+    GRADIENT_COMPRESSED,
+    GRADIENT_QUERY,
     LOCAL_STEPS,
     NON_FINITE_AGGREGATE,
     NUM_EXAMPLES,
@@ -69,6 +73,7 @@ from fedfields.flower.upload_compression import compression_entries
 from fedfields.methods import FEDAVG_COST, CostModel
 from fedfields.methods.base import (
     Method,
+    RecordSpec,
     RoundContext,
     RoundSums,
     ServerStep,
@@ -743,16 +748,18 @@ class NodeSampler:
 
 # Any fedfields method (`fedfields.methods`) as a Flower strategy: the one thin adapter.
 #
-# `MethodStrategy` runs a round the same way whatever the method: it sends what the method's
-# `sent` returns with the train config (the method's `client_config` entries merged in), then
+# `MethodStrategy` runs a round the same way whatever the method: from round 2 a method with a
+# gradient query first sums its sampled nodes' G_k (`Method.gradient_query`), then it sends
+# what the method's `sent` returns with the train config (the method's `client_config` entries
+# merged in) and G with the method's `query_config` entries, then
 # reads the replies through the round's one sum (`fedfields.flower.round.Round.sum`: gate,
 # plaintext or SecAgg+, DP, ledger). A method whose step starts from the mean gets the
 # replies' weighted mean (or a robust rule's aggregate) in the global's dtypes; any other gets
 # the sums of its declared reply records (or folds each checked reply itself) and takes its
-# step from them. The records' caps declared in `RecordSpec`s are checked here, so the generic
-# round never names a method. `method_strategy(MethodClass)` makes the Flower-facing class a
-# user imports (`fedfields.flower.FedAvg`, ...), whose keyword arguments are the method's own
-# and the shared `MethodOptions`.
+# step from them. The records' caps and scales declared in `RecordSpec`s are checked here, so
+# the generic round never names a method. `method_strategy(MethodClass)` makes the
+# Flower-facing class a user imports (`fedfields.flower.FedAvg`, ...), whose keyword arguments
+# are the method's own and the shared `MethodOptions`.
 
 
 class MethodOptions(StrategyOptions, total=False):
@@ -762,6 +769,7 @@ class MethodOptions(StrategyOptions, total=False):
     trim_fraction: float
     num_malicious: int
     krum_select: int
+    query_timeout: float | None
 
 
 class MethodStrategy(ProtocolStrategy):
@@ -806,6 +814,8 @@ class MethodStrategy(ProtocolStrategy):
         num_malicious: f, the malicious clients Krum, Multi-Krum and Bulyan assume; a Bulyan
             round with fewer than 4f + 3 checked replies forms no aggregate.
         krum_select: m, the states Multi-Krum averages (0: n - f).
+        query_timeout: seconds to wait for a gradient query's replies; None takes
+            `node_timeout` (None there too waits for all).
         differential_privacy: client-level DP (`fedfields.privacy.dp.DPConfig`): each
             update clipped to C, uniform weights, N(0, (z C)^2) on the sum (by the server, or
             in shares by the clients under secure aggregation); epsilon is accounted per
@@ -829,6 +839,7 @@ class MethodStrategy(ProtocolStrategy):
         trim_fraction: float = DEFAULT_TRIM_FRACTION,
         num_malicious: int = 0,
         krum_select: int = 0,
+        query_timeout: float | None = None,
         **options: Any,
     ) -> None:
         own = method_arguments(self.method_class, options)
@@ -839,8 +850,11 @@ class MethodStrategy(ProtocolStrategy):
         self.method = method
         self.weight_metric = method.weight_metric
         self.delta_records = tuple(spec.name for spec in method.reply_records() if spec.delta)
+        scale = method.reply_records()[0].scale
+        self.dp_delta_scale = "" if scale is None else scale.key
         refuse_unsupported(self.strategy_name, method, options)
         super().__init__(**options)
+        self.query_timeout = self.node_timeout if query_timeout is None else query_timeout
         self.aggregation_rule = checked_rule(
             self.strategy_name, method, aggregation_rule, self.dp is not None,
             self.secure_aggregation is not None,
@@ -862,11 +876,16 @@ class MethodStrategy(ProtocolStrategy):
         """The shared entries plus the method's `client_config`."""
         return {**super().protocol_config(), **self.method.client_config()}
 
+    def dp_sums_per_round(self, server_round: int) -> int:
+        """Under DP a round with a gradient query (from round 2) noises two sums of its
+        sampled users: the query's G and the payload's (charged as one multiplier z / sqrt(2))."""
+        return 2 if server_round >= 2 and self.method.gradient_query() is not None else 1
+
     def open_train_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> tuple[Round, list[Message]]:
-        """Sample nodes; the round and its messages: what the method's `sent` returns with the
-        train config."""
+        """Sample nodes; from round 2 the method's gradient query, summed; the round and its
+        messages: what the method's `sent` returns with the train config, and G."""
         global_state = arrays_to_state(arrays)
         records = self.method.sent(global_state, server_round)
         sent = arrays if records[ARRAYS] is global_state else state_to_arrays(records[ARRAYS])
@@ -875,14 +894,51 @@ class MethodStrategy(ProtocolStrategy):
         train_round.context = RoundContext(
             server_round, global_state, dict(train_config), train_round.ledger.num_nodes_total
         )
-        content = RecordDict(
-            {
-                ARRAYS: sent,
-                **{name: state_to_arrays(s) for name, s in records.items() if name != ARRAYS},
-                CONFIG: train_config,
-            }
-        )
-        return train_round, self.messages(train_round, content, MessageType.TRAIN)
+        content: dict[str, ArrayRecord | ConfigRecord] = {
+            ARRAYS: sent,
+            **{name: state_to_arrays(s) for name, s in records.items() if name != ARRAYS},
+            CONFIG: train_config,
+        }
+        query = self.method.gradient_query()
+        if query is not None and server_round >= 2 and train_round.ledger.node_ids:
+            gradient = self.gradient_sum(train_round, sent, train_config, grid)
+            if gradient is not None:
+                if self.privacy is not None:  # G leaves before the round is charged
+                    self.privacy.write_ahead(train_round.ledger)
+                content[GRADIENT] = self.gradient_record(server_round, gradient, train_config)
+                for key, value in self.method.query_config().items():
+                    train_config[key] = value
+        return train_round, self.messages(train_round, RecordDict(content), MessageType.TRAIN)
+
+    def gradient_sum(
+        self, train_round: Round, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> dict[str, Tensor] | None:
+        """G = sum_k dL_k/dg at the global `arrays` over the round's sampled nodes, in the
+        global's dtypes (None: nothing summed, or G is not finite there and is not sent)."""
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        queries = self.messages(train_round, content, GRADIENT_QUERY)
+        replies = grid.send_and_receive(queries, timeout=self.query_timeout)
+        summed = train_round.sum(replies, {GRADIENT: train_round.shapes})
+        if summed is None:
+            return None
+        if self.downloads is not None:  # they rebuilt this round's global for the query
+            self.downloads.hold(train_round.ledger.summed_users)
+        gradient = train_round.in_global_dtypes(summed.sums[GRADIENT])
+        if not all(bool(torch.isfinite(value).all()) for value in gradient.values()):
+            log(ERROR, "round %d: the summed gradient G holds NaN or infinite values in the "
+                "global's dtypes and is not sent", train_round.ledger.server_round)  # fmt: skip
+            return None
+        return gradient
+
+    def gradient_record(
+        self, server_round: int, gradient: dict[str, Tensor], config: ConfigRecord
+    ) -> ArrayRecord:
+        """G as the train message carries it: whole, or under compressed downloads compressed
+        on its way down as the global is (`DownloadSender.gradient`; `config` then says so)."""
+        if self.downloads is None:
+            return state_to_arrays(gradient)
+        config[GRADIENT_COMPRESSED] = True
+        return self.downloads.gradient(server_round, gradient)
 
     def aggregate(self, train_round: Round, replies: Iterable[Message]) -> RoundOutcome:
         """The method's server step over the round's mean or sums, as the round's outcome."""
@@ -894,6 +950,10 @@ class MethodStrategy(ProtocolStrategy):
         else:
             step = self.step_from_sums(train_round, replies, context)
         if step is None or step.new_global is None:
+            if step is not None and step.failure:
+                train_round.fail_sum(step.failure)
+            if step is not None and step.warning:
+                log(WARNING, "round %d: %s", context.server_round, step.warning)
             return train_round.outcome(None, None if step is None else step.metrics)
         return train_round.outcome(state_to_arrays(step.new_global), step.metrics)
 
@@ -906,13 +966,16 @@ class MethodStrategy(ProtocolStrategy):
         fold = method.fold(context)
         summed = train_round.sum(
             replies,
-            {spec.name: shapes for spec in method.reply_records()},
+            {spec.name: record_shapes(spec, shapes) for spec in method.reply_records()},
             scalars=method.reply_scalars(context) or None,
             fold=None if fold is None else lambda r: fold(r.states, r.weight, r.scalars),
         )
         if summed is None:
             return None
-        sums = RoundSums(summed.sums, summed.weight, len(summed.node_ids))
+        noise_std = None if self.privacy is None else self.privacy.payload_noise_std
+        sums = RoundSums(
+            summed.sums, summed.weight, len(summed.node_ids), summed.resolution, noise_std
+        )
         return method.step_from_sums(context, sums)
 
     def mean(self, train_round: Round, replies: Iterable[Message]) -> State | None:
@@ -941,14 +1004,32 @@ class MethodStrategy(ProtocolStrategy):
             return None
         return robust_aggregate(rule, states, summed.weights)
 
+    def record_specs(self) -> tuple[RecordSpec, ...]:
+        """The method's reply records and its gradient query's record."""
+        query = self.method.gradient_query()
+        return (*self.method.reply_records(), *(() if query is None else (query,)))
+
     def compressed_records(self) -> frozenset[str]:
-        """The method's reply records declared `compressed` (`RecordSpec`)."""
-        return frozenset(spec.name for spec in self.method.reply_records() if spec.compressed)
+        """The method's reply records (and gradient query's) declared `compressed`."""
+        return frozenset(spec.name for spec in self.record_specs() if spec.compressed)
 
     def check_update(self, train_round: Round, reply: CheckedReply) -> None:
-        """The update-norm bound on ARRAYS, then each reply record's declared norm cap."""
-        super().check_update(train_round, reply)
-        for spec in self.method.reply_records():
+        """The update-norm bound on ARRAYS (a scaled payload's scale in its range first,
+        then divided out), then each record's declared norm cap."""
+        payload = reply.states.get(ARRAYS)
+        scale = self.method.reply_records()[0].scale
+        if payload is not None and scale is not None:
+            weight = float(payload[scale.key].double().reshape(()))
+            if not scale.low <= weight <= scale.high:
+                raise BadReply(
+                    scale.check,
+                    f"reply from node {reply.node_id}, record {ARRAYS!r}: {scale.key!r} is "
+                    f"outside [{scale.low:g}, {scale.high:g}] ({scale.check})",
+                )
+            train_round.check_update_norm(reply.node_id, payload, scale=weight)
+        else:
+            super().check_update(train_round, reply)
+        for spec in self.record_specs():
             record = reply.states.get(spec.name)
             if spec.norm_cap is None or record is None:
                 continue
@@ -961,9 +1042,11 @@ class MethodStrategy(ProtocolStrategy):
 
     def drop_reason(self, check: str) -> str:
         """A declared record check's reason, else the gate's."""
-        for spec in self.method.reply_records():
+        for spec in self.record_specs():
             if spec.norm_check == check and spec.drop_reason:
                 return spec.drop_reason
+            if spec.scale is not None and spec.scale.check == check:
+                return spec.scale.drop_reason
         return super().drop_reason(check)
 
     def resumable_state(self) -> dict[str, Any]:
@@ -974,6 +1057,13 @@ class MethodStrategy(ProtocolStrategy):
         """Take back the shared state and the method's."""
         super().restore_state(state)
         self.method.restore(state)
+
+
+def record_shapes(spec: RecordSpec, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The shapes a reply record is summed with: the global's, plus a scale's one entry."""
+    if spec.scale is None:
+        return dict(shapes)
+    return {**shapes, spec.scale.key: (1,)}
 
 
 def method_arguments(method_class: type[Method], options: dict[str, Any]) -> dict[str, Any]:

@@ -7,9 +7,9 @@ received) plus the residual it kept from its last round (error feedback,
 `RESIDUAL`), so a node restarted on its state directory resumes it. The gate rebuilds the state
 as received global + decompressed update before any other check (`decompressed_reply_state`),
 so finiteness, norm and cap checks all see what will be summed; a malformed record is a
-`BadReply` ("compression") naming why. DecentNeRF's gradient reply G_k is compressed too, once
-and with no feedback (it is recomputed every round, and the server reads only the sum G, for
-the alpha step's <G, g_k - g>; quantise keeps it unbiased), and the gate decompresses it the
+`BadReply` ("compression") naming why. A gradient query's reply G_k is compressed too, once
+and with no feedback (it is recomputed every round, and the server reads only the sum G, in
+inner products; quantise keeps them unbiased), and the gate decompresses it the
 same way. Scaffold's control delta delta c_i is compressed once too (`compressed_control`):
 the node then keeps c_i + D(C(delta c_i)) as its control, what the server adds to its c, so
 c stays the clients' mean and the rounding joins the next round's delta. Every other record

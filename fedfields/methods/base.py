@@ -10,6 +10,8 @@ family of rules, subclasses) next to its paper's equations. The generic round
   control variate) and what a reply carries, each reply record a
   `RecordSpec` (summed as a difference from what was sent or as it is, bounded by which check
   and cap, compressed or not);
+- `gradient_query`: a query phase before the train messages (the record its replies carry and
+  how it is bounded), whose sum goes out with them;
 - `secure_aggregation`, `differential_privacy`, `from_mean`: whether its server step reads
   only sums (so SecAgg+ and DP apply) and whether it starts from the replies' mean (which
   a robust rule may replace when its settings class allows `robust_rules`);
@@ -29,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -47,9 +49,28 @@ LOCAL_STEPS = "local-steps"
 """Train-config entry: the local optimisation steps a client runs this round."""
 TRAIN_STEPS = "train-steps"
 """Train metric: the local optimiser steps the client took this round."""
+SERVER_ROUND = "server-round"
+"""Train-config entry: the round a message belongs to."""
+GRADIENT = "gradient"
+"""Record of a gradient query's reply, G_k = dL_k/dg at the global received, and of its sum
+G = sum_k G_k, which the train messages then carry (`Method.gradient_query`)."""
 
 State = Mapping[str, Tensor]
 """A model's or a record's tensors by name, ordered like a module's `state_dict()`."""
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """A record sent scaled by the client's own weight s: its entry `key` holds s (shape (1,)),
+    the others s x. The round sums it as it is (under DP the update s x - s g), divides s out
+    before the update-norm check, and drops a plaintext reply whose s lies outside
+    [`low`, `high`] under `check`, for the reason `drop_reason` gives in a user's words."""
+
+    key: str
+    low: float
+    high: float
+    check: str
+    drop_reason: str
 
 
 @dataclass(frozen=True)
@@ -61,7 +82,8 @@ class RecordSpec:
     reply whose record has an L2 norm above `norm_cap` is dropped and counted under that
     check (None: no cap), for the reason `drop_reason` gives in a user's words.
     `compressed`: under compressed uploads the record travels compressed (ARRAYS as the
-    update from what was sent, any other on its own)."""
+    update from what was sent, any other on its own). `scale`: the record is sent scaled by
+    the client's own weight (`ScaleSpec`; ARRAYS only)."""
 
     name: str
     delta: bool = False
@@ -69,6 +91,7 @@ class RecordSpec:
     norm_cap: float | None = None
     drop_reason: str = ""
     compressed: bool = True
+    scale: ScaleSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -92,15 +115,22 @@ class RoundSums:
     records: Mapping[str, Mapping[str, Tensor]]
     weight: float
     count: int
+    resolution: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Per record and key, a secure sum's error bound (a sum within it may be 0); {} plain."""
+    noise_std: float | None = None
+    """Under DP, the std of the noise on each summed entry (z C); None without DP."""
 
 
 @dataclass(frozen=True)
 class ServerStep:
     """A server step's result: the new global (None: none formed, the global stays) and the
-    method's own train metrics for the round."""
+    method's own train metrics for the round. Without a new global, `failure` says why the
+    sums could form none (counted as a failed sum) or `warning` why the step declined to."""
 
     new_global: State | None
     metrics: dict[str, float] = field(default_factory=dict)
+    failure: str = ""
+    warning: str = ""
 
 
 ReplyFold = Callable[[Mapping[str, Mapping[str, Tensor]], float, Mapping[str, float]], None]
@@ -110,15 +140,26 @@ scalars the method asked for (`Method.reply_scalars`)."""
 
 @dataclass(frozen=True)
 class HookResult:
-    """What a client hook leaves after a round: records it adds to the reply, and state the
-    node keeps for the next round (by name; CPU float32)."""
+    """What a client hook (or a method's `client_reply`) leaves after a round: records it adds
+    to the reply, and state the node keeps for the next round (by name; tensors CPU float32,
+    `kept_values` JSON-able)."""
 
     records: dict[str, State] = field(default_factory=dict)
     kept: dict[str, State] = field(default_factory=dict)
+    kept_values: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 Kept = Callable[[str], State | None]
 """A node's kept state by name (None: nothing kept yet)."""
+
+
+class NodeKept(Protocol):
+    """A node's kept state, as `fedfields.flower.NodeState` reads it: tensors and JSON-able
+    values by name (None: nothing kept yet)."""
+
+    def tensors(self, name: str) -> dict[str, Tensor] | None: ...
+
+    def values(self, name: str) -> dict[str, Any] | None: ...
 
 
 class ClientHook:
@@ -179,6 +220,12 @@ class Method:
     from_mean: ClassVar[bool] = True
     """Whether the step starts from the replies' mean (`step_from_mean`; a robust rule may
     replace that mean when `settings_class.robust_rules`); False: `fold`/`step_from_sums`."""
+    personal_field: ClassVar[bool] = False
+    """Whether its clients train a personal field beside the shared one, which never leaves the
+    node (NeRF-W's transient branch): what a user's own content goes to."""
+    counts_examples: ClassVar[bool] = True
+    """Whether its train replies report "num-examples" (the mean's weight, a reported count);
+    False for a method that weighs each reply by the client's own scale."""
 
     def reply_records(self) -> tuple[RecordSpec, ...]:
         """The records a train reply carries, ARRAYS first, and how each is summed and bounded."""
@@ -197,8 +244,29 @@ class Method:
         `received` its records (ARRAYS: the global as received), `kept` the node's state."""
         return []
 
+    @classmethod
+    def client_reply(
+        cls, config: Mapping[str, Any], received: Mapping[str, State], kept: NodeKept,
+        local_state: State,
+    ) -> HookResult:  # fmt: skip
+        """What a client's train reply carries under ARRAYS after training, and what its node
+        keeps: the local state as it is; a method may send a transform of it (a payload scaled
+        by the client's own weight). `config`, `received` and `kept` as for `client_hooks`."""
+        return HookResult({ARRAYS: dict(local_state)})
+
     def client_config(self) -> dict[str, int | float | str]:
         """Train-config entries the method's clients read (a loss weight), besides the round's."""
+        return {}
+
+    def gradient_query(self) -> RecordSpec | None:
+        """The gradient query each round from 2 on runs before its train messages (None:
+        none): the round's sampled nodes reply G_k = dL_k/dg at the global they receive under
+        GRADIENT, bounded as the spec says; G = sum_k G_k goes out with the train messages
+        under GRADIENT, with `query_config`'s entries."""
+        return None
+
+    def query_config(self) -> dict[str, int | float | str]:
+        """Train-config entries sent with a gradient query's sum G (what it was taken at)."""
         return {}
 
     def sent(self, global_state: State, server_round: int) -> dict[str, State]:

@@ -57,7 +57,7 @@ class DPConfig:
     `adaptive` clipping), delta of the reported (epsilon, delta) in (0, 1), target_epsilon (0:
     no target) the run must not exceed, max_noise_ratio (0: no limit) the pre-flight bound on
     z sqrt(d) / n (`noise_ratio`), `adaptive` clipping (`fedfields.privacy.adaptive_clipping`;
-    None: C fixed), gradient_clip_norm (DecentNeRF's gradient query G_k, fixed; 0: C).
+    None: C fixed), gradient_clip_norm (a gradient query's G_k, fixed; 0: C).
     """
 
     noise_multiplier: float = 0.0
@@ -169,8 +169,8 @@ def _clip(
 
 def scaled_difference(state: State, reference: State, scale_key: str = "") -> dict[str, Tensor]:
     """x - s g in float64 for the keys of `reference` (g), with s = state[scale_key] (a
-    one-element tensor, e.g. DecentNeRF's alpha_k in alpha_k g_k) or 1; keys of `state`
-    outside `reference` (s itself) are kept as they are."""
+    one-element tensor: a client's own weight, `fedfields.methods.base.ScaleSpec`) or 1; keys
+    of `state` outside `reference` (s itself) are kept as they are."""
     scale = float(state[scale_key].double().reshape(())) if scale_key in state else 1.0
     missing = [key for key in reference if key not in state]
     if missing:

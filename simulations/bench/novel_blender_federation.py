@@ -3,7 +3,7 @@
 FedNeRF is `fedfields.flower.FedAvg`, DecentNeRF(-L) and DecentNeRF are
 `fedfields.flower.DecentNeRF` (alpha-lr 0 freezes each user's weight), each run by its
 `start` loop over an in-process grid (`simulations.in_process_grid`) whose nodes are the
-crowd's users: the strategies, their `Round` (gate -> sum -> ledger) and `DecentNeRFClient`
+crowd's users: the strategies, their `Round` (gate -> sum -> ledger) and the nodes' `reply_parts`
 are the code the App runs, without Ray's per-message overhead. A node keeps its personal field
 and occupancy grid in this process (its memory) and trains in one field shared by the nodes,
 which run one after another. What the bench scores on a node (Fig. 7: an upload's or a user's
@@ -28,16 +28,21 @@ from fedfields.config import FederatedConfig
 from fedfields.data.crowd import CrowdData, CrowdUser
 from fedfields.fields import Field
 from fedfields.fields.personal import PersonalField
-from fedfields.flower import DecentNeRF, DecentNeRFClient, FedAvg, NodeState
+from fedfields.flower import (
+    DecentNeRF,
+    DecentNeRFClient,
+    FedAvg,
+    NodeState,
+    answer_gradient_query,
+    reply_parts,
+)
 from fedfields.flower.node import answer_user_key
 from fedfields.flower.protocol import (
     ARRAYS,
     CONFIG,
     GRADIENT_QUERY,
-    NUM_EXAMPLES,
     SERVER_ROUND,
     USER_KEY_MESSAGE_TYPE,
-    ReplyParts,
     arrays_to_state,
     state_to_arrays,
 )
@@ -102,7 +107,7 @@ class CrowdNode:
         if kind == USER_KEY_MESSAGE_TYPE:
             return answer_user_key(msg, context)
         if kind == GRADIENT_QUERY:
-            return DecentNeRFClient.answer_gradient_query(msg, self.gradient_at(msg))
+            return answer_gradient_query(msg, self.gradient_at(msg))
         if kind == MessageType.TRAIN:
             return self.train(msg, context)
         raise ValueError(f"bench node {self.index}: no handler for message type {kind!r}")
@@ -129,7 +134,8 @@ class CrowdNode:
 
     def train(self, msg: Message, context: Context) -> Message:
         """Train from the received global field, score what the server (or the user) reads,
-        reply as the strategy asks: FedAvg's state and num-examples, or DecentNeRF's payload."""
+        reply as the message's method asks (`reply_parts`): FedAvg's state and num-examples,
+        or DecentNeRF's alpha-weighted payload."""
         bench, scene = self.bench, self.user.scene
         server_round = int(msg.content[CONFIG][SERVER_ROUND])
         load_federated_state(bench.model, arrays_to_state(msg.content[ARRAYS]))
@@ -143,10 +149,7 @@ class CrowdNode:
         bench.dropped_rays += result.dropped_rays
         upload = federated_state(bench.model)
         self.score_fields()
-        if DecentNeRFClient.sent_by_decentnerf(msg):
-            return DecentNeRFClient(NodeState(context)).train_reply(msg, upload, {})
-        parts = ReplyParts({ARRAYS: state_to_arrays(upload)}, {NUM_EXAMPLES: result.num_examples})
-        return parts.message(msg)
+        return reply_parts(msg, NodeState(context), upload, {}, result.num_examples).message(msg)
 
     def score_fields(self) -> None:
         """Personal-content PSNR of the trained global field (FedNeRF: the plaintext upload
