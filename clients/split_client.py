@@ -79,9 +79,8 @@ def split_render_config(config: FederatedConfig, scene: Scene) -> RenderConfig:
 
 
 def split_defence(config: FederatedConfig) -> ClientDefence | None:
-    """The run-config's client defence: S2NeRF gradient noise or NoisyLabel (not both)."""
-    if config.split.split_noise_c > 0 and config.split.split_label_noise > 0:
-        raise ValueError("run-config: set split-noise-c or split-label-noise, not both")
+    """The run-config's client defence: S2NeRF gradient noise or NoisyLabel (the parser
+    refuses both)."""
     if config.split.split_noise_c > 0:
         return S2NeRFNoise(
             c=config.split.split_noise_c,

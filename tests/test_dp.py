@@ -460,7 +460,10 @@ def test_an_older_accountant_state_of_pairs_still_loads() -> None:
 def test_dp_config_validation_names_the_run_config_key() -> None:
     assert not DPConfig().enabled
     assert DPConfig(noise_multiplier=1.0, clip_norm=0.5).enabled
-    with pytest.raises(ValueError, match="'dp-noise-multiplier' must be finite and >= 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"'dp-noise-multiplier' must be finite and 0 \(off\) or in \[1e-12, 1000\]",
+    ):
         DPConfig(noise_multiplier=-1.0, clip_norm=1.0)
     with pytest.raises(ValueError, match="'dp-clip-norm' must be > 0 when 'dp-noise-multiplier'"):
         DPConfig(noise_multiplier=1.0)
@@ -473,7 +476,7 @@ def test_dp_config_validation_names_the_run_config_key() -> None:
 @pytest.mark.parametrize(
     ("run_config", "message"),
     [
-        ({"dp-noise-multiplier": -0.5}, "run-config 'dp-noise-multiplier' must be finite and >= 0"),
+        ({"dp-noise-multiplier": -0.5}, "run-config 'dp-noise-multiplier' must be finite and 0 "),
         ({"dp-noise-multiplier": 1.0}, "run-config 'dp-clip-norm' must be > 0 when"),
         (
             {"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, "dp-delta": 0.0},

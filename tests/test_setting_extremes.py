@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from test_method_digests import SMALL_SCENE
+from conftest import LEGO
+from test_method_digests import SMALL_SCENE, fixed_randomness  # noqa: F401 (a fixture)
 from test_strategies import heterogeneous_problems, initial_state, least_squares_app
 
 import strategies
-from fedfields.config.schema import MAX_SEED, CommonSection, SceneSection
+from fedfields.config.schema import (
+    MAX_SEED,
+    CommonSection,
+    DPSection,
+    MetaSection,
+    SceneSection,
+    SplitSection,
+)
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
 from fedfields.methods.settings import typed_value
 from simulations.in_process_grid import InProcessGrid
@@ -182,3 +192,169 @@ def test_the_scene_keys_at_their_accepted_extremes_run_two_rounds_together(
 def test_a_scene_key_beyond_its_bound_is_refused_by_name(key: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"'{key}'"):
         strategies.parse_app_config({key: value})
+
+
+# ------------------------------------------------------------------ the other sections' keys
+
+
+def accepted_extremes(
+    section: type, base: Mapping[str, Any], skip: Collection[str] = (), *, defaults: bool = True
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The smallest and largest value (on the ladders) each numeric key of `section` takes,
+    each parsed alone over `base`; `skip` leaves keys out, and without `defaults` a key's
+    default is not taken (a 0 that means "the task's preset")."""
+    smallest, largest = {}, {}
+    for spec in fields(section):
+        default, key = spec.default, spec.name.replace("_", "-")
+        if isinstance(default, bool) or not isinstance(default, int | float) or key in skip:
+            continue
+        ladder = COUNT_LADDER if isinstance(default, int) else SECTION_LADDER
+        taken = []
+        for value in ladder:
+            try:
+                strategies.parse_app_config({**base, key: value})
+            except ValueError:
+                continue
+            if defaults or value != default:
+                taken.append(value)
+        smallest[key], largest[key] = taken[0], taken[-1]
+    return smallest, largest
+
+
+META_BASE = {
+    "task": "faces", "num-server-rounds": 2, "num-clients": 4, "clients-per-round": 2,
+    "outer-steps": 2, "inner-steps": 1, "tto-steps": 2, "field-width": 16, "field-depth": 2,
+    "seed": 3, "meta-learner": "fedmenf",
+}  # fmt: skip
+META_SMALLEST_ONLY = {"num-clients", "clients-per-round", "outer-steps", "inner-steps", "tto-steps"}
+"""Meta keys whose largest is work (a million outer steps) or more clients than the faces
+hold (refused by the task's data, naming the count): walked at their smallest. A 0 that means
+the task's preset (counts, rates) is the default run, a benchmark's length: the least value
+besides it is walked."""
+PHOTO_KEYS = {"photo-crop", "photo-size"}
+"""Read by task photos only: walked in a photos run of their own."""
+
+
+@pytest.mark.usefixtures("fixed_randomness")
+@pytest.mark.parametrize("end", ["smallest", "largest"])
+def test_the_meta_keys_at_their_accepted_extremes_run_two_rounds_together(
+    end: str, tmp_path: Path
+) -> None:
+    """Every numeric meta key at the smallest (or largest) value the parser takes, together in
+    one FedMeNF faces run of two rounds in process (gamma only beside privacy-budget 0, which
+    reads it); then photo-size and photo-crop at their smallest in a photos run."""
+    from simulations.meta_job import run_meta_job
+    from simulations.run import client_app
+
+    smallest, largest = accepted_extremes(MetaSection, META_BASE, PHOTO_KEYS, defaults=False)
+    assert largest["inner-lr"] == 1.0 and largest["memorising-bound"] == 1e6  # the bounds
+    extremes = smallest if end == "smallest" else largest
+    if end == "largest":
+        extremes = {k: v for k, v in extremes.items() if k not in META_SMALLEST_ONLY}
+    gamma = extremes.pop("gamma")  # a privacy budget adapts gamma: walked beside budget 0
+    runs = [{**META_BASE, **extremes}, {**META_BASE, "gamma": gamma}]
+    if end == "smallest":
+        runs.append({**META_BASE, "task": "photos", "photo-size": 7, "photo-crop": 7})
+    for index, config in enumerate(runs):
+        config["run-dir"] = str(tmp_path / f"meta-{index}")
+        nodes = int(config["num-clients"])  # one node per client, as the launcher starts them
+        grid = InProcessGrid([client_app(config)] * nodes, raise_errors=True)
+        run_dir = run_meta_job(grid, strategies.parse_app_config(config))
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rounds = [line for line in lines if "num-replies" in line]
+        assert len(rounds) == 2 and all(line["num-replies"] >= 1 for line in rounds), config
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("inner-lr", 1e300), ("outer-lr", 1.5), ("tto-lr", 1e6), ("memorising-bound", 1e300),
+     ("photo-size", 1), ("outer-steps", 1_000_001), ("num-clients", 1 << 31),
+     ("split-steps", 1 << 40), ("split-batch-rays", 1 << 17), ("split-samples", 1025),
+     ("split-noise-c", 1e300), ("split-label-noise", 101.0)],
+)  # fmt: skip
+def test_a_meta_or_split_key_beyond_its_bound_is_refused_by_name(key: str, value: float) -> None:
+    base = {"mode": "split"} if key.startswith("split-") else {"task": "faces"}
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        strategies.parse_app_config({**base, key: value})
+
+
+SPLIT_BASE = {
+    "mode": "split", "downscale": 8.0, "split-steps": 4, "split-batch-rays": 64,
+    "split-samples": 24, "split-record-every": 2, "split-attack": False, "hash-log2-size": 10,
+    "hash-levels": 2, "hash-max-resolution": 32,
+}  # fmt: skip
+SPLIT_SMALLEST_ONLY = {"split-steps", "split-batch-rays", "split-samples", "split-record-every"}
+"""Split counts whose largest is work (a million exchanges of 65,536 rays): smallest only."""
+
+
+@pytest.mark.parametrize("end", ["smallest", "largest"])
+def test_the_split_keys_at_their_accepted_extremes_run_together(end: str, tmp_path: Path) -> None:
+    """Every numeric split key at the smallest (or largest) value the parser takes, together:
+    the split job runs its exchanges in process with a finite loss (the S2NeRF noise scale at
+    100; the parser refuses it beside NoisyLabel's std, one defence a run)."""
+    from simulations.run import client_app
+    from simulations.split_job import run_split_job
+
+    smallest, largest = accepted_extremes(SplitSection, SPLIT_BASE)
+    assert largest["split-noise-c"] == 100.0 and largest["split-label-noise"] == 100.0
+    extremes = smallest if end == "smallest" else {
+        k: v for k, v in largest.items() if k not in SPLIT_SMALLEST_ONLY
+    }  # fmt: skip
+    if end == "largest":  # one defence a run: NoisyLabel's std at its largest walked alone
+        with pytest.raises(ValueError, match="not both"):
+            strategies.parse_app_config({**SPLIT_BASE, **extremes})
+        extremes.pop("split-label-noise")
+    config = {**SPLIT_BASE, **extremes, "data-dir": str(LEGO), "run-dir": str(tmp_path / "split"),
+              "state-dir": str(tmp_path / "split.nodes")}  # fmt: skip
+    grid = InProcessGrid([client_app(config)], raise_errors=True)
+    run_dir = run_split_job(grid, strategies.parse_app_config(config))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines and all(math.isfinite(line["loss"]) for line in lines)
+
+
+DP_BASE = {**SMALL_SCENE, "strategy": "fedavg", "dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0,
+           "dp-adaptive-clipping": True, "num-server-rounds": 2}  # fmt: skip
+
+
+@pytest.mark.usefixtures("fixed_randomness")
+@pytest.mark.parametrize("end", ["smallest", "largest"])
+def test_the_dp_keys_at_their_accepted_extremes_finish_two_rounds_together(
+    end: str, crowd_dir: Path, tmp_path: Path
+) -> None:
+    """Every numeric DP key at the smallest (or largest) value the parser takes, together, with
+    adaptive clipping on, through two rounds of the scene job. At the smallest the run sums
+    every reply; at the largest (z = 1000, C = 1e6, the pre-flight check lifted by
+    dp-max-noise-ratio at its largest) round 1's noise wrecks the model, so round 2's clients
+    fail, counted, and the run still finishes. With the check at its default the same plan is
+    refused before anything is sent, naming dp-max-noise-ratio."""
+    from simulations.federated_nerf import run_federated_nerf
+    from simulations.run import client_app
+
+    smallest, largest = accepted_extremes(DPSection, DP_BASE, {"dp-gradient-clip-norm"})
+    assert smallest["dp-noise-multiplier"] == 1e-9 and largest["dp-noise-multiplier"] == 1e3
+    extremes = smallest if end == "smallest" else largest
+    config = {**DP_BASE, **extremes, "data-dir": str(crowd_dir),
+              "state-dir": str(tmp_path / "nodes"), "run-dir": str(tmp_path / "run")}  # fmt: skip
+    grid = InProcessGrid([client_app(config)] * 3)
+    run_dir = run_federated_nerf(grid, strategies.parse_app_config(config))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["num-replies"] == 3
+    if end == "smallest":
+        assert lines[1]["num-replies"] == 3
+    else:
+        assert lines[1]["num-replies"] + lines[1]["num-failures"] == 3
+        checked = {**config, "dp-max-noise-ratio": DPSection.dp_max_noise_ratio,
+                   "run-dir": str(tmp_path / "refused")}  # fmt: skip
+        with pytest.raises(ValueError, match="dp-max-noise-ratio"):
+            run_federated_nerf(InProcessGrid([client_app(checked)] * 3),
+                               strategies.parse_app_config(checked))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("dp-noise-multiplier", 5e-324), ("dp-noise-multiplier", 1e300), ("dp-clip-norm", 1e300),
+     ("dp-gradient-clip-norm", 1e7)],
+)  # fmt: skip
+def test_a_dp_key_beyond_its_bound_is_refused_by_name(key: str, value: float) -> None:
+    with pytest.raises(ValueError, match=key):
+        strategies.parse_app_config({"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, key: value})

@@ -100,10 +100,9 @@ def test_split_mode_settings_are_checked(tmp_path: Path) -> None:
         parse_app_config({"mode": "split", "split-noise-r": 0.0})
     with pytest.raises(ValueError, match="'state-dir' is empty"):
         split_observers(parse_app_config(tiny(tmp_path / "audit", **{"state-dir": ""})))
-    config = tiny(tmp_path / "both", **{"split-noise-c": 1.2, "split-label-noise": 0.5})
-    grid = InProcessGrid([client_app(config)])
-    with pytest.raises(RuntimeError, match="split-noise-c or split-label-noise, not both"):
-        run_split_job(grid, parse_app_config(config))
+    both = tiny(tmp_path / "both", **{"split-noise-c": 1.2, "split-label-noise": 0.5})
+    with pytest.raises(ValueError, match="'split-noise-c' or 'split-label-noise', not both"):
+        parse_app_config(both)  # refused before the run, not by the client at its first step
 
 
 def test_the_clients_s2nerf_noise_differs_across_steps() -> None:

@@ -37,6 +37,8 @@ from fedfields.train.federated import (
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 USERS = 3
+STEPS_PER_CALL = 8
+"""Local steps of a capture-counting call: four grid refreshes, enough for several batch sizes."""
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +169,14 @@ def counted_captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def test_one_capture_per_batch_size_serves_every_user_and_round(
     users: list[Scene], counted_captures: list[int]
 ) -> None:
-    """Three users over two rounds, 12 steps each (a grid refresh, and so possibly a new
+    """Three users over two rounds, 8 steps each (a grid refresh, and so possibly a new
     batch size, every 2): a fresh workspace per call captures every batch size of every
     call; the shared one captures each batch size once for the whole run."""
     per_call = []
     for federated_round in range(2):
         for user in range(USERS):
             graphs = StepGraphs()
-            _round(users[user], user, federated_round, graphs, 12, "cuda-graph")
+            _round(users[user], user, federated_round, graphs, STEPS_PER_CALL, "cuda-graph")
             (workspace,) = graphs.workspaces.values()
             per_call.append(set(workspace.step.graphs))
             assert graphs.captures == len(workspace.step.graphs)
@@ -184,7 +186,7 @@ def test_one_capture_per_batch_size_serves_every_user_and_round(
     shared = StepGraphs()
     for federated_round in range(2):
         for user in range(USERS):
-            _round(users[user], user, federated_round, shared, 12, "cuda-graph")
+            _round(users[user], user, federated_round, shared, STEPS_PER_CALL, "cuda-graph")
     (workspace,) = shared.workspaces.values()
     after = len(counted_captures)
     assert after == shared.captures == len(workspace.step.graphs) <= len(set().union(*per_call))

@@ -27,7 +27,11 @@ with it, trim-fraction beside another aggregation-rule, num-malicious beside a r
 than krum, multi-krum and bulyan, krum-select beside another rule, and dp-clip-norm,
 dp-delta, dp-target-epsilon and dp-max-noise-ratio beside dp-noise-multiplier = 0, and
 compression-rank, compression-bits and compression-fraction beside another compression
-(`FederatedConfig.unread_keys`).
+(`FederatedConfig.unread_keys`). Every numeric key is bounded: a value outside its range (a
+count above 1,000,000, a learning rate the fields cannot take, dp-noise-multiplier outside 0
+or [1e-12, 1000], dp-clip-norm above 1e6, both split defences at once) is refused with one
+error naming the key and its range, and each key's smallest and largest accepted values run
+end to end (`tests/test_setting_extremes.py`).
 """
 
 

@@ -100,6 +100,21 @@ MAX_LEARNING_RATE = 0.1
 after one step (issue 57's extremes walk)."""
 MAX_PHOTO_PIXELS = 1024
 """Largest photo-crop and photo-size: the largest bundled photo's side."""
+MIN_PHOTO_PIXELS = 7
+"""Least photo-size: SSIM's 7-pixel window must fit in a crop."""
+MAX_META_LEARNING_RATE = 1.0
+"""Largest inner, outer and test-time learning rate of the meta tasks: at 1e300 the first
+step overflows float32 (issue 57's extremes walk; 1.0 runs)."""
+MAX_MEMORISING_BOUND = 1e6
+"""Largest memorising bound: an MSE of images in [0, 1] is at most 1, so any bound above it
+is no bound; at 1e300 the clamp overflows float32."""
+MAX_CLIENTS = 1_000_000
+"""Largest num-clients and clients-per-round: a task's data refuses what it cannot split."""
+MAX_SPLIT_RAYS = 1 << 16
+MAX_SPLIT_SAMPLES = 1024
+MAX_SPLIT_NOISE = 100.0
+"""Largest S2NeRF noise scale c (the paper's 1.2) and NoisyLabel std: at 1e300 the client's
+gradient is not finite and the split run stops at its first exchange."""
 
 
 def key(default: Any, doc: str) -> Any:
@@ -284,16 +299,29 @@ class MetaSection:
     def __post_init__(self) -> None:
         _choice(self, "meta_learner", LEARNERS)
         _choice(self, "outer_optimizer", ("", *OUTER_OPTIMIZERS))
-        _check(self, ["clients_per_round"], lambda v: v >= 1, ">= 1")
-        counts = ["num_clients", "outer_steps", "inner_steps", "tto_steps"]
-        _check(self, counts, lambda v: v >= 0, ">= 0 (0: the task's preset)")
+        _check(
+            self, ["clients_per_round"], lambda v: 1 <= v <= MAX_CLIENTS, f"in [1, {MAX_CLIENTS}]"
+        )
+        _check(self, ["num_clients"], lambda v: 0 <= v <= MAX_CLIENTS,
+               f"in [0, {MAX_CLIENTS}] (0: the task's preset)")  # fmt: skip
+        counts = ["outer_steps", "inner_steps", "tto_steps"]
+        _check(
+            self,
+            counts,
+            lambda v: 0 <= v <= MAX_COUNT,
+            f"in [0, {MAX_COUNT}] (0: the task's preset)",
+        )
         _check(self, ["gamma"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
-        pixels = f"in [1, {MAX_PHOTO_PIXELS}]"
-        _check(self, ["photo_size"], lambda v: 1 <= v <= MAX_PHOTO_PIXELS, pixels)
+        pixels = f"in [{MIN_PHOTO_PIXELS}, {MAX_PHOTO_PIXELS}]"
+        _check(self, ["photo_size"], lambda v: MIN_PHOTO_PIXELS <= v <= MAX_PHOTO_PIXELS, pixels)
         _check(self, ["photo_crop"], lambda v: self.photo_size <= v <= MAX_PHOTO_PIXELS,
                f"in [photo-size, {MAX_PHOTO_PIXELS}]")  # fmt: skip
-        rates = ["privacy_budget", "memorising_bound", "inner_lr", "outer_lr", "tto_lr"]
-        _check(self, rates, _finite(0.0), "finite and >= 0")
+        _check(self, ["privacy_budget"], _finite(0.0), "finite and >= 0")
+        _check(self, ["memorising_bound"], lambda v: 0 <= v <= MAX_MEMORISING_BOUND,
+               f"in [0, {MAX_MEMORISING_BOUND:g}]")  # fmt: skip
+        rates = ["inner_lr", "outer_lr", "tto_lr"]
+        _check(self, rates, lambda v: 0 <= v <= MAX_META_LEARNING_RATE,
+               f"in [0, {MAX_META_LEARNING_RATE:g}] (0: the task's preset)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -313,10 +341,19 @@ class SplitSection:
     split_attack: bool = key(True, "simulation only: Surrogate Model Attack on that record")
 
     def __post_init__(self) -> None:
-        counts = ["split_steps", "split_batch_rays", "split_samples", "split_record_every"]
-        _check(self, counts, lambda v: v >= 1, ">= 1")
+        counts = ["split_steps", "split_record_every"]
+        _check(self, counts, lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
+        _check(self, ["split_batch_rays"], lambda v: 1 <= v <= MAX_SPLIT_RAYS,
+               f"in [1, {MAX_SPLIT_RAYS}]")  # fmt: skip
+        _check(self, ["split_samples"], lambda v: 1 <= v <= MAX_SPLIT_SAMPLES,
+               f"in [1, {MAX_SPLIT_SAMPLES}]")  # fmt: skip
         _check(self, ["split_noise_r"], lambda v: 0 < v <= 1, "in (0, 1]")
-        _check(self, ["split_noise_c", "split_label_noise"], _finite(0.0), "finite and >= 0")
+        _check(self, ["split_noise_c", "split_label_noise"], lambda v: 0 <= v <= MAX_SPLIT_NOISE,
+               f"in [0, {MAX_SPLIT_NOISE:g}]")  # fmt: skip
+        if self.split_noise_c > 0 and self.split_label_noise > 0:
+            raise ValueError(
+                "run-config: set 'split-noise-c' or 'split-label-noise', not both (one defence)"
+            )
 
 
 @dataclass(frozen=True)

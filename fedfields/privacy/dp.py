@@ -43,6 +43,12 @@ GRADIENT_CLIP_NORM_KEY = "dp-gradient-clip-norm"
 DEFAULT_MAX_NOISE_RATIO = 10.0
 """z sqrt(d) / n above which a DP run is refused: the noise on the mean update is then ten
 times the largest update a client may send, and rounds move the model by noise."""
+NOISE_MULTIPLIERS = (1e-12, 1e3)
+"""The least and largest z > 0 a run takes: at 5e-324 or 1e300, 1 / z^2, which the charge of
+several sums a round composes, leaves float64's range (issue 57's extremes walk); a z this
+small is no privacy, but isolates clipping in tests."""
+MAX_CLIP_NORM = 1e6
+"""The largest C (and gradient C): noise z C above it leaves float32's range in the sum."""
 
 
 class NonFiniteUpdateError(ValueError):
@@ -69,12 +75,20 @@ class DPConfig:
     gradient_clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.noise_multiplier, NOISE_MULTIPLIER_KEY, _finite_at_least(0.0), ">= 0")
-        _require(self.clip_norm, CLIP_NORM_KEY, _finite_at_least(0.0), ">= 0")
+        least, most = NOISE_MULTIPLIERS
+        _require(
+            self.noise_multiplier,
+            NOISE_MULTIPLIER_KEY,
+            lambda v: v == 0 or least <= v <= most,
+            f"0 (off) or in [{least:g}, {most:g}]",
+        )
+        _require(self.clip_norm, CLIP_NORM_KEY, lambda v: 0 <= v <= MAX_CLIP_NORM,
+                 f"in [0, {MAX_CLIP_NORM:g}]")  # fmt: skip
         _require(self.delta, DELTA_KEY, lambda v: 0.0 < v < 1.0, "in (0, 1)")
         _require(self.target_epsilon, TARGET_EPSILON_KEY, _finite_at_least(0.0), ">= 0")
         _require(self.max_noise_ratio, MAX_NOISE_RATIO_KEY, _finite_at_least(0.0), ">= 0")
-        _require(self.gradient_clip_norm, GRADIENT_CLIP_NORM_KEY, _finite_at_least(0.0), ">= 0")
+        _require(self.gradient_clip_norm, GRADIENT_CLIP_NORM_KEY,
+                 lambda v: 0 <= v <= MAX_CLIP_NORM, f"in [0, {MAX_CLIP_NORM:g}]")  # fmt: skip
         if self.enabled and self.clip_norm == 0:
             raise ValueError(
                 f"'{CLIP_NORM_KEY}' must be > 0 when '{NOISE_MULTIPLIER_KEY}' = "
