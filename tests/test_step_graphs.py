@@ -37,8 +37,9 @@ from fedfields.train.federated import (
 
 LEGO = Path(__file__).resolve().parents[1] / "data" / "lego"
 USERS = 3
-STEPS_PER_CALL = 8
-"""Local steps of a capture-counting call: four grid refreshes, enough for several batch sizes."""
+STEPS_PER_CALL = 12
+"""Local steps of a capture-counting call: six grid refreshes, enough for several batch sizes
+(at 8 some calls capture none: their batch sizes only settle later)."""
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def counted_captures(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def test_one_capture_per_batch_size_serves_every_user_and_round(
     users: list[Scene], counted_captures: list[int]
 ) -> None:
-    """Three users over two rounds, 8 steps each (a grid refresh, and so possibly a new
+    """Three users over two rounds, 12 steps each (a grid refresh, and so possibly a new
     batch size, every 2): a fresh workspace per call captures every batch size of every
     call; the shared one captures each batch size once for the whole run."""
     per_call = []
