@@ -26,12 +26,15 @@ import strategies
 from fedfields.config.schema import (
     MAX_SEED,
     CommonSection,
+    CompressionSection,
     DPSection,
     MetaSection,
+    RobustSection,
     SceneSection,
     SplitSection,
 )
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
+from fedfields.flower.strategy import EmptyRoundsError
 from fedfields.methods.settings import typed_value
 from simulations.in_process_grid import InProcessGrid
 
@@ -217,7 +220,8 @@ def accepted_extremes(
                 continue
             if defaults or value != default:
                 taken.append(value)
-        smallest[key], largest[key] = taken[0], taken[-1]
+        if taken:  # none: a key `base` does not read (another scheme's), refused as unread
+            smallest[key], largest[key] = taken[0], taken[-1]
     return smallest, largest
 
 
@@ -358,3 +362,42 @@ def test_the_dp_keys_at_their_accepted_extremes_finish_two_rounds_together(
 def test_a_dp_key_beyond_its_bound_is_refused_by_name(key: str, value: float) -> None:
     with pytest.raises(ValueError, match=key):
         strategies.parse_app_config({"dp-noise-multiplier": 1.0, "dp-clip-norm": 1.0, key: value})
+
+
+ROUND_CASES = {
+    "lowrank, mean": {"compression": "lowrank", "compression-download": True},
+    "quantise, trimmed-mean": {"compression": "quantise", "aggregation-rule": "trimmed-mean"},
+    "topk, krum": {"compression": "topk", "aggregation-rule": "krum"},
+    "multi-krum": {"aggregation-rule": "multi-krum"},
+}
+"""Each compression scheme and robust rule, so every key of the two sections is read once."""
+
+
+@pytest.mark.parametrize("end", ["smallest", "largest"])
+@pytest.mark.parametrize("case", sorted(ROUND_CASES))
+def test_the_compression_and_robust_keys_at_their_accepted_extremes_finish_two_rounds(
+    case: str, end: str, crowd_dir: Path, tmp_path: Path
+) -> None:
+    """Every numeric key of the compression and robust sections that `case` reads, at the
+    smallest (or largest) value the parser takes, together: FedAvg's scene job finishes two
+    rounds in process, each reply summed, dropped or failed and counted. (A robust rule that
+    assumes more malicious clients than a round of 3 can hold forms no aggregate, and says
+    so: the run then ends with one error naming the rule's shortfall.)"""
+    from simulations.federated_nerf import run_federated_nerf
+    from simulations.run import client_app
+
+    base = {**SMALL_SCENE, "strategy": "fedavg", **ROUND_CASES[case]}
+    found = [accepted_extremes(section, base) for section in (CompressionSection, RobustSection)]
+    extremes = {k: v for pair in found for k, v in pair[0 if end == "smallest" else 1].items()}
+    config = {**base, **extremes, "data-dir": str(crowd_dir),
+              "state-dir": str(tmp_path / "nodes"), "run-dir": str(tmp_path / "run")}  # fmt: skip
+    grid = InProcessGrid([client_app(config)] * 3)
+    if "krum" in case and end == "largest":  # f = 1,000,000: no round of 3 can hold it
+        with pytest.raises(EmptyRoundsError, match="num-malicious = 1000000 needs 2000003"):
+            run_federated_nerf(grid, strategies.parse_app_config(config))
+        return
+    run_dir = run_federated_nerf(grid, strategies.parse_app_config(config))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert line["num-replies"] + line["num-failures"] == 3, (extremes, line)

@@ -503,7 +503,8 @@ class RobustSection:
         _check(self, ["max_empty_rounds"], lambda v: v >= 0, ">= 0 (0: no limit)")
         _check(self, ["max_update_norm", "max_num_examples"], _finite(0.0), "finite and >= 0")
         _check(self, ["trim_fraction"], lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
-        _check(self, ["num_malicious", "krum_select"], lambda v: v >= 0, ">= 0")
+        _check(self, ["num_malicious", "krum_select"], lambda v: 0 <= v <= MAX_CLIENTS,
+               f"in [0, {MAX_CLIENTS}]")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -993,14 +993,15 @@ class MethodStrategy(ProtocolStrategy):
         self, train_round: Round, replies: Iterable[Message], rule: RobustRule
     ) -> State | None:
         """The coordinate-wise robust rule over every checked reply of the round's sum (it
-        needs all at once); None below the rule's fewest states."""
+        needs all at once); None below the rule's fewest states, counted as a failed sum whose
+        reason names the rule and its setting (what a run of such rounds ends with)."""
         states: list[State] = []
         shapes = {ARRAYS: train_round.shapes}
         summed = train_round.sum(replies, shapes, fold=lambda r: states.append(r.states[ARRAYS]))
         if summed is None:
             return None
         if shortfall := rule.shortfall(len(states)):
-            log(WARNING, "round %d: %s: no aggregate", train_round.ledger.server_round, shortfall)
+            train_round.fail_sum(f"{shortfall}: no aggregate")
             return None
         return robust_aggregate(rule, states, summed.weights)
 
