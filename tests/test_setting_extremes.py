@@ -31,6 +31,7 @@ from fedfields.config.schema import (
     MetaSection,
     RobustSection,
     SceneSection,
+    SecureSection,
     SplitSection,
 )
 from fedfields.flower.protocol import arrays_to_state, state_to_arrays
@@ -401,3 +402,47 @@ def test_the_compression_and_robust_keys_at_their_accepted_extremes_finish_two_r
     assert len(lines) == 2
     for line in lines:
         assert line["num-replies"] + line["num-failures"] == 3, (extremes, line)
+
+
+SECURE_BASE = {**SMALL_SCENE, "strategy": "fedavg", "secure-aggregation": True,
+               "min-train-nodes": 3}  # fmt: skip
+
+
+@pytest.mark.parametrize("end", ["smallest", "largest"])
+def test_the_secure_aggregation_keys_at_their_accepted_extremes_finish_two_rounds(
+    end: str, crowd_dir: Path, tmp_path: Path
+) -> None:
+    """Every numeric secagg-* key at the smallest (or largest) value the parser takes: FedAvg
+    over SecAgg+ finishes two scene rounds in process, each sampled reply summed or counted.
+    Three ends depend on the round, not the parser, and end the run with one error naming
+    the key: secagg-max-exponent 0, which no value of the field fits, and a share or
+    threshold count above the round's 3 clients, a threshold no round reaches (Flower's
+    SecAgg+ workflow takes it as given)."""
+    from simulations.federated_nerf import run_federated_nerf
+    from simulations.run import client_app
+
+    smallest, largest = accepted_extremes(SecureSection, SECURE_BASE)
+    extremes = smallest if end == "smallest" else largest
+    if end == "smallest":
+        refused = {"secagg-max-exponent": "secagg-max-exponent"}
+    else:
+        refused = dict.fromkeys(
+            ("secagg-num-shares", "secagg-reconstruction-threshold"),
+            "secagg-reconstruction-threshold and secagg-num-shares",
+        )
+    runs = [({k: v for k, v in extremes.items() if k not in refused}, None)]
+    runs += [({key: extremes[key]}, message) for key, message in refused.items()]
+    for index, (extra, message) in enumerate(runs):
+        config = {**SECURE_BASE, **extra, "data-dir": str(crowd_dir),
+                  "state-dir": str(tmp_path / f"n{index}"),
+                  "run-dir": str(tmp_path / f"r{index}")}  # fmt: skip
+        grid = InProcessGrid([client_app(config)] * 3)
+        if message is not None:
+            with pytest.raises(EmptyRoundsError, match=message):
+                run_federated_nerf(grid, strategies.parse_app_config(config))
+            continue
+        run_dir = run_federated_nerf(grid, strategies.parse_app_config(config))
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert len(lines) == 2
+        for line in lines:
+            assert line["num-replies"] + line["num-failures"] == 3, (extra, line)

@@ -149,7 +149,8 @@ class SecureSum:
             raise SecureAggregationError(
                 f"round {server_round}: {len(node_ids)} clients hold a payload, fewer than the "
                 f"{min_holders} a sum of this round may be unmasked from (the reconstruction "
-                "threshold of its sample); nothing was unmasked"
+                "threshold of its sample, from secagg-reconstruction-threshold and "
+                f"secagg-num-shares = {self.config.num_shares:g}); nothing was unmasked"
             )
         bytes_up = 0
         common = {SECURE_SUM_LAYOUT: encode_layout(layout)}

@@ -38,6 +38,10 @@ EXPONENT_MAX = 64
 NUM_BUCKETS = EXPONENT_MAX - EXPONENT_MIN + 1
 """Length of one tensor's exponent one-hot vector (exponents clamped to [-64, 64])."""
 
+MAX_SHARES = 1_000_000
+"""The largest share count and threshold count: more than any federation's sample (a count
+above a round's sampled clients leaves its threshold unreachable: that round's sum fails,
+naming both keys)."""
 MAX_TIMEOUT_SECONDS = 1e7
 """The longest wait a timeout may ask for (about 116 days): beyond it Python's waits overflow
 (`threading.Event.wait(1e308)`: OverflowError), so a larger one is refused when parsed."""
@@ -95,12 +99,14 @@ class SecureAggregationConfig:
     def __post_init__(self) -> None:
         shares, threshold = self.num_shares, self.reconstruction_threshold
         if _is_integer(shares):
-            if shares <= 2:
-                raise ValueError(f"secagg-num-shares as a count must be > 2, got {shares}")
+            if not 2 < shares <= MAX_SHARES:
+                raise ValueError(
+                    f"secagg-num-shares as a count must be in (2, {MAX_SHARES}], got {shares}"
+                )
         elif not 0 < shares <= 1:
             raise ValueError(f"secagg-num-shares must be in (0, 1] or a count > 2, got {shares}")
         if _is_integer(threshold):
-            if threshold < 2 or (_is_integer(shares) and threshold >= shares):
+            if not 2 <= threshold < MAX_SHARES or (_is_integer(shares) and threshold >= shares):
                 raise ValueError(
                     f"secagg-reconstruction-threshold as a count must be >= 2 and below "
                     f"secagg-num-shares, got {threshold}"
@@ -114,8 +120,11 @@ class SecureAggregationConfig:
                 f"secagg-timeout must be in [0, {MAX_TIMEOUT_SECONDS:g}] seconds, "
                 f"got {self.timeout}"
             )
-        if not math.isfinite(self.clipping_range) or self.clipping_range < 0:
-            raise ValueError(f"secagg-clipping-range must be >= 0, got {self.clipping_range}")
+        if not (math.isfinite(self.clipping_range) and 0 <= self.clipping_range <= MAX_SHARES):
+            raise ValueError(
+                f"secagg-clipping-range must be in [0, {MAX_SHARES:g}] (a fixed bound beyond it "
+                f"leaves every sum below its own resolution), got {self.clipping_range}"
+            )
         modulus = self.modulus_range
         if modulus < 2**24 or modulus > 2**32 or modulus & (modulus - 1):
             raise ValueError(
