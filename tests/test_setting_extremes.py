@@ -139,26 +139,13 @@ an error naming itself and the key (walked at their largest)."""
 
 def section_extremes() -> tuple[dict[str, float], dict[str, float]]:
     """The smallest and the largest value each numeric key of the common and scene sections
-    takes (on the ladders), each parsed alone over the small scene's settings."""
+    takes (on the ladders), each parsed alone over the small scene's settings; data keys are
+    left out of the smallest, work keys out of the largest."""
     smallest, largest = {}, {}
     for section in (CommonSection, SceneSection):
-        for spec in fields(section):
-            default = spec.default
-            if isinstance(default, bool) or not isinstance(default, int | float):
-                continue
-            key = spec.name.replace("_", "-")
-            ladder = COUNT_LADDER if isinstance(default, int) else SECTION_LADDER
-            taken = []
-            for value in ladder:
-                try:
-                    strategies.parse_app_config({**SMALL_SCENE, key: value})
-                except ValueError:
-                    continue
-                taken.append(value)
-            if key not in DATA_KEYS:
-                smallest[key] = taken[0]
-            if key not in WORK_KEYS:
-                largest[key] = taken[-1]
+        low, high = accepted_extremes(section, SMALL_SCENE)
+        smallest |= {key: value for key, value in low.items() if key not in DATA_KEYS}
+        largest |= {key: value for key, value in high.items() if key not in WORK_KEYS}
     return smallest, largest
 
 
