@@ -23,8 +23,8 @@ import torch
 from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
-from fedfields.fields import HashGridField
-from fedfields.fields.personal import PersonalField, PersonalFieldConfig
+from fedfields.fields import Field
+from fedfields.fields.personal import PersonalField
 from fedfields.flower import NodeState
 from fedfields.flower.client_hooks import (
     gradient_parts,
@@ -43,7 +43,15 @@ from fedfields.flower.protocol import (
     arrays_to_state,
 )
 from fedfields.render import OccupancyGrid, RenderConfig
-from fedfields.train.builders import check_scene_fits, client_seed, global_field, render_config
+from fedfields.train.builders import (
+    check_scene_fits,
+    client_seed,
+    global_field,
+    gradient_chunk_rays,
+    marches,
+    personal_field_config,
+    render_config,
+)
 from fedfields.train.federated import (
     LocalTrainConfig,
     StepGraphs,
@@ -82,10 +90,9 @@ def train(call: ClientCall) -> ReplyParts:
     settings = render_config(config, scene)  # the held-out views share the scene's bounds
     metrics: dict[str, float] = {}
     if views.heldout is not None:
-        metrics[CLIENT_EVAL] = heldout_psnr(
-            field, views.heldout, settings, call.device, EVAL_OCCUPANCY_PASSES
-        )
-    occupancy = _occupancy(state, field)
+        passes = EVAL_OCCUPANCY_PASSES if marches(config) else 0
+        metrics[CLIENT_EVAL] = heldout_psnr(field, views.heldout, settings, call.device, passes)
+    occupancy = _occupancy(state, config)
     user = call.client
     personal = None
     if received_method(msg).personal_field:
@@ -113,7 +120,8 @@ def train(call: ClientCall) -> ReplyParts:
         hooks=hooks,
         graphs=STEP_GRAPHS,
     )
-    state.put_tensors(OCCUPANCY, occupancy.state_dict())
+    if occupancy is not None:
+        state.put_tensors(OCCUPANCY, occupancy.state_dict())
     metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
     if personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())
@@ -139,12 +147,13 @@ def gradient(call: ClientCall) -> ReplyParts:
             field,
             scene,
             settings,
-            _occupancy(state, field),
+            _occupancy(state, config),
             personal_field=personal,
             num_rays=GRADIENT_RAYS,
             seed=seed,
             beta_min=config.scene.beta_min,
             device=call.device,
+            chunk_rays=gradient_chunk_rays(config),
         )
 
     return gradient_parts(call.msg, loss_gradient)
@@ -175,7 +184,7 @@ def _load_user_views(path: str, downscale: float, heldout_views: int) -> UserVie
     return UserViews(scene.subset(list(range(split))), scene.subset(list(range(split, len(scene)))))
 
 
-def _global_field(call: ClientCall) -> HashGridField:
+def _global_field(call: ClientCall) -> Field:
     """The received global field, built from run-config's shapes (and `hash-backend`)."""
     field = global_field(call.config)
     load_federated_state(field, arrays_to_state(call.msg.content[ARRAYS]))
@@ -185,20 +194,23 @@ def _global_field(call: ClientCall) -> HashGridField:
 def _personal_field(
     state: NodeState, config: FederatedConfig, settings: RenderConfig, num_images: int, user: int
 ) -> PersonalField:
-    """The personal field over `settings`' box for `num_images` views, kept on this node
-    (created on first use from a per-user seed)."""
+    """The personal field over `settings`' box for `num_images` views (the run-config's kind,
+    `personal_field_config`), kept on this node (created on first use from a per-user seed)."""
     with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
         torch.manual_seed(client_seed(config.common.seed, user))
-        personal = PersonalField(PersonalFieldConfig(num_images=num_images, aabb=settings.aabb))
+        personal = PersonalField(personal_field_config(config, settings, num_images))
     saved = state.tensors(PERSONAL)
     if saved is not None:
         personal.load_state_dict(saved)
     return personal
 
 
-def _occupancy(state: NodeState, field: HashGridField) -> OccupancyGrid:
-    """The node's occupancy grid over the field's box (all set before the first update)."""
-    grid = OccupancyGrid(field.aabb)
+def _occupancy(state: NodeState, config: FederatedConfig) -> OccupancyGrid | None:
+    """The node's occupancy grid over the field's box (all set before the first update);
+    None for the MLP field, which samples densely."""
+    if not marches(config):
+        return None
+    grid = OccupancyGrid(render_config(config, None).aabb_tensor)
     saved = state.tensors(OCCUPANCY)
     if saved is not None:
         grid.load_state_dict(saved)

@@ -31,6 +31,7 @@ TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]
 MODES = ("federated", "split")
 HASH_BACKENDS = ("auto", "torch", "triton", "tcnn")
+SCENE_FIELDS = ("hashgrid", "mlp")
 LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 AGGREGATION_RULES = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan")
@@ -55,6 +56,8 @@ FEDERATED_ONLY = (
     "eval-views-per-round",
     "client-eval-views",
     "min-train-nodes",
+    "scene-field",
+    "personal-width",
 )
 """Keys of the common, scene and deployment sections that split mode never reads (nor any
 strategy's own key): its one client trains `split-steps` exchanges with settings of its own
@@ -110,8 +113,10 @@ MAX_MEMORISING_BOUND = 1e6
 is no bound; at 1e300 the clamp overflows float32."""
 MAX_CLIENTS = 1_000_000
 """Largest num-clients and clients-per-round: a task's data refuses what it cannot split."""
+HASH_KEYS = ("hash-log2-size", "hash-levels", "hash-max-resolution", "hash-backend")
+MLP_KEYS = ("mlp-samples", "mlp-importance")
 MAX_SPLIT_RAYS = 1 << 16
-MAX_SPLIT_SAMPLES = 1024
+MAX_RAY_SAMPLES = 1024
 MAX_SPLIT_NOISE = 100.0
 """Largest S2NeRF noise scale c (the paper's 1.2) and NoisyLabel std: at 1e300 the client's
 gradient is not finite and the split run stops at its first exchange."""
@@ -221,6 +226,18 @@ class SceneSection:
         "NeRF-W floor of the personal uncertainty beta (NeRF-W's 0.03 starves the global "
         "field at a CPU budget: docs/BENCHMARKS.md)",
     )
+    scene_field: str = key(
+        "hashgrid",
+        "hashgrid (Instant-NGP grid, occupancy marching) | mlp (DecentNeRF's paper fields: a "
+        "NeRF MLP of field-depth x field-width, 0: 8 x 256, with a 4 x 128 colour head; a "
+        "personal 4-layer MLP of personal-width; mlp-samples stratified + mlp-importance "
+        "resampled samples per ray, no occupancy grid; dynamic steps only)",
+    )
+    mlp_samples: int = key(64, "scene-field mlp: stratified samples per ray (paper 64)")
+    mlp_importance: int = key(64, "scene-field mlp: hierarchical resamples per ray (paper 64)")
+    personal_width: int = key(
+        0, "personal field hidden width (0: 32 for hashgrid, the paper's 128 for mlp)"
+    )
     hash_log2_size: int = key(15, "global hash table size per level, log2")
     hash_levels: int = key(16, "hash-grid levels")
     hash_max_resolution: int = key(400, "finest hash-grid resolution")
@@ -244,6 +261,17 @@ class SceneSection:
 
     def __post_init__(self) -> None:
         _choice(self, "hash_backend", HASH_BACKENDS)
+        _choice(self, "scene_field", SCENE_FIELDS)
+        _check(self, ["mlp_samples"], lambda v: 1 <= v <= MAX_RAY_SAMPLES,
+               f"in [1, {MAX_RAY_SAMPLES}]")  # fmt: skip
+        _check(self, ["mlp_importance"], lambda v: 0 <= v <= MAX_RAY_SAMPLES,
+               f"in [0, {MAX_RAY_SAMPLES}]")  # fmt: skip
+        _check(self, ["personal_width"], lambda v: 0 <= v <= 4096, "in [0, 4096]")
+        if self.scene_field == "mlp" and self.cuda_graph:
+            raise ValueError(
+                "run-config 'cuda-graph' = true needs 'scene-field' 'hashgrid': the mlp field "
+                "samples rays without an occupancy grid, in dynamic steps"
+            )
         _check(self, ["local_steps"], lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
         _check(self, ["target_samples"], lambda v: 1 <= v <= 1 << 22, "in [1, 4194304]")
         _check(self, ["hash_levels"], lambda v: 1 <= v <= 32, "in [1, 32]")
@@ -345,8 +373,8 @@ class SplitSection:
         _check(self, counts, lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
         _check(self, ["split_batch_rays"], lambda v: 1 <= v <= MAX_SPLIT_RAYS,
                f"in [1, {MAX_SPLIT_RAYS}]")  # fmt: skip
-        _check(self, ["split_samples"], lambda v: 1 <= v <= MAX_SPLIT_SAMPLES,
-               f"in [1, {MAX_SPLIT_SAMPLES}]")  # fmt: skip
+        _check(self, ["split_samples"], lambda v: 1 <= v <= MAX_RAY_SAMPLES,
+               f"in [1, {MAX_RAY_SAMPLES}]")  # fmt: skip
         _check(self, ["split_noise_r"], lambda v: 0 < v <= 1, "in (0, 1]")
         _check(self, ["split_noise_c", "split_label_noise"], lambda v: 0 <= v <= MAX_SPLIT_NOISE,
                f"in [0, {MAX_SPLIT_NOISE:g}]")  # fmt: skip
@@ -705,8 +733,13 @@ class FederatedConfig:
         unread: dict[str, str] = {}
         if self.common.mode == "split":
             unread |= dict.fromkeys(FEDERATED_ONLY, "mode='federated'")
-        if self.common.task == "scene":
-            unread.setdefault("field-depth", f"the meta tasks ({MetaSection.used_by})")
+        if self.common.task == "scene" and self.scene.scene_field == "mlp":
+            unread |= {k: "scene-field='hashgrid'" for k in HASH_KEYS if k not in unread}
+        elif self.common.task == "scene":
+            unread.setdefault(
+                "field-depth", f"scene-field='mlp' or the meta tasks ({MetaSection.used_by})"
+            )
+            unread |= {k: "scene-field='mlp'" for k in MLP_KEYS if k not in unread}
         elif self.common.task != "objects":  # scikit-image's images, scored by the server
             for run_key in ("downscale", "eval-scene-dir"):
                 unread.setdefault(run_key, "task='scene' | 'objects'")

@@ -25,7 +25,7 @@ from fedfields.fields.base import (
     normalise_to_box,
     trunc_exp,
 )
-from fedfields.fields.encodings import HashGridConfig, HashGridEncoding
+from fedfields.fields.encodings import HashGridConfig, HashGridEncoding, PositionalEncoding
 
 
 def _personal_encoding() -> HashGridConfig:
@@ -44,7 +44,11 @@ DENSITY_BOUND_IMAGES = 8
 @dataclass(frozen=True)
 class PersonalFieldConfig:
     """A small hash grid with density, uncertainty and colour heads, and per image an
-    appearance embedding (colour) and a transient embedding (density, colour, uncertainty)."""
+    appearance embedding (colour) and a transient embedding (density, colour, uncertainty).
+
+    `position_frequencies` > 0 encodes points with NeRF's positional encoding instead of the
+    hash grid (DecentNeRF's personal MLP: 10 frequencies, `density_layers` 4 of `hidden` 128).
+    """
 
     num_images: int
     embedding_dim: int = 8
@@ -52,6 +56,8 @@ class PersonalFieldConfig:
     encoding: HashGridConfig = field(default_factory=_personal_encoding)
     geometry_features: int = 15
     hidden: int = 32
+    density_layers: int = 1
+    position_frequencies: int = 0
     aabb: tuple[float, ...] = (-1.5, -1.5, -1.5, 1.5, 1.5, 1.5)
 
 
@@ -72,14 +78,23 @@ class PersonalField(Field):
         super().__init__()
         if config.num_images < 1:
             raise ValueError(f"num_images must be positive, got {config.num_images}")
+        if config.density_layers < 1 or config.position_frequencies < 0:
+            raise ValueError(
+                f"density_layers must be >= 1 and position_frequencies >= 0, got "
+                f"{config.density_layers} and {config.position_frequencies}"
+            )
         self.config = config
         self.register_buffer("aabb", torch.tensor(config.aabb, dtype=torch.float32).view(2, 3))
-        self.encoding = HashGridEncoding(config.encoding)
+        self.encoding: nn.Module
+        if config.position_frequencies > 0:
+            self.encoding = PositionalEncoding(3, config.position_frequencies)
+        else:
+            self.encoding = HashGridEncoding(config.encoding)
         # outputs: density, uncertainty, geometry features
         self.density_head = mlp(
             self.encoding.out_dim + config.transient_embedding_dim,
             config.hidden,
-            1,
+            config.density_layers,
             2 + config.geometry_features,
         )
         self.color_head = mlp(config.geometry_features + config.embedding_dim, config.hidden, 1, 3)
@@ -87,6 +102,12 @@ class PersonalField(Field):
         self.transient = nn.Embedding(config.num_images, config.transient_embedding_dim)
         nn.init.normal_(self.appearance.weight, std=0.01)
         nn.init.normal_(self.transient.weight, std=0.01)
+
+    def _encoded(self, points: Tensor) -> Tensor:
+        """Hash-grid features of the points in the unit box, or NeRF's encoding of the points."""
+        if isinstance(self.encoding, PositionalEncoding):
+            return self.encoding(points)
+        return self.encoding(normalise_to_box(points, self.aabb))
 
     def _head(self, encoded: Tensor, transient: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(density [N], uncertainty beta >= 0 [N], geometry features [N, F])."""
@@ -97,7 +118,7 @@ class PersonalField(Field):
     def density(self, points: Tensor) -> Tensor:
         """The largest density any of the user's images (or a random DENSITY_BOUND_IMAGES of
         them) gives these points."""
-        encoded = self.encoding(normalise_to_box(points, self.aabb))
+        encoded = self._encoded(points)
         embeddings = self.transient.weight
         if embeddings.shape[0] > DENSITY_BOUND_IMAGES:
             chosen = torch.randperm(embeddings.shape[0], device=embeddings.device)
@@ -113,7 +134,7 @@ class PersonalField(Field):
     ) -> FieldOutputs:
         """Density, colour and uncertainty seen in images `image_index` [N] (None: the
         mean embeddings)."""
-        encoded = self.encoding(normalise_to_box(points, self.aabb))
+        encoded = self._encoded(points)
         if image_index is None:
             count = points.shape[0]
             appearance = self.appearance.weight.mean(0).expand(count, -1)

@@ -113,15 +113,13 @@ def render_rays(
     if config.num_importance > 0:
         with torch.no_grad():
             mids = 0.5 * (edges[:, 1:] + edges[:, :-1])
-            density = field.density(_points(rays, mids).reshape(-1, 3)).view(mids.shape)
+            density = _coarse_density(field, rays, mids, image_index)
             coarse = dense_weights(density, edges[:, 1:] - edges[:, :-1])
         edges = importance_bins(edges, coarse, config.num_importance, perturb)
     mids = 0.5 * (edges[:, 1:] + edges[:, :-1])
     points = _points(rays, mids)
     directions = rays.directions[:, None, :].expand_as(points)
-    sample_images = None
-    if image_index is not None:
-        sample_images = image_index[:, None].expand(mids.shape).reshape(-1)
+    sample_images = _sample_images(image_index, mids)
     outputs = field(points.reshape(-1, 3), directions.reshape(-1, 3), sample_images)
     weights = dense_weights(outputs.density.view(mids.shape), edges[:, 1:] - edges[:, :-1])
     rendered = composite_dense(weights, outputs.rgb.view(*mids.shape, 3), mids, background)
@@ -178,6 +176,22 @@ def _packed_uncertainty(
 def _device_of(field: Field) -> torch.device:
     """Where the field's parameters live (CPU for a parameter-free field)."""
     return next(field.parameters(), torch.empty(0)).device
+
+
+def _sample_images(image_index: Tensor | None, mids: Tensor) -> Tensor | None:
+    """Each dense sample's image [R * S] (its ray's), or None without images."""
+    return None if image_index is None else image_index[:, None].expand(mids.shape).reshape(-1)
+
+
+def _coarse_density(field: Field, rays: Rays, mids: Tensor, image_index: Tensor | None) -> Tensor:
+    """Density [R, S] at the coarse samples that place the hierarchical ones: as seen in each
+    ray's image when images are given (a personal field's transient content), else the
+    field's image-free `density`."""
+    points = _points(rays, mids).reshape(-1, 3)
+    if image_index is None:
+        return field.density(points).view(mids.shape)
+    directions = rays.directions[:, None, :].expand(*mids.shape, 3).reshape(-1, 3)
+    return field(points, directions, _sample_images(image_index, mids)).density.view(mids.shape)
 
 
 def _points(rays: Rays, t: Tensor) -> Tensor:

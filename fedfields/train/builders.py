@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,11 +29,13 @@ from fedfields.data.tasks import (
 )
 from fedfields.devices import parse_device
 from fedfields.fields import (
+    Field,
     HashGridConfig,
     HashGridField,
     HashGridFieldConfig,
     NeRFField,
     NeRFFieldConfig,
+    PersonalFieldConfig,
     Siren,
     SirenConfig,
 )
@@ -41,16 +44,41 @@ from fedfields.train.meta import MetaConfig, test_time_optimise
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
 
 SCENE_FIELD_WIDTH = 64  # hidden width of the scene field's heads when `field-width` is 0
+PAPER_MLP = NeRFFieldConfig(depth=8, width=256, skips=(4,), color_width=128, color_layers=4)
+"""DecentNeRF's global field (its appendix C): 8 x 256 with NeRF's skip, then a colour MLP of
+4 x 128; `field-depth` and `field-width` override depth and width."""
+PAPER_PERSONAL_WIDTH = 128  # DecentNeRF's personal MLP: 4 layers of 128
+PAPER_PERSONAL_LAYERS = 4
+HASHGRID_PERSONAL_WIDTH = 32
+PERSONAL_POSITION_FREQUENCIES = 10  # NeRF's encoding of points, as the global MLP's
+DENSE_CHUNK_SAMPLES = 1 << 18  # samples per forward pass when an MLP field renders a view
+GRADIENT_CHUNK_SAMPLES = 1 << 16  # samples per backward pass of an MLP field's G_k
 Quality = dict[str, float | None]  # psnr, ssim, lpips (None where not computed)
 
 
-def global_field(config: FederatedConfig) -> HashGridField:
-    """The federated global field: an Instant-NGP hash grid over the run-config's box.
+def global_field(config: FederatedConfig) -> Field:
+    """The federated global field of run-config `scene-field`: an Instant-NGP hash grid over
+    the run-config's box, or DecentNeRF's NeRF MLP (`PAPER_MLP`, `field-depth` x `field-width`).
 
     Every tensor shape comes from run-config (levels, table size, finest resolution, widths),
     so the server and nodes with different cameras or hardware build identical tensors. A
     node that cannot run `hash-backend` raises one clear error (`resolve_implementation`).
     """
+    if config.scene.scene_field == "mlp":
+        depth = config.common.field_depth or PAPER_MLP.depth
+        return NeRFField(
+            replace(
+                PAPER_MLP,
+                depth=depth,
+                width=config.common.field_width or PAPER_MLP.width,
+                skips=tuple(skip for skip in PAPER_MLP.skips if skip < depth - 1),
+            )
+        )
+    return hash_grid_field(config)
+
+
+def hash_grid_field(config: FederatedConfig) -> HashGridField:
+    """The hash-grid global field (scene-field 'hashgrid', and split mode's joint field)."""
     encoding = HashGridConfig(
         num_levels=config.scene.hash_levels,
         max_resolution=config.scene.hash_max_resolution,
@@ -92,19 +120,63 @@ def client_seed(seed: int, client: int, server_round: int = 0) -> int:
     return seed * 100_003 + server_round * 1009 + client
 
 
+def marches(config: FederatedConfig) -> bool:
+    """Whether the scene field is rendered by occupancy-grid marching (the hash grid) rather
+    than with stratified and hierarchical samples (the MLP, without a grid)."""
+    return config.scene.scene_field == "hashgrid"
+
+
+def personal_field_config(
+    config: FederatedConfig, settings: RenderConfig, num_images: int
+) -> PersonalFieldConfig:
+    """A user's personal field over `settings`' box for `num_images` views: the small hash
+    grid beside the hash-grid field, DecentNeRF's 4-layer personal MLP beside the MLP."""
+    if marches(config):
+        width = config.scene.personal_width or HASHGRID_PERSONAL_WIDTH
+        return PersonalFieldConfig(num_images=num_images, hidden=width, aabb=settings.aabb)
+    return PersonalFieldConfig(
+        num_images=num_images,
+        hidden=config.scene.personal_width or PAPER_PERSONAL_WIDTH,
+        density_layers=PAPER_PERSONAL_LAYERS,
+        position_frequencies=PERSONAL_POSITION_FREQUENCIES,
+        aabb=settings.aabb,
+    )
+
+
+def gradient_chunk_rays(config: FederatedConfig) -> int | None:
+    """Rays per backward pass of a gradient query's G_k: all at once through the hash grid's
+    occupancy grid, `GRADIENT_CHUNK_SAMPLES` worth of dense samples for the MLP (whose
+    activations at 2,048 rays x 128 samples of 8 x 256 would take gigabytes)."""
+    if marches(config):
+        return None
+    return max(
+        1, GRADIENT_CHUNK_SAMPLES // (config.scene.mlp_samples + config.scene.mlp_importance)
+    )
+
+
 def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
-    """Occupancy-marching settings: the field's box, the scene's near/far and background
-    (a server without a scene takes the NeRF-synthetic defaults)."""
+    """Sampling settings: the field's box, the scene's near/far and background (a server
+    without a scene takes the NeRF-synthetic defaults), and the marching step (hash grid) or
+    the stratified and hierarchical sample counts (MLP, `mlp-samples` + `mlp-importance`)."""
     bound = config.scene.scene_bound
     views = (
         {}
         if scene is None
         else {"near": scene.near, "far": scene.far, "background": scene.background}
     )
-    return RenderConfig(
+    settings = RenderConfig(
         aabb=(-bound, -bound, -bound, bound, bound, bound),
         step_size=2.0 * bound * math.sqrt(3) / 256,
         **views,
+    )
+    if marches(config):
+        return settings
+    per_ray = config.scene.mlp_samples + config.scene.mlp_importance
+    return replace(
+        settings,
+        num_samples=config.scene.mlp_samples,
+        num_importance=config.scene.mlp_importance,
+        chunk=max(1, DENSE_CHUNK_SAMPLES // per_ray),
     )
 
 
@@ -137,7 +209,7 @@ def client_views(data_dir: str, downscale: float) -> tuple[Scene, Scene]:
 def joint_field(config: FederatedConfig) -> HashGridField:
     """The joint field as both sides initialise it: run-config's shapes, seeded by `seed`."""
     torch.manual_seed(config.common.seed)
-    return global_field(config)
+    return hash_grid_field(config)
 
 
 # ------------------------------------------------------------------ FedMeNF meta-learning

@@ -17,7 +17,7 @@ from fedfields import atomic
 from fedfields.config import FederatedConfig
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
-from fedfields.fields import Field
+from fedfields.fields import Field, HashGridField
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
 from fedfields.render.orbit import render_orbit
@@ -107,7 +107,8 @@ def write_renders(
 
 
 class FieldRenderer:
-    """The run-config's global field with an occupancy grid, rendering any view of any scene.
+    """The run-config's global field with an occupancy grid (none for the MLP field, which
+    samples every ray densely), rendering any view of any scene.
 
     The server's report, the simulation's observers and `fedfields audit` score the same
     field the same way: loaded from federated parameters (`load`, fresh grid) or from a run's
@@ -119,7 +120,7 @@ class FieldRenderer:
         self.config = config
         self.device = server_device(config) if device is None else resolve_device(device)
         self.field = global_field(config).to(self.device)
-        self.occupancy = OccupancyGrid(self.field.aabb)
+        self.occupancy = self._fresh_grid()
 
     @classmethod
     def from_checkpoint(
@@ -138,11 +139,17 @@ class FieldRenderer:
         consumed the global RNG before (e.g. the order in which uploads are scored)."""
         load_federated_state(self.field, state)
         self.field.eval()
-        self.occupancy = OccupancyGrid(self.field.aabb)
+        self.occupancy = self._fresh_grid()
+        if self.occupancy is None:
+            return
         step = render_config(self.config, None).step_size
         points = torch.Generator(device=self.device).manual_seed(OCCUPANCY_SEED)
         for _ in range(OCCUPANCY_PASSES):
             self.occupancy.update(self.field.density, step, generator=points)
+
+    def _fresh_grid(self) -> OccupancyGrid | None:
+        """An occupancy grid over the hash-grid field's box (all cells set), None for the MLP."""
+        return OccupancyGrid(self.field.aabb) if isinstance(self.field, HashGridField) else None
 
     def __call__(self, scene: Scene, view: int) -> torch.Tensor:
         """The field's [H, W, 3] render of `scene`'s view `view`, clamped to [0, 1]."""

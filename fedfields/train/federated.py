@@ -22,7 +22,7 @@ from torch import Tensor
 from fedfields.data.pixels import PixelSampler
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
-from fedfields.fields import Field, GlobalPersonalField, HashGridField, PersonalField
+from fedfields.fields import Field, GlobalPersonalField, PersonalField
 from fedfields.methods.base import ClientHook, HookResult, check_state, to_wire
 from fedfields.metrics import psnr
 from fedfields.optim import make_optimizer
@@ -498,6 +498,7 @@ def loss_gradient(
     seed: int = 0,
     beta_min: float = BETA_MIN,
     device: str | torch.device | None = None,
+    chunk_rays: int | None = None,
 ) -> dict[str, Tensor]:
     """DecentNeRF's G_k = dL_k/dg at the current weights, both fields frozen (Algorithm 1, l. 9).
 
@@ -506,7 +507,9 @@ def loss_gradient(
     rendered without jitter on the scene's own background, on `device` (default: where the
     global field is; both fields move there). No parameter or `.grad` changes; the result is
     keyed like `federated_state` (CPU float32).
-    Memory grows with `num_rays`, all rendered in one pass.
+    Memory grows with `num_rays`, all rendered in one pass unless `chunk_rays` splits them:
+    then the loss's per-ray means are summed chunk by chunk, each weighted by its share of
+    the rays (the same G up to float summation order, at one chunk's memory).
     """
     device = global_field.device if device is None else resolve_device(device)
     global_field.to(device)
@@ -518,38 +521,50 @@ def loss_gradient(
     num_pixels = sampler.colors.shape[0]
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randperm(num_pixels, generator=generator)[:num_rays].to(device)
-    batch = sampler.pixels(pixels)
-    rendered, _ = render_rays(
-        field,
-        batch.rays,
-        render_config,
-        occupancy,
-        background=batch.background,
-        image_index=batch.image_index if personal_field is not None else None,
-    )
     personal = None if personal_field is None else PersonalLoss(beta_min)
-    _, loss = local_loss(rendered, batch.colors, personal)
     parameters = dict(global_field.named_parameters())
-    gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+    chunk = len(pixels) if chunk_rays is None else max(1, chunk_rays)
+    total: list[Tensor | None] = [None] * len(parameters)
+    for start in range(0, len(pixels), chunk):
+        batch = sampler.pixels(pixels[start : start + chunk])
+        rendered, _ = render_rays(
+            field,
+            batch.rays,
+            render_config,
+            occupancy,
+            background=batch.background,
+            image_index=batch.image_index if personal_field is not None else None,
+        )
+        _, loss = local_loss(rendered, batch.colors, personal)
+        if chunk < len(pixels):
+            loss = loss * (len(batch.colors) / len(pixels))
+        gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+        total = [
+            g if t is None else (t if g is None else t + g)
+            for t, g in zip(total, gradients, strict=True)
+        ]
     return {
         name: to_wire(torch.zeros_like(p) if g is None else g)
-        for (name, p), g in zip(parameters.items(), gradients, strict=True)
+        for (name, p), g in zip(parameters.items(), total, strict=True)
     }
 
 
 @torch.no_grad()
 def heldout_psnr(
-    field: HashGridField,
+    field: Field,
     views: Scene,
     render_config: RenderConfig,
     device: str | torch.device,
     occupancy_passes: int,
 ) -> float:
     """Mean PSNR of `field`'s renders of `views` on `device` (the field moves there), through
-    a fresh occupancy grid of the field alone refreshed `occupancy_passes` times: a client's
-    score of a received global field on its held-out views, as the server would render it."""
+    a fresh occupancy grid of the field alone refreshed `occupancy_passes` times (0: no grid,
+    `render_config`'s dense samples): a client's score of a received global field on its
+    held-out views, as the server would render it."""
     field.to(resolve_device(device)).eval()
-    occupancy = OccupancyGrid(field.aabb)
+    occupancy = None
+    if occupancy_passes > 0:
+        occupancy = OccupancyGrid(render_config.aabb_tensor.to(field.device))
     for _ in range(occupancy_passes):
         occupancy.update(field.density, render_config.step_size)
     values = [
