@@ -203,6 +203,14 @@ def _add_data_commands(commands: argparse._SubParsersAction) -> None:
     crowd.add_argument("--views-per-user", type=int, help="views per user (default 5, preset's)")
     crowd.add_argument("--downscale", type=float, default=1.0, help="image downscale")
     crowd.add_argument(
+        "--heldout-views",
+        type=int,
+        default=0,
+        help="clean views no user photographed, spread evenly around the scene and set aside "
+        "before the users' views are drawn (heldout/): every scene table scores on them "
+        "(default 0: only views the partition leaves)",
+    )
+    crowd.add_argument(
         "--partition",
         choices=list(PARTITIONS),
         help="yaw: contiguous yaw sectors (novel-blender default); directions: balanced "
@@ -398,6 +406,7 @@ def run_crowd(args: argparse.Namespace) -> int:
         transients_per_view=args.transients_per_view,
         person_scale=args.person_scale,
         transient_probability=args.transients,
+        heldout_views=args.heldout_views,
     )
     crowd = crowd_from_scene_dir(
         args.scene, config, downscale=args.downscale, progress=not args.no_progress

@@ -257,6 +257,9 @@ MEANINGS = {
     "theta-mia-chance": "that attack's chance level",
     "heldout-psnr": "the client's joint field on its held-out views, in dB: utility",
     "heldout-ssim": "structural similarity on the held-out views (1 is perfect)",
+    "heldout-lpips": "perceptual distance on the held-out views (0 is identical)",
+    "clean-lpips": "perceptual distance of the clean-view renders (0 is identical)",
+    "eval-scene-lpips": "perceptual distance on the eval-scene-dir views (0 is identical)",
 }
 LEAK_MARGIN_DB = 1.0  # personal-psnr this close to its floor reads as "no more than the floor"
 

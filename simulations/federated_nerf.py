@@ -71,7 +71,7 @@ class RoundReport(StrategyReport):
         if self.eval_scene is not None:
             renderer = self.global_field.at(outcome.server_round, arrays)
             views = range(min(len(self.eval_scene), self.config.scene.eval_views_per_round))
-            metrics["eval-scene-psnr"] = renderer.score_scene(self.eval_scene, views)[0]
+            metrics["eval-scene-psnr"] = renderer.score_scene(self.eval_scene, views)["psnr"]
         return metrics
 
     def headline(self, metrics: dict[str, Any]) -> str:
@@ -93,9 +93,8 @@ class RoundReport(StrategyReport):
         final: dict[str, Any] = {}
         if self.eval_scene is not None:
             scene = self.eval_scene
-            final["eval-scene-psnr"], final["eval-scene-ssim"] = renderer.score_scene(
-                scene, range(len(scene))
-            )
+            scores = renderer.score_scene(scene, range(len(scene)), perceptual=True)
+            final |= {f"eval-scene-{name}": value for name, value in scores.items()}
         metadata = {"strategy": self.config.strategy_name}
         save_checkpoint(
             self.run_dir / "checkpoint.pt",

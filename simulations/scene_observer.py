@@ -123,18 +123,18 @@ class CrowdObserver:
         metrics |= score_crowd(renderer, self.data.users[::every][:count], views=[0])
         if self.data.heldout is not None:
             views = range(min(len(self.data.heldout), count))
-            metrics["heldout-psnr"] = renderer.score_scene(self.data.heldout, views)[0]
+            metrics["heldout-psnr"] = renderer.score_scene(self.data.heldout, views)["psnr"]
         return metrics
 
     def finish(self, arrays: ArrayRecord, history: list[dict[str, Any]]) -> dict[str, Any]:
         """Every view scored, renders, alphas (in `per_user_dir`) and leakage plots; the
         final scores."""
         renderer = self.global_field.at("final", arrays)
-        final = score_crowd(renderer, self.data.users, views=None)
+        final = score_crowd(renderer, self.data.users, views=None, perceptual=True)
         if self.data.heldout is not None:
             heldout = self.data.heldout
-            heldout_psnr, heldout_ssim = renderer.score_scene(heldout, range(len(heldout)))
-            final |= {"heldout-psnr": heldout_psnr, "heldout-ssim": heldout_ssim}
+            scores = renderer.score_scene(heldout, range(len(heldout)), perceptual=True)
+            final |= {f"heldout-{name}": value for name, value in scores.items()}
         self.per_user_dir.mkdir(parents=True, exist_ok=True)
         self._write_renders(renderer)
         alphas = node_alphas(self.config.deployment.state_dir)

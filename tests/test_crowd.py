@@ -286,6 +286,41 @@ def test_views_no_user_holds_are_written_clean_for_evaluation(lego_black, tmp_pa
     )
 
 
+def test_held_out_poses_are_set_aside_before_any_user_draws_views(tmp_path: Path) -> None:
+    """`--heldout-views 8` of the 80 lego views: every 10th view (indices computed here by
+    hand), none of them any user's, written clean to heldout/ with their poses; the 16
+    users x 4 views are drawn from the other 72 (8 more left over, also held out)."""
+    out = tmp_path / "crowd"
+    flags = ["--users", "16", "--views-per-user", "4", "--heldout-views", "8", "--partition",
+             "random", "--downscale", "8", "--seed", "1", "--out", str(out),
+             "--no-progress"]  # fmt: skip
+    assert main(["data", "crowd", "--scene", str(LEGO), *flags]) == 0
+    recorded = json.loads((out / "crowd.json").read_text())
+    heldout = recorded["heldout_views"]
+    assert {0, 10, 20, 30, 40, 50, 60, 70} <= set(heldout) and len(heldout) == 16
+    used = {view for user in range(16) for view in _user_views(out, user)}
+    assert len(used) == 64 and used.isdisjoint(heldout)
+    scene = load_scene(out / "heldout")
+    source = load_scene(LEGO, downscale=8)
+    torch.testing.assert_close(
+        scene.cameras.camera_to_world, source.cameras.camera_to_world[heldout]
+    )
+
+
+def _user_views(root: Path, user: int) -> list[int]:
+    """The source-view indices a written user holds (its frames' source index)."""
+    frames = json.loads((root / f"user_{user:02d}" / "transforms.json").read_text())["frames"]
+    return [int(frame["source_view"]) for frame in frames]
+
+
+def test_too_many_held_out_views_are_refused_naming_the_counts(lego_black) -> None:
+    config = CrowdConfig(users=16, views_per_user=5, heldout_views=1, partition="random")
+    with pytest.raises(CrowdError, match=r"16 users x 5 views \+ 1 held out needs 81 views"):
+        build_crowd(lego_black, config, progress=False)
+    with pytest.raises(CrowdError, match="heldout_views must be >= 0"):
+        CrowdConfig(heldout_views=-1)
+
+
 # ------------------------------------------------------------------ novel-blender layout
 
 HULL = 64  # voxels per axis for 50x50 views (the default 128 is for 100x100 and up)

@@ -45,16 +45,14 @@ def audit_scene(run: RunInfo, settings: AuditConfig) -> AuditResult:
     views = scored_views(data, settings.max_views)
     total = sum(len(views) if views is not None else len(u.scene) for u in data.users)
     render = counted(renderer, total, "scene audit: render users' views", settings)
-    scores = score_crowd(render, data.users, views)
+    scores = score_crowd(render, data.users, views, perceptual=True)
     utility: dict[str, float | None] = {
-        "clean-psnr": scores["clean-psnr"],
-        "clean-ssim": scores["clean-ssim"],
+        key: scores[key] for key in ("clean-psnr", "clean-ssim", "clean-lpips") if key in scores
     }
     if data.heldout is not None:
         heldout = data.heldout
-        utility["heldout-psnr"], utility["heldout-ssim"] = renderer.score_scene(
-            heldout, range(len(heldout))
-        )
+        heldout_scores = renderer.score_scene(heldout, range(len(heldout)), perceptual=True)
+        utility |= {f"heldout-{name}": value for name, value in heldout_scores.items()}
     return AuditResult(
         run_dir=run.run_dir,
         pipeline="scene",

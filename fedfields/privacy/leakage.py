@@ -16,7 +16,7 @@ import torch
 
 from fedfields.data import Scene
 from fedfields.data.crowd import CrowdUser
-from fedfields.metrics import psnr, ssim
+from fedfields.metrics import lpips, psnr, ssim
 
 UPLOAD_LEAK = "upload-personal-psnr"
 """Metric: PSNR inside each user's masks of its plaintext upload, mean over the round's uploads."""
@@ -28,12 +28,15 @@ def score_crowd(
     render: Callable[[Scene, int], torch.Tensor],
     users: Sequence[CrowdUser],
     views: Sequence[int] | None = None,
+    perceptual: bool = False,
 ) -> dict[str, float]:
     """Clean-view PSNR/SSIM and PSNR inside the personal masks (leakage) over users' views,
     with the leakage floor: the clean view against the photo inside the masks, i.e. what a
     field that renders no person scores, so leakage is told apart from none.
 
-    `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view.
+    `render(scene, view)` gives an [H, W, 3] image; `views` None scores every view. With
+    `perceptual` the clean views' LPIPS too ("clean-lpips"; left out where LPIPS is
+    unavailable, which warns once).
     """
     clean, personal, floor, predictions, targets = [], [], [], [], []
     for user in users:
@@ -45,9 +48,15 @@ def score_crowd(
             floor.append(psnr(user.clean_images[view], photo, mask))
             predictions.append(image)
             targets.append(user.clean_images[view])
-    return {
+    scores = {
         "clean-psnr": float(np.mean(clean)),
         "clean-ssim": ssim(torch.stack(predictions), torch.stack(targets)),
         "personal-psnr": float(np.mean(personal)),
         PERSONAL_FLOOR: float(np.mean(floor)),
     }
+    perceptual_distance = (
+        lpips(torch.stack(predictions), torch.stack(targets)) if perceptual else None
+    )
+    if perceptual_distance is not None:
+        scores["clean-lpips"] = perceptual_distance
+    return scores

@@ -161,9 +161,14 @@ class FieldRenderer:
         """Frames of the field orbiting the scene box (the server has no user's cameras)."""
         return render_orbit(self.field, render_config(self.config, None), self.occupancy)
 
-    def score_scene(self, scene: Scene, views: range) -> tuple[float, float]:
-        """Mean PSNR and SSIM of the renders of `views` against `scene`'s images."""
-        renders = [self(scene, view) for view in views]
+    def score_scene(self, scene: Scene, views: range, perceptual: bool = False) -> dict[str, float]:
+        """Mean "psnr" and "ssim" of the renders of `views` against `scene`'s images, and with
+        `perceptual` their "lpips" (left out where LPIPS is unavailable: it warns once)."""
+        renders = torch.stack([self(scene, view) for view in views])
         targets = scene.images[list(views)]
         values = [psnr(r, t) for r, t in zip(renders, targets, strict=True)]
-        return float(np.mean(values)), ssim(torch.stack(renders), targets)
+        scores = {"psnr": float(np.mean(values)), "ssim": ssim(renders, targets)}
+        perceptual_distance = lpips(renders, targets) if perceptual else None
+        if perceptual_distance is not None:
+            scores["lpips"] = perceptual_distance
+        return scores

@@ -63,6 +63,7 @@ class CrowdConfig:
     margin: float = 0.08  # front: the person keeps this fraction of the image size from edges
     min_person_pixels: int = 12  # at 100x100; scaled with the image area
     transient_probability: float = 0.0  # front: chance that a view also shows a passer-by
+    heldout_views: int = 0  # clean views no user photographed, spread evenly: scored, never trained
     max_tries: int = 4000
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class CrowdConfig:
             raise CrowdError(
                 f"transient probability must be in [0, 1]: {self.transient_probability}"
             )
+        if self.heldout_views < 0:
+            raise CrowdError(f"heldout_views must be >= 0, got {self.heldout_views}")
         if self.transients_per_view < 0:
             raise CrowdError(f"transients_per_view must be >= 0, got {self.transients_per_view}")
         for key in ("person_scale", "spot_radius", "person_height"):
