@@ -1,0 +1,469 @@
+"""`python -m simulations.reproduce TABLE`: one paper table or figure, over seeds, beside the
+paper's values.
+
+Each seed s builds its own crowd (`fedfields data crowd` with seed s, held-out poses set aside)
+and runs every setting of the table with run-config seed s through the App's scene job in
+process (`simulations.federated_nerf` over `simulations.in_process_grid`: the App's strategies,
+round, ClientApp and observer, without Ray). A run whose summary.json is complete is skipped and
+one with a round checkpoint resumes, so rerunning the command continues it. The table gives
+per setting and metric mean ± std over seeds next to the paper's value, and for each difference
+the paper claims the per-seed difference's mean with its paired 95% Student-t interval: met when
+the interval lies on the paper's side of 0 (and above the paper's margin where one is named).
+It writes `<out>/table.md` (docs/BENCHMARKS.md's format), `<out>/table.json` and
+`<out>/figure.png`.
+
+`--scale` picks the setting: `paper` (the paper's fields, samples and beta_min at the largest
+resolution the bundled lego has: for a GPU), `cpu` (what fits this project's 2-core CPU), `toy`
+(seconds: the tests); the output names the scale and what differs from the paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from fedfields import atomic
+from fedfields.data.crowd import PRESETS, CrowdConfig, crowd_from_scene_dir, write_crowd
+from fedfields.flower.resume import RESUME_FILE
+from simulations import APP_DIR
+from simulations.sweep_statistics import (
+    Paired,
+    describe,
+    final_metrics,
+    is_complete,
+    markdown_table,
+    paired_difference,
+)
+
+LEGO = APP_DIR / "data" / "lego"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One size of a table's runs: its crowd, its shared run-config, what differs from the paper."""
+
+    name: str
+    crowd: dict[str, Any]
+    run_config: dict[str, Any]
+    downscale: float
+    differs: str
+
+
+@dataclass(frozen=True)
+class Value:
+    """A paper's figure for one setting's metric."""
+
+    setting: str
+    metric: str
+    paper: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A difference the paper claims: `a`'s `metric` − `b`'s (`metric_b` when set), positive,
+    by `paper` (its own tables' figure) and, when `margin` is set, by at least that much to
+    count as met."""
+
+    a: str
+    b: str
+    metric: str
+    paper: float | None
+    claim: str
+    margin: float = 0.0
+    metric_b: str = ""  # `b`'s metric when it is not `metric` (what the server reads of each)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A paper table or figure: the settings it compares, its scales, values and claims."""
+
+    name: str
+    title: str
+    settings: dict[str, dict[str, Any]]
+    scales: dict[str, Scale]
+    metrics: tuple[str, ...]
+    values: tuple[Value, ...] = ()
+    differences: tuple[Difference, ...] = ()
+    preset: str = "novel-blender"
+
+
+DECENTNERF_PAPER = Scale(
+    "paper",
+    crowd={"users": 16, "views_per_user": 4, "heldout_views": 16},
+    run_config={
+        "scene-field": "mlp",
+        "beta-min": 0.03,
+        "fraction-train": 1.0,
+        "num-server-rounds": 30,
+        "local-steps": 512,
+        "target-samples": 1 << 17,
+    },
+    downscale=1.0,
+    differs="200x200 lego, 80 views (16 users x 4, 16 held out), not 800x800 and 100 views",
+)
+DECENTNERF_CPU = Scale(
+    "cpu",
+    crowd={"users": 16, "views_per_user": 4, "heldout_views": 16},
+    run_config={
+        "scene-field": "mlp",
+        "field-width": 64,
+        "field-depth": 4,
+        "personal-width": 32,
+        "mlp-samples": 32,
+        "mlp-importance": 32,
+        "beta-min": 0.03,
+        "fraction-train": 1.0,
+        "num-server-rounds": 8,
+        "local-steps": 32,
+        "target-samples": 4096,
+    },
+    downscale=4.0,
+    differs="50x50; global 4 x 64, personal 4 x 32, 32 + 32 samples; 8 rounds of 32 steps",
+)
+TOY = Scale(
+    "toy",
+    crowd={"users": 3, "views_per_user": 2, "heldout_views": 4, "hull_resolution": 48},
+    run_config={
+        "scene-field": "mlp",
+        "field-width": 8,
+        "field-depth": 2,
+        "personal-width": 8,
+        "mlp-samples": 8,
+        "mlp-importance": 8,
+        "fraction-train": 1.0,
+        "num-server-rounds": 2,
+        "local-steps": 2,
+        "target-samples": 1024,
+        "eval-views-per-round": 1,
+        "client-eval-views": 0,
+    },
+    downscale=8.0,
+    differs="seconds, for the tests: 25x25, 3 users, 2 rounds of 2 steps",
+)
+SCALES = {scale.name: scale for scale in (DECENTNERF_PAPER, DECENTNERF_CPU, TOY)}
+
+SECURE = {"secure-aggregation": True, "min-train-nodes": 3}
+"""DecentNeRF as the paper runs it: every upload summed under SecAgg+ (the server reads only
+the aggregate, so its personal-content score is the aggregate's)."""
+
+TABLES = {
+    table.name: table
+    for table in (
+        Table(
+            "decentnerf-table1",
+            "DecentNeRF Table 1 (lego) and Fig. 7a: clean quality and what the server reads",
+            settings={
+                "fednerf": {"strategy": "fedavg"},
+                "decentnerf": {"strategy": "decentnerf", **SECURE},
+            },
+            scales=SCALES,
+            metrics=(
+                "heldout-psnr",
+                "heldout-ssim",
+                "heldout-lpips",
+                "clean-psnr",
+                "personal-psnr",
+                "personal-psnr-floor",
+                "upload-personal-psnr",
+            ),
+            values=(
+                Value("fednerf", "heldout-psnr", 17.7, "Table 1"),
+                Value("decentnerf", "heldout-psnr", 26.25, "Table 1"),
+            ),
+            differences=(
+                Difference(
+                    "decentnerf",
+                    "fednerf",
+                    "heldout-psnr",
+                    8.55,
+                    "DecentNeRF beats FedNeRF on clean held-out views (Table 1)",
+                ),
+                Difference(
+                    "fednerf",
+                    "decentnerf",
+                    "upload-personal-psnr",
+                    10.0,
+                    "FedNeRF's uploads show the server more personal content than "
+                    "DecentNeRF's securely summed field (Fig. 7a, about 10 dB)",
+                    metric_b="personal-psnr",
+                ),
+            ),
+        ),
+        Table(
+            "decentnerf-fig4",
+            "DecentNeRF Fig. 4: learned federation weights on a heterogeneous crowd",
+            settings={
+                "learned": {"strategy": "decentnerf"},
+                "fixed": {"strategy": "decentnerf", "alpha-lr": 0.0},
+            },
+            scales=SCALES,
+            metrics=("heldout-psnr", "heldout-ssim", "heldout-lpips", "clean-psnr"),
+            differences=(
+                Difference(
+                    "learned",
+                    "fixed",
+                    "heldout-psnr",
+                    None,
+                    "learned alpha weighs lightly occluded users up and beats fixed "
+                    "weights (Fig. 4; the paper gives no figure)",
+                ),
+            ),
+            preset="heterogeneous",
+        ),
+    )
+}
+
+
+@dataclass
+class Results:
+    """Each setting's metrics per seed, as read from the finished runs."""
+
+    runs: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+
+    def values(self, setting: str, metric: str) -> dict[int, float]:
+        """seed -> the metric, for the seeds whose run reports it."""
+        return {
+            seed: metrics[metric]
+            for seed, metrics in self.runs.get(setting, {}).items()
+            if metric in metrics
+        }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations.reproduce",
+        description="Reproduce a paper table over seeds through the App and print the paper's "
+        "values beside ours (mean ± std, paired 95%% intervals).",
+    )
+    parser.add_argument("table", choices=sorted(TABLES), help="the table or figure")
+    parser.add_argument(
+        "--scale", choices=sorted(SCALES), default="cpu", help="paper (GPU) | cpu | toy (tests)"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="at least 3")
+    parser.add_argument("--out", type=Path, default=None, help="default runs/reproduce-TABLE-SCALE")
+    parser.add_argument(
+        "--scene", type=Path, default=LEGO, help="the scene the crowds are built on"
+    )
+    parser.add_argument("--table-only", action="store_true", help="rebuild from runs on disk")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    return args
+
+
+def crowd_dir(out: Path, table: Table, scale: Scale, seed: int, scene: Path) -> Path:
+    """The crowd of seed `seed`, built on first use (its own seed: crowds differ across seeds)."""
+    folder = out / "crowds" / f"seed-{seed}"
+    if (folder / "crowd.json").is_file():
+        return folder
+    config = CrowdConfig(**{**PRESETS[table.preset], **scale.crowd, "seed": seed})
+    crowd = crowd_from_scene_dir(scene, config, downscale=scale.downscale, progress=False)
+    source = {"scene": str(scene), "downscale": scale.downscale, "config": asdict(config)}
+    write_crowd(crowd, folder, source=source)
+    return folder
+
+
+def run_one(
+    table: Table, scale: Scale, setting: str, seed: int, crowd: Path, run_dir: Path
+) -> None:
+    """One setting at one seed through the App's scene job in process (resumed from its round
+    checkpoint when a killed run left one)."""
+    import strategies
+    from simulations.federated_nerf import run_federated_nerf
+    from simulations.in_process_grid import InProcessGrid
+    from simulations.run import client_app
+
+    config = {
+        **scale.run_config,
+        **table.settings[setting],
+        "seed": seed,
+        "data-dir": str(crowd),
+        "state-dir": str(run_dir.with_suffix(".nodes")),
+        "run-dir": str(run_dir),
+    }
+    if (run_dir / RESUME_FILE).is_file():
+        config["resume"] = True
+    users = len(list(crowd.glob("user_*")))
+    grid = InProcessGrid([client_app(config)] * users, raise_errors=True)
+    run_federated_nerf(grid, strategies.parse_app_config(config), observe=True)
+
+
+def run_metrics(run_dir: Path) -> dict[str, float] | None:
+    """A finished run's final scores plus its last round's metrics that the final lacks
+    (upload-personal-psnr: what the server read of each user's upload); None if unfinished."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not is_complete(summary):
+        return None
+    metrics = final_metrics(summary)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    numbers = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}
+    return {**numbers, **metrics}
+
+
+def reproduce(
+    table: Table,
+    scale: Scale,
+    seeds: Sequence[int],
+    out: Path,
+    scene: Path,
+    progress: bool = True,
+    table_only: bool = False,
+) -> Results:
+    """Every (seed, setting) run, finished ones skipped, then their metrics."""
+    results = Results()
+    pending = [(seed, name) for seed in seeds for name in table.settings]
+    bar = tqdm(pending, desc=f"{table.name} ({scale.name})", disable=not progress)
+    for seed, name in bar:
+        run_dir = out / name / f"seed-{seed}"
+        if not table_only and run_metrics(run_dir) is None:
+            bar.set_postfix_str(f"{name} seed {seed}")
+            run_one(table, scale, name, seed, crowd_dir(out, table, scale, seed, scene), run_dir)
+        metrics = run_metrics(run_dir)
+        if metrics is not None:
+            results.runs.setdefault(name, {})[seed] = metrics
+    return results
+
+
+def cell(values: dict[int, float]) -> str:
+    """mean ± std over seeds (n)."""
+    summary = describe(list(values.values()))
+    if summary.n == 0:
+        return "—"
+    spread = "" if math.isnan(summary.std) else f" ± {summary.std:.3g}"
+    return f"{summary.mean:.4g}{spread} (n={summary.n})"
+
+
+def verdict(difference: Difference, paired: Paired) -> str:
+    """met when the paired interval lies above the claim's margin (0 when none), missed when
+    it does not, undecided below two seeds."""
+    if math.isnan(paired.low):
+        return "undecided (fewer than 2 seeds)"
+    return "met" if paired.low > difference.margin else "missed"
+
+
+def render_table(table: Table, scale: Scale, results: Results) -> tuple[str, dict[str, Any]]:
+    """The markdown report and its JSON: settings x metrics, the paper's values, claims."""
+    header = ["metric", *table.settings]
+    rows = [
+        [metric, *(cell(results.values(s, metric)) for s in table.settings)]
+        for metric in table.metrics
+    ]
+    lines = [
+        f"### {table.title}",
+        "",
+        f"Scale `{scale.name}`: {scale.differs}. Mean ± std over seeds.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
+    record: dict[str, Any] = {
+        "table": table.name,
+        "scale": scale.name,
+        "values": [],
+        "differences": [],
+    }
+    if table.values:
+        value_rows = []
+        for value in table.values:
+            ours = results.values(value.setting, value.metric)
+            value_rows.append(
+                [f"{value.setting} {value.metric}", f"{value.paper:g} ({value.source})", cell(ours)]
+            )
+            record["values"].append(
+                {
+                    "setting": value.setting,
+                    "metric": value.metric,
+                    "paper": value.paper,
+                    "ours": list(ours.values()),
+                }
+            )
+        lines += [markdown_table(["figure", "paper", "ours"], value_rows), ""]
+    claim_rows = []
+    for difference in table.differences:
+        paired = paired_difference(
+            results.values(difference.a, difference.metric),
+            results.values(difference.b, difference.metric_b or difference.metric),
+        )
+        paper = "—" if difference.paper is None else f"{difference.paper:+g}"
+        interval = f"{paired.mean:+.3g} [{paired.low:+.3g}, {paired.high:+.3g}]"
+        claim_rows.append(
+            [
+                difference.claim,
+                f"{difference.a} {difference.metric} − {difference.b} "
+                f"{difference.metric_b or difference.metric}",
+                paper,
+                interval,
+                verdict(difference, paired),
+            ]
+        )
+        record["differences"].append(
+            {
+                "a": difference.a,
+                "b": difference.b,
+                "metric": difference.metric,
+                "paper": difference.paper,
+                "seeds": list(paired.seeds),
+                "mean": paired.mean,
+                "low": paired.low,
+                "high": paired.high,
+                "verdict": verdict(difference, paired),
+            }
+        )
+    if claim_rows:
+        header = ["claim", "difference", "paper", "ours: mean [95% interval]", "met?"]
+        lines += [markdown_table(header, claim_rows), ""]
+    return "\n".join(lines), record
+
+
+def plot(path: Path, table: Table, results: Results) -> None:
+    """Each metric's mean ± std per setting (one panel per PSNR-like metric present)."""
+    metrics = [m for m in table.metrics if any(results.values(s, m) for s in table.settings)]
+    figure = Figure(figsize=(3.2 * max(1, len(metrics)), 3.2))
+    for index, metric in enumerate(metrics):
+        axes = figure.add_subplot(1, max(1, len(metrics)), index + 1)
+        for position, setting in enumerate(table.settings):
+            summary = describe(list(results.values(setting, metric).values()))
+            error = 0.0 if math.isnan(summary.std) else summary.std
+            axes.bar(position, summary.mean, yerr=error, capsize=4)
+        axes.set_xticks(range(len(table.settings)), list(table.settings), rotation=20)
+        axes.set_title(metric, fontsize=9)
+    figure.tight_layout()
+    atomic.save_figure(path, figure, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    table, scale = TABLES[args.table], TABLES[args.table].scales[args.scale]
+    out = (args.out or APP_DIR / "runs" / f"reproduce-{table.name}-{scale.name}").resolve()
+    if len(args.seeds) < 3:
+        print(f"reproduce: {len(args.seeds)} seed(s): intervals need 3 or more", file=sys.stderr)
+    results = reproduce(
+        table, scale, args.seeds, out, args.scene, not args.no_progress, args.table_only
+    )
+    text, record = render_table(table, scale, results)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / "table.md", text + "\n")
+    atomic.write_json(out / "table.json", record)
+    plot(out / "figure.png", table, results)
+    print(text)
+    print(f"reproduce: table in {out / 'table.md'}, figure in {out / 'figure.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
