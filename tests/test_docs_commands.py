@@ -80,6 +80,8 @@ CHECKED_ONLY = {
     "python -m simulations.sweep": "launcher runs, minutes each (tests/test_sweep.py runs a tiny "
     "sweep through this command line)",
     "python -m simulations.bench": "benchmarks: minutes to hours each",
+    "python -m simulations.reproduce": "a paper table over seeds: an hour at cpu scale "
+    "(tests/test_reproduce.py runs it through main() at its toy scale)",
     "fedfields train": "trains a field for minutes",
     "fedfields eval": "needs the checkpoint that `fedfields train` writes",
     "fedfields audit": "needs finished runs",
