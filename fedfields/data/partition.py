@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 DEFAULT_RESTARTS = 16  # k-means restarts in direction_clusters
 MAX_ITERATIONS = 50  # Lloyd iterations per restart; lego converges in under 10
@@ -283,6 +282,8 @@ def _balanced_assignment(
     units: np.ndarray, centres: np.ndarray, per_centre: int
 ) -> tuple[np.ndarray, float]:
     """Labels [N] (-1 = left out) giving each centre exactly `per_centre` views at least cost."""
+    from scipy.optimize import linear_sum_assignment  # 0.13 s: only crowd building needs it
+
     cost = 1.0 - units @ centres.T  # [N, K]
     slots = np.repeat(cost, per_centre, axis=1)  # [N, K * per_centre]
     rows, columns = linear_sum_assignment(slots)

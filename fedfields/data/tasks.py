@@ -17,7 +17,6 @@ from typing import TypeVar
 import numpy as np
 import skimage.color
 import skimage.data
-import skimage.transform
 import torch
 from PIL import Image, ImageSequence
 
@@ -289,6 +288,8 @@ def _as_float32(array: np.ndarray) -> np.ndarray:
 
 def _fit(array: np.ndarray, size: int | None) -> np.ndarray:
     """Centre-crop [..., H, W, C] to a square and resize it to size x size (None: unchanged)."""
+    import skimage.transform  # loads scipy.ndimage: only the meta tasks' photos need it
+
     if size is None:
         return array
     if size < 1:

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from skimage.metrics import structural_similarity
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -38,7 +37,13 @@ def psnr(prediction: ArrayLike, target: ArrayLike, mask: ArrayLike | None = None
 
 
 def ssim(prediction: ArrayLike, target: ArrayLike) -> float:
-    """Structural similarity (scikit-image, data range 1); for a batch the mean over images."""
+    """Structural similarity (scikit-image, data range 1); for a batch the mean over images.
+
+    scikit-image's metrics load scipy.ndimage (0.3 s), so they are imported here, on first
+    use: a deployed node's ClientApp process, started for every message, never scores SSIM.
+    """
+    from skimage.metrics import structural_similarity
+
     prediction, target = _pair(prediction, target)
     if prediction.ndim == 3:
         return float(structural_similarity(prediction, target, channel_axis=-1, data_range=1.0))
