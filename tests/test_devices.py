@@ -52,9 +52,15 @@ LEGO = APP_DIR / "data" / "lego"
 
 @pytest.fixture
 def cuda_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process reports one CUDA device (it has none: using it fails)."""
+    """This process reports one CUDA device to fedfields (it has none: using it fails); torch's
+    own accelerator check (Adam's capture health check reads it) still sees the real machine,
+    so a CUDA build of torch without a GPU runs these tests as the CPU build does."""
+    real = torch.accelerator.current_accelerator(check_available=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: real
+    )
 
 
 def _context(node_config: dict, node_id: int = 7) -> Context:
