@@ -18,9 +18,10 @@ from fedfields.metrics import image, lpips, psnr, ssim
 
 @pytest.fixture
 def images() -> tuple[np.ndarray, np.ndarray]:
-    """A target batch [3, 32, 24, 3] and a noisy prediction, both in [0, 1]."""
+    """A target batch [3, 64, 72, 3] (AlexNet's LPIPS takes 63 pixels a side and up) and a
+    noisy prediction, both in [0, 1]."""
     rng = np.random.default_rng(0)
-    target = rng.random((3, 32, 24, 3))
+    target = rng.random((3, 64, 72, 3))
     prediction = np.clip(target + rng.normal(0.0, 0.1, target.shape), 0.0, 1.0)
     return prediction, target
 
@@ -70,7 +71,7 @@ def test_psnr_rejects_empty_mask_and_mismatched_shapes(
     prediction, target = images[0][0], images[1][0]
     with pytest.raises(ValueError, match="no pixels"):
         psnr(prediction, target, np.zeros(prediction.shape[:2]))
-    with pytest.raises(ValueError, match=r"\(32, 24, 3\).*\(24, 32, 3\)"):
+    with pytest.raises(ValueError, match=r"\(64, 72, 3\).*\(72, 64, 3\)"):
         psnr(prediction, target.transpose(1, 0, 2))
     with pytest.raises(ValueError, match="mask shape"):
         psnr(prediction, target, np.ones((5, 5)))
@@ -144,10 +145,97 @@ def test_lpips_scales_inputs_and_returns_mean_distance(
     target[0, 0, 0] = (0.0, 0.5, 1.0)
     assert lpips(prediction, target, network="vgg") == pytest.approx(0.3)
     first, second = seen[0]
-    assert first.shape == second.shape == (3, 3, 32, 24)
+    assert first.shape == second.shape == (3, 3, 64, 72)
     assert first.dtype == torch.float32
     torch.testing.assert_close(second[0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))
     assert second.min() == -1.0 and second.max() == 1.0
     torch.testing.assert_close(
         first, torch.from_numpy(prediction).permute(0, 3, 1, 2).float() * 2 - 1
     )
+
+
+def _real_lpips() -> types.ModuleType | None:
+    """The installed lpips package, or None where it (or torchvision under it) cannot import."""
+    try:
+        import lpips as package
+    except Exception:  # noqa: BLE001 - torchvision built for another torch fails with RuntimeError
+        return None
+    return package
+
+
+ALEX_LAYERS = (1, 4, 7, 9, 11)
+"""torchvision AlexNet `features` indices whose outputs LPIPS compares (relu1 ... relu5)."""
+
+
+def _lpips_by_hand(package: types.ModuleType, backbone: dict, first: torch.Tensor,
+                   second: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """LPIPS (Zhang et al. 2018, Eq. 1) written out from its parts: ImageNet scaling, AlexNet's
+    five ReLU outputs unit-normalised over channels, squared differences weighted by the
+    package's learned 1x1 weights (v0.1), averaged over space and summed over layers."""
+    from pathlib import Path
+
+    import torchvision
+
+    features = torchvision.models.alexnet().features.eval()
+    features.load_state_dict({k.removeprefix("features."): v for k, v in backbone.items()
+                              if k.startswith("features.")})  # fmt: skip
+    weights = torch.load(
+        Path(package.__file__).parent / "weights" / "v0.1" / "alex.pth", map_location="cpu"
+    )
+    shift = torch.tensor([-0.030, -0.088, -0.188]).view(1, 3, 1, 1)
+    scale = torch.tensor([0.458, 0.448, 0.450]).view(1, 3, 1, 1)
+    a, b = (first - shift) / scale, (second - shift) / scale
+    total = torch.zeros(first.shape[0])
+    layer = 0
+    for index, module in enumerate(features):
+        a, b = module(a), module(b)
+        if index in ALEX_LAYERS:
+            unit_a = a / (a.square().sum(1, keepdim=True).sqrt() + 1e-10)
+            unit_b = b / (b.square().sum(1, keepdim=True).sqrt() + 1e-10)
+            w = weights[f"lin{layer}.model.1.weight"]  # [1, C, 1, 1]
+            total += ((unit_a - unit_b).square() * w).sum(1).mean((1, 2))
+            layer += 1
+    return total
+
+
+def test_lpips_from_the_real_package_with_backbone_weights_the_test_provides(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """torchvision finds AlexNet's weights in TORCH_HOME's cache (here a seeded random AlexNet
+    the test writes, as a user's first use would download the real one): fedfields' LPIPS
+    equals the distance computed by hand from the same parts, and 0 for identical images."""
+    package = _real_lpips()
+    if package is None:
+        pytest.skip("lpips (or torchvision under it) does not import with this torch build")
+    import torchvision
+
+    torch.manual_seed(0)
+    backbone = torchvision.models.alexnet().state_dict()
+    checkpoints = tmp_path / "hub" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    url = torchvision.models.AlexNet_Weights.IMAGENET1K_V1.url
+    torch.save(backbone, checkpoints / url.rsplit("/", 1)[1])
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    prediction, target = images
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="LPIPS unavailable")
+        value = lpips(prediction, target)
+        assert lpips(target, target) == pytest.approx(0.0, abs=1e-7)
+    as_input = [torch.from_numpy(x).permute(0, 3, 1, 2).float() * 2 - 1 for x in images]
+    with torch.no_grad():
+        expected = _lpips_by_hand(package, backbone, *as_input).mean()
+    assert value == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_lpips_of_images_below_the_backbones_input_is_none_said_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """25x25 (the tests' crowds) is below AlexNet's 63 pixels: None with one warning naming
+    the sizes, and the model is never built."""
+    image._warn_too_small.cache_clear()
+    monkeypatch.setitem(sys.modules, "lpips", None)  # building the model would warn otherwise
+    small = np.zeros((2, 25, 25, 3))
+    with pytest.warns(UserWarning, match="at least 63 pixels a side; these are 25x25") as caught:
+        assert lpips(small, small) is None
+        assert lpips(small, small) is None
+    assert len(caught) == 1

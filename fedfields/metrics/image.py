@@ -57,9 +57,19 @@ def ssim(prediction: ArrayLike, target: ArrayLike) -> float:
     )
 
 
+LPIPS_MIN_SIDE = {"alex": 63, "vgg": 16, "squeeze": 17}
+"""Smallest image side each LPIPS backbone's pooling takes (torchvision's networks, measured):
+a 50x50 crowd has no AlexNet LPIPS."""
+
+
 def lpips(prediction: ArrayLike, target: ArrayLike, network: str = "alex") -> float | None:
-    """LPIPS distance (mean over images); None when the `lpips` package or weights are missing."""
+    """LPIPS distance (mean over images); None when the `lpips` package or weights are missing
+    or the images are smaller than the backbone takes (`LPIPS_MIN_SIDE`), each said once."""
     prediction, target = _pair(prediction, target)
+    height, width = prediction.shape[-3:-1]
+    if min(height, width) < LPIPS_MIN_SIDE.get(network, 0):
+        _warn_too_small(network, height, width)
+        return None
     model = _lpips_model(network)
     if model is None:
         return None
@@ -74,7 +84,9 @@ def _lpips_model(network: str) -> Any | None:
     try:
         import lpips as lpips_package
 
-        return lpips_package.LPIPS(net=network, verbose=False).eval()
+        with warnings.catch_warnings():  # lpips 0.1.4 asks torchvision with its deprecated names
+            warnings.filterwarnings("ignore", category=UserWarning, module="torchvision")
+            return lpips_package.LPIPS(net=network, verbose=False).eval()
     except Exception as error:  # noqa: BLE001 - any import or weight-loading failure means "unavailable"
         warnings.warn(
             f"LPIPS unavailable: {type(error).__name__}: {error}; install the 'lpips' extra with "
@@ -84,6 +96,17 @@ def _lpips_model(network: str) -> Any | None:
             stacklevel=3,
         )
         return None
+
+
+@functools.cache
+def _warn_too_small(network: str, height: int, width: int) -> None:
+    """One warning per backbone and image size: LPIPS is None for these images."""
+    warnings.warn(
+        f"LPIPS ({network}) needs images of at least {LPIPS_MIN_SIDE[network]} pixels a side; "
+        f"these are {height}x{width}: LPIPS is reported as None.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _lpips_input(images: np.ndarray) -> torch.Tensor:
