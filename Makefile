@@ -12,12 +12,15 @@ install: $(STAMP)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is pinned and installed FIRST: on this machine pip resolves torch==2.13.0 to the
-# CPU wheel already on disk, and the pin keeps CI from pulling a multi-GB CUDA build.
-# Users elsewhere just `pip install -e .` and get torch from pyproject's range (>=2.4).
+# torch and torchvision are pinned and installed FIRST: on this machine pip takes torch 2.14.1
+# and torchvision 0.29.1 from the wheels on disk (no multi-GB download in CI); torchvision is
+# LPIPS's backbone, and PyPI's torchvision does not import beside the CPU-only torch 2.13
+# wheel ("operator torchvision::nms does not exist"). Seeded results are bit-identical on both
+# builds (tests/method_digests.json). Users elsewhere just `pip install -e .` and get torch from
+# pyproject's range (>=2.4) with the torchvision that matches it.
 # The stamp file makes repeated `make test` skip reinstalling until pyproject.toml changes.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -e ".[dev]"
 	touch $@
 

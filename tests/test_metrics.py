@@ -102,7 +102,7 @@ def test_lpips_unavailable_without_package_warns_once(
     assert len(caught) == 1
     assert caught[0].category is UserWarning
     assert "LPIPS unavailable: ModuleNotFoundError" in str(caught[0].message)
-    assert "install the 'lpips' extra" in str(caught[0].message)
+    assert "install lpips and torchvision" in str(caught[0].message)
 
 
 def _fake_lpips_module(model_class: type) -> types.ModuleType:

@@ -1,8 +1,9 @@
 """PSNR, SSIM and LPIPS between images in [0, 1], as reported by the papers we reproduce.
 
 Images are [H, W, C] or [N, H, W, C] numpy arrays or torch tensors with data range 1.
-LPIPS needs the optional `lpips` package and its backbone weights; without them it is
-reported as None (with one warning) so that a run without it still completes.
+LPIPS needs the `lpips` package (a dependency) and its backbone weights, which torchvision
+downloads at first use; without them it is reported as None (with one warning) so that a run
+without them still completes.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def _lpips_model(network: str) -> Any | None:
             return lpips_package.LPIPS(net=network, verbose=False).eval()
     except Exception as error:  # noqa: BLE001 - any import or weight-loading failure means "unavailable"
         warnings.warn(
-            f"LPIPS unavailable: {type(error).__name__}: {error}; install the 'lpips' extra with "
-            f"backbone weights cached (torchvision downloads the {network} weights at first use). "
-            "LPIPS is reported as None.",
+            f"LPIPS unavailable: {type(error).__name__}: {error}; install lpips and torchvision "
+            f"(a torchvision built for this torch) with backbone weights cached (torchvision "
+            f"downloads the {network} weights at first use). LPIPS is reported as None.",
             UserWarning,
             stacklevel=3,
         )
