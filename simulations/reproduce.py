@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -286,7 +287,7 @@ def run_one(
     table: Table, scale: Scale, setting: str, seed: int, crowd: Path, run_dir: Path
 ) -> None:
     """One setting at one seed through the App's scene job in process (resumed from its round
-    checkpoint when a killed run left one)."""
+    checkpoint when a killed run left one, else started afresh)."""
     import strategies
     from simulations.federated_nerf import run_federated_nerf
     from simulations.in_process_grid import InProcessGrid
@@ -302,6 +303,9 @@ def run_one(
     }
     if (run_dir / RESUME_FILE).is_file():
         config["resume"] = True
+    else:  # cut before its first round checkpoint: start it afresh
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(run_dir.with_suffix(".nodes"), ignore_errors=True)
     users = len(list(crowd.glob("user_*")))
     grid = InProcessGrid([client_app(config)] * users)  # a failed client is counted, as in the App
     run_federated_nerf(grid, strategies.parse_app_config(config), observe=True)

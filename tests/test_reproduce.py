@@ -63,9 +63,13 @@ def test_the_table_shows_the_paper_beside_a_paired_interval_computed_from_the_ru
 
 def test_a_rerun_skips_finished_runs_and_finishes_a_cut_one(reproduced: Path) -> None:
     """summary.json of one run removed (as if killed after its last round checkpoint): the
-    rerun resumes that run from its checkpoint and leaves the others untouched."""
+    rerun resumes that run from its checkpoint; one cut before any checkpoint starts afresh;
+    the others are left untouched."""
     cut = reproduced / "fednerf" / "seed-1"
     (cut / "summary.json").unlink()
+    early = reproduced / "decentnerf" / "seed-1"  # cut before any round checkpoint
+    (early / "summary.json").unlink()
+    (early / "resume.pt").unlink()
     untouched = reproduced / "decentnerf" / "seed-0" / "summary.json"
     before = untouched.stat().st_mtime_ns
     argv = ["decentnerf-table1", "--scale", "toy", "--seeds", *SEEDS, "--out", str(reproduced)]
@@ -75,6 +79,10 @@ def test_a_rerun_skips_finished_runs_and_finishes_a_cut_one(reproduced: Path) ->
         json.loads(line)["round"] for line in (cut / "metrics.jsonl").read_text().splitlines()
     ]
     assert rounds == [1, 2] and "heldout-psnr" in _final(reproduced, "fednerf", "1")
+    restarted = [
+        json.loads(line)["round"] for line in (early / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert restarted == [1, 2] and "heldout-psnr" in _final(reproduced, "decentnerf", "1")
 
 
 def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture) -> None:
