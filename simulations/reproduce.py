@@ -102,15 +102,21 @@ NERF_LEARNING_RATE = 5e-4
 """Adam's rate for the MLP fields (NeRF's and NeRF-W's 5e-4): the hash grid's 1e-2 drives
 an MLP DecentNeRF client's loss to NaN within its first round (measured at the cpu scale)."""
 
+PAPER_TRAINING = {
+    "scene-field": "mlp",
+    "learning-rate": NERF_LEARNING_RATE,
+    "personal-learning-rate": NERF_LEARNING_RATE,
+    "beta-min": 0.03,
+    "fraction-train": 1.0,
+}
+"""What the paper's scale and the cpu scale share: DecentNeRF's MLP fields trained as NeRF-W
+trains them, every user every round (Algorithm 1)."""
+
 DECENTNERF_PAPER = Scale(
     "paper",
     crowd={"users": 16, "views_per_user": 4, "heldout_views": 16},
     run_config={
-        "scene-field": "mlp",
-        "learning-rate": NERF_LEARNING_RATE,
-        "personal-learning-rate": NERF_LEARNING_RATE,
-        "beta-min": 0.03,
-        "fraction-train": 1.0,
+        **PAPER_TRAINING,
         "num-server-rounds": 30,
         "local-steps": 512,
         "target-samples": 1 << 17,
@@ -122,16 +128,12 @@ DECENTNERF_CPU = Scale(
     "cpu",
     crowd={"users": 16, "views_per_user": 4, "heldout_views": 16},
     run_config={
-        "scene-field": "mlp",
-        "learning-rate": NERF_LEARNING_RATE,
-        "personal-learning-rate": NERF_LEARNING_RATE,
+        **PAPER_TRAINING,
         "field-width": 64,
         "field-depth": 4,
         "personal-width": 32,
         "mlp-samples": 32,
         "mlp-importance": 32,
-        "beta-min": 0.03,
-        "fraction-train": 1.0,
         "num-server-rounds": 8,
         "local-steps": 32,
         "target-samples": 4096,

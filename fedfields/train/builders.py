@@ -49,7 +49,6 @@ PAPER_MLP = NeRFFieldConfig(depth=8, width=256, skips=(4,), color_width=128, col
 4 x 128; `field-depth` and `field-width` override depth and width."""
 PAPER_PERSONAL_WIDTH = 128  # DecentNeRF's personal MLP: 4 layers of 128
 PAPER_PERSONAL_LAYERS = 4
-HASHGRID_PERSONAL_WIDTH = 32
 PERSONAL_POSITION_FREQUENCIES = 10  # NeRF's encoding of points, as the global MLP's
 DENSE_CHUNK_SAMPLES = 1 << 18  # samples per forward pass when an MLP field renders a view
 GRADIENT_CHUNK_SAMPLES = 1 << 16  # samples per backward pass of an MLP field's G_k
@@ -132,7 +131,7 @@ def personal_field_config(
     """A user's personal field over `settings`' box for `num_images` views: the small hash
     grid beside the hash-grid field, DecentNeRF's 4-layer personal MLP beside the MLP."""
     if marches(config):
-        width = config.scene.personal_width or HASHGRID_PERSONAL_WIDTH
+        width = config.scene.personal_width or PersonalFieldConfig.hidden
         return PersonalFieldConfig(num_images=num_images, hidden=width, aabb=settings.aabb)
     return PersonalFieldConfig(
         num_images=num_images,
