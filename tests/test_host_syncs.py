@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from graph_replay import assert_replays_match, deterministic_kernels
+from tiny_fields import tiny_hashgrid_setup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedfields.data import holdout_indices, load_scene
@@ -103,7 +104,7 @@ def test_centralised_hashgrid_steps_read_the_device_only_at_log_and_grid_steps(
     tiny_lego: Scene, host_reads: list[str]
 ) -> None:
     def run(steps: int) -> None:
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         config = setup.train_config(
             steps=steps, target_samples=1 << 12, progress=False, log_every=24, device="cpu"
         )
@@ -119,7 +120,7 @@ def test_local_round_reads_the_device_every_sixteen_steps(
     tiny_lego: Scene, host_reads: list[str]
 ) -> None:
     def run(steps: int) -> None:
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         config = LocalTrainConfig(steps=steps, target_samples=1 << 12, device="cpu")
         local_train(setup.field, tiny_lego, config, setup.render_config, setup.occupancy)
 
@@ -243,7 +244,7 @@ def _host_to_device(args: tuple, kwargs: dict) -> bool:
 
 
 def _static_case(tiny_lego: Scene) -> tuple:
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     torch.manual_seed(0)
     setup.occupancy.update(setup.field.density, setup.render_config.step_size)
     return setup.field, PixelSampler(tiny_lego, True), setup.render_config, setup.occupancy
@@ -310,7 +311,7 @@ def test_a_static_step_waits_on_nothing_and_copies_nothing_from_the_host(
 
 
 def test_static_training_counts_its_samples_at_the_checks(tiny_lego: Scene) -> None:
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     config = setup.train_config(
         steps=5, batch_rays=64, target_samples=1 << 12, progress=False, log_every=2,
         device="cpu", step_mode="static",
@@ -334,7 +335,7 @@ def test_a_log_record_s_samples_per_ray_spans_the_batches_of_its_window(
         return original(self, batch_rays)
 
     monkeypatch.setattr(StaticStep, "__call__", recording)
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = default_setup("hashgrid", tiny_lego, implementation="torch")  # batches move
     config = setup.train_config(
         steps=4, batch_rays=64, target_samples=1 << 14, progress=False, log_every=4,
         device="cpu", step_mode="static", occupancy_update_every=2,
@@ -368,7 +369,7 @@ def test_the_static_batch_is_the_largest_rung_that_fits_at_three_sigmas(
 def test_the_capacity_holds_the_lowest_rung_s_worst_case(
     tiny_lego: Scene, target_samples: int | None
 ) -> None:
-    render = default_setup("hashgrid", tiny_lego, implementation="torch").render_config
+    render = tiny_hashgrid_setup(tiny_lego).render_config
     worst = max_samples_per_ray(render)
     assert worst == 199  # far - near = 4 over lego's step 3 sqrt(3) / 256: 198 steps, +1
     capacity = static_capacity(target_samples, 1024, render)
@@ -396,7 +397,7 @@ def test_a_static_round_reads_the_device_at_checks_and_refreshes_only(
     tiny_lego: Scene, host_reads: list[str]
 ) -> None:
     def run(steps: int) -> None:
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         config = LocalTrainConfig(
             steps=steps, batch_rays=64, target_samples=1 << 13, device="cpu", step_mode="static"
         )
@@ -416,7 +417,7 @@ def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
     torch.manual_seed(0)
     configured = static_loss(field, sampler, render, grid, 1024, capacity)
     assert int(configured.dropped_rays) > 1024 // 2  # what a start at the configured batch does
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     config = setup.train_config(
         steps=4, batch_rays=1024, target_samples=1 << 12, progress=False, log_every=4,
         device="cpu", step_mode="static",
@@ -425,7 +426,7 @@ def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
     first = result.history[0]
     assert first["dropped_rays"] == 0 and first["batch_rays"] < 1024
     assert result.dropped_rays == 0 and result.samples > 4 * MIN_BATCH_RAYS
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     local = LocalTrainConfig(steps=FINITE_CHECK_EVERY // 4, batch_rays=1024,
                              target_samples=1 << 12, device="cpu", step_mode="static")  # fmt: skip
     round_ = local_train(setup.field, tiny_lego, local, setup.render_config, setup.occupancy)
@@ -433,7 +434,7 @@ def test_the_first_static_window_keeps_its_rays(tiny_lego: Scene) -> None:
 
 
 def test_cuda_graph_is_refused_on_a_cpu_run(tiny_lego: Scene) -> None:
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     config = setup.train_config(steps=1, progress=False, device="cpu", step_mode="cuda-graph")
     with pytest.raises(
         ValueError, match="'cuda-graph' .*needs a CUDA device; this run trains on cpu"
@@ -445,7 +446,7 @@ def test_a_cpu_node_asked_for_cuda_graph_runs_the_static_step(tiny_lego: Scene) 
     results = {}
     for mode in ("static", "cuda-graph"):
         torch.manual_seed(0)  # the same initial field
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         config = LocalTrainConfig(steps=3, batch_rays=64, device="cpu", step_mode=mode)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -525,7 +526,7 @@ def test_a_captured_step_gives_the_uncaptured_step_s_numbers(tiny_lego: Scene) -
     runs = {}
     for captured in (False, True):
         torch.manual_seed(0)
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         field, grid = setup.field.cuda(), setup.occupancy.to("cuda")
         scene = tiny_lego.to("cuda")
         sampler = PixelSampler(scene, True)
@@ -664,7 +665,7 @@ def test_a_static_round_trains_what_the_dynamic_round_trains(
     control are the dynamic round's, up to the fused Adam's rounding."""
     rounds = {}
     for mode in ("dynamic", "static"):
-        setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+        setup = tiny_hashgrid_setup(tiny_lego)
         torch.manual_seed(0)
         field = type(setup.field)(setup.field.config)
         personal = _personal(len(tiny_lego)) if strategy == "decentnerf" else None
@@ -695,7 +696,7 @@ def test_a_decentnerf_static_round_keeps_its_rays_and_its_sample_target(tiny_leg
     """The personal field's density opens cells at each grid refresh; the batch, sized then
     from the probe (3 sigmas within 4/3 of the target), drops no ray, and a step holds about
     the target's samples, as a dynamic step does."""
-    setup = default_setup("hashgrid", tiny_lego, implementation="torch")
+    setup = tiny_hashgrid_setup(tiny_lego)
     torch.manual_seed(0)
     target = 1 << 14  # above the capacity's floor, the lowest rung's worst case
     per_step = {}

@@ -19,6 +19,7 @@ import pytest
 import torch
 from graph_replay import assert_replays_match, deterministic_kernels
 from test_host_syncs import _personal, _scaffold  # the same tiny personal field and controls
+from tiny_fields import tiny_grid, tiny_hashgrid_setup
 
 from fedfields.data import holdout_indices, load_scene
 from fedfields.data.scene import Scene
@@ -26,7 +27,6 @@ from fedfields.methods.fedprox import ProximalHook
 from fedfields.methods.scaffold import CLIENT_CONTROL, ScaffoldHook
 from fedfields.render import OccupancyGrid
 from fedfields.train import federated
-from fedfields.train.centralised import default_setup
 from fedfields.train.federated import (
     LocalTrainConfig,
     LocalTrainResult,
@@ -60,11 +60,11 @@ def _round(
 ) -> tuple[LocalTrainResult, list[torch.Tensor]]:
     """One user's DecentNeRF round with FedProx's term and Scaffold's correction (every
     buffer a workspace refills), its weights seeded by user and round."""
-    setup = default_setup("hashgrid", scene, implementation="torch")
+    setup = tiny_hashgrid_setup(scene)
     torch.manual_seed(1000 * federated_round + user)
     field = type(setup.field)(setup.field.config)
     personal = _personal(len(scene), seed=user)
-    grid = OccupancyGrid(field.aabb)
+    grid = tiny_grid(field)
     config = LocalTrainConfig(
         steps=steps, batch_rays=256, target_samples=1 << 12, max_batch_rays=1024,
         occupancy_update_every=2, learning_rate=1e-2 * (1 + federated_round),
@@ -190,7 +190,10 @@ def test_one_capture_per_batch_size_serves_every_user_and_round(
             _round(users[user], user, federated_round, shared, STEPS_PER_CALL, "cuda-graph")
     (workspace,) = shared.workspaces.values()
     after = len(counted_captures)
-    assert after == shared.captures == len(workspace.step.graphs) <= len(set().union(*per_call))
+    # one capture per distinct batch size (graphs are keyed by it); the sizes themselves need
+    # not be the fresh calls' ones: the stand-in's replays do not train, so after a size's
+    # first capture the shared run's fields, grids and later sizes follow another course
+    assert after == shared.captures == len(workspace.step.graphs)
     assert after < before
 
 
@@ -207,7 +210,7 @@ def test_a_call_of_another_kind_gets_its_own_workspace_and_the_oldest_goes(
     first = next(iter(graphs.workspaces.values()))
     _round(users[0], 0, 1, graphs)  # the six-view kind again: now the most recent
     assert next(reversed(graphs.workspaces.values())) is first
-    setup = default_setup("hashgrid", users[2], implementation="torch")
+    setup = tiny_hashgrid_setup(users[2])
     config = LocalTrainConfig(steps=2, batch_rays=256, device="cpu", step_mode="static")
     local_train(setup.field, users[2], config, setup.render_config, setup.occupancy, graphs=graphs)
     assert len(graphs.workspaces) == 2 and first in graphs.workspaces.values()
@@ -238,7 +241,7 @@ def test_captured_graphs_shared_across_users_replay_each_user_s_round(
 def _round_on_cuda(
     scene: Scene, user: int, graphs: StepGraphs | None, step_mode: str
 ) -> tuple[LocalTrainResult, list[torch.Tensor]]:
-    setup = default_setup("hashgrid", scene, implementation="torch")
+    setup = tiny_hashgrid_setup(scene)
     torch.manual_seed(user)
     field = type(setup.field)(setup.field.config)
     personal = _personal(len(scene), seed=user)
