@@ -1,16 +1,17 @@
 """`python -m simulations.reproduce TABLE`: one paper table or figure, over seeds, beside the
 paper's values.
 
-Each seed s builds its own crowd (`fedfields data crowd` with seed s, held-out poses set aside)
-and runs every setting of the table with run-config seed s through the App's scene job in
-process (`simulations.federated_nerf` over `simulations.in_process_grid`: the App's strategies,
-round, ClientApp and observer, without Ray). A run whose summary.json is complete is skipped and
-one with a round checkpoint resumes, so rerunning the command continues it. The table gives
-per setting and metric mean ± std over seeds next to the paper's value, and for each difference
-the paper claims the per-seed difference's mean with its paired 95% Student-t interval: met when
-the interval lies on the paper's side of 0 (and above the paper's margin where one is named).
-It writes `<out>/table.md` (docs/BENCHMARKS.md's format), `<out>/table.json` and
-`<out>/figure.png`.
+A scene table's seed s builds its own crowd (`fedfields data crowd` with seed s, held-out poses
+set aside) and runs every setting of the table with run-config seed s through the App's scene
+job in process (`simulations.federated_nerf` over `simulations.in_process_grid`: the App's
+strategies, round, ClientApp and observer, without Ray); a meta table (FedMeNF) runs the App's
+meta job the same way, its simulation audit on (PSNR_p, membership inference). A run whose
+summary.json is complete is skipped and one with a round checkpoint resumes, so rerunning the
+command continues it. The table gives per setting and metric mean ± std over seeds next to the
+paper's value, and for each difference the paper claims the per-seed difference's mean with its
+paired 95% Student-t interval: met when the interval lies on the paper's side of 0 (and above
+the paper's margin where one is named; below its bound for a claim of closeness). It writes
+`<out>/table.md` (docs/BENCHMARKS.md's format), `<out>/table.json` and `<out>/figure.png`.
 
 `--scale` picks the setting: `paper` (the paper's fields, samples and beta_min at the largest
 resolution the bundled lego has: for a GPU), `cpu` (what fits this project's 2-core CPU), `toy`
@@ -40,6 +41,7 @@ from simulations.sweep_statistics import (
     Paired,
     describe,
     final_metrics,
+    flatten_numbers,
     is_complete,
     markdown_table,
     paired_difference,
@@ -82,6 +84,7 @@ class Difference:
     claim: str
     margin: float = 0.0
     metric_b: str = ""  # `b`'s metric when it is not `metric` (what the server reads of each)
+    within: float | None = None  # a claim of closeness: met when the interval lies below it
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Table:
     values: tuple[Value, ...] = ()
     differences: tuple[Difference, ...] = ()
     preset: str = "novel-blender"
+    job: str = "scene"  # "scene": a crowd per seed and the scene job; "meta": the meta job
 
 
 NERF_LEARNING_RATE = 5e-4
@@ -162,6 +166,73 @@ TOY = Scale(
     differs="seconds, for the tests: 25x25, 3 users, 2 rounds of 2 steps",
 )
 SCALES = {scale.name: scale for scale in (DECENTNERF_PAPER, DECENTNERF_CPU, TOY)}
+
+FEDMENF_PAPER = Scale(
+    "paper",
+    crowd={},
+    run_config={"task": "photos", "num-server-rounds": 1000},
+    downscale=1.0,
+    differs="64x64 crops of scikit-image's photos for PetFace's 224x224 cats, 20 clients of two "
+    "crops for 50 cat owners; 1000 rounds of 5 clients, Table 7's PetFace column otherwise",
+)
+FEDMENF_CPU = Scale(
+    "cpu",
+    crowd={},
+    run_config={"task": "photos", "num-server-rounds": 20},
+    downscale=1.0,
+    differs="the paper scale's data and settings for 20 rounds, not 1000",
+)
+FEDMENF_TOY = Scale(
+    "toy",
+    crowd={},
+    run_config={
+        "task": "faces",
+        "num-server-rounds": 2,
+        "num-clients": 6,
+        "clients-per-round": 3,
+        "outer-steps": 2,
+        "inner-steps": 1,
+        "field-width": 16,
+        "field-depth": 2,
+        "tto-steps": 4,
+    },
+    downscale=1.0,
+    differs="seconds, for the tests: 25x25 faces, 6 clients, a 2 x 16 SIREN, 2 rounds",
+)
+
+SPLIT_COMMON = {"mode": "split", "split-attack": True}
+S2NERF_PAPER = Scale(
+    "paper",
+    crowd={},
+    run_config={**SPLIT_COMMON, "split-steps": 20000, "split-batch-rays": 1024},
+    downscale=1.0,
+    differs="lego at 200x200 (the paper: 3D-FRONT, Hypersim, ScanNet rooms) with the App's "
+    "hash-grid split field, 20,000 exchanges of 1,024 rays",
+)
+S2NERF_CPU = Scale(
+    "cpu",
+    crowd={},
+    run_config={**SPLIT_COMMON, "split-steps": 600, "split-record-every": 10},
+    downscale=8.0,
+    differs="lego at 25x25, 600 exchanges of 256 rays x 48 samples; the attack on every "
+    "10th exchange",
+)
+S2NERF_TOY = Scale(
+    "toy",
+    crowd={},
+    run_config={
+        **SPLIT_COMMON,
+        "split-steps": 40,
+        "split-batch-rays": 64,
+        "split-samples": 24,
+        "split-record-every": 5,
+        "hash-log2-size": 12,
+    },
+    downscale=8.0,
+    differs="seconds, for the tests: lego at 25x25, 40 exchanges of 64 rays",
+)
+S2NERF = {"split-noise-c": 1.2, "split-noise-r": 1e-4}
+"""S2NeRF's setting that the paper recommends (Table 4: c = 1.2, r = 1e-4)."""
 
 SECURE = {"secure-aggregation": True, "min-train-nodes": 3}
 """DecentNeRF as the paper runs it: every upload summed under SecAgg+ (the server reads only
@@ -231,6 +302,102 @@ TABLES = {
             ),
             preset="heterogeneous",
         ),
+        Table(
+            "fedmenf-table1",
+            "FedMeNF Table 1 (images) and Table 2: utility after TTO, PSNR_p of the uploads, "
+            "membership inference",
+            settings={
+                "maml": {"strategy": "fedavg", "meta-learner": "maml"},
+                "fedmenf": {"strategy": "fedavg", "meta-learner": "fedmenf"},
+            },
+            scales={s.name: s for s in (FEDMENF_PAPER, FEDMENF_CPU, FEDMENF_TOY)},
+            metrics=("psnr", "ssim", "psnr_p", "delta", "mia-accuracy", "mia-auc"),
+            values=(
+                Value("maml", "psnr", 27.39, "Table 1, PetFace, FedAvg"),
+                Value("fedmenf", "psnr", 27.00, "Table 1, PetFace, FedAvg"),
+                Value("maml", "psnr_p", 16.57, "Table 1, PetFace, FedAvg"),
+                Value("fedmenf", "psnr_p", 14.77, "Table 1, PetFace, FedAvg"),
+                Value("maml", "mia-accuracy", 0.958, "Table 2, Cars"),
+            ),
+            differences=(
+                Difference(
+                    "maml",
+                    "fedmenf",
+                    "psnr",
+                    0.39,
+                    "FedMeNF keeps MAML's utility after TTO: within 1 dB (Table 1: 0.39 dB)",
+                    within=1.0,
+                ),
+                Difference(
+                    "maml",
+                    "fedmenf",
+                    "psnr_p",
+                    1.80,
+                    "FedMeNF's uploads render the clients' query images worse than MAML's "
+                    "(PSNR_p, Table 1)",
+                ),
+                Difference(
+                    "maml",
+                    "fedmenf",
+                    "mia-accuracy",
+                    None,
+                    "membership inference does better against MAML's uploads than FedMeNF's "
+                    "(Table 2, Cars)",
+                ),
+            ),
+            job="meta",
+        ),
+        Table(
+            "s2nerf-table4",
+            "S2NeRF Tables 4 and 5: decaying gradient noise and NoisyLabel against the "
+            "Surrogate Model Attack (10/t, ratio 0.01)",
+            settings={
+                "undefended": {},
+                "s2nerf": S2NERF,
+                "noisylabel": {"split-label-noise": 1.0},
+            },
+            scales={s.name: s for s in (S2NERF_PAPER, S2NERF_CPU, S2NERF_TOY)},
+            metrics=(
+                "heldout-psnr",
+                "heldout-ssim",
+                "attack.attacked.ssim_depth",
+                "attack.attacked.lpips_depth",
+                "attack.attacked.ssim_grey",
+                "attack.untrained.ssim_depth",
+            ),
+            values=(
+                Value("s2nerf", "attack.attacked.ssim_depth", 0.53, "Table 4, 3D-FRONT"),
+                Value("noisylabel", "attack.attacked.ssim_depth", 0.95, "Table 5, 3D-FRONT, 1"),
+            ),
+            differences=(
+                Difference(
+                    "undefended",
+                    "s2nerf",
+                    "attack.attacked.ssim_depth",
+                    None,
+                    "S2NeRF's noise lowers what the attack recovers (SSIM-depth; Table 4 gives "
+                    "no undefended row)",
+                ),
+                Difference(
+                    "undefended",
+                    "s2nerf",
+                    "heldout-psnr",
+                    0.41,
+                    "at little utility cost: within 1 dB of undefended (Table 4, 3D-FRONT: "
+                    "20.83 vs 21.24)",
+                    within=1.0,
+                ),
+                Difference(
+                    "noisylabel",
+                    "s2nerf",
+                    "attack.attacked.ssim_depth",
+                    0.42,
+                    "NoisyLabel (sigma 1) leaks more than S2NeRF (Tables 4-5, 3D-FRONT: 0.95 "
+                    "vs 0.53)",
+                ),
+            ),
+            job="split",
+        ),
     )
 }
 
@@ -285,21 +452,43 @@ def crowd_dir(out: Path, table: Table, scale: Scale, seed: int, scene: Path) -> 
     return folder
 
 
-def run_one(
-    table: Table, scale: Scale, setting: str, seed: int, crowd: Path, run_dir: Path
-) -> None:
-    """One setting at one seed through the App's scene job in process (resumed from its round
-    checkpoint when a killed run left one, else started afresh)."""
+def run_split(config: dict[str, Any]) -> None:
+    """The App's split job in process, its audit attacking the wire it records (no round
+    checkpoint: a cut split run starts afresh)."""
     import strategies
+    from simulations.in_process_grid import InProcessGrid
+    from simulations.run import client_app
+    from simulations.split_job import run_split_job
+
+    config = {**config, "simulation-audit": True}
+    config.pop("resume", None)
+    run_split_job(InProcessGrid([client_app(config)]), strategies.parse_app_config(config))
+
+
+def run_one(
+    table: Table,
+    scale: Scale,
+    setting: str,
+    seed: int,
+    crowd: Path | None,
+    run_dir: Path,
+    scene: Path = LEGO,
+) -> None:
+    """One setting at one seed through the App's job in process: the scene job on `crowd`, the
+    meta job with its simulation audit (PSNR_p, the inference attacks), or the split job on
+    `scene` with the Surrogate Model Attack. Resumed from its round checkpoint when a killed
+    run left one, else started afresh."""
+    import strategies
+    from fedfields.config import meta_settings
     from simulations.federated_nerf import run_federated_nerf
     from simulations.in_process_grid import InProcessGrid
+    from simulations.meta_job import run_meta_job
     from simulations.run import client_app
 
     config = {
         **scale.run_config,
         **table.settings[setting],
         "seed": seed,
-        "data-dir": str(crowd),
         "state-dir": str(run_dir.with_suffix(".nodes")),
         "run-dir": str(run_dir),
     }
@@ -308,6 +497,17 @@ def run_one(
     else:  # cut before its first round checkpoint: start it afresh
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(run_dir.with_suffix(".nodes"), ignore_errors=True)
+    if table.job == "split":
+        run_split(config | {"data-dir": str(scene), "downscale": scale.downscale})
+        return
+    if table.job == "meta":
+        config["simulation-audit"] = True
+        parsed = strategies.parse_app_config(config)
+        nodes = meta_settings(parsed).num_clients
+        run_meta_job(InProcessGrid([client_app(config)] * nodes), parsed)
+        return
+    assert crowd is not None
+    config["data-dir"] = str(crowd)
     users = len(list(crowd.glob("user_*")))
     grid = InProcessGrid([client_app(config)] * users)  # a failed client is counted, as in the App
     run_federated_nerf(grid, strategies.parse_app_config(config), observe=True)
@@ -322,7 +522,7 @@ def run_metrics(run_dir: Path) -> dict[str, float] | None:
         return None
     if not is_complete(summary):
         return None
-    metrics = final_metrics(summary)
+    metrics = final_metrics(summary) | flatten_numbers({"attack": summary.get("attack", {})})
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     last = json.loads(lines[-1]) if lines else {}
     numbers = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}
@@ -346,7 +546,8 @@ def reproduce(
         run_dir = out / name / f"seed-{seed}"
         if not table_only and run_metrics(run_dir) is None:
             bar.set_postfix_str(f"{name} seed {seed}")
-            run_one(table, scale, name, seed, crowd_dir(out, table, scale, seed, scene), run_dir)
+            crowd = crowd_dir(out, table, scale, seed, scene) if table.job == "scene" else None
+            run_one(table, scale, name, seed, crowd, run_dir, scene)
         metrics = run_metrics(run_dir)
         if metrics is not None:
             results.runs.setdefault(name, {})[seed] = metrics
@@ -363,10 +564,12 @@ def cell(values: dict[int, float]) -> str:
 
 
 def verdict(difference: Difference, paired: Paired) -> str:
-    """met when the paired interval lies above the claim's margin (0 when none), missed when
-    it does not, undecided below two seeds."""
+    """met when the paired interval lies above the claim's margin (0 when none), or for a claim
+    of closeness below its `within`; missed when it does not, undecided below two seeds."""
     if math.isnan(paired.low):
         return "undecided (fewer than 2 seeds)"
+    if difference.within is not None:
+        return "met" if paired.high < difference.within else "missed"
     return "met" if paired.low > difference.margin else "missed"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,45 @@ def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture) -> Non
     with pytest.raises(SystemExit):
         reproduce.main(["decentnerf-table1", "--seeds", "0", "0"])
     assert "--seeds must be distinct" in capsys.readouterr().err
+
+
+def test_fedmenf_s_table_runs_the_meta_job_with_its_audit(tmp_path: Path) -> None:
+    """Each (setting, seed) is the App's meta job with the simulation audit: PSNR_p and the
+    membership attack are in its final scores, and a meta table builds no crowd."""
+    out = tmp_path / "fedmenf"
+    argv = ["fedmenf-table1", "--scale", "toy", "--seeds", "0", "--out", str(out)]
+    assert reproduce.main([*argv, "--no-progress"]) == 0
+    for setting in ("maml", "fedmenf"):
+        config = json.loads((out / setting / "seed-0" / "config.json").read_text())
+        assert config["meta-learner"] == setting and config["seed"] == 0
+        final = _final(out, setting, "0")
+        assert math.isfinite(final["psnr_p"]) and 0.0 <= final["mia-accuracy"] <= 1.0
+    assert not (out / "crowds").exists()
+    text = (out / "table.md").read_text()
+    assert "16.57 (Table 1, PetFace, FedAvg)" in text and "Scale `toy`" in text
+
+
+def test_s2nerf_s_table_runs_the_split_job_and_reads_its_attack(tmp_path: Path) -> None:
+    """The split table's S2NeRF setting alone: the App's split job with the Surrogate Model
+    Attack; the attack's scores (summary.json's "attack") become the table's metrics."""
+    table = reproduce.TABLES["s2nerf-table4"]
+    only = replace(table, settings={"s2nerf": table.settings["s2nerf"]}, differences=())
+    results = reproduce.reproduce(
+        only, table.scales["toy"], [0], tmp_path, reproduce.LEGO, progress=False
+    )
+    summary = json.loads((tmp_path / "s2nerf" / "seed-0" / "summary.json").read_text())
+    config = json.loads((tmp_path / "s2nerf" / "seed-0" / "config.json").read_text())
+    assert (config["split-noise-c"], config["split-noise-r"]) == (1.2, 1e-4)
+    metric = "attack.attacked.ssim_depth"
+    assert results.values("s2nerf", metric) == {0: summary["attack"]["attacked"]["ssim_depth"]}
+    assert "heldout-psnr" in results.runs["s2nerf"][0]
+    text, _ = reproduce.render_table(only, table.scales["toy"], results)
+    assert "0.53 (Table 4, 3D-FRONT)" in text
+
+
+def test_a_closeness_claim_is_met_only_below_its_bound() -> None:
+    claim = reproduce.Difference("a", "b", "psnr", 0.39, "within 1 dB", within=1.0)
+    inside = reproduce.Paired((0, 1, 2), (0.1, 0.2, 0.3), mean=0.2, low=-0.3, high=0.7)
+    straddling = reproduce.Paired((0, 1, 2), (0.5, 0.6, 0.7), mean=0.6, low=0.1, high=1.1)
+    assert reproduce.verdict(claim, inside) == "met"
+    assert reproduce.verdict(claim, straddling) == "missed"
