@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import torch
 from PIL import Image
@@ -79,6 +78,8 @@ def _to_cpu(render: RenderOutputs) -> RenderOutputs:
 
 def depth_image(render: RenderOutputs, near: float, far: float) -> np.ndarray:
     """Colour-mapped depth (turbo) in [near, far], faded to white where the ray hit nothing."""
+    import matplotlib  # on first use: a node's process renders no depth on most messages
+
     depth = render.depth / render.opacity.clamp_min(1e-6)
     normalised = ((depth - near) / (far - near)).clamp(0.0, 1.0).numpy()
     colored = matplotlib.colormaps["turbo"](normalised)[..., :3]
