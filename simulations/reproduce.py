@@ -234,6 +234,27 @@ S2NERF_TOY = Scale(
 S2NERF = {"split-noise-c": 1.2, "split-noise-r": 1e-4}
 """S2NeRF's setting that the paper recommends (Table 4: c = 1.2, r = 1e-4)."""
 
+SDAR_PAPER = Scale(
+    "paper",
+    crowd={},
+    run_config={"steps": 2000},
+    downscale=1.0,
+    differs="scikit-learn's 8x8 digits with a small CNN for CIFAR-10 and ResNets; 2,000 "
+    "split-learning steps",
+)
+SDAR_CPU = Scale(
+    "cpu",
+    crowd={},
+    run_config={"steps": 400},
+    downscale=1.0,
+    differs="scikit-learn's 8x8 digits with a small CNN for CIFAR-10 and ResNets; 400 steps",
+)
+SDAR_TOY = Scale(
+    "toy", crowd={}, run_config={"steps": 10}, downscale=1.0, differs="seconds, for the tests"
+)
+SDAR_LEVELS = {f"blocks-{level}": {"split-level": level} for level in (1, 2, 3)}
+"""Vanilla split learning with 1, 2 or 3 of the CNN's conv blocks on the client."""
+
 SECURE = {"secure-aggregation": True, "min-train-nodes": 3}
 """DecentNeRF as the paper runs it: every upload summed under SecAgg+ (the server reads only
 the aggregate, so its personal-content score is the aggregate's)."""
@@ -398,6 +419,26 @@ TABLES = {
             ),
             job="split",
         ),
+        Table(
+            "sdar-levels",
+            "SDAR (vanilla split learning, digits): SDAR against naive SDA at every split level",
+            settings=SDAR_LEVELS,
+            scales={s.name: s for s in (SDAR_PAPER, SDAR_CPU, SDAR_TOY)},
+            metrics=("test-accuracy", "sdar-mse", "naive-mse", "class-mean-mse"),
+            differences=tuple(
+                Difference(
+                    level,
+                    level,
+                    "naive-mse",
+                    None,
+                    f"SDAR reconstructs the client's private inputs better than naive SDA, "
+                    f"{level.replace('-', ' ')} (Sec. V; the paper's MSE is on CIFAR)",
+                    metric_b="sdar-mse",
+                )
+                for level in SDAR_LEVELS
+            ),
+            job="sdar",
+        ),
     )
 }
 
@@ -452,6 +493,31 @@ def crowd_dir(out: Path, table: Table, scale: Scale, seed: int, scene: Path) -> 
     return folder
 
 
+def run_sdar(config: dict[str, Any], run_dir: Path) -> None:
+    """SDAR and naive SDA watching one vanilla split-learning run of the digits CNN
+    (`fedfields.privacy.attacks.sdar_digits`, no Flower: split learning of two parties); its
+    config.json and a summary.json with the scores, written atomically."""
+    import time
+
+    from fedfields.privacy.attacks.sdar import SDARConfig
+    from fedfields.privacy.attacks.sdar_digits import DigitsSplitConfig, digits_audit
+
+    started = time.perf_counter()
+    split = DigitsSplitConfig(config["split-level"], steps=config["steps"], seed=config["seed"])
+    result = digits_audit(split, {"sdar": SDARConfig(), "naive": SDARConfig.naive()})
+    final = {
+        "test-accuracy": result.test_accuracy,
+        "sdar-mse": result.scores["sdar"].mse,
+        "naive-mse": result.scores["naive"].mse,
+        "mean-digit-mse": result.mean_image_mse,
+        "class-mean-mse": result.class_mean_mse,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(run_dir / "config.json", config)
+    summary = {"final": final, "seconds": time.perf_counter() - started}
+    atomic.write_json(run_dir / "summary.json", summary)
+
+
 def run_split(config: dict[str, Any]) -> None:
     """The App's split job in process, its audit attacking the wire it records (no round
     checkpoint: a cut split run starts afresh)."""
@@ -497,6 +563,9 @@ def run_one(
     else:  # cut before its first round checkpoint: start it afresh
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(run_dir.with_suffix(".nodes"), ignore_errors=True)
+    if table.job == "sdar":
+        run_sdar({**scale.run_config, **table.settings[setting], "seed": seed}, run_dir)
+        return
     if table.job == "split":
         run_split(config | {"data-dir": str(scene), "downscale": scale.downscale})
         return
@@ -514,8 +583,9 @@ def run_one(
 
 
 def run_metrics(run_dir: Path) -> dict[str, float] | None:
-    """A finished run's final scores plus its last round's metrics that the final lacks
-    (upload-personal-psnr: what the server read of each user's upload); None if unfinished."""
+    """A finished run's final scores (and a split run's attack scores) plus its last round's
+    metrics that the final lacks (upload-personal-psnr: what the server read of each user's
+    upload); None if unfinished."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -523,7 +593,8 @@ def run_metrics(run_dir: Path) -> dict[str, float] | None:
     if not is_complete(summary):
         return None
     metrics = final_metrics(summary) | flatten_numbers({"attack": summary.get("attack", {})})
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    history = run_dir / "metrics.jsonl"  # none for the SDAR table's runs
+    lines = history.read_text().splitlines() if history.is_file() else []
     last = json.loads(lines[-1]) if lines else {}
     numbers = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}
     return {**numbers, **metrics}

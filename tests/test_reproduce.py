@@ -135,3 +135,17 @@ def test_a_closeness_claim_is_met_only_below_its_bound() -> None:
     straddling = reproduce.Paired((0, 1, 2), (0.5, 0.6, 0.7), mean=0.6, low=0.1, high=1.1)
     assert reproduce.verdict(claim, inside) == "met"
     assert reproduce.verdict(claim, straddling) == "missed"
+
+
+def test_sdar_s_table_compares_both_attacks_on_the_same_training(tmp_path: Path) -> None:
+    """Each split level is one split-learning run of the digits CNN that SDAR and naive SDA
+    both watch; the claim compares the two attacks' MSE within a run (metric_b)."""
+    argv = ["sdar-levels", "--scale", "toy", "--seeds", "0", "--out", str(tmp_path)]
+    assert reproduce.main([*argv, "--no-progress"]) == 0
+    record = json.loads((tmp_path / "table.json").read_text())
+    for level in (1, 2, 3):
+        final = _final(tmp_path, f"blocks-{level}", "0")
+        claim = next(d for d in record["differences"] if d["a"] == f"blocks-{level}")
+        assert claim["mean"] == pytest.approx(final["naive-mse"] - final["sdar-mse"])
+        config = json.loads((tmp_path / f"blocks-{level}" / "seed-0" / "config.json").read_text())
+        assert config == {"steps": 10, "split-level": level, "seed": 0}
