@@ -15,6 +15,7 @@ import torch
 
 from fedfields.data import load_scene
 from fedfields.data.crowd import CrowdConfig, build_crowd, write_crowd
+from fedfields.metrics.image import NO_DOWNLOADS
 from fedfields.privacy import dp
 from simulations.in_process_grid import set_task_identity
 
@@ -27,11 +28,15 @@ the hull itself)."""
 
 def pytest_configure(config: pytest.Config) -> None:
     """One compute thread per test process and per process a test starts (OMP_NUM_THREADS
-    is inherited): the suite runs its modules on parallel workers (pytest-xdist, one per
-    core), and tiny tensors gain nothing from a second thread while two threads per process
-    on busy cores spin-wait each other (a small convolution: 20x slower)."""
+    is inherited, as is FEDFIELDS_NO_DOWNLOADS): the suite runs its modules on parallel
+    workers (pytest-xdist, one per core), and tiny tensors gain nothing from a second thread
+    while two threads per process on busy cores spin-wait each other (a small convolution:
+    20x slower)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # No test reaches the network: LPIPS never tries to download its backbone (an offline
+    # machine's try took 8 s, or hung, per process); tests that need it provide the weights.
+    os.environ[NO_DOWNLOADS] = "1"
 
 
 @pytest.fixture(autouse=True)

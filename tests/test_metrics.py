@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import sys
 import types
 import warnings
@@ -27,8 +28,10 @@ def images() -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(autouse=True)
-def fresh_lpips_model() -> Iterator[None]:
-    """Each test builds (and may warn about) the LPIPS model anew."""
+def fresh_lpips_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test builds (and may warn about) the LPIPS model anew, as a user's process would
+    (downloads allowed: the tests here stand in for the package or provide the weights)."""
+    monkeypatch.delenv(image.NO_DOWNLOADS, raising=False)
     image._lpips_model.cache_clear()
     yield
     image._lpips_model.cache_clear()
@@ -239,3 +242,44 @@ def test_lpips_of_images_below_the_backbones_input_is_none_said_once(
         assert lpips(small, small) is None
         assert lpips(small, small) is None
     assert len(caught) == 1
+
+
+def test_without_downloads_lpips_never_reaches_the_network_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """FEDFIELDS_NO_DOWNLOADS=1 (the suite sets it) with an empty hub cache: None with one
+    warning naming the variable and the missing file, and torch.hub is never asked."""
+    if _real_lpips() is None:
+        pytest.skip("lpips (or torchvision under it) does not import with this torch build")
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a download was tried")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    monkeypatch.setenv(image.NO_DOWNLOADS, "1")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with pytest.warns(UserWarning, match="FEDFIELDS_NO_DOWNLOADS=1 and no alexnet-owt") as caught:
+        assert lpips(*images) is None
+        assert lpips(*images) is None
+    assert len(caught) == 1 and str(tmp_path) in str(caught[0].message)
+
+
+def test_the_backbone_download_waits_at_most_its_timeout_then_the_default_returns(
+    monkeypatch: pytest.MonkeyPatch, images: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """While the model is built (when torchvision would download) sockets time out after
+    DOWNLOAD_TIMEOUT_SECONDS; the process's default comes back after, failed or not."""
+    package = _real_lpips()
+    if package is None:
+        pytest.skip("lpips (or torchvision under it) does not import with this torch build")
+    seen = []
+
+    def building(*args: object, **kwargs: object) -> None:
+        seen.append(socket.getdefaulttimeout())
+        raise TimeoutError("timed out")  # as an unanswered download does
+
+    monkeypatch.setattr(package, "LPIPS", building)
+    socket.setdefaulttimeout(None)
+    with pytest.warns(UserWarning, match="LPIPS unavailable: TimeoutError"):
+        assert lpips(*images) is None
+    assert seen == [image.DOWNLOAD_TIMEOUT_SECONDS] and socket.getdefaulttimeout() is None

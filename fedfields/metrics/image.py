@@ -3,14 +3,19 @@
 Images are [H, W, C] or [N, H, W, C] numpy arrays or torch tensors with data range 1.
 LPIPS needs the `lpips` package (a dependency) and its backbone weights, which torchvision
 downloads at first use; without them it is reported as None (with one warning) so that a run
-without them still completes.
+without them still completes. The download gives up after `DOWNLOAD_TIMEOUT_SECONDS` without a
+reply, and with environment variable `FEDFIELDS_NO_DOWNLOADS=1` (an air-gapped node, the test
+suite) it is never tried: LPIPS then needs the weights already in torch's hub cache.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import socket
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +63,18 @@ def ssim(prediction: ArrayLike, target: ArrayLike) -> float:
     )
 
 
+NO_DOWNLOADS = "FEDFIELDS_NO_DOWNLOADS"
+"""Environment variable: "1" keeps LPIPS from fetching backbone weights."""
+DOWNLOAD_TIMEOUT_SECONDS = 60.0
+"""A socket wait without a reply after which the backbone download fails (a node whose network
+drops packets would otherwise wait forever: torch.hub sets no timeout)."""
+BACKBONE_WEIGHTS = {
+    "alex": "alexnet-owt-7be5be79.pth",
+    "vgg": "vgg16-397923af.pth",
+    "squeeze": "squeezenet1_1-b8a52dc0.pth",
+}
+"""The file torchvision caches for each LPIPS backbone (its IMAGENET1K_V1 weights' URL name)."""
+
 LPIPS_MIN_SIDE = {"alex": 63, "vgg": 16, "squeeze": 17}
 """Smallest image side each LPIPS backbone's pooling takes (torchvision's networks, measured):
 a 50x50 crowd has no AlexNet LPIPS."""
@@ -82,9 +99,16 @@ def lpips(prediction: ArrayLike, target: ArrayLike, network: str = "alex") -> fl
 @functools.cache
 def _lpips_model(network: str) -> Any | None:
     """The LPIPS model for `network`, built once; on any failure warn once and return None."""
+    previous_timeout = socket.getdefaulttimeout()
     try:
         import lpips as lpips_package
 
+        if os.environ.get(NO_DOWNLOADS) == "1" and not _backbone_cached(network):
+            raise FileNotFoundError(
+                f"{NO_DOWNLOADS}=1 and no {BACKBONE_WEIGHTS.get(network, network)} in "
+                f"{Path(torch.hub.get_dir()) / 'checkpoints'}"
+            )
+        socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_SECONDS)
         with warnings.catch_warnings():  # lpips 0.1.4 asks torchvision with its deprecated names
             warnings.filterwarnings("ignore", category=UserWarning, module="torchvision")
             return lpips_package.LPIPS(net=network, verbose=False).eval()
@@ -97,6 +121,14 @@ def _lpips_model(network: str) -> Any | None:
             stacklevel=3,
         )
         return None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+
+
+def _backbone_cached(network: str) -> bool:
+    """Whether torch's hub cache holds `network`'s backbone weights."""
+    name = BACKBONE_WEIGHTS.get(network)
+    return name is not None and (Path(torch.hub.get_dir()) / "checkpoints" / name).is_file()
 
 
 @functools.cache
