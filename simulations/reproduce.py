@@ -99,7 +99,7 @@ class Table:
     values: tuple[Value, ...] = ()
     differences: tuple[Difference, ...] = ()
     preset: str = "novel-blender"
-    job: str = "scene"  # "scene": a crowd per seed and the scene job; "meta": the meta job
+    job: str = "scene"  # scene (a crowd per seed, the scene job) | meta | split | sdar
 
 
 NERF_LEARNING_RATE = 5e-4
