@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,25 @@ class MlflowRun:
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def wait_to_sort_last(run_dir: Path) -> None:
+    """Wait (under a second) until the clock's second is past every event file's in `run_dir`.
+
+    TensorBoard reads a run's event files in name order, and a name is the creation second,
+    then the host, the PID and a per-process counter compared as text: two launches in one
+    second of one process could be read out of order ('.10' before '.9'), so a resumed
+    launch's purge would come before the rounds it purges."""
+    seconds = [
+        int(stamp)
+        for path in run_dir.glob(f"{EVENT_FILE_PREFIX}*")
+        if (stamp := path.name[len(EVENT_FILE_PREFIX) :].split(".")[0]).isdigit()
+    ]
+    if seconds:
+        time.sleep(max(0.0, max(seconds) + 1 - time.time()))
+
+
 class RunTracker:
     """One launch's tracking of the run in `run_dir` (module docstring); `resumed_after` is
     the last round a resumed launch keeps (None: the run starts). A context manager: leaving
@@ -156,6 +176,7 @@ class RunTracker:
         self.step = resumed_after or 0
         self.mlflow = MlflowRun(run_dir, run_config) if settings.mlflow else None
         purge_step = None if resumed_after is None else resumed_after + 1
+        wait_to_sort_last(run_dir)
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
         if resumed_after is None:
             self.writer.file_writer.add_summary(hparams_pb(dict(run_config)))

@@ -88,7 +88,8 @@ class RoundReport(StrategyReport):
         return ", ".join([*shown, reply_counts(metrics)])
 
     def final_scores(self, arrays: ArrayRecord) -> dict[str, Any]:
-        """Checkpoint and orbit of the global field; its scores on the public scene."""
+        """Checkpoint and orbit (run-config orbit-frames) of the global field; its scores on the
+        public scene."""
         renderer = self.global_field.at("final", arrays)
         final: dict[str, Any] = {}
         if self.eval_scene is not None:
@@ -103,7 +104,8 @@ class RoundReport(StrategyReport):
             renderer.occupancy,
             metadata,
         )
-        write_gif(self.run_dir / ORBIT_FILE, renderer.orbit())
+        if self.config.scene.orbit_frames:
+            write_gif(self.run_dir / ORBIT_FILE, renderer.orbit(self.config.scene.orbit_frames))
         return final
 
 

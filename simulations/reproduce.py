@@ -462,7 +462,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m simulations.reproduce",
         description="Reproduce a paper table over seeds through the App and print the paper's "
-        "values beside ours (mean ± std, paired 95%% intervals).",
+        "values beside ours (mean ± std, paired 95% intervals).",
     )
     parser.add_argument("table", choices=sorted(TABLES), help="the table or figure")
     parser.add_argument(

@@ -44,6 +44,7 @@ SMALL_SCENE = {
     "hash-levels": 2,
     "hash-max-resolution": 32,
     "seed": 3,
+    "orbit-frames": 0,  # the orbit is not digested; tests/test_federated_nerf.py looks at one
 }
 SECURE = {"secure-aggregation": True, "min-train-nodes": 3}  # SecAgg+ among all 3 users
 DP = {"dp-noise-multiplier": 0.5, "dp-clip-norm": 1.0, "dp-max-noise-ratio": 0.0}

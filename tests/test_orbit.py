@@ -13,7 +13,8 @@ from torch import Tensor
 
 from fedfields.fields.base import Field, FieldOutputs
 from fedfields.render import RenderConfig
-from fedfields.render.orbit import orbit_path, render_orbit, write_gif
+from fedfields.render.orbit import ORBIT_FRAMES, orbit_path, render_orbit, write_gif
+from strategies import parse_app_config
 
 
 class Ball(Field):
@@ -68,3 +69,12 @@ def test_an_off_centre_ball_is_seen_in_the_middle_of_every_frame(tmp_path: Path)
 def test_a_path_without_frames_is_refused() -> None:
     with pytest.raises(ValueError, match="frames >= 1"):
         orbit_path(RenderConfig(), frames=0)
+
+
+def test_the_run_config_s_orbit_frames_default_is_the_orbit_s_and_its_bounds_are_named() -> None:
+    """run-config orbit-frames (0: no orbit) defaults to the orbit module's frame count."""
+    assert parse_app_config({}).scene.orbit_frames == ORBIT_FRAMES
+    assert parse_app_config({"orbit-frames": 0}).scene.orbit_frames == 0
+    for bad in (-1, 361):
+        with pytest.raises(ValueError, match="'orbit-frames'"):
+            parse_app_config({"orbit-frames": bad})

@@ -128,7 +128,7 @@ COUNT_LADDER = (0, 1, 2, 16, 22, 32, 64, 4096, 10_000, 1 << 15, 1 << 22, 1_000_0
 """Integer values tried; 2**63 - 1 and the like are refused by every count's bound."""
 WORK_KEYS = {
     "num-server-rounds", "local-steps", "target-samples", "hash-log2-size", "field-width",
-    "field-depth", "personal-width",
+    "field-depth", "personal-width", "orbit-frames",
 }  # fmt: skip
 """Keys whose largest value scales a run's time or memory (a million steps, 4M samples a
 step, 2^22 entries a level): walked at their smallest only; their bounds refuse typos."""

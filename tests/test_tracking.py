@@ -9,6 +9,7 @@ import importlib.machinery
 import json
 import shutil
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from fedfields.flower.resume import RESUME_FILE
 from fedfields.render.orbit import ORBIT_FILE
 from fedfields.report import curve_group
 from fedfields.tracking import (
+    EVENT_FILE_PREFIX,
     MLFLOW_RUN_FILE,
     MLFLOW_SWITCH,
     RunTracker,
@@ -95,7 +97,9 @@ def assert_scalars_match(accumulator: EventAccumulator, run_dir: Path, x_key: st
 
 def scene_config(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict, int]:
     crowd_dir = request.getfixturevalue("crowd_dir")
-    return tiny_scene(crowd_dir, tmp_path / "run", "fedavg", **{"num-server-rounds": 1}), 3
+    return tiny_scene(
+        crowd_dir, tmp_path / "run", "fedavg", **{"num-server-rounds": 1, "orbit-frames": 2}
+    ), 3
 
 
 def meta_config(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[dict, int]:
@@ -165,6 +169,17 @@ def test_a_resumed_run_tracks_each_round_once(tmp_path: Path) -> None:
     assert [event.step for event in accumulator.Images("tto")] == [1, 3]  # launch 2's purged
     assert sum(SESSION_START_INFO_TAG in events(file).Tags()["tensors"] for file in files) == 1
     assert hparams(accumulator)["num-server-rounds"] == 1  # the first launch's
+
+
+def test_a_launch_s_event_file_sorts_after_one_from_the_same_second(tmp_path: Path) -> None:
+    """TensorBoard reads event files in name order; an earlier launch's file stamped this very
+    second with a counter that sorts later as text ('.9' after '.10') still sorts first."""
+    earlier = tmp_path / f"{EVENT_FILE_PREFIX}{int(time.time()):010d}.host.1.9"
+    earlier.write_bytes(b"")
+    with RunTracker(tmp_path, {}, TrackingSettings(mlflow=False)):
+        pass
+    names = sorted(path.name for path in tmp_path.glob(f"{EVENT_FILE_PREFIX}*"))
+    assert len(names) == 2 and names[0] == earlier.name
 
 
 def test_mlflow_is_off_unless_switched_on() -> None:

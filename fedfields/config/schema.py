@@ -98,6 +98,8 @@ MAX_COUNT = 1_000_000
 """Largest round and local-step count: work grows with them, and a larger plan is a typo."""
 MAX_VIEWS = 10_000
 """Largest count of views scored per round: more than any crowd holds."""
+MAX_ORBIT_FRAMES = 360
+"""Most frames in the final orbit: one a degree."""
 MAX_LEARNING_RATE = 0.1
 """Largest Adam learning rate of the scene's fields: at 1.0 the personal field's loss is NaN
 after one step (issue 57's extremes walk)."""
@@ -258,6 +260,11 @@ class SceneSection:
     scene_bound: float = key(1.5, "the global field's box: [-bound, bound]^3")
     eval_views_per_round: int = key(4, "simulation observer: user views it scores per round")
     client_eval_views: int = key(1, "views each user holds out and scores the global field on")
+    orbit_frames: int = key(
+        16,
+        "frames of the server's final orbit.gif (64x64 each, about 0.07 s a frame on one CPU "
+        "thread for a small field); 0: no orbit, for sweeps of many runs",
+    )
 
     def __post_init__(self) -> None:
         _choice(self, "hash_backend", HASH_BACKENDS)
@@ -279,6 +286,8 @@ class SceneSection:
             self, ["eval_views_per_round"], lambda v: 1 <= v <= MAX_VIEWS, f"in [1, {MAX_VIEWS}]"
         )
         _check(self, ["client_eval_views"], lambda v: 0 <= v <= MAX_VIEWS, f"in [0, {MAX_VIEWS}]")
+        _check(self, ["orbit_frames"], lambda v: 0 <= v <= MAX_ORBIT_FRAMES,
+               f"in [0, {MAX_ORBIT_FRAMES}]")  # fmt: skip
         _check(self, ["fraction_train"], lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         _check(self, ["hash_log2_size"], lambda v: 10 <= v <= 22, "in [10, 22]")
         _check(self, ["hash_max_resolution"], lambda v: 16 <= v <= 1 << 15, "in [16, 32768]")

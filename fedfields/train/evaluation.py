@@ -19,7 +19,7 @@ from fedfields.devices import resolve_device
 from fedfields.fields import Field, HashGridField
 from fedfields.metrics import lpips, psnr, ssim
 from fedfields.render import OccupancyGrid, RenderConfig, RenderOutputs, render_image
-from fedfields.render.orbit import render_orbit
+from fedfields.render.orbit import ORBIT_FRAMES, orbit_path, render_orbit
 from fedfields.train.builders import global_field, render_config, server_device
 from fedfields.train.checkpoint import load_checkpoint
 from fedfields.train.federated import load_federated_state
@@ -158,9 +158,11 @@ class FieldRenderer:
         rendered = render_image(self.field, scene.cameras, view, settings, self.occupancy)
         return rendered.rgb.clamp(0.0, 1.0).cpu()
 
-    def orbit(self) -> list[np.ndarray]:
-        """Frames of the field orbiting the scene box (the server has no user's cameras)."""
-        return render_orbit(self.field, render_config(self.config, None), self.occupancy)
+    def orbit(self, frames: int = ORBIT_FRAMES) -> list[np.ndarray]:
+        """`frames` frames of the field orbiting the scene box (the server has no user's
+        cameras)."""
+        settings = render_config(self.config, None)
+        return render_orbit(self.field, settings, self.occupancy, orbit_path(settings, frames))
 
     def score_scene(self, scene: Scene, views: range, perceptual: bool = False) -> dict[str, float]:
         """Mean "psnr" and "ssim" of the renders of `views` against `scene`'s images, and with
