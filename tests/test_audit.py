@@ -56,6 +56,7 @@ def scene_run(root: Path, crowd: Path) -> Path:
         "eval-views-per-round": 1,
         "client-eval-views": 0,  # nodes train on every view; the audit scores them all
         "target-samples": 4096,
+        "orbit-frames": 0,
         **SMALL_GRID,
     }
     return run_federated_nerf(

@@ -39,7 +39,7 @@ from strategies import parse_app_config
 USERS = 3
 TINY_RUN_CONFIG = (
     "num-server-rounds=1 local-steps=2 min-train-nodes=2 fraction-train=1.0 "
-    "target-samples=512 hash-log2-size=12 hash-levels=4 hash-max-resolution=64 "
+    "orbit-frames=0 target-samples=512 hash-log2-size=12 hash-levels=4 hash-max-resolution=64 "
     "eval-views-per-round=1"
 )
 VICTIM = "node_02"

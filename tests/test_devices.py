@@ -289,6 +289,7 @@ def test_node_config_device_reaches_every_scene_client_call(
         "hash-log2-size": 10,
         "hash-levels": 2,
         "hash-max-resolution": 32,
+        "orbit-frames": 0,
     }
     grid = InProcessGrid([client_app(config)] * 2, raise_errors=True)
     folders = [crowd_dir / f"user_{i:02d}" for i in range(2)]

@@ -644,7 +644,7 @@ def test_a_secure_dp_run_through_the_launcher_completes_within_its_target_epsilo
         "strategy='fedavg' secure-aggregation=true dp-noise-multiplier=2.0 dp-clip-norm=0.1 "
         "fraction-train=0.25 "
         f"dp-target-epsilon={target} min-train-nodes=3 num-server-rounds=3 local-steps=1 "
-        "target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
+        "orbit-frames=0 target-samples=1024 hash-log2-size=10 hash-levels=4 hash-max-resolution=64 "
         "client-eval-views=0 dp-max-noise-ratio=0"
     )
     run_dir = tmp_path / "run"

@@ -883,7 +883,7 @@ def test_an_all_empty_run_through_the_launcher_exits_non_zero(
     run fails with EmptyRoundsError's line, and the launcher exits non-zero (Ray: ~30-60 s)."""
     run_config = (
         "strategy='fedavg' max-update-norm=1e-12 num-server-rounds=2 local-steps=1 "
-        "target-samples=1024 hash-log2-size=10 hash-levels=4 client-eval-views=0"
+        "orbit-frames=0 target-samples=1024 hash-log2-size=10 hash-levels=4 client-eval-views=0"
     )
     command = [sys.executable, "-m", "simulations.launch", "--no-audit", "--crowd", str(crowd_dir)]
     command += ["--run-dir", str(tmp_path / "run"), "--run-config", run_config]

@@ -54,6 +54,7 @@ def tiny_job(data_dir: Path, run_dir: Path, state_dir: Path | None) -> dict:
         "hash-log2-size": 10,
         "hash-levels": 4,
         "client-eval-views": 0,
+        "orbit-frames": 0,
     }
     if state_dir is not None:
         config["state-dir"] = str(state_dir)
@@ -147,7 +148,7 @@ def test_a_job_runs_on_a_ray_head_started_outside_fedfields(
     run_dir = tmp_path / "run"
     run_config = (
         "strategy='fedavg' num-server-rounds=1 local-steps=2 fraction-train=0.01 "
-        "min-train-nodes=2 target-samples=2048 hash-log2-size=10 hash-levels=4 "
+        "min-train-nodes=2 orbit-frames=0 target-samples=2048 hash-log2-size=10 hash-levels=4 "
         "client-eval-views=0"
     )
     command = [sys.executable, "-m", "simulations.launch", "--crowd", str(shared_crowd)]

@@ -38,7 +38,7 @@ from simulations.planner import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
-    "strategy='decentnerf' num-server-rounds=2 local-steps=1 target-samples=1024 "
+    "strategy='decentnerf' num-server-rounds=2 local-steps=1 orbit-frames=0 target-samples=1024 "
     "hash-log2-size=10 hash-levels=4 client-eval-views=0"
 )
 """DecentNeRF for 2 rounds (its gradient query and learned alphas in round 2), 2 of the 3

@@ -39,8 +39,8 @@ from simulations.sweep_statistics import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
-    "num-server-rounds=1 local-steps=1 target-samples=1024 hash-log2-size=10 hash-levels=4 "
-    "client-eval-views=0"
+    "num-server-rounds=1 local-steps=1 orbit-frames=0 target-samples=1024 hash-log2-size=10 "
+    "hash-levels=4 client-eval-views=0"
 )
 STRATEGIES = "strategy=['fedavg','decentnerf']"
 
