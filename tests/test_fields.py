@@ -28,6 +28,8 @@ from fedfields.fields import (
     Siren,
     SirenConfig,
     SirenField,
+    SplatField,
+    SplatFieldConfig,
     build_field,
     encodings,
     tcnn_available,
@@ -274,6 +276,7 @@ def _small_fields() -> dict[str, Field]:
             )
         ),
         "siren": SirenField(SirenConfig(in_features=3, out_features=4, width=32, depth=2)),
+        "splats": SplatField(SplatFieldConfig(count=32, sh_degree=1, initial_scale=0.2)),
     }
 
 

@@ -1,4 +1,5 @@
-"""Neural fields behind one interface: NeRF MLP, Instant-NGP hash grid, SIREN, personal fields."""
+"""Neural fields behind one interface: NeRF MLP, Instant-NGP hash grid, SIREN, personal fields,
+3D Gaussian splats."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fedfields.fields.hashgrid import HashGridField, HashGridFieldConfig
 from fedfields.fields.nerf import NeRFField, NeRFFieldConfig
 from fedfields.fields.personal import GlobalPersonalField, PersonalField, PersonalFieldConfig
 from fedfields.fields.siren import Siren, SirenConfig, SirenField
+from fedfields.fields.splats import SplatField, SplatFieldConfig
 
 __all__ = [
     "FIELD_KINDS",
@@ -25,6 +27,8 @@ __all__ = [
     "Siren",
     "SirenConfig",
     "SirenField",
+    "SplatField",
+    "SplatFieldConfig",
     "build_field",
     "tcnn_available",
 ]

@@ -1,0 +1,158 @@
+"""A field of 3D Gaussians (3D Gaussian splatting), behind the same Field interface.
+
+Each Gaussian has a mean, per-axis log-scales, a rotation quaternion, an opacity logit and
+spherical-harmonic colour coefficients (3DGS, Kerbl et al. 2023, sec. 4).
+`fedfields.render.splatting.render_splats` rasterises them (the torch path; gsplat's CUDA
+rasteriser follows the same conventions). `density` and `forward` read the same Gaussians as
+a volume, sum_i o_i G_i(x) times `density_scale`, so occupancy grids and the volume
+renderer's tools work on a splat field too; training renders by rasterisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedfields.fields.base import Field, FieldOutputs
+
+MAX_SH_DEGREE = 3
+SH_C0 = 0.28209479177387814
+SH_C1 = 0.4886025119029199
+SH_C2 = (1.0925484305920792, -1.0925484305920792, 0.31539156525252005, -1.0925484305920792,
+         0.5462742152960396)  # fmt: skip
+SH_C3 = (-0.5900435899266435, 2.890611442640554, -0.4570457994644658, 0.3731763325901154,
+         -0.4570457994644658, 1.445305721320277, -0.5900435899266435)  # fmt: skip
+"""Real spherical-harmonic constants of degrees 0-3, as 3DGS and gsplat evaluate them."""
+
+
+def quaternion_rotations(quaternions: Tensor) -> Tensor:
+    """[N, 3, 3] rotation matrices of quaternions (w, x, y, z) [N, 4], normalised first."""
+    w, x, y, z = torch.nn.functional.normalize(quaternions, dim=-1).unbind(-1)
+    rows = (
+        1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y),
+        2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x),
+        2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y),
+    )  # fmt: skip
+    return torch.stack(rows, dim=-1).view(*quaternions.shape[:-1], 3, 3)
+
+
+def covariances(quaternions: Tensor, scales: Tensor) -> Tensor:
+    """[N, 3, 3] world covariances R S S^T R^T (3DGS eq. 6) from [N, 4] and [N, 3]."""
+    rotation_scale = quaternion_rotations(quaternions) * scales[..., None, :]
+    return rotation_scale @ rotation_scale.transpose(-1, -2)
+
+
+def sh_basis(directions: Tensor, count: int) -> Tensor:
+    """[..., K] real spherical-harmonic basis of unit directions [..., 3] for K = 1, 4, 9 or
+    16 coefficients (degree 0-3), in 3DGS's order and signs."""
+    if count not in (1, 4, 9, 16):
+        raise ValueError(f"spherical harmonics need 1, 4, 9 or 16 coefficients, got {count}")
+    x, y, z = directions.unbind(-1)
+    basis = [torch.full_like(x, SH_C0)]
+    if count > 1:
+        basis += [-SH_C1 * y, SH_C1 * z, -SH_C1 * x]
+    if count > 4:
+        xx, yy, zz, xy, yz, xz = x * x, y * y, z * z, x * y, y * z, x * z
+        basis += [SH_C2[0] * xy, SH_C2[1] * yz, SH_C2[2] * (2 * zz - xx - yy), SH_C2[3] * xz,
+                  SH_C2[4] * (xx - yy)]  # fmt: skip
+    if count > 9:
+        basis += [
+            SH_C3[0] * y * (3 * xx - yy), SH_C3[1] * xy * z, SH_C3[2] * y * (4 * zz - xx - yy),
+            SH_C3[3] * z * (2 * zz - 3 * xx - 3 * yy), SH_C3[4] * x * (4 * zz - xx - yy),
+            SH_C3[5] * z * (xx - yy), SH_C3[6] * x * (xx - 3 * yy),
+        ]  # fmt: skip
+    return torch.stack(basis, dim=-1)
+
+
+def sh_colours(coefficients: Tensor, directions: Tensor) -> Tensor:
+    """[N, 3] colours of spherical-harmonic coefficients [N, K, 3] seen along unit directions
+    [N, 3], plus 0.5 and clamped at 0 (3DGS's rule)."""
+    basis = sh_basis(directions, coefficients.shape[-2])
+    return (torch.einsum("nk,nkc->nc", basis, coefficients) + 0.5).clamp(min=0.0)
+
+
+@dataclass(frozen=True)
+class SplatFieldConfig:
+    """How many Gaussians, their colour's spherical-harmonic degree and where they start."""
+
+    count: int = 4096
+    sh_degree: int = 3
+    aabb: tuple[float, ...] = (-1.5, -1.5, -1.5, 1.5, 1.5, 1.5)
+    initial_scale: float = 0.02  # in box units: each Gaussian's first standard deviation
+    initial_opacity: float = 0.1
+    density_scale: float = 50.0  # volume reading: density = scale * sum_i o_i G_i(x)
+    seed: int = 0  # the initial means' draw, uniform in the box
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.sh_degree <= MAX_SH_DEGREE:
+            raise ValueError(
+                f"a splat field needs count >= 1 and sh_degree in [0, {MAX_SH_DEGREE}], got "
+                f"{self.count} and {self.sh_degree}"
+            )
+        if not (0 < self.initial_opacity < 1 and self.initial_scale > 0):
+            raise ValueError(
+                f"initial_opacity must lie in (0, 1) and initial_scale be positive, got "
+                f"{self.initial_opacity} and {self.initial_scale}"
+            )
+
+
+class SplatField(Field):
+    """Gaussians with trainable means, log-scales, quaternions, opacity logits and SH colour."""
+
+    kind = "splats"
+
+    def __init__(self, config: SplatFieldConfig = SplatFieldConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("aabb", torch.tensor(config.aabb, dtype=torch.float32).view(2, 3))
+        generator = torch.Generator().manual_seed(config.seed)
+        unit = torch.rand(config.count, 3, generator=generator)
+        self.means = nn.Parameter(self.aabb[0] + unit * (self.aabb[1] - self.aabb[0]))
+        extent = float((self.aabb[1] - self.aabb[0]).max())
+        scale = torch.log(torch.tensor(config.initial_scale * extent))
+        self.log_scales = nn.Parameter(scale.expand(config.count, 3).clone())
+        self.quaternions = nn.Parameter(torch.tensor([1.0, 0.0, 0.0, 0.0]).repeat(config.count, 1))
+        logit = torch.logit(torch.tensor(config.initial_opacity))
+        self.opacity_logits = nn.Parameter(logit.expand(config.count).clone())
+        coefficients = torch.zeros(config.count, (config.sh_degree + 1) ** 2, 3)
+        self.sh = nn.Parameter(coefficients)  # degree 0 at 0: colour 0.5 grey
+
+    @property
+    def opacities(self) -> Tensor:
+        """[N] opacities in (0, 1)."""
+        return torch.sigmoid(self.opacity_logits)
+
+    def covariances(self) -> Tensor:
+        """[N, 3, 3] world covariances."""
+        return covariances(self.quaternions, self.log_scales.exp())
+
+    def _kernels(self, points: Tensor) -> Tensor:
+        """[P, N] opacity-weighted kernels o_i exp(-(x - mu_i)^T Sigma_i^-1 (x - mu_i) / 2)."""
+        precision = torch.linalg.inv(self.covariances())
+        offset = points[:, None, :] - self.means[None]
+        exponent = torch.einsum("pni,nij,pnj->pn", offset, precision, offset)
+        return self.opacities * torch.exp(-0.5 * exponent)
+
+    def density(self, points: Tensor) -> Tensor:
+        return self.config.density_scale * self._kernels(points).sum(dim=-1)
+
+    def forward(
+        self, points: Tensor, directions: Tensor, image_index: Tensor | None = None
+    ) -> FieldOutputs:
+        """Density and the kernel-weighted mean of the Gaussians' colours seen along each
+        point's direction (`image_index` is ignored: splats have no per-image appearance)."""
+        kernels = self._kernels(points)
+        weights = kernels / kernels.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+        basis = sh_basis(directions, self.sh.shape[1])  # [P, K]
+        colours = (torch.einsum("pk,nkc->pnc", basis, self.sh) + 0.5).clamp(min=0.0)
+        rgb = torch.einsum("pn,pnc->pc", weights, colours).clamp(0.0, 1.0)
+        return FieldOutputs(density=self.config.density_scale * kernels.sum(dim=-1), rgb=rgb)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> SplatField:
+        options = dict(options)
+        options["aabb"] = tuple(options.get("aabb", SplatFieldConfig.aabb))
+        return cls(SplatFieldConfig(**options))

@@ -1,0 +1,243 @@
+"""Differentiable 3D Gaussian splatting in torch: the CPU path and the reference for a CUDA one.
+
+Kerbl et al., "3D Gaussian Splatting for Real-Time Radiance Field Rendering" (SIGGRAPH 2023),
+with gsplat's conventions so that its CUDA rasteriser can replace this one on a GPU node:
+
+- a Gaussian's covariance is Sigma = R S S^T R^T (eq. 6) from a unit quaternion (w, x, y, z)
+  and per-axis scales;
+- it projects to the image by the EWA approximation Sigma' = J W Sigma W^T J^T (eq. 5), J the
+  Jacobian of the perspective projection at the mean (its x/z and y/z clamped to 1.3 times
+  the half field of view, as gsplat does), plus `eps2d` pixels^2 on the diagonal (a low-pass
+  filter); its footprint is 3.33 standard deviations per axis;
+- pixels (centres at +0.5) composite the Gaussians covering their 16 x 16 tile front to back
+  by camera depth (eq. 3): alpha = min(0.999, opacity exp(-d^T Sigma'^-1 d / 2)), skipped
+  below 1/255, and a pixel stops before the Gaussian that would take its transmittance to
+  1e-4 or below.
+
+Cameras are this project's (OpenGL: the camera looks down -z, y up); the projection works in
+OpenCV's frame (x right, y down, z forward) as gsplat's does. Autograd differentiates every
+step; a Python loop over tiles keeps memory at one tile's pixels x its Gaussians.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedfields.fields.splats import SplatField, sh_colours
+from fedfields.geometry.cameras import Cameras
+
+OPENGL_TO_OPENCV = torch.diag(torch.tensor([1.0, -1.0, -1.0, 1.0]))
+"""Right-multiplied into an OpenGL camera-to-world: the same camera with y down, z forward."""
+
+
+@dataclass(frozen=True)
+class SplatSettings:
+    """The rasteriser's constants (gsplat's defaults)."""
+
+    tile: int = 16  # pixels per tile side
+    eps2d: float = 0.3  # pixels^2 added to each projected covariance's diagonal
+    near: float = 0.01  # Gaussians nearer the camera than this are culled
+    alpha_min: float = 1.0 / 255.0  # a Gaussian's alpha below this is skipped at that pixel
+    alpha_max: float = 0.999  # alpha is clamped here so transmittance never reaches 0
+    transmittance_min: float = 1e-4  # a pixel stops before its transmittance falls this low
+    radius_sigmas: float = 3.33  # a projected Gaussian's footprint, in standard deviations
+
+    def __post_init__(self) -> None:
+        if self.tile < 1 or self.eps2d < 0 or self.near <= 0:
+            raise ValueError(f"splat settings need tile >= 1, eps2d >= 0, near > 0: {self}")
+
+
+GSPLAT_DEFAULTS = SplatSettings()
+
+
+@dataclass(frozen=True)
+class Projected:
+    """Gaussians seen from one camera: pixel-space means and conics, depths, footprints."""
+
+    means2d: Tensor  # [N, 2] pixels (x right, y down)
+    conics: Tensor  # [N, 3] the inverse 2D covariance's (a, b, c): [[a, b], [b, c]]
+    depths: Tensor  # [N] camera-space z
+    radii: Tensor  # [N, 2] int64 footprint half-sizes in pixels; 0 where culled
+
+
+def view_matrix(camera_to_world: Tensor) -> Tensor:
+    """[4, 4] world-to-camera of an OpenGL camera-to-world, in OpenCV's frame (z forward)."""
+    return torch.linalg.inv(camera_to_world @ OPENGL_TO_OPENCV.to(camera_to_world))
+
+
+def project(
+    means: Tensor,
+    covariance: Tensor,
+    cameras: Cameras,
+    view: int,
+    settings: SplatSettings = GSPLAT_DEFAULTS,
+) -> Projected:
+    """Gaussians [N, 3] with covariances [N, 3, 3] seen by `cameras`' view `view` (EWA)."""
+    world_to_camera = view_matrix(cameras.camera_to_world[view]).to(means)
+    rotation, translation = world_to_camera[:3, :3], world_to_camera[:3, 3]
+    points = means @ rotation.T + translation
+    camera_covariance = rotation @ covariance @ rotation.T
+    fx, fy = cameras.fx[view].to(means), cameras.fy[view].to(means)
+    cx, cy = cameras.cx[view].to(means), cameras.cy[view].to(means)
+    width, height = cameras.width, cameras.height
+    x, y, z = points.unbind(-1)
+    # gsplat's clamp of x/z and y/z to 1.3 half fields of view: far-off-screen Gaussians keep
+    # a bounded Jacobian
+    limit_x = (width - cx) / fx + 0.3 * (0.5 * width / fx), cx / fx + 0.3 * (0.5 * width / fx)
+    limit_y = (height - cy) / fy + 0.3 * (0.5 * height / fy), cy / fy + 0.3 * (0.5 * height / fy)
+    clamped_x = z * torch.clamp(x / z, min=-limit_x[1], max=limit_x[0])
+    clamped_y = z * torch.clamp(y / z, min=-limit_y[1], max=limit_y[0])
+    zero = torch.zeros_like(z)
+    jacobian = torch.stack(
+        [fx / z, zero, -fx * clamped_x / (z * z), zero, fy / z, -fy * clamped_y / (z * z)], dim=-1
+    ).view(-1, 2, 3)
+    image_covariance = jacobian @ camera_covariance @ jacobian.transpose(-1, -2)
+    image_covariance = image_covariance + settings.eps2d * torch.eye(2).to(means)
+    a, b = image_covariance[:, 0, 0], 0.5 * (image_covariance[:, 0, 1] + image_covariance[:, 1, 0])
+    c = image_covariance[:, 1, 1]
+    determinant = (a * c - b * b).clamp(min=1e-10)
+    conics = torch.stack([c / determinant, -b / determinant, a / determinant], dim=-1)
+    means2d = torch.stack([fx * x / z + cx, fy * y / z + cy], dim=-1)
+    with torch.no_grad():
+        radii = torch.ceil(settings.radius_sigmas * torch.stack([a, c], dim=-1).sqrt())
+        visible = (a * c - b * b > 0) & (z > settings.near)
+        visible &= (means2d[:, 0] + radii[:, 0] > 0) & (means2d[:, 0] - radii[:, 0] < width)
+        visible &= (means2d[:, 1] + radii[:, 1] > 0) & (means2d[:, 1] - radii[:, 1] < height)
+        radii = torch.where(visible[:, None], radii, torch.zeros_like(radii)).long()
+    return Projected(means2d, conics, z, radii)
+
+
+def rasterise(
+    projected: Projected,
+    colours: Tensor,
+    opacities: Tensor,
+    width: int,
+    height: int,
+    background: Tensor | None = None,
+    settings: SplatSettings = GSPLAT_DEFAULTS,
+) -> tuple[Tensor, Tensor]:
+    """[H, W, C] colour and [H, W] accumulated alpha of the projected Gaussians' colours
+    [N, C] and opacities [N] in (0, 1), composited front to back per tile (module docstring);
+    `background` [C] shows through what alpha leaves."""
+    channels = colours.shape[-1]
+    image = colours.new_zeros(height, width, channels)
+    alpha_image = colours.new_zeros(height, width)
+    visible = (projected.radii > 0).all(dim=-1).nonzero().flatten()
+    order = visible[torch.argsort(projected.depths[visible].detach(), stable=True)]
+    means2d, radii = projected.means2d[order], projected.radii[order]
+    low, high = means2d.detach() - radii, means2d.detach() + radii
+    tile = settings.tile
+    for top in range(0, height, tile):
+        for left in range(0, width, tile):
+            bottom, right = min(top + tile, height), min(left + tile, width)
+            across = (high[:, 0] > left) & (low[:, 0] < right)
+            covering = (across & (high[:, 1] > top) & (low[:, 1] < bottom)).nonzero().flatten()
+            if covering.numel() == 0:
+                continue
+            ids = order[covering]
+            rows, columns = torch.meshgrid(
+                torch.arange(top, bottom, device=colours.device),
+                torch.arange(left, right, device=colours.device),
+                indexing="ij",
+            )
+            pixels = torch.stack([columns, rows], dim=-1).reshape(-1, 2).to(colours) + 0.5
+            rgb, alpha = _composite(
+                pixels, projected.means2d[ids], projected.conics[ids], colours[ids],
+                opacities[ids], settings,
+            )  # fmt: skip
+            image[top:bottom, left:right] = rgb.view(bottom - top, right - left, channels)
+            alpha_image[top:bottom, left:right] = alpha.view(bottom - top, right - left)
+    if background is not None:
+        image = image + (1.0 - alpha_image)[..., None] * background.to(image)
+    return image, alpha_image
+
+
+def _composite(
+    pixels: Tensor,
+    means2d: Tensor,
+    conics: Tensor,
+    colours: Tensor,
+    opacities: Tensor,
+    settings: SplatSettings,
+) -> tuple[Tensor, Tensor]:
+    """Front-to-back compositing of depth-sorted Gaussians at pixel centres [P, 2]: [P, C]
+    colour and [P] alpha, with the CUDA kernels' skip and stop rules."""
+    delta = pixels[:, None, :] - means2d[None]  # [P, G, 2]
+    sigma = 0.5 * (conics[:, 0] * delta[..., 0] ** 2 + conics[:, 2] * delta[..., 1] ** 2)
+    sigma = sigma + conics[:, 1] * delta[..., 0] * delta[..., 1]
+    alpha = torch.clamp(opacities * torch.exp(-sigma), max=settings.alpha_max)
+    alpha = torch.where((sigma >= 0) & (alpha >= settings.alpha_min), alpha, 0.0)
+    through = torch.cumprod(1.0 - alpha, dim=1)  # transmittance after each Gaussian
+    before = torch.cat([torch.ones_like(through[:, :1]), through[:, :-1]], dim=1)
+    kept = through.detach() > settings.transmittance_min
+    weights = torch.where(kept, alpha * before, 0.0)
+    return weights @ colours, weights.sum(dim=1)
+
+
+def render_splats(
+    field: SplatField,
+    cameras: Cameras,
+    view: int,
+    background: Tensor | None = None,
+    settings: SplatSettings = GSPLAT_DEFAULTS,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """[H, W, 3] colour and [H, W] alpha of `field`'s Gaussians seen by `cameras`' view
+    `view`, rasterised; colour from each Gaussian's spherical harmonics along the ray from
+    the camera to its mean. `backend` "auto" takes gsplat's CUDA kernels for a field on a
+    CUDA device when gsplat is installed (the `splats` extra), else this module's torch."""
+    if backend not in SPLAT_BACKENDS:
+        raise ValueError(f"splat backend {backend!r} is unknown; expected one of {SPLAT_BACKENDS}")
+    on_cuda = field.means.device.type == "cuda"
+    if backend == "gsplat" and not (on_cuda and gsplat_available()):
+        raise RuntimeError(
+            f"splat backend 'gsplat' needs gsplat (the 'splats' extra, installed: "
+            f"{gsplat_available()}) and the field on a CUDA device (it is on "
+            f"{field.means.device}); use backend 'auto' or 'torch'"
+        )
+    if backend == "gsplat" or (backend == "auto" and on_cuda and gsplat_available()):
+        return _render_with_gsplat(field, cameras, view, background, settings)
+    projected = project(field.means, field.covariances(), cameras, view, settings)
+    centre = cameras.camera_to_world[view, :3, 3].to(field.means)
+    directions = torch.nn.functional.normalize(field.means - centre, dim=-1)
+    colours = sh_colours(field.sh, directions)
+    return rasterise(
+        projected, colours, field.opacities, cameras.width, cameras.height, background, settings
+    )
+
+
+SPLAT_BACKENDS = ("auto", "torch", "gsplat")
+
+
+def gsplat_available() -> bool:
+    """Whether gsplat can be imported (its CUDA kernels compile at their first call)."""
+    return importlib.util.find_spec("gsplat") is not None
+
+
+def _render_with_gsplat(
+    field: SplatField,
+    cameras: Cameras,
+    view: int,
+    background: Tensor | None,
+    settings: SplatSettings,
+) -> tuple[Tensor, Tensor]:
+    """The same image through gsplat's `rasterization` (CUDA)."""
+    from gsplat import rasterization
+
+    device = field.means.device
+    intrinsics = torch.zeros(1, 3, 3, device=device)
+    intrinsics[0, 0, 0], intrinsics[0, 1, 1] = cameras.fx[view], cameras.fy[view]
+    intrinsics[0, 0, 2], intrinsics[0, 1, 2] = cameras.cx[view], cameras.cy[view]
+    intrinsics[0, 2, 2] = 1.0
+    colours, alphas, _ = rasterization(
+        field.means, field.quaternions, field.log_scales.exp(), field.opacities, field.sh,
+        view_matrix(cameras.camera_to_world[view].to(device))[None], intrinsics, cameras.width,
+        cameras.height, near_plane=settings.near, eps2d=settings.eps2d,
+        sh_degree=field.config.sh_degree, tile_size=settings.tile,
+        backgrounds=None if background is None else background.to(device)[None],
+    )  # fmt: skip
+    return colours[0], alphas[0, ..., 0]
