@@ -178,7 +178,9 @@ def test_fitting_a_splat_field_to_another_s_renders_lowers_the_loss() -> None:
     )
     target = SplatField(config)
     with torch.no_grad():
-        target.sh[:, 0] = torch.rand(64, 3, generator=torch.Generator().manual_seed(4)) * 2 - 1
+        target.params["sh"][:, 0] = (
+            torch.rand(64, 3, generator=torch.Generator().manual_seed(4)) * 2 - 1
+        )
     targets = [render_splats(target, views, v)[0].detach() for v in range(3)]
     field = SplatField(SplatFieldConfig(**{**config.__dict__, "seed": 1}))
     optimiser = torch.optim.Adam(field.parameters(), lr=0.02)
@@ -226,8 +228,8 @@ def test_gsplat_s_cuda_rasteriser_equals_the_torch_path() -> None:
     pytest.importorskip("gsplat")
     field = SplatField(SplatFieldConfig(count=300, sh_degree=2, initial_scale=0.05)).cuda()
     with torch.no_grad():
-        field.sh.normal_(0, 0.3, generator=torch.Generator("cuda").manual_seed(5))
-        field.opacity_logits.fill_(0.5)
+        field.params["sh"].normal_(0, 0.3, generator=torch.Generator("cuda").manual_seed(5))
+        field.params["opacities"].fill_(0.5)
     cameras = camera(48, 40).to("cuda")
     background = torch.tensor([0.1, 0.2, 0.3], device="cuda")
     ours = render_splats(field, cameras, 0, background, backend="torch")

@@ -10,7 +10,7 @@ renderer's tools work on a splat field too; training renders by rasterisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -100,7 +100,11 @@ class SplatFieldConfig:
 
 
 class SplatField(Field):
-    """Gaussians with trainable means, log-scales, quaternions, opacity logits and SH colour."""
+    """Gaussians with trainable means, log-scales, quaternions, opacity logits and SH colour.
+
+    The tensors live in `params` under gsplat's names ("means", "scales" as logs, "quats",
+    "opacities" as logits, "sh"), so gsplat's densification strategies grow and prune them
+    in place (`fedfields.train.splats`); `count` follows them (`structure_changed`)."""
 
     kind = "splats"
 
@@ -110,24 +114,43 @@ class SplatField(Field):
         self.register_buffer("aabb", torch.tensor(config.aabb, dtype=torch.float32).view(2, 3))
         generator = torch.Generator().manual_seed(config.seed)
         unit = torch.rand(config.count, 3, generator=generator)
-        self.means = nn.Parameter(self.aabb[0] + unit * (self.aabb[1] - self.aabb[0]))
         extent = float((self.aabb[1] - self.aabb[0]).max())
         scale = torch.log(torch.tensor(config.initial_scale * extent))
-        self.log_scales = nn.Parameter(scale.expand(config.count, 3).clone())
-        self.quaternions = nn.Parameter(torch.tensor([1.0, 0.0, 0.0, 0.0]).repeat(config.count, 1))
         logit = torch.logit(torch.tensor(config.initial_opacity))
-        self.opacity_logits = nn.Parameter(logit.expand(config.count).clone())
-        coefficients = torch.zeros(config.count, (config.sh_degree + 1) ** 2, 3)
-        self.sh = nn.Parameter(coefficients)  # degree 0 at 0: colour 0.5 grey
+        self.params = nn.ParameterDict(
+            {
+                "means": self.aabb[0] + unit * (self.aabb[1] - self.aabb[0]),
+                "scales": scale.expand(config.count, 3).clone(),
+                "quats": torch.tensor([1.0, 0.0, 0.0, 0.0]).repeat(config.count, 1),
+                "opacities": logit.expand(config.count).clone(),
+                # degree 0 at 0: colour 0.5 grey
+                "sh": torch.zeros(config.count, (config.sh_degree + 1) ** 2, 3),
+            }
+        )
+
+    @property
+    def means(self) -> Tensor:
+        """[N, 3] world-space centres."""
+        return self.params["means"]
+
+    @property
+    def sh(self) -> Tensor:
+        """[N, K, 3] spherical-harmonic colour coefficients."""
+        return self.params["sh"]
 
     @property
     def opacities(self) -> Tensor:
         """[N] opacities in (0, 1)."""
-        return torch.sigmoid(self.opacity_logits)
+        return torch.sigmoid(self.params["opacities"])
 
     def covariances(self) -> Tensor:
         """[N, 3, 3] world covariances."""
-        return covariances(self.quaternions, self.log_scales.exp())
+        return covariances(self.params["quats"], self.params["scales"].exp())
+
+    def structure_changed(self) -> None:
+        """Record the Gaussian count after densification or pruning, so that `config_dict`
+        rebuilds a field of this size."""
+        self.config = replace(self.config, count=int(self.means.shape[0]))
 
     def _kernels(self, points: Tensor) -> Tensor:
         """[P, N] opacity-weighted kernels o_i exp(-(x - mu_i)^T Sigma_i^-1 (x - mu_i) / 2)."""

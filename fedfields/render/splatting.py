@@ -22,7 +22,7 @@ step; a Python loop over tiles keeps memory at one tile's pixels x its Gaussians
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -185,11 +185,17 @@ def render_splats(
     background: Tensor | None = None,
     settings: SplatSettings = GSPLAT_DEFAULTS,
     backend: str = "auto",
+    info: dict | None = None,
+    sh_degree: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """[H, W, 3] colour and [H, W] alpha of `field`'s Gaussians seen by `cameras`' view
-    `view`, rasterised; colour from each Gaussian's spherical harmonics along the ray from
-    the camera to its mean. `backend` "auto" takes gsplat's CUDA kernels for a field on a
-    CUDA device when gsplat is installed (the `splats` extra), else this module's torch."""
+    `view`, rasterised; colour from each Gaussian's spherical harmonics (up to `sh_degree`,
+    default all) along the ray from the camera to its mean. `backend` "auto" takes gsplat's
+    CUDA kernels for a field on a CUDA device when gsplat is installed (the `splats` extra),
+    else this module's torch. `info` (a dict) receives what gsplat's densification
+    strategies read: the [1, N, 2] pixel means whose gradient they accumulate, the radii and
+    the image size."""
+    degree = field.config.sh_degree if sh_degree is None else sh_degree
     if backend not in SPLAT_BACKENDS:
         raise ValueError(f"splat backend {backend!r} is unknown; expected one of {SPLAT_BACKENDS}")
     on_cuda = field.means.device.type == "cuda"
@@ -200,11 +206,16 @@ def render_splats(
             f"{field.means.device}); use backend 'auto' or 'torch'"
         )
     if backend == "gsplat" or (backend == "auto" and on_cuda and gsplat_available()):
-        return _render_with_gsplat(field, cameras, view, background, settings)
+        return _render_with_gsplat(field, cameras, view, background, settings, info, degree)
     projected = project(field.means, field.covariances(), cameras, view, settings)
+    means2d = projected.means2d[None]
+    projected = replace(projected, means2d=means2d[0])
+    if info is not None:
+        info |= {"means2d": means2d, "radii": projected.radii[None], "width": cameras.width,
+                 "height": cameras.height, "n_cameras": 1, "gaussian_ids": None}  # fmt: skip
     centre = cameras.camera_to_world[view, :3, 3].to(field.means)
     directions = torch.nn.functional.normalize(field.means - centre, dim=-1)
-    colours = sh_colours(field.sh, directions)
+    colours = sh_colours(field.sh[:, : (degree + 1) ** 2], directions)
     return rasterise(
         projected, colours, field.opacities, cameras.width, cameras.height, background, settings
     )
@@ -224,8 +235,10 @@ def _render_with_gsplat(
     view: int,
     background: Tensor | None,
     settings: SplatSettings,
+    info: dict | None,
+    degree: int,
 ) -> tuple[Tensor, Tensor]:
-    """The same image through gsplat's `rasterization` (CUDA)."""
+    """The same image through gsplat's `rasterization` (CUDA); its meta goes to `info`."""
     from gsplat import rasterization
 
     device = field.means.device
@@ -233,11 +246,13 @@ def _render_with_gsplat(
     intrinsics[0, 0, 0], intrinsics[0, 1, 1] = cameras.fx[view], cameras.fy[view]
     intrinsics[0, 0, 2], intrinsics[0, 1, 2] = cameras.cx[view], cameras.cy[view]
     intrinsics[0, 2, 2] = 1.0
-    colours, alphas, _ = rasterization(
-        field.means, field.quaternions, field.log_scales.exp(), field.opacities, field.sh,
+    colours, alphas, meta = rasterization(
+        field.means, field.params["quats"], field.params["scales"].exp(), field.opacities, field.sh,
         view_matrix(cameras.camera_to_world[view].to(device))[None], intrinsics, cameras.width,
         cameras.height, near_plane=settings.near, eps2d=settings.eps2d,
-        sh_degree=field.config.sh_degree, tile_size=settings.tile,
+        sh_degree=degree, tile_size=settings.tile, packed=False,
         backgrounds=None if background is None else background.to(device)[None],
     )  # fmt: skip
+    if info is not None:
+        info |= meta
     return colours[0], alphas[0, ..., 0]
