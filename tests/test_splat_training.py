@@ -3,6 +3,7 @@ gsplat's density control changes the Gaussians, and a node's cap on their count 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,32 @@ def test_a_node_s_gaussian_cap_holds_through_densification(lego_tiny) -> None:
 def test_bad_splat_training_settings_are_refused_by_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SplatTrainConfig(**options)
+
+
+def test_the_cli_trains_splats_and_eval_scores_the_checkpoint_the_same(
+    tmp_path: Path, capsys
+) -> None:
+    """`fedfields train --model splats` as docs/CLI.md prints it (tiny settings), then
+    `fedfields eval` on its checkpoint's held-out views: the same PSNR, and the files."""
+    from fedfields.cli import main
+
+    out = tmp_path / "splats"
+    common = ["--scene", str(LEGO), "--downscale", "8"]
+    flags = ["--model", "splats", "--steps", "30", "--holdout", "8", "--out", str(out)]
+    assert main(["train", *common, *flags, "--no-progress"]) == 0
+    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (
+        metrics["train"]["gaussians"] == trained["gaussians"] == metrics["config"]["field"]["count"]
+    )
+    assert metrics["train"]["bytes"] == trained["gaussians"] * (3 + 3 + 4 + 1 + 16 * 3) * 4
+    assert len(list((out / "renders").glob("*.png"))) == 10  # every 8th of 80 views
+    checkpoint = str(out / "checkpoint.pt")
+    assert (
+        main(["eval", "--checkpoint", checkpoint, *common, "--views", "holdout", "--no-progress"])
+        == 0
+    )
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["psnr"] == pytest.approx(trained["psnr"]) and evaluated["views"] == 10
+    assert main(["train", *common, *flags, "--static-step", "--no-progress"]) == 2
+    assert "--static-step and --cuda-graph are for ray-marched" in capsys.readouterr().err

@@ -10,10 +10,12 @@ import torch
 from torch import Tensor
 
 from fedfields.fields.base import Field, FieldOutputs
+from fedfields.fields.splats import SplatField
 from fedfields.geometry.cameras import Cameras
 from fedfields.geometry.rays import Rays, image_rays, intersect_aabb
 from fedfields.render.occupancy import FixedSamples, OccupancyGrid
 from fedfields.render.samplers import importance_bins, stratified_bins
+from fedfields.render.splatting import render_splat_outputs
 from fedfields.render.volume import (
     CompositeBackend,
     RenderOutputs,
@@ -220,7 +222,10 @@ def render_image(
     occupancy: OccupancyGrid | None = None,
 ) -> RenderOutputs:
     """Render one full view in chunks on the field's device; outputs are shaped [H, W, 3] and
-    [H, W]."""
+    [H, W]. A splat field is rasterised instead (`render_splat_outputs`)."""
+    if isinstance(field, SplatField):
+        background = config.background_on(_device_of(field))
+        return render_splat_outputs(field, cameras.to(_device_of(field)), view, background)
     rays = image_rays(cameras.to(_device_of(field)), view)
     parts = [
         render_rays(field, rays[start : start + config.chunk], config, occupancy)[0]

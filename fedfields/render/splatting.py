@@ -29,6 +29,7 @@ from torch import Tensor
 
 from fedfields.fields.splats import SplatField, sh_colours
 from fedfields.geometry.cameras import Cameras
+from fedfields.render.volume import RenderOutputs
 
 OPENGL_TO_OPENCV = torch.diag(torch.tensor([1.0, -1.0, -1.0, 1.0]))
 """Right-multiplied into an OpenGL camera-to-world: the same camera with y down, z forward."""
@@ -207,18 +208,42 @@ def render_splats(
         )
     if backend == "gsplat" or (backend == "auto" and on_cuda and gsplat_available()):
         return _render_with_gsplat(field, cameras, view, background, settings, info, degree)
-    projected = project(field.means, field.covariances(), cameras, view, settings)
-    means2d = projected.means2d[None]
-    projected = replace(projected, means2d=means2d[0])
+    projected, colours = _projected_colours(field, cameras, view, settings, degree)
     if info is not None:
-        info |= {"means2d": means2d, "radii": projected.radii[None], "width": cameras.width,
-                 "height": cameras.height, "n_cameras": 1, "gaussian_ids": None}  # fmt: skip
-    centre = cameras.camera_to_world[view, :3, 3].to(field.means)
-    directions = torch.nn.functional.normalize(field.means - centre, dim=-1)
-    colours = sh_colours(field.sh[:, : (degree + 1) ** 2], directions)
+        info |= {"means2d": projected.means2d[None], "radii": projected.radii[None],
+                 "width": cameras.width, "height": cameras.height, "n_cameras": 1,
+                 "gaussian_ids": None}  # fmt: skip
+        projected = replace(projected, means2d=info["means2d"][0])
     return rasterise(
         projected, colours, field.opacities, cameras.width, cameras.height, background, settings
     )
+
+
+def render_splat_outputs(
+    field: SplatField, cameras: Cameras, view: int, background: Tensor
+) -> RenderOutputs:
+    """The volume renderer's outputs for a splat field (torch path): colour on `background`,
+    depth as the weights' sum of camera depths (as the volume renderer sums theirs), opacity;
+    [H, W, 3], [H, W], [H, W]. What evaluation, render files and orbits read."""
+    settings = GSPLAT_DEFAULTS
+    projected, colours = _projected_colours(field, cameras, view, settings, field.config.sh_degree)
+    channels = torch.cat([colours, projected.depths[:, None]], dim=-1)
+    image, alpha = rasterise(
+        projected, channels, field.opacities, cameras.width, cameras.height, None, settings
+    )
+    rgb = image[..., :3] + (1.0 - alpha)[..., None] * background.to(image)
+    return RenderOutputs(rgb=rgb, depth=image[..., 3], opacity=alpha)
+
+
+def _projected_colours(
+    field: SplatField, cameras: Cameras, view: int, settings: SplatSettings, degree: int
+) -> tuple[Projected, Tensor]:
+    """The field's Gaussians projected into the view, and their SH colours up to `degree`
+    along the rays from the camera to their means."""
+    projected = project(field.means, field.covariances(), cameras, view, settings)
+    centre = cameras.camera_to_world[view, :3, 3].to(field.means)
+    directions = torch.nn.functional.normalize(field.means - centre, dim=-1)
+    return projected, sh_colours(field.sh[:, : (degree + 1) ** 2], directions)
 
 
 SPLAT_BACKENDS = ("auto", "torch", "gsplat")

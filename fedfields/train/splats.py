@@ -12,6 +12,7 @@ in use rises by one every `sh_degree_every` steps, as in 3DGS.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class SplatTrainConfig:
     refine_every: int = 100
     reset_every: int = 3000
     seed: int = 0
+    seconds: float | None = None  # wall-clock budget: stop after the step that passes it
 
     def __post_init__(self) -> None:
         for name in ("steps", "initial_count", "max_gaussians", "refine_every", "reset_every"):
@@ -97,7 +99,10 @@ def train_splats(
     )
     state = strategy.initialize_state(scene_scale=extent)
     background = torch.tensor(scene.background)
+    start = time.perf_counter()
     for step in range(config.steps):
+        if config.seconds is not None and time.perf_counter() - start > config.seconds:
+            break
         view = draw.randrange(len(scene))
         info: dict = {}
         degree = min(config.sh_degree, step // config.sh_degree_every)
