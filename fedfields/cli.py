@@ -37,6 +37,7 @@ from fedfields.train import (
     train,
     write_renders,
 )
+from fedfields.train.splats import SplatTrainConfig
 
 BACKGROUNDS = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0)}
 SPLAT_MINUTES_STEP_CAP = 30_000
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         "extra); --static-step and --cuda-graph are for the ray-marched fields",
     )
     train_parser.add_argument("--downscale", type=float, default=1.0, help="image downscale")
+    train_parser.add_argument(
+        "--gaussians",
+        type=int,
+        default=SplatTrainConfig.initial_count,
+        help="--model splats: Gaussians to start from, uniform in the scene box",
+    )
     budget = train_parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--minutes", type=float, help="wall-clock training budget")
     budget.add_argument("--steps", type=int, help="number of optimisation steps")
@@ -392,10 +399,11 @@ def run_train_splats(args: argparse.Namespace, train_scene: Scene, eval_scene: S
     the same evaluation, renders and files as the ray-marched fields."""
     if args.static_step or args.cuda_graph:
         raise ValueError("--static-step and --cuda-graph are for ray-marched fields, not splats")
-    from fedfields.train.splats import SplatTrainConfig, train_splats
+    from fedfields.train.splats import train_splats
 
     config = SplatTrainConfig(
         steps=args.steps or SPLAT_MINUTES_STEP_CAP,
+        initial_count=args.gaussians,
         seconds=None if args.minutes is None else 60.0 * args.minutes,
         seed=args.seed,
     )
