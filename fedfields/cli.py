@@ -417,7 +417,7 @@ def run_train_splats(args: argparse.Namespace, train_scene: Scene, eval_scene: S
                 bar.set_postfix(loss=f"{loss:.4f}", gaussians=count)
                 history.append({"step": step, "loss": loss, "gaussians": count})
 
-        field = train_splats(train_scene, config, on_step)
+        field = train_splats(train_scene, config, on_step, resolve_device("auto"))
     seconds = time.perf_counter() - start
     render_config = RenderConfig(
         near=train_scene.near, far=train_scene.far,

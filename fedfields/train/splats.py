@@ -73,8 +73,10 @@ def train_splats(
     scene: Scene,
     config: SplatTrainConfig = SplatTrainConfig(),
     on_step: Callable[[int, float, int], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> SplatField:
-    """A splat field trained on `scene`'s views; `on_step(step, loss, count)` after each."""
+    """A splat field trained on `scene`'s views on `device`; `on_step(step, loss, count)`
+    after each step."""
     try:
         from gsplat.strategy import DefaultStrategy
     except ImportError as error:
@@ -88,7 +90,8 @@ def train_splats(
         SplatFieldConfig(
             count=config.initial_count, sh_degree=config.sh_degree, aabb=aabb, seed=config.seed
         )
-    )
+    ).to(device)
+    scene = scene.to(device)
     extent = float((scene.aabb[1] - scene.aabb[0]).norm()) / 2
     optimisers_by_name = optimisers(field, extent)
     strategy = DefaultStrategy(
@@ -98,7 +101,7 @@ def train_splats(
         refine_stop_iter=config.steps,
     )
     state = strategy.initialize_state(scene_scale=extent)
-    background = torch.tensor(scene.background)
+    background = torch.tensor(scene.background, device=field.means.device)
     start = time.perf_counter()
     for step in range(config.steps):
         if config.seconds is not None and time.perf_counter() - start > config.seconds:
@@ -144,7 +147,8 @@ def _cap(
 
 def scene_psnr(field: SplatField, scene: Scene) -> float:
     """Mean PSNR of the field's renders of every view of `scene` on its background."""
-    background = torch.tensor(scene.background)
+    background = torch.tensor(scene.background, device=field.means.device)
+    scene = scene.to(field.means.device)
     with torch.no_grad():
         values = [
             psnr(render_splats(field, scene.cameras, view, background)[0].clamp(0, 1), image)

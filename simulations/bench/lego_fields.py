@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fedfields.data import holdout_indices, load_scene
+from fedfields.devices import resolve_device
 from fedfields.metrics import linear_flops_per_sample, matmul_peak_flops
 from fedfields.render import RenderConfig
 from fedfields.train import default_setup, evaluate, train
@@ -32,7 +33,7 @@ def run_model(
     """Train one model for `minutes` on `device`, evaluate on the held-out views (on the
     field's device), return its figures."""
     if model == "splats":
-        return run_splats(minutes, train_scene, test_scene)
+        return run_splats(minutes, train_scene, test_scene, device)
     torch.manual_seed(0)
     setup = default_setup(model, train_scene)
     config = setup.train_config(minutes=minutes, progress=False, device=device)
@@ -56,10 +57,11 @@ def run_model(
     }
 
 
-def run_splats(minutes: float, train_scene, test_scene) -> dict:
-    """Splats (`fedfields.train.splats`, CPU torch rasteriser) for `minutes`, scored like
-    the others; the count and bytes of the Gaussians they ended with."""
-    field = train_splats(train_scene, SplatTrainConfig(steps=30_000, seconds=60.0 * minutes))
+def run_splats(minutes: float, train_scene, test_scene, device: str) -> dict:
+    """Splats (`fedfields.train.splats`: the torch rasteriser on CPU, gsplat's on CUDA) for
+    `minutes` on `device`, scored like the others; the count and bytes of their Gaussians."""
+    config = SplatTrainConfig(steps=30_000, seconds=60.0 * minutes)
+    field = train_splats(train_scene, config, device=resolve_device(device))
     render_config = RenderConfig(
         near=train_scene.near, far=train_scene.far,
         aabb=tuple(train_scene.aabb.flatten().tolist()), background=train_scene.background,
