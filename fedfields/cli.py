@@ -28,7 +28,6 @@ from fedfields.data.crowd import (
 from fedfields.data.figures import OBJECT_KINDS
 from fedfields.data.objects import CollectionConfig, write_collection
 from fedfields.devices import DEVICE_CHOICES, parse_device, resolve_device
-from fedfields.render import RenderConfig
 from fedfields.train import (
     default_setup,
     evaluate,
@@ -37,7 +36,7 @@ from fedfields.train import (
     train,
     write_renders,
 )
-from fedfields.train.splats import SplatTrainConfig
+from fedfields.train.splats import SplatTrainConfig, splat_render_config, train_splats
 
 BACKGROUNDS = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0)}
 SPLAT_MINUTES_STEP_CAP = 30_000
@@ -399,8 +398,6 @@ def run_train_splats(args: argparse.Namespace, train_scene: Scene, eval_scene: S
     the same evaluation, renders and files as the ray-marched fields."""
     if args.static_step or args.cuda_graph:
         raise ValueError("--static-step and --cuda-graph are for ray-marched fields, not splats")
-    from fedfields.train.splats import train_splats
-
     config = SplatTrainConfig(
         steps=args.steps or SPLAT_MINUTES_STEP_CAP,
         initial_count=args.gaussians,
@@ -419,10 +416,7 @@ def run_train_splats(args: argparse.Namespace, train_scene: Scene, eval_scene: S
 
         field = train_splats(train_scene, config, on_step, resolve_device("auto"))
     seconds = time.perf_counter() - start
-    render_config = RenderConfig(
-        near=train_scene.near, far=train_scene.far,
-        aabb=tuple(train_scene.aabb.flatten().tolist()), background=train_scene.background,
-    )  # fmt: skip
+    render_config = splat_render_config(train_scene)
     evaluation = evaluate(field, eval_scene, render_config, None, progress=not args.no_progress)
     args.out.mkdir(parents=True, exist_ok=True)
     metadata = {"scene": str(args.scene), "downscale": args.downscale,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -249,8 +250,10 @@ def _projected_colours(
 SPLAT_BACKENDS = ("auto", "torch", "gsplat")
 
 
+@cache
 def gsplat_available() -> bool:
-    """Whether gsplat can be imported (its CUDA kernels compile at their first call)."""
+    """Whether gsplat can be imported (its CUDA kernels compile at their first call); asked
+    once per process, not at every render."""
     return importlib.util.find_spec("gsplat") is not None
 
 

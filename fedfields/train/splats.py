@@ -20,7 +20,7 @@ import torch
 
 from fedfields.data.scene import Scene
 from fedfields.fields.splats import SplatField, SplatFieldConfig
-from fedfields.metrics.image import psnr
+from fedfields.render import RenderConfig
 from fedfields.render.splatting import render_splats
 
 LEARNING_RATES = {"means": 1.6e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2, "sh": 2.5e-3}
@@ -145,13 +145,10 @@ def _cap(
     remove(params=field.params, optimizers=optimisers_by_name, state=state, mask=mask)
 
 
-def scene_psnr(field: SplatField, scene: Scene) -> float:
-    """Mean PSNR of the field's renders of every view of `scene` on its background."""
-    background = torch.tensor(scene.background, device=field.means.device)
-    scene = scene.to(field.means.device)
-    with torch.no_grad():
-        values = [
-            psnr(render_splats(field, scene.cameras, view, background)[0].clamp(0, 1), image)
-            for view, image in enumerate(scene.images)
-        ]
-    return float(sum(values) / len(values))
+def splat_render_config(scene: Scene) -> RenderConfig:
+    """The render settings a splat field's evaluation and checkpoint carry: the scene's box,
+    bounds and background (a rasterised field takes no ray samples)."""
+    return RenderConfig(
+        near=scene.near, far=scene.far, aabb=tuple(scene.aabb.flatten().tolist()),
+        background=scene.background,
+    )  # fmt: skip

@@ -20,9 +20,8 @@ import torch
 from fedfields.data import holdout_indices, load_scene
 from fedfields.devices import resolve_device
 from fedfields.metrics import linear_flops_per_sample, matmul_peak_flops
-from fedfields.render import RenderConfig
 from fedfields.train import default_setup, evaluate, train
-from fedfields.train.splats import SplatTrainConfig, train_splats
+from fedfields.train.splats import SplatTrainConfig, splat_render_config, train_splats
 from simulations import APP_DIR
 from simulations.bench.devices import add_device_argument
 
@@ -62,10 +61,7 @@ def run_splats(minutes: float, train_scene, test_scene, device: str) -> dict:
     `minutes` on `device`, scored like the others; the count and bytes of their Gaussians."""
     config = SplatTrainConfig(steps=30_000, seconds=60.0 * minutes)
     field = train_splats(train_scene, config, device=resolve_device(device))
-    render_config = RenderConfig(
-        near=train_scene.near, far=train_scene.far,
-        aabb=tuple(train_scene.aabb.flatten().tolist()), background=train_scene.background,
-    )  # fmt: skip
+    render_config = splat_render_config(train_scene)
     evaluation = evaluate(field, test_scene, render_config, None, progress=False)
     return {
         "model": "splats",
