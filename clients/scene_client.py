@@ -23,7 +23,7 @@ import torch
 from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
-from fedfields.fields import Field
+from fedfields.fields import Field, SplatField
 from fedfields.fields.personal import PersonalField
 from fedfields.flower import NodeState
 from fedfields.flower.client_hooks import (
@@ -51,6 +51,8 @@ from fedfields.train.builders import (
     marches,
     personal_field_config,
     render_config,
+    splat_field,
+    splats,
 )
 from fedfields.train.federated import (
     LocalTrainConfig,
@@ -61,6 +63,7 @@ from fedfields.train.federated import (
     local_train,
 )
 from fedfields.train.federated import loss_gradient as loss_gradient_of
+from fedfields.train.splats import local_train_splats, splat_loss_gradient
 
 PERSONAL = "personal-field"
 OCCUPANCY = "occupancy"
@@ -110,16 +113,13 @@ def train(call: ClientCall) -> ReplyParts:
         device=call.device,
         step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
     )
-    result = local_train(
-        field,
-        scene,
-        local,
-        settings,
-        occupancy,
-        personal_field=personal,
-        hooks=hooks,
-        graphs=STEP_GRAPHS,
-    )
+    if splats(config):
+        result = local_train_splats(field, scene, local, personal, hooks)  # type: ignore[arg-type]
+    else:
+        result = local_train(
+            field, scene, local, settings, occupancy, personal_field=personal, hooks=hooks,
+            graphs=STEP_GRAPHS,
+        )  # fmt: skip
     if occupancy is not None:
         state.put_tensors(OCCUPANCY, occupancy.state_dict())
     metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
@@ -143,6 +143,10 @@ def gradient(call: ClientCall) -> ReplyParts:
     def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         field = global_field(config)
         load_federated_state(field, received)
+        if splats(config):
+            return splat_loss_gradient(
+                field, scene, personal, config.scene.personal_density_weight, call.device
+            )  # type: ignore[arg-type]
         return loss_gradient_of(
             field,
             scene,
@@ -193,12 +197,18 @@ def _global_field(call: ClientCall) -> Field:
 
 def _personal_field(
     state: NodeState, config: FederatedConfig, settings: RenderConfig, num_images: int, user: int
-) -> PersonalField:
+) -> PersonalField | SplatField:
     """The personal field over `settings`' box for `num_images` views (the run-config's kind,
-    `personal_field_config`), kept on this node (created on first use from a per-user seed)."""
-    with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
-        torch.manual_seed(client_seed(config.common.seed, user))
-        personal = PersonalField(personal_field_config(config, settings, num_images))
+    `personal_field_config`; beside splats, `personal-splat-count` Gaussians), kept on this
+    node (created on first use from a per-user seed)."""
+    seed = client_seed(config.common.seed, user)
+    personal: PersonalField | SplatField
+    if splats(config):
+        personal = splat_field(config, config.scene.personal_splat_count, seed)
+    else:
+        with torch.random.fork_rng(devices=[]):  # built on the CPU: its RNG alone
+            torch.manual_seed(seed)
+            personal = PersonalField(personal_field_config(config, settings, num_images))
     saved = state.tensors(PERSONAL)
     if saved is not None:
         personal.load_state_dict(saved)

@@ -31,7 +31,7 @@ TASKS = ("scene", "faces", "photos", "video", "objects")
 META_TASKS = TASKS[1:]
 MODES = ("federated", "split")
 HASH_BACKENDS = ("auto", "torch", "triton", "tcnn")
-SCENE_FIELDS = ("hashgrid", "mlp")
+SCENE_FIELDS = ("hashgrid", "mlp", "splats")
 LEARNERS = ("maml", "fomaml", "reptile", "fedmenf")
 OUTER_OPTIMIZERS = ("sgd", "adamw")
 AGGREGATION_RULES = ("mean", "trimmed-mean", "median", "krum", "multi-krum", "bulyan")
@@ -117,6 +117,18 @@ MAX_CLIENTS = 1_000_000
 """Largest num-clients and clients-per-round: a task's data refuses what it cannot split."""
 HASH_KEYS = ("hash-log2-size", "hash-levels", "hash-max-resolution", "hash-backend")
 MLP_KEYS = ("mlp-samples", "mlp-importance")
+SPLATS_UNREAD = (
+    "field-width",
+    "personal-width",
+    "learning-rate",
+    "personal-learning-rate",
+    "target-samples",
+    "beta-min",
+)
+"""Scene keys a splat field does not read: its rates are 3DGS's, its batch one view."""
+SPLAT_KEYS = ("splat-count", "splat-sh-degree", "personal-splat-count")
+MAX_SPLATS = 1 << 22
+"""Most Gaussians in a federated splat set: 4M, about 1 GB of float32 per copy at SH degree 3."""
 MAX_SPLIT_RAYS = 1 << 16
 MAX_RAY_SAMPLES = 1024
 MAX_SPLIT_NOISE = 100.0
@@ -233,7 +245,18 @@ class SceneSection:
         "hashgrid (Instant-NGP grid, occupancy marching) | mlp (DecentNeRF's paper fields: a "
         "NeRF MLP of field-depth x field-width, 0: 8 x 256, with a 4 x 128 colour head; a "
         "personal 4-layer MLP of personal-width; mlp-samples stratified + mlp-importance "
-        "resampled samples per ray, no occupancy grid; dynamic steps only)",
+        "resampled samples per ray, no occupancy grid; dynamic steps only) | splats (3D "
+        "Gaussians of splat-count, rasterised; one view per local step at 3DGS's rates; "
+        "docs/SPLATS.md)",
+    )
+    splat_count: int = key(
+        4096,
+        "scene-field splats: Gaussians in the shared set, fixed for the run (the run's seed "
+        "places them uniformly in the scene-bound box)",
+    )
+    splat_sh_degree: int = key(1, "scene-field splats: spherical-harmonic degree of colour, 0-3")
+    personal_splat_count: int = key(
+        1024, "scene-field splats: a user's personal Gaussians (DecentNeRF), kept on its node"
     )
     mlp_samples: int = key(64, "scene-field mlp: stratified samples per ray (paper 64)")
     mlp_importance: int = key(64, "scene-field mlp: hierarchical resamples per ray (paper 64)")
@@ -274,11 +297,14 @@ class SceneSection:
         _check(self, ["mlp_importance"], lambda v: 0 <= v <= MAX_RAY_SAMPLES,
                f"in [0, {MAX_RAY_SAMPLES}]")  # fmt: skip
         _check(self, ["personal_width"], lambda v: 0 <= v <= 4096, "in [0, 4096]")
-        if self.scene_field == "mlp" and self.cuda_graph:
+        if self.scene_field != "hashgrid" and self.cuda_graph:
             raise ValueError(
-                "run-config 'cuda-graph' = true needs 'scene-field' 'hashgrid': the mlp field "
-                "samples rays without an occupancy grid, in dynamic steps"
+                f"run-config 'cuda-graph' = true needs 'scene-field' 'hashgrid': the "
+                f"{self.scene_field} field trains without an occupancy grid, in dynamic steps"
             )
+        _check(self, ["splat_count", "personal_splat_count"], lambda v: 1 <= v <= MAX_SPLATS,
+               f"in [1, {MAX_SPLATS}]")  # fmt: skip
+        _check(self, ["splat_sh_degree"], lambda v: 0 <= v <= 3, "in [0, 3]")
         _check(self, ["local_steps"], lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
         _check(self, ["target_samples"], lambda v: 1 <= v <= 1 << 22, "in [1, 4194304]")
         _check(self, ["hash_levels"], lambda v: 1 <= v <= 32, "in [1, 32]")
@@ -733,6 +759,19 @@ class FederatedConfig:
         """The run's strategy's own settings; None without the registry's."""
         return self.strategy_settings.get(self.strategy_name)
 
+    def _unread_field_keys(self, unread: Mapping[str, str]) -> dict[str, str]:
+        """The scene's keys that its `scene-field` never reads -> the field that reads them."""
+        kind = self.scene.scene_field
+        readers = {k: "scene-field='hashgrid'" for k in HASH_KEYS}
+        readers |= {k: "scene-field='mlp'" for k in MLP_KEYS}
+        readers |= {k: "scene-field='splats'" for k in SPLAT_KEYS}
+        if kind != "mlp":
+            readers["field-depth"] = f"scene-field='mlp' or the meta tasks ({MetaSection.used_by})"
+        if kind == "splats":
+            readers |= {k: "scene-field='hashgrid' or 'mlp'" for k in SPLATS_UNREAD}
+        read = {"hashgrid": HASH_KEYS, "mlp": MLP_KEYS, "splats": SPLAT_KEYS}[kind]
+        return {k: v for k, v in readers.items() if k not in read and k not in unread}
+
     def unread_keys(self) -> dict[str, str]:
         """Keys of the used sections that this run never reads -> the setting that reads
         them: split mode's unread keys, a strategy's own settings under another strategy,
@@ -742,13 +781,8 @@ class FederatedConfig:
         unread: dict[str, str] = {}
         if self.common.mode == "split":
             unread |= dict.fromkeys(FEDERATED_ONLY, "mode='federated'")
-        if self.common.task == "scene" and self.scene.scene_field == "mlp":
-            unread |= {k: "scene-field='hashgrid'" for k in HASH_KEYS if k not in unread}
-        elif self.common.task == "scene":
-            unread.setdefault(
-                "field-depth", f"scene-field='mlp' or the meta tasks ({MetaSection.used_by})"
-            )
-            unread |= {k: "scene-field='mlp'" for k in MLP_KEYS if k not in unread}
+        if self.common.task == "scene":
+            unread |= self._unread_field_keys(unread)
         elif self.common.task != "objects":  # scikit-image's images, scored by the server
             for run_key in ("downscale", "eval-scene-dir"):
                 unread.setdefault(run_key, "task='scene' | 'objects'")

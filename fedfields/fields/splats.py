@@ -75,6 +75,41 @@ def sh_colours(coefficients: Tensor, directions: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
+class Gaussians:
+    """Gaussians as a rasteriser reads them: means [N, 3], unit-free quaternions [N, 4]
+    (w, x, y, z), scales [N, 3], opacities [N] in (0, 1) and SH coefficients [N, K, 3]."""
+
+    means: Tensor
+    quats: Tensor
+    scales: Tensor
+    opacities: Tensor
+    sh: Tensor
+
+    @property
+    def sh_degree(self) -> int:
+        """The highest SH degree the coefficients hold."""
+        return round(self.sh.shape[1] ** 0.5) - 1
+
+    def covariances(self) -> Tensor:
+        """[N, 3, 3] world covariances."""
+        return covariances(self.quats, self.scales)
+
+    @staticmethod
+    def joined(*parts: Gaussians) -> Gaussians:
+        """One set of all `parts`' Gaussians (a user's global and personal splats rendered as
+        one scene); gradients flow back to each part. The parts share their SH degree."""
+        degrees = {part.sh_degree for part in parts}
+        if len(degrees) != 1:
+            raise ValueError(f"joined splats need one SH degree, got {sorted(degrees)}")
+        return Gaussians(
+            *(torch.cat([getattr(part, name) for part in parts]) for name in GAUSSIAN_TENSORS)
+        )
+
+
+GAUSSIAN_TENSORS = ("means", "quats", "scales", "opacities", "sh")
+
+
+@dataclass(frozen=True)
 class SplatFieldConfig:
     """How many Gaussians, their colour's spherical-harmonic degree and where they start."""
 
@@ -146,6 +181,13 @@ class SplatField(Field):
     def covariances(self) -> Tensor:
         """[N, 3, 3] world covariances."""
         return covariances(self.params["quats"], self.params["scales"].exp())
+
+    def gaussians(self) -> Gaussians:
+        """The field's Gaussians with their activations applied, as rasterisers read them."""
+        params = self.params
+        return Gaussians(
+            self.means, params["quats"], params["scales"].exp(), self.opacities, self.sh
+        )
 
     def structure_changed(self) -> None:
         """Record the Gaussian count after densification or pruning, so that `config_dict`

@@ -28,7 +28,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from fedfields.fields.splats import SplatField, sh_colours
+from fedfields.fields.splats import Gaussians, SplatField, sh_colours
 from fedfields.geometry.cameras import Cameras
 from fedfields.render.volume import RenderOutputs
 
@@ -181,7 +181,7 @@ def _composite(
 
 
 def render_splats(
-    field: SplatField,
+    field: SplatField | Gaussians,
     cameras: Cameras,
     view: int,
     background: Tensor | None = None,
@@ -196,28 +196,30 @@ def render_splats(
     CUDA kernels for a field on a CUDA device when gsplat is installed (the `splats` extra),
     else this module's torch. `info` (a dict) receives what gsplat's densification
     strategies read: the [1, N, 2] pixel means whose gradient they accumulate, the radii and
-    the image size."""
-    degree = field.config.sh_degree if sh_degree is None else sh_degree
+    the image size. `field` may be a set of `Gaussians` (several fields joined)."""
+    gaussians = field.gaussians() if isinstance(field, SplatField) else field
+    degree = gaussians.sh_degree if sh_degree is None else sh_degree
     if backend not in SPLAT_BACKENDS:
         raise ValueError(f"splat backend {backend!r} is unknown; expected one of {SPLAT_BACKENDS}")
-    on_cuda = field.means.device.type == "cuda"
+    on_cuda = gaussians.means.device.type == "cuda"
     if backend == "gsplat" and not (on_cuda and gsplat_available()):
         raise RuntimeError(
             f"splat backend 'gsplat' needs gsplat (the 'splats' extra, installed: "
             f"{gsplat_available()}) and the field on a CUDA device (it is on "
-            f"{field.means.device}); use backend 'auto' or 'torch'"
+            f"{gaussians.means.device}); use backend 'auto' or 'torch'"
         )
     if backend == "gsplat" or (backend == "auto" and on_cuda and gsplat_available()):
-        return _render_with_gsplat(field, cameras, view, background, settings, info, degree)
-    projected, colours = _projected_colours(field, cameras, view, settings, degree)
+        return _render_with_gsplat(gaussians, cameras, view, background, settings, info, degree)
+    projected, colours = _projected_colours(gaussians, cameras, view, settings, degree)
     if info is not None:
         info |= {"means2d": projected.means2d[None], "radii": projected.radii[None],
                  "width": cameras.width, "height": cameras.height, "n_cameras": 1,
                  "gaussian_ids": None}  # fmt: skip
         projected = replace(projected, means2d=info["means2d"][0])
     return rasterise(
-        projected, colours, field.opacities, cameras.width, cameras.height, background, settings
-    )
+        projected, colours, gaussians.opacities, cameras.width, cameras.height, background,
+        settings,
+    )  # fmt: skip
 
 
 def render_splat_outputs(
@@ -226,25 +228,26 @@ def render_splat_outputs(
     """The volume renderer's outputs for a splat field (torch path): colour on `background`,
     depth as the weights' sum of camera depths (as the volume renderer sums theirs), opacity;
     [H, W, 3], [H, W], [H, W]. What evaluation, render files and orbits read."""
-    settings = GSPLAT_DEFAULTS
-    projected, colours = _projected_colours(field, cameras, view, settings, field.config.sh_degree)
+    settings, gaussians = GSPLAT_DEFAULTS, field.gaussians()
+    projected, colours = _projected_colours(gaussians, cameras, view, settings, gaussians.sh_degree)
     channels = torch.cat([colours, projected.depths[:, None]], dim=-1)
     image, alpha = rasterise(
-        projected, channels, field.opacities, cameras.width, cameras.height, None, settings
+        projected, channels, gaussians.opacities, cameras.width, cameras.height, None, settings
     )
     rgb = image[..., :3] + (1.0 - alpha)[..., None] * background.to(image)
     return RenderOutputs(rgb=rgb, depth=image[..., 3], opacity=alpha)
 
 
 def _projected_colours(
-    field: SplatField, cameras: Cameras, view: int, settings: SplatSettings, degree: int
+    gaussians: Gaussians, cameras: Cameras, view: int, settings: SplatSettings, degree: int
 ) -> tuple[Projected, Tensor]:
-    """The field's Gaussians projected into the view, and their SH colours up to `degree`
-    along the rays from the camera to their means."""
-    projected = project(field.means, field.covariances(), cameras, view, settings)
-    centre = cameras.camera_to_world[view, :3, 3].to(field.means)
-    directions = torch.nn.functional.normalize(field.means - centre, dim=-1)
-    return projected, sh_colours(field.sh[:, : (degree + 1) ** 2], directions)
+    """The Gaussians projected into the view, and their SH colours up to `degree` along the
+    rays from the camera to their means."""
+    means = gaussians.means
+    projected = project(means, gaussians.covariances(), cameras, view, settings)
+    centre = cameras.camera_to_world[view, :3, 3].to(means)
+    directions = torch.nn.functional.normalize(means - centre, dim=-1)
+    return projected, sh_colours(gaussians.sh[:, : (degree + 1) ** 2], directions)
 
 
 SPLAT_BACKENDS = ("auto", "torch", "gsplat")
@@ -258,7 +261,7 @@ def gsplat_available() -> bool:
 
 
 def _render_with_gsplat(
-    field: SplatField,
+    gaussians: Gaussians,
     cameras: Cameras,
     view: int,
     background: Tensor | None,
@@ -269,13 +272,13 @@ def _render_with_gsplat(
     """The same image through gsplat's `rasterization` (CUDA); its meta goes to `info`."""
     from gsplat import rasterization
 
-    device = field.means.device
+    device = gaussians.means.device
     intrinsics = torch.zeros(1, 3, 3, device=device)
     intrinsics[0, 0, 0], intrinsics[0, 1, 1] = cameras.fx[view], cameras.fy[view]
     intrinsics[0, 0, 2], intrinsics[0, 1, 2] = cameras.cx[view], cameras.cy[view]
     intrinsics[0, 2, 2] = 1.0
     colours, alphas, meta = rasterization(
-        field.means, field.params["quats"], field.params["scales"].exp(), field.opacities, field.sh,
+        gaussians.means, gaussians.quats, gaussians.scales, gaussians.opacities, gaussians.sh,
         view_matrix(cameras.camera_to_world[view].to(device))[None], intrinsics, cameras.width,
         cameras.height, near_plane=settings.near, eps2d=settings.eps2d,
         sh_degree=degree, tile_size=settings.tile, packed=False,

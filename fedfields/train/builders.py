@@ -38,6 +38,8 @@ from fedfields.fields import (
     PersonalFieldConfig,
     Siren,
     SirenConfig,
+    SplatField,
+    SplatFieldConfig,
 )
 from fedfields.render import RenderConfig
 from fedfields.train.meta import MetaConfig, test_time_optimise
@@ -62,7 +64,10 @@ def global_field(config: FederatedConfig) -> Field:
     Every tensor shape comes from run-config (levels, table size, finest resolution, widths),
     so the server and nodes with different cameras or hardware build identical tensors. A
     node that cannot run `hash-backend` raises one clear error (`resolve_implementation`).
+    A splat field's `splat-count` Gaussians start where the run's seed places them.
     """
+    if config.scene.scene_field == "splats":
+        return splat_field(config, config.scene.splat_count, config.common.seed)
     if config.scene.scene_field == "mlp":
         depth = config.common.field_depth or PAPER_MLP.depth
         return NeRFField(
@@ -94,6 +99,25 @@ def hash_grid_field(config: FederatedConfig) -> HashGridField:
             aabb=(-bound, -bound, -bound, bound, bound, bound),
         )
     )
+
+
+def splat_field(config: FederatedConfig, count: int, seed: int) -> SplatField:
+    """`count` Gaussians of SH degree `splat-sh-degree` drawn uniformly in the run-config box
+    from `seed`: the shared set (the run's seed) or a user's personal splats (its own)."""
+    bound = config.scene.scene_bound
+    return SplatField(
+        SplatFieldConfig(
+            count=count,
+            sh_degree=config.scene.splat_sh_degree,
+            aabb=(-bound, -bound, -bound, bound, bound, bound),
+            seed=seed,
+        )
+    )
+
+
+def splats(config: FederatedConfig) -> bool:
+    """Whether the scene field is a set of Gaussians, rasterised rather than ray-marched."""
+    return config.scene.scene_field == "splats"
 
 
 def server_device(config: FederatedConfig) -> torch.device:
@@ -156,7 +180,8 @@ def gradient_chunk_rays(config: FederatedConfig) -> int | None:
 def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
     """Sampling settings: the field's box, the scene's near/far and background (a server
     without a scene takes the NeRF-synthetic defaults), and the marching step (hash grid) or
-    the stratified and hierarchical sample counts (MLP, `mlp-samples` + `mlp-importance`)."""
+    the stratified and hierarchical sample counts (MLP, `mlp-samples` + `mlp-importance`);
+    splats take the box, bounds and background alone."""
     bound = config.scene.scene_bound
     views = (
         {}
@@ -168,7 +193,7 @@ def render_config(config: FederatedConfig, scene: Scene | None) -> RenderConfig:
         step_size=2.0 * bound * math.sqrt(3) / 256,
         **views,
     )
-    if marches(config):
+    if marches(config) or splats(config):
         return settings
     per_ray = config.scene.mlp_samples + config.scene.mlp_importance
     return replace(

@@ -7,21 +7,33 @@ takes an L1 photometric loss (3DGS eq. 7 without its D-SSIM term) with one Adam 
 view-space gradient passes its threshold, prune faint and huge ones, reset opacities) grows
 and prunes the field in place; `max_gaussians` caps the count a node holds. The SH degree
 in use rises by one every `sh_degree_every` steps, as in 3DGS.
+
+A federated client trains the shared set without changing its structure
+(`local_train_splats`: every node's tensors keep the server's shapes, so every strategy that
+sums tensors sums them), with a method's client hooks and, for DecentNeRF, the user's
+personal Gaussians rendered in the same image (`fedfields.fields.splats.Gaussians.joined`).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from fedfields.data.scene import Scene
-from fedfields.fields.splats import SplatField, SplatFieldConfig
+from fedfields.devices import resolve_device
+from fedfields.fields.splats import Gaussians, SplatField, SplatFieldConfig
+from fedfields.methods.base import ClientHook, to_wire
 from fedfields.render import RenderConfig
 from fedfields.render.splatting import render_splats
+from fedfields.train.centralised import checked_losses
+from fedfields.train.federated import LOSS_WINDOW, LocalTrainConfig, LocalTrainResult
 
 LEARNING_RATES = {"means": 1.6e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2, "sh": 2.5e-3}
 """3DGS's Adam learning rates (means times the scene's extent; sh its degree-0 rate)."""
@@ -52,21 +64,27 @@ class SplatTrainConfig:
             )
 
 
+def rate_groups(field: SplatField, extent: float) -> list[dict]:
+    """One Adam parameter group per tensor at 3DGS's rate (means times `extent`)."""
+    return [
+        {
+            "params": [parameter],
+            "lr": LEARNING_RATES[name] * (extent if name == "means" else 1.0),
+            "name": name,
+        }
+        for name, parameter in field.params.items()
+    ]
+
+
+def field_extent(field: SplatField) -> float:
+    """Half the diagonal of the field's box: the scale 3DGS's mean learning rate is set by."""
+    return float((field.aabb[1] - field.aabb[0]).norm()) / 2
+
+
 def optimisers(field: SplatField, extent: float) -> dict[str, torch.optim.Optimizer]:
     """One Adam per tensor, as gsplat's strategies expect (each with one parameter group)."""
-    return {
-        name: torch.optim.Adam(
-            [
-                {
-                    "params": [parameter],
-                    "lr": LEARNING_RATES[name] * (extent if name == "means" else 1.0),
-                    "name": name,
-                }
-            ],
-            eps=1e-15,
-        )
-        for name, parameter in field.params.items()
-    }
+    groups = rate_groups(field, extent)
+    return {group["name"]: torch.optim.Adam([group], eps=1e-15) for group in groups}
 
 
 def train_splats(
@@ -152,3 +170,107 @@ def splat_render_config(scene: Scene) -> RenderConfig:
         near=scene.near, far=scene.far, aabb=tuple(scene.aabb.flatten().tolist()),
         background=scene.background,
     )  # fmt: skip
+
+
+def local_train_splats(
+    global_field: SplatField,
+    scene: Scene,
+    config: LocalTrainConfig,
+    personal_field: SplatField | None = None,
+    hooks: Sequence[ClientHook] = (),
+) -> LocalTrainResult:
+    """One round of a federated client on a splat field: `config.steps` steps, each on one
+    view drawn from `config.seed`, of 3DGS's L1 loss at 3DGS's rates (one Adam, a group per
+    tensor), plus each hook's loss term; hooks correct the shared Gaussians' gradients after
+    backward. The structure stays the server's (no densification). With `personal_field`
+    the user's personal Gaussians render in the same image and train beside the shared ones,
+    with `config.personal_density_weight` times their mean opacity added to the loss (NeRF-W's
+    transient regulariser, read for splats): what is not the user's own stays cheaper shared.
+    """
+    torch.manual_seed(config.seed)
+    device = resolve_device(config.device)
+    fields = [global_field] if personal_field is None else [global_field, personal_field]
+    groups = []
+    for part in fields:
+        part.to(device).train()
+        groups += rate_groups(part, field_extent(part))
+    optimiser = torch.optim.Adam(groups, eps=1e-15)
+    parameters = dict(global_field.named_parameters())
+    for hook in hooks:
+        hook.bind(parameters)
+    scene = scene.to(device)
+    background = torch.tensor(scene.background, device=device)
+    generator = torch.Generator().manual_seed(config.seed)
+    views = torch.randint(len(scene), (config.steps,), generator=generator).tolist()
+    recent: deque[Tensor] = deque(maxlen=LOSS_WINDOW)
+    losses: list[Tensor] = []
+    start = time.perf_counter()
+    for view in views:
+        rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
+        error = rendered - scene.images[view]
+        loss = error.abs().mean()
+        if personal_field is not None:
+            loss = loss + config.personal_density_weight * personal_field.opacities.mean()
+        for hook in hooks:
+            term = hook.loss()
+            if term is not None:
+                loss = loss + term
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        for hook in hooks:
+            hook.after_backward()
+        optimiser.step()
+        recent.append(error.detach().pow(2).mean())
+        losses.append(loss.detach())
+    optimiser.zero_grad(set_to_none=True)
+    checked_losses(losses, 0, "local splat training")
+    mean_loss = float(torch.stack(list(recent)).mean())
+    pixels = scene.images.shape[:3].numel()
+    return LocalTrainResult(
+        steps=len(views),
+        rays=len(views) * scene.images.shape[1:3].numel(),
+        samples=0,
+        seconds=time.perf_counter() - start,
+        loss=mean_loss,
+        psnr=-10.0 * math.log10(max(mean_loss, 1e-10)),
+        num_examples=pixels,
+        hook_results=[hook.finish(len(views)) for hook in hooks],
+    )
+
+
+def splat_loss_gradient(
+    global_field: SplatField,
+    scene: Scene,
+    personal_field: SplatField | None = None,
+    personal_density_weight: float = 0.0,
+    device: str | torch.device = "cpu",
+) -> dict[str, Tensor]:
+    """DecentNeRF's G_k = dL_k/dg for splats (Algorithm 1, l. 9): the gradient of the local
+    loss, averaged over every view of `scene`, in the shared Gaussians at their current
+    values, both sets frozen; keyed like `federated_state` (CPU float32). No parameter or
+    `.grad` changes."""
+    device = resolve_device(device)
+    fields = [global_field] if personal_field is None else [global_field, personal_field]
+    for part in fields:
+        part.to(device)
+    scene = scene.to(device)
+    background = torch.tensor(scene.background, device=device)
+    parameters = dict(global_field.named_parameters())
+    total = [torch.zeros_like(p) for p in parameters.values()]
+    for view in range(len(scene)):
+        rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
+        loss = (rendered - scene.images[view]).abs().mean() / len(scene)
+        if personal_field is not None:
+            loss = loss + personal_density_weight * personal_field.opacities.mean() / len(scene)
+        gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
+        for sum_, gradient in zip(total, gradients, strict=True):
+            if gradient is not None:
+                sum_ += gradient
+    return {name: to_wire(g) for name, g in zip(parameters, total, strict=True)}
+
+
+def _gaussians(fields: Sequence[SplatField]) -> Gaussians:
+    """The Gaussians of `fields` rendered as one scene (the shared set, then a user's own)."""
+    if len(fields) == 1:
+        return fields[0].gaussians()
+    return Gaussians.joined(*(part.gaussians() for part in fields))
