@@ -348,7 +348,7 @@ def run_train(args: argparse.Namespace) -> int:
     train_scene, eval_scene = split_views(scene, args.holdout)
     if args.model == "splats":
         return run_train_splats(args, train_scene, eval_scene)
-    setup = default_setup(args.model, train_scene)
+    setup = default_setup(args.model, train_scene, seed=args.seed)
     field, render_config, occupancy = setup.field, setup.render_config, setup.occupancy
     step_mode = "cuda-graph" if args.cuda_graph else "static" if args.static_step else "dynamic"
     config = setup.train_config(

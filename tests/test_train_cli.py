@@ -229,3 +229,19 @@ def test_training_stops_on_a_non_finite_loss(tiny_lego):
     render_config = replace(setup.render_config, num_samples=4, num_importance=0)
     with pytest.raises(FloatingPointError, match="diverged at step 0"):
         train(_NaNField(), train_scene, config, render_config)
+
+
+def test_cli_train_with_one_seed_trains_the_same_field_twice(tmp_path):
+    """`fedfields train --seed` fixes the initial field too (it once drew from the unseeded
+    generator): the same seed gives the same checkpoint, another seed another one."""
+
+    def trained(seed: int, name: str) -> dict:
+        flags = ["--scene", str(LEGO), "--downscale", "8", "--steps", "2", "--holdout", "8"]
+        out = tmp_path / name
+        assert main(["train", *flags, "--seed", str(seed), "--out", str(out), "--no-progress"]) == 0
+        field, _, _, _ = load_checkpoint(out / "checkpoint.pt")
+        return field.state_dict()
+
+    first, again, other = trained(3, "a"), trained(3, "b"), trained(4, "c")
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)

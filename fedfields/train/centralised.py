@@ -108,14 +108,22 @@ class Setup:
 
 
 def default_setup(
-    model: ModelName, scene: Scene, implementation: HashImplementation = "auto"
+    model: ModelName, scene: Scene, implementation: HashImplementation = "auto", seed: int = 0
 ) -> Setup:
-    """The field, renderer and optimiser defaults of `model` for `scene`'s bounds and size.
+    """The field, renderer and optimiser defaults of `model` for `scene`'s bounds and size,
+    the field's initial weights drawn from `seed` (without touching the global generator).
 
     hashgrid: Instant-NGP field with occupancy-grid marching and a dynamic ray batch of about
     2^16 samples, its hash grid run by `implementation`; nerf: the original 8x256 MLP with
     64 stratified + 64 hierarchical samples.
     """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _setup(model, scene, implementation)
+
+
+def _setup(model: ModelName, scene: Scene, implementation: HashImplementation) -> Setup:
+    """`default_setup`'s field and settings, drawn from the global generator."""
     aabb = tuple(scene.aabb.reshape(-1).tolist())
     base = RenderConfig(near=scene.near, far=scene.far, aabb=aabb, background=scene.background)
     if model == "hashgrid":
