@@ -178,10 +178,6 @@ class SplatField(Field):
         """[N] opacities in (0, 1)."""
         return torch.sigmoid(self.params["opacities"])
 
-    def covariances(self) -> Tensor:
-        """[N, 3, 3] world covariances."""
-        return covariances(self.params["quats"], self.params["scales"].exp())
-
     def gaussians(self) -> Gaussians:
         """The field's Gaussians with their activations applied, as rasterisers read them."""
         params = self.params
@@ -196,7 +192,7 @@ class SplatField(Field):
 
     def _kernels(self, points: Tensor) -> Tensor:
         """[P, N] opacity-weighted kernels o_i exp(-(x - mu_i)^T Sigma_i^-1 (x - mu_i) / 2)."""
-        precision = torch.linalg.inv(self.covariances())
+        precision = torch.linalg.inv(self.gaussians().covariances())
         offset = points[:, None, :] - self.means[None]
         exponent = torch.einsum("pni,nij,pnj->pn", offset, precision, offset)
         return self.opacities * torch.exp(-0.5 * exponent)

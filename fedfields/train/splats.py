@@ -110,7 +110,7 @@ def train_splats(
         )
     ).to(device)
     scene = scene.to(device)
-    extent = float((scene.aabb[1] - scene.aabb[0]).norm()) / 2
+    extent = field_extent(field)
     optimisers_by_name = optimisers(field, extent)
     strategy = DefaultStrategy(
         refine_start_iter=config.refine_start,
