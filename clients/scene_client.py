@@ -32,7 +32,7 @@ from fedfields.flower.client_hooks import (
     received_method,
     reply_parts,
 )
-from fedfields.flower.node import node_data_dir
+from fedfields.flower.node import check_splat_limit, node_data_dir
 from fedfields.flower.protocol import (
     ARRAYS,
     LOCAL_STEPS,
@@ -87,6 +87,7 @@ class UserViews:
 def train(call: ClientCall) -> ReplyParts:
     """Train locally from the received global field; reply with what the strategy aggregates."""
     config, state, msg = call.config, call.state, call.msg
+    _check_splats_fit(call)
     views = _user_views(call)
     scene = views.train
     field = _global_field(call)
@@ -114,7 +115,8 @@ def train(call: ClientCall) -> ReplyParts:
         step_mode="cuda-graph" if config.scene.cuda_graph else "dynamic",
     )
     if splats(config):
-        result = local_train_splats(field, scene, local, personal, hooks)  # type: ignore[arg-type]
+        weight = config.scene.splat_opacity_weight
+        result = local_train_splats(field, scene, local, personal, hooks, weight)  # type: ignore[arg-type]
     else:
         result = local_train(
             field, scene, local, settings, occupancy, personal_field=personal, hooks=hooks,
@@ -133,6 +135,7 @@ def gradient(call: ClientCall) -> ReplyParts:
     """A gradient query's G_k: the loss gradient at the received aggregate, the global field
     and (when the method declares one) the personal field frozen."""
     config, state = call.config, call.state
+    _check_splats_fit(call)
     scene = _user_views(call).train
     settings = render_config(config, scene)
     personal = None
@@ -145,7 +148,12 @@ def gradient(call: ClientCall) -> ReplyParts:
         load_federated_state(field, received)
         if splats(config):
             return splat_loss_gradient(
-                field, scene, personal, config.scene.personal_density_weight, call.device
+                field,
+                scene,
+                personal,
+                config.scene.personal_density_weight,
+                call.device,
+                config.scene.splat_opacity_weight,
             )  # type: ignore[arg-type]
         return loss_gradient_of(
             field,
@@ -164,6 +172,17 @@ def gradient(call: ClientCall) -> ReplyParts:
 
 
 HALF = ClientHalf("scene", mode="federated", tasks=("scene",), train=train, gradient=gradient)
+
+
+def _check_splats_fit(call: ClientCall) -> None:
+    """A splat run's Gaussians (the shared set, and the personal ones its method keeps) within
+    this node's node-config `max-splats`, before any is built."""
+    config = call.config
+    if splats(config):
+        personal = (
+            config.scene.personal_splat_count if received_method(call.msg).personal_field else 0
+        )
+        check_splat_limit(call.context, config.scene.splat_count, personal)
 
 
 def _user_views(call: ClientCall) -> UserViews:

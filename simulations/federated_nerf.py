@@ -26,7 +26,7 @@ from fedfields.flower.protocol import NUM_REPLIES
 from fedfields.flower.round import RoundOutcome
 from fedfields.render.orbit import ORBIT_FILE, write_gif
 from fedfields.train import save_checkpoint
-from fedfields.train.builders import global_field, render_config
+from fedfields.train.builders import global_field, render_config, splat_relocation
 from fedfields.train.federated import federated_state
 from simulations.job import RoundJob, StrategyReport, reply_counts, run_strategy_job
 from simulations.observers import Observer
@@ -110,7 +110,8 @@ class RoundReport(StrategyReport):
 
 
 def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
-    """The strategy named by run-config, sampling `fraction-train` of the connected nodes."""
+    """The strategy named by run-config, sampling `fraction-train` of the connected nodes; a
+    splat field's relocation (`splat-relocate-every`) refines each round's global."""
     return make_registered_strategy(
         config,
         fraction_train=config.scene.fraction_train,
@@ -124,6 +125,7 @@ def make_strategy(config: FederatedConfig) -> ProtocolStrategy:
         sampling_seed=config.common.seed,
         differential_privacy=config.dp.dp_config(),
         compression=config.compression.compression_config(),
+        refine_global=splat_relocation(config),
     )
 
 

@@ -14,8 +14,8 @@ from typing import Any, Unpack
 from fedfields.config import FederatedConfig
 from fedfields.flower import (
     FedMeNF,
+    MethodOptions,
     ProtocolStrategy,
-    StrategyOptions,
     method_strategy,
 )
 from fedfields.methods import (
@@ -104,7 +104,7 @@ def shared_options(config: FederatedConfig, cls: type[ProtocolStrategy]) -> dict
     return options
 
 
-def make_strategy(config: FederatedConfig, **options: Unpack[StrategyOptions]) -> ProtocolStrategy:
+def make_strategy(config: FederatedConfig, **options: Unpack[MethodOptions]) -> ProtocolStrategy:
     """The run's strategy with its typed settings, the run-config's reply bounds and robust
     rule, and the `options` the job chooses (sampling, secure aggregation, DP)."""
     cls = strategy_class(config.strategy_name)

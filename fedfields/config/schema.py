@@ -126,7 +126,14 @@ SPLATS_UNREAD = (
     "beta-min",
 )
 """Scene keys a splat field does not read: its rates are 3DGS's, its batch one view."""
-SPLAT_KEYS = ("splat-count", "splat-sh-degree", "personal-splat-count")
+SPLAT_KEYS = (
+    "splat-count",
+    "splat-sh-degree",
+    "personal-splat-count",
+    "splat-relocate-every",
+    "splat-min-opacity",
+    "splat-opacity-weight",
+)
 MAX_SPLATS = 1 << 22
 """Most Gaussians in a federated splat set: 4M, about 1 GB of float32 per copy at SH degree 3."""
 MAX_SPLIT_RAYS = 1 << 16
@@ -251,8 +258,23 @@ class SceneSection:
     )
     splat_count: int = key(
         4096,
-        "scene-field splats: Gaussians in the shared set, fixed for the run (the run's seed "
-        "places them uniformly in the scene-bound box)",
+        "scene-field splats: Gaussians in the shared set, their count fixed for the run (the "
+        "run's seed places them uniformly in the scene-bound box)",
+    )
+    splat_relocate_every: int = key(
+        0,
+        "scene-field splats: every this many rounds the server moves the shared set's dead "
+        "Gaussians (opacity at most splat-min-opacity) onto live ones drawn by opacity, "
+        "3DGS-MCMC's relocation, from the aggregate alone; 0: never (docs/SPLATS.md)",
+    )
+    splat_min_opacity: float = key(
+        0.005, "scene-field splats: the opacity at or below which a shared Gaussian is dead"
+    )
+    splat_opacity_weight: float = key(
+        0.0,
+        "scene-field splats: weight of the shared Gaussians' mean opacity in the local loss "
+        "(3DGS-MCMC's opacity regulariser, 0.01 there), so Gaussians no view needs fade and "
+        "relocate",
     )
     splat_sh_degree: int = key(1, "scene-field splats: spherical-harmonic degree of colour, 0-3")
     personal_splat_count: int = key(
@@ -305,6 +327,10 @@ class SceneSection:
         _check(self, ["splat_count", "personal_splat_count"], lambda v: 1 <= v <= MAX_SPLATS,
                f"in [1, {MAX_SPLATS}]")  # fmt: skip
         _check(self, ["splat_sh_degree"], lambda v: 0 <= v <= 3, "in [0, 3]")
+        _check(self, ["splat_relocate_every"], lambda v: 0 <= v <= MAX_COUNT,
+               f"in [0, {MAX_COUNT}]")  # fmt: skip
+        _check(self, ["splat_min_opacity"], lambda v: 0 < v < 1, "in (0, 1)")
+        _check(self, ["splat_opacity_weight"], lambda v: 0 <= v <= 1e3, "in [0, 1000]")
         _check(self, ["local_steps"], lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]")
         _check(self, ["target_samples"], lambda v: 1 <= v <= 1 << 22, "in [1, 4194304]")
         _check(self, ["hash_levels"], lambda v: 1 <= v <= 32, "in [1, 32]")

@@ -10,6 +10,7 @@ renderer's tools work on a splat field too; training renders by rasterisation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -217,3 +218,85 @@ class SplatField(Field):
         options = dict(options)
         options["aabb"] = tuple(options.get("aabb", SplatFieldConfig.aabb))
         return cls(SplatFieldConfig(**options))
+
+
+# --- Structure: 3DGS-MCMC's relocation of dead Gaussians (Kheradmand et al. 2024, sec. 4.2) ---
+
+STATE_PREFIX = "params."
+"""Where a splat field's tensors sit in its `state_dict` (and a federated state's keys)."""
+
+
+def relocation_binomials(most_copies: int) -> Tensor:
+    """[n, n] binomial coefficients C(i, k) for i, k < n, float64 (eq. 9's table)."""
+    table = torch.zeros(most_copies, most_copies, dtype=torch.float64)
+    for i in range(most_copies):
+        for k in range(i + 1):
+            table[i, k] = math.comb(i, k)
+    return table
+
+
+def relocated_opacities_and_scales(
+    opacities: Tensor, scales: Tensor, copies: Tensor
+) -> tuple[Tensor, Tensor]:
+    """3DGS-MCMC's eq. 9: the opacity and scales each of N = `copies` Gaussians at one place
+    take so that together they render as the one they replace:
+    o' = 1 - (1 - o)^(1/N) and s' = o / (sum_{i=1}^{N} sum_{k=0}^{i-1} C(i-1, k) (-1)^k
+    o'^(k+1) / sqrt(k+1)) * s, as gsplat's `relocation` kernel computes it (in float64 here).
+
+    `opacities` [M] in (0, 1), `scales` [M, 3] (not logs), `copies` [M] integers >= 1."""
+    most = int(copies.max())
+    binomials = relocation_binomials(most)
+    opacity = opacities.double()
+    new_opacity = 1.0 - (1.0 - opacity).pow(1.0 / copies.double())
+    k = torch.arange(most, dtype=torch.float64)
+    # term[m, k] = (-1)^k o'^(k+1) / sqrt(k+1); row i-1 of the table sums over k <= i-1
+    terms = (-1.0) ** k / torch.sqrt(k + 1.0) * new_opacity[:, None].pow(k + 1.0)
+    per_row = terms @ binomials.T  # [M, most]: sum_k C(i-1, k) term_k for i = 1..most
+    rows = torch.arange(1, most + 1)[None, :] <= copies[:, None]
+    denominator = (per_row * rows).sum(dim=1)
+    new_scales = (opacity / denominator)[:, None] * scales.double()
+    return new_opacity.to(opacities.dtype), new_scales.to(scales.dtype)
+
+
+@dataclass(frozen=True)
+class Relocation:
+    """What one relocation did: the dead Gaussians (opacity at most the threshold) moved onto
+    live ones, and the live ones they were drawn from."""
+
+    dead: Tensor
+    sources: Tensor
+
+
+def relocate_dead(
+    state: dict[str, Tensor], min_opacity: float, generator: torch.Generator
+) -> tuple[dict[str, Tensor], Relocation]:
+    """A splat state (`STATE_PREFIX` keys, opacities as logits, scales as logs) whose dead
+    Gaussians, opacity <= `min_opacity`, are moved onto live ones drawn with probability
+    proportional to opacity (with replacement, from `generator`), as gsplat's MCMC strategy
+    relocates: each drawn Gaussian and its copies share its place and take eq. 9's opacity
+    and scales (`relocated_opacities_and_scales`), the opacity kept within
+    [`min_opacity`, 1 - eps]. The count and every shape stay; no Gaussian dead or none live:
+    the state as it is. `state` is not changed."""
+    logits = state[STATE_PREFIX + "opacities"]
+    opacities = torch.sigmoid(logits.double())
+    dead_mask = opacities <= min_opacity
+    dead = dead_mask.nonzero().flatten()
+    alive = (~dead_mask).nonzero().flatten()
+    if len(dead) == 0 or len(alive) == 0:
+        return dict(state), Relocation(dead[:0], dead[:0])
+    drawn = torch.multinomial(opacities[alive], len(dead), replacement=True, generator=generator)
+    sources = alive[drawn]
+    copies = torch.bincount(sources, minlength=len(opacities))[sources] + 1
+    new_opacity, new_scales = relocated_opacities_and_scales(
+        opacities[sources], state[STATE_PREFIX + "scales"][sources].double().exp(), copies
+    )
+    eps = torch.finfo(torch.float32).eps
+    new_opacity = new_opacity.clamp(min=min_opacity, max=1.0 - eps)
+    moved = {name: tensor.clone() for name, tensor in state.items()}
+    opacity_key, scale_key = STATE_PREFIX + "opacities", STATE_PREFIX + "scales"
+    moved[opacity_key][sources] = torch.logit(new_opacity).to(logits.dtype)
+    moved[scale_key][sources] = new_scales.log().to(moved[scale_key].dtype)
+    for name in GAUSSIAN_TENSORS:
+        tensor = moved[STATE_PREFIX + name]
+        tensor[dead] = tensor[sources]
+    return moved, Relocation(dead, sources)

@@ -7,6 +7,8 @@ Node-config (a deployed SuperNode's `--node-config`) names everything a node nee
   state-dir                     a node-local directory for the client's private state
   device                        where the node trains and renders: auto (CUDA when visible, the
                                 default), cpu, cuda or cuda:N (`node_device`)
+  max-splats                    the most Gaussians (shared and personal) this node holds; a
+                                splat run above it is refused by name (`check_splat_limit`)
 In simulation Flower passes only partition-id and num-partitions; the launcher then names a
 root in run-config `data-dir` (`state-dir`), and virtual node i takes `<root>/<prefix>_<i:02d>`
 or `_<i:03d>` (`<root>/node_<i:02d>`). The run-config roots are never read by the ServerApp.
@@ -44,6 +46,7 @@ SIMULATION_NODE_CONFIG = frozenset({PARTITION_ID, NUM_PARTITIONS})
 DATA_DIR = "data-dir"
 STATE_DIR = "state-dir"
 DEVICE = "device"
+MAX_SPLATS = "max-splats"
 
 
 def client_index(context: Context) -> int:
@@ -72,6 +75,23 @@ def node_device(context: Context) -> torch.device:
     """
     value = str(context.node_config.get(DEVICE, "auto"))
     return parse_device(value, f"node {context.node_id}: node-config '{DEVICE}'")
+
+
+def check_splat_limit(context: Context, shared: int, personal: int) -> None:
+    """Raise ValueError when a splat run's `shared` + `personal` Gaussians exceed node-config
+    `max-splats` (a node's memory budget; absent: no limit), naming the node, key and counts."""
+    if MAX_SPLATS not in context.node_config:
+        return
+    where = f"node {context.node_id}: node-config '{MAX_SPLATS}'"
+    raw = context.node_config[MAX_SPLATS]
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ValueError(f"{where} must be a positive integer, got {raw!r}")
+    if shared + personal > raw:
+        raise ValueError(
+            f"{where} is {raw}: this run's splat field needs {shared} shared + {personal} "
+            f"personal Gaussians (run-config 'splat-count', 'personal-splat-count'); the node "
+            "refuses it"
+        )
 
 
 def pin_simulated_threads(context: Context) -> None:

@@ -762,6 +762,12 @@ class NodeSampler:
 # are the method's own and the shared `MethodOptions`.
 
 
+RefineGlobal = Callable[[State, int], tuple[State, dict[str, float]]]
+"""A field's structure step over a round's new global before it goes out (a splat field's
+relocation of dead Gaussians), given the round; returns the global and round metrics. It reads
+only the aggregate: post-processing under DP, nothing SecAgg+ hides."""
+
+
 class MethodOptions(StrategyOptions, total=False):
     """`StrategyOptions` plus the robust rule that may replace a method's mean."""
 
@@ -770,6 +776,7 @@ class MethodOptions(StrategyOptions, total=False):
     num_malicious: int
     krum_select: int
     query_timeout: float | None
+    refine_global: RefineGlobal | None
 
 
 class MethodStrategy(ProtocolStrategy):
@@ -816,6 +823,8 @@ class MethodStrategy(ProtocolStrategy):
         krum_select: m, the states Multi-Krum averages (0: n - f).
         query_timeout: seconds to wait for a gradient query's replies; None takes
             `node_timeout` (None there too waits for all).
+        refine_global: a structure step over each new global (`RefineGlobal`), same shapes
+            out as in; None: the method's step is the round's global.
         differential_privacy: client-level DP (`fedfields.privacy.dp.DPConfig`): each
             update clipped to C, uniform weights, N(0, (z C)^2) on the sum (by the server, or
             in shares by the clients under secure aggregation); epsilon is accounted per
@@ -840,6 +849,7 @@ class MethodStrategy(ProtocolStrategy):
         num_malicious: int = 0,
         krum_select: int = 0,
         query_timeout: float | None = None,
+        refine_global: RefineGlobal | None = None,
         **options: Any,
     ) -> None:
         own = method_arguments(self.method_class, options)
@@ -855,6 +865,7 @@ class MethodStrategy(ProtocolStrategy):
         refuse_unsupported(self.strategy_name, method, options)
         super().__init__(**options)
         self.query_timeout = self.node_timeout if query_timeout is None else query_timeout
+        self.refine_global = refine_global
         self.aggregation_rule = checked_rule(
             self.strategy_name, method, aggregation_rule, self.dp is not None,
             self.secure_aggregation is not None,
@@ -955,7 +966,11 @@ class MethodStrategy(ProtocolStrategy):
             if step is not None and step.warning:
                 log(WARNING, "round %d: %s", context.server_round, step.warning)
             return train_round.outcome(None, None if step is None else step.metrics)
-        return train_round.outcome(state_to_arrays(step.new_global), step.metrics)
+        new_global, metrics = step.new_global, step.metrics
+        if self.refine_global is not None:
+            new_global, refined = self.refine_global(new_global, context.server_round)
+            metrics = {**metrics, **refined}
+        return train_round.outcome(state_to_arrays(new_global), metrics)
 
     def step_from_sums(
         self, train_round: Round, replies: Iterable[Message], context: RoundContext

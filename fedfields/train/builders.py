@@ -8,7 +8,7 @@ whatever a node's images or hardware.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -41,6 +41,7 @@ from fedfields.fields import (
     SplatField,
     SplatFieldConfig,
 )
+from fedfields.fields.splats import relocate_dead
 from fedfields.render import RenderConfig
 from fedfields.train.meta import MetaConfig, test_time_optimise
 from fedfields.train.meta_tasks import CoordinateTask, MetaTask, RayTask, coordinate_tasks
@@ -113,6 +114,37 @@ def splat_field(config: FederatedConfig, count: int, seed: int) -> SplatField:
             seed=seed,
         )
     )
+
+
+RELOCATION_STREAM = 1008
+"""The `client_seed` slot of the server's relocation draws: no client has it (clients < 1008)."""
+RELOCATED = "splats-relocated"
+"""Round metric: the shared Gaussians a round's relocation moved (0 on rounds it skips)."""
+
+
+def splat_relocation(
+    config: FederatedConfig,
+) -> Callable[[Mapping[str, Tensor], int], tuple[dict[str, Tensor], dict[str, float]]] | None:
+    """The server's structure step for a splat field (`relocate_dead` every
+    `splat-relocate-every` rounds, its draws seeded by the run's seed and the round), or None
+    when the run never relocates. It reads only the round's aggregate."""
+    every = config.scene.splat_relocate_every
+    if not splats(config) or every == 0:
+        return None
+    min_opacity = config.scene.splat_min_opacity
+
+    def relocate(
+        state: Mapping[str, Tensor], server_round: int
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
+        if server_round % every != 0:
+            return dict(state), {RELOCATED: 0.0}
+        seed = client_seed(config.common.seed, RELOCATION_STREAM, server_round)
+        moved, relocation = relocate_dead(
+            dict(state), min_opacity, torch.Generator().manual_seed(seed)
+        )
+        return moved, {RELOCATED: float(len(relocation.dead))}
+
+    return relocate
 
 
 def splats(config: FederatedConfig) -> bool:

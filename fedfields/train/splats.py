@@ -178,6 +178,7 @@ def local_train_splats(
     config: LocalTrainConfig,
     personal_field: SplatField | None = None,
     hooks: Sequence[ClientHook] = (),
+    opacity_weight: float = 0.0,
 ) -> LocalTrainResult:
     """One round of a federated client on a splat field: `config.steps` steps, each on one
     view drawn from `config.seed`, of 3DGS's L1 loss at 3DGS's rates (one Adam, a group per
@@ -186,6 +187,8 @@ def local_train_splats(
     the user's personal Gaussians render in the same image and train beside the shared ones,
     with `config.personal_density_weight` times their mean opacity added to the loss (NeRF-W's
     transient regulariser, read for splats): what is not the user's own stays cheaper shared.
+    `opacity_weight` times the shared Gaussians' mean opacity joins the loss (3DGS-MCMC's
+    opacity regulariser: Gaussians no view needs fade, and the server's relocation moves them).
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
@@ -209,6 +212,8 @@ def local_train_splats(
         rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
         error = rendered - scene.images[view]
         loss = error.abs().mean()
+        if opacity_weight:
+            loss = loss + opacity_weight * global_field.opacities.mean()
         if personal_field is not None:
             loss = loss + config.personal_density_weight * personal_field.opacities.mean()
         for hook in hooks:
@@ -244,11 +249,12 @@ def splat_loss_gradient(
     personal_field: SplatField | None = None,
     personal_density_weight: float = 0.0,
     device: str | torch.device = "cpu",
+    opacity_weight: float = 0.0,
 ) -> dict[str, Tensor]:
     """DecentNeRF's G_k = dL_k/dg for splats (Algorithm 1, l. 9): the gradient of the local
-    loss, averaged over every view of `scene`, in the shared Gaussians at their current
-    values, both sets frozen; keyed like `federated_state` (CPU float32). No parameter or
-    `.grad` changes."""
+    loss (`local_train_splats`'s, its regularisers included), averaged over every view of
+    `scene`, in the shared Gaussians at their current values, both sets frozen; keyed like
+    `federated_state` (CPU float32). No parameter or `.grad` changes."""
     device = resolve_device(device)
     fields = [global_field] if personal_field is None else [global_field, personal_field]
     for part in fields:
@@ -260,6 +266,8 @@ def splat_loss_gradient(
     for view in range(len(scene)):
         rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
         loss = (rendered - scene.images[view]).abs().mean() / len(scene)
+        if opacity_weight:
+            loss = loss + opacity_weight * global_field.opacities.mean() / len(scene)
         if personal_field is not None:
             loss = loss + personal_density_weight * personal_field.opacities.mean() / len(scene)
         gradients = torch.autograd.grad(loss, list(parameters.values()), allow_unused=True)
