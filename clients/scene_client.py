@@ -23,7 +23,7 @@ import torch
 from clients.client_call import ClientCall, ClientHalf
 from fedfields.config import FederatedConfig
 from fedfields.data import Scene, load_scene
-from fedfields.fields import Field, SplatField
+from fedfields.fields import Field, SplatAppearance, SplatField
 from fedfields.fields.personal import PersonalField
 from fedfields.flower import NodeState
 from fedfields.flower.client_hooks import (
@@ -66,6 +66,7 @@ from fedfields.train.federated import loss_gradient as loss_gradient_of
 from fedfields.train.splats import local_train_splats, splat_loss_gradient
 
 PERSONAL = "personal-field"
+APPEARANCE = "personal-appearance"
 OCCUPANCY = "occupancy"
 OCCUPANCY_UPDATE_EVERY = 32  # a grid refresh costs several local steps; the grid persists per node
 GRADIENT_RAYS = 2048  # pixels behind G_k: enough for its direction, cheap next to training
@@ -98,9 +99,10 @@ def train(call: ClientCall) -> ReplyParts:
         metrics[CLIENT_EVAL] = heldout_psnr(field, views.heldout, settings, call.device, passes)
     occupancy = _occupancy(state, config)
     user = call.client
-    personal = None
+    personal = appearance = None
     if received_method(msg).personal_field:
         personal = _personal_field(state, config, settings, len(scene), user)
+        appearance = _splat_appearance(state, config, len(scene))
     hooks = received_hooks(msg, state)
     local = LocalTrainConfig(
         steps=int(call.round_config.get(LOCAL_STEPS, config.scene.local_steps)),
@@ -116,7 +118,15 @@ def train(call: ClientCall) -> ReplyParts:
     )
     if splats(config):
         weight = config.scene.splat_opacity_weight
-        result = local_train_splats(field, scene, local, personal, hooks, weight)  # type: ignore[arg-type]
+        result = local_train_splats(
+            field,
+            scene,
+            local,
+            personal,
+            hooks,
+            weight,
+            appearance,  # type: ignore[arg-type]
+        )
     else:
         result = local_train(
             field, scene, local, settings, occupancy, personal_field=personal, hooks=hooks,
@@ -127,6 +137,8 @@ def train(call: ClientCall) -> ReplyParts:
     metrics |= {TRAIN_LOSS: result.loss, TRAIN_PSNR: result.psnr, TRAIN_STEPS: result.steps}
     if personal is not None:
         state.put_tensors(PERSONAL, personal.state_dict())
+    if appearance is not None:
+        state.put_tensors(APPEARANCE, appearance.state_dict())
     local_state = federated_state(field)
     return reply_parts(msg, state, local_state, metrics, result.num_examples, result.hook_results)
 
@@ -138,9 +150,10 @@ def gradient(call: ClientCall) -> ReplyParts:
     _check_splats_fit(call)
     scene = _user_views(call).train
     settings = render_config(config, scene)
-    personal = None
+    personal = appearance = None
     if received_method(call.msg).personal_field:
         personal = _personal_field(state, config, settings, len(scene), call.client)
+        appearance = _splat_appearance(state, config, len(scene))
     seed = config.common.seed + call.federated_round()
 
     def loss_gradient(received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,6 +167,7 @@ def gradient(call: ClientCall) -> ReplyParts:
                 config.scene.personal_density_weight,
                 call.device,
                 config.scene.splat_opacity_weight,
+                appearance,
             )  # type: ignore[arg-type]
         return loss_gradient_of(
             field,
@@ -232,6 +246,20 @@ def _personal_field(
     if saved is not None:
         personal.load_state_dict(saved)
     return personal
+
+
+def _splat_appearance(
+    state: NodeState, config: FederatedConfig, num_views: int
+) -> SplatAppearance | None:
+    """The user's per-view colour maps under run-config `splat-appearance` (identity at
+    first), kept on this node; None for other fields or without the key."""
+    if not (splats(config) and config.scene.splat_appearance):
+        return None
+    appearance = SplatAppearance(num_views)
+    saved = state.tensors(APPEARANCE)
+    if saved is not None:
+        appearance.load_state_dict(saved)
+    return appearance
 
 
 def _occupancy(state: NodeState, config: FederatedConfig) -> OccupancyGrid | None:

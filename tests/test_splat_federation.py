@@ -5,6 +5,7 @@ the splat client's loss gradient against one computed another way."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,9 @@ import torch
 from flwr.app import ArrayRecord
 from test_federated_nerf import _run_in_process, tiny
 
-from clients.scene_client import PERSONAL
+from clients.scene_client import APPEARANCE, PERSONAL
 from fedfields.data.scene import load_scene
-from fedfields.fields import SplatField, SplatFieldConfig
+from fedfields.fields import SplatAppearance, SplatField, SplatFieldConfig
 from fedfields.fields.splats import Gaussians
 from fedfields.flower.protocol import arrays_to_state
 from fedfields.methods import ALPHA_KEY
@@ -70,18 +71,23 @@ def test_a_splat_run_federates_under_secagg_with_compressed_uploads_and_download
 def test_decentnerf_splats_keep_the_personal_gaussians_on_the_node(
     crowd_dir: Path, tmp_path: Path
 ) -> None:
-    """DecentNeRF on splats under central DP: each node keeps 64 personal Gaussians, the
-    gradient query and the learned alpha run, epsilon is charged each round, and no reply
-    carries a personal tensor or any tensor beyond the shared set's."""
+    """DecentNeRF on splats under central DP: each node keeps 64 personal Gaussians and a
+    colour map per training view, the gradient query and the learned alpha run, epsilon is
+    charged each round, and no reply carries a personal tensor or any tensor beyond the
+    shared set's."""
     run_dir = tmp_path / "run"
     # z small enough that the noised sum of three alphas stays positive (at z = 1 it need not)
     dp = {"dp-noise-multiplier": 0.01, "dp-clip-norm": 1.0, "dp-max-noise-ratio": 0.0}
-    _, grid = _run_in_process(splat_config(crowd_dir, run_dir, "decentnerf", **dp))
-    kept = [
-        torch.load(node / f"{PERSONAL}.pt", weights_only=True)
-        for node in sorted(run_dir.with_name(run_dir.name + ".nodes").glob("node_*"))
-    ]
-    assert len(kept) == 3 and all(state["params.means"].shape == (64, 3) for state in kept)
+    config = splat_config(crowd_dir, run_dir, "decentnerf", **dp, **{"splat-appearance": True})
+    _, grid = _run_in_process(config)
+    nodes = sorted(run_dir.with_name(run_dir.name + ".nodes").glob("node_*"))
+    splats = [torch.load(node / f"{PERSONAL}.pt", weights_only=True) for node in nodes]
+    maps = [torch.load(node / f"{APPEARANCE}.pt", weights_only=True) for node in nodes]
+    assert len(splats) == 3 and all(state["params.means"].shape == (64, 3) for state in splats)
+    identity = SplatAppearance(1).affine[0]
+    for state in maps:  # the 2 views a user trains on (one of 3 held out), each map trained
+        assert state["affine"].shape == (2, 3, 4) and not torch.equal(state["affine"][0], identity)
+    kept = splats + maps
     shared = set(federated_state(SplatField(SplatFieldConfig(count=256, sh_degree=1))))
     kinds = []
     for reply in grid.received:
@@ -144,6 +150,20 @@ def test_a_node_refuses_a_splat_run_above_its_max_splats(crowd_dir: Path, tmp_pa
 def small_scene(crowd_dir: Path):
     """One user's 2 training views at 25x25."""
     return load_scene(crowd_dir / "user_00", downscale=1).subset([0, 1])
+
+
+def test_a_user_s_appearance_learns_a_darker_view_s_exposure(small_scene) -> None:
+    """Two views, the second photographed at 0.6 of the exposure: seeded local training with
+    per-view colour maps lowers the second map's gain below the first's (the shared
+    Gaussians need not learn the exposure), and the maps start as the identity."""
+    darker = replace(small_scene, images=small_scene.images * torch.tensor([[[[1.0]]], [[[0.6]]]]))
+    appearance = SplatAppearance(2)
+    image = torch.rand(5, 4, 3, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(appearance(image, 1), image)
+    field = SplatField(SplatFieldConfig(count=128, sh_degree=1, seed=3))
+    local_train_splats(field, darker, LocalTrainConfig(steps=60, seed=5), appearance=appearance)
+    gains = appearance.affine.detach()[:, :, :3].diagonal(dim1=1, dim2=2).mean(dim=1)
+    assert float(gains[1]) < float(gains[0]) - 0.02, gains
 
 
 def test_the_splat_loss_gradient_is_the_mean_over_views_of_each_views_gradient(

@@ -133,6 +133,7 @@ SPLAT_KEYS = (
     "splat-relocate-every",
     "splat-min-opacity",
     "splat-opacity-weight",
+    "splat-appearance",
 )
 MAX_SPLATS = 1 << 22
 """Most Gaussians in a federated splat set: 4M, about 1 GB of float32 per copy at SH degree 3."""
@@ -279,6 +280,11 @@ class SceneSection:
     splat_sh_degree: int = key(1, "scene-field splats: spherical-harmonic degree of colour, 0-3")
     personal_splat_count: int = key(
         1024, "scene-field splats: a user's personal Gaussians (DecentNeRF), kept on its node"
+    )
+    splat_appearance: bool = key(
+        False,
+        "scene-field splats: DecentNeRF's users also keep a colour map per view (an affine "
+        "appearance, SplatAppearance) on their node, so exposure stays out of the shared set",
     )
     mlp_samples: int = key(64, "scene-field mlp: stratified samples per ray (paper 64)")
     mlp_importance: int = key(64, "scene-field mlp: hierarchical resamples per ray (paper 64)")

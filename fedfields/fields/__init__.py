@@ -9,7 +9,7 @@ from fedfields.fields.hashgrid import HashGridField, HashGridFieldConfig
 from fedfields.fields.nerf import NeRFField, NeRFFieldConfig
 from fedfields.fields.personal import GlobalPersonalField, PersonalField, PersonalFieldConfig
 from fedfields.fields.siren import Siren, SirenConfig, SirenField
-from fedfields.fields.splats import SplatField, SplatFieldConfig
+from fedfields.fields.splats import SplatAppearance, SplatField, SplatFieldConfig
 
 __all__ = [
     "FIELD_KINDS",
@@ -27,6 +27,7 @@ __all__ = [
     "Siren",
     "SirenConfig",
     "SirenField",
+    "SplatAppearance",
     "SplatField",
     "SplatFieldConfig",
     "build_field",

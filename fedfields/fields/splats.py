@@ -220,6 +220,25 @@ class SplatField(Field):
         return cls(SplatFieldConfig(**options))
 
 
+class SplatAppearance(nn.Module):
+    """Per-view appearance for splats: an affine map of each rendered view's colours,
+    c' = A_v c + b_v (3 x 4 per view, the identity at first), which a user keeps on its node
+    beside its personal Gaussians, as NeRF-W's appearance embedding is kept, so that a view's
+    exposure or white balance is not learnt into the shared Gaussians."""
+
+    def __init__(self, num_views: int) -> None:
+        super().__init__()
+        if num_views < 1:
+            raise ValueError(f"SplatAppearance needs at least one view, got {num_views}")
+        identity = torch.cat([torch.eye(3), torch.zeros(3, 1)], dim=1)
+        self.affine = nn.Parameter(identity.repeat(num_views, 1, 1))
+
+    def forward(self, image: Tensor, view: int) -> Tensor:
+        """`image` [H, W, 3] of view `view` with that view's colour map applied."""
+        matrix = self.affine[view]
+        return image @ matrix[:, :3].T + matrix[:, 3]
+
+
 # --- Structure: 3DGS-MCMC's relocation of dead Gaussians (Kheradmand et al. 2024, sec. 4.2) ---
 
 STATE_PREFIX = "params."

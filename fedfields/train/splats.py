@@ -28,7 +28,7 @@ from torch import Tensor
 
 from fedfields.data.scene import Scene
 from fedfields.devices import resolve_device
-from fedfields.fields.splats import Gaussians, SplatField, SplatFieldConfig
+from fedfields.fields.splats import Gaussians, SplatAppearance, SplatField, SplatFieldConfig
 from fedfields.methods.base import ClientHook, to_wire
 from fedfields.render import RenderConfig
 from fedfields.render.splatting import render_splats
@@ -37,6 +37,8 @@ from fedfields.train.federated import LOSS_WINDOW, LocalTrainConfig, LocalTrainR
 
 LEARNING_RATES = {"means": 1.6e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2, "sh": 2.5e-3}
 """3DGS's Adam learning rates (means times the scene's extent; sh its degree-0 rate)."""
+APPEARANCE_LEARNING_RATE = 1e-3
+"""A user's per-view colour maps (`SplatAppearance`): gsplat's appearance-optimisation rate."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ def local_train_splats(
     personal_field: SplatField | None = None,
     hooks: Sequence[ClientHook] = (),
     opacity_weight: float = 0.0,
+    appearance: SplatAppearance | None = None,
 ) -> LocalTrainResult:
     """One round of a federated client on a splat field: `config.steps` steps, each on one
     view drawn from `config.seed`, of 3DGS's L1 loss at 3DGS's rates (one Adam, a group per
@@ -189,6 +192,8 @@ def local_train_splats(
     transient regulariser, read for splats): what is not the user's own stays cheaper shared.
     `opacity_weight` times the shared Gaussians' mean opacity joins the loss (3DGS-MCMC's
     opacity regulariser: Gaussians no view needs fade, and the server's relocation moves them).
+    With `appearance` each rendered view passes through the user's colour map of that view,
+    trained beside the rest at `APPEARANCE_LEARNING_RATE`.
     """
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
@@ -197,6 +202,9 @@ def local_train_splats(
     for part in fields:
         part.to(device).train()
         groups += rate_groups(part, field_extent(part))
+    if appearance is not None:
+        appearance.to(device).train()
+        groups.append({"params": list(appearance.parameters()), "lr": APPEARANCE_LEARNING_RATE})
     optimiser = torch.optim.Adam(groups, eps=1e-15)
     parameters = dict(global_field.named_parameters())
     for hook in hooks:
@@ -210,6 +218,8 @@ def local_train_splats(
     start = time.perf_counter()
     for view in views:
         rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
+        if appearance is not None:
+            rendered = appearance(rendered, view)
         error = rendered - scene.images[view]
         loss = error.abs().mean()
         if opacity_weight:
@@ -250,6 +260,7 @@ def splat_loss_gradient(
     personal_density_weight: float = 0.0,
     device: str | torch.device = "cpu",
     opacity_weight: float = 0.0,
+    appearance: SplatAppearance | None = None,
 ) -> dict[str, Tensor]:
     """DecentNeRF's G_k = dL_k/dg for splats (Algorithm 1, l. 9): the gradient of the local
     loss (`local_train_splats`'s, its regularisers included), averaged over every view of
@@ -259,12 +270,16 @@ def splat_loss_gradient(
     fields = [global_field] if personal_field is None else [global_field, personal_field]
     for part in fields:
         part.to(device)
+    if appearance is not None:
+        appearance.to(device)
     scene = scene.to(device)
     background = torch.tensor(scene.background, device=device)
     parameters = dict(global_field.named_parameters())
     total = [torch.zeros_like(p) for p in parameters.values()]
     for view in range(len(scene)):
         rendered, _ = render_splats(_gaussians(fields), scene.cameras, view, background)
+        if appearance is not None:
+            rendered = appearance(rendered, view)
         loss = (rendered - scene.images[view]).abs().mean() / len(scene)
         if opacity_weight:
             loss = loss + opacity_weight * global_field.opacities.mean() / len(scene)
