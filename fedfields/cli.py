@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=SplatTrainConfig.initial_count,
         help="--model splats: Gaussians to start from, uniform in the scene box",
     )
+    train_parser.add_argument(
+        "--max-gaussians",
+        type=int,
+        default=SplatTrainConfig.max_gaussians,
+        help="--model splats: the most Gaussians density control may grow to (this machine's "
+        "memory budget); the faintest are pruned above it",
+    )
     budget = train_parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--minutes", type=float, help="wall-clock training budget")
     budget.add_argument("--steps", type=int, help="number of optimisation steps")
@@ -401,6 +408,7 @@ def run_train_splats(args: argparse.Namespace, train_scene: Scene, eval_scene: S
     config = SplatTrainConfig(
         steps=args.steps or SPLAT_MINUTES_STEP_CAP,
         initial_count=args.gaussians,
+        max_gaussians=args.max_gaussians,
         seconds=None if args.minutes is None else 60.0 * args.minutes,
         seed=args.seed,
     )

@@ -88,6 +88,8 @@ def test_the_cli_trains_splats_and_eval_scores_the_checkpoint_the_same(
     assert evaluated["psnr"] == pytest.approx(trained["psnr"]) and evaluated["views"] == 10
     assert main(["train", *common, *flags, "--static-step", "--no-progress"]) == 2
     assert "--static-step and --cuda-graph are for ray-marched" in capsys.readouterr().err
+    assert main(["train", *common, *flags, "--max-gaussians", "400", "--no-progress"]) == 2
+    assert "initial_count 500 is above max_gaussians 400" in capsys.readouterr().err
 
 
 def test_the_lego_bench_runs_splats_and_reports_their_count_and_size(capsys) -> None:
