@@ -303,6 +303,33 @@ def test_fedavg_equals_flower_fedavg_on_identical_replies() -> None:
     )
 
 
+def test_refine_global_post_processes_each_new_global_and_adds_its_metrics() -> None:
+    """A library user's `refine_global` (a field's structure step) gets each round's new
+    global and its round; what it returns is the round's global and its metrics join the
+    round's; its shapes are the method's."""
+    grid = InProcessGrid([fixed_reply_node({ARRAYS: random_state(k)}, {NUM_EXAMPLES: 1.0})
+                          for k in range(2)])  # fmt: skip
+    seen: list[int] = []
+
+    def shift(state, server_round):
+        seen.append(server_round)
+        return {name: tensor + server_round for name, tensor in state.items()}, {"shifted": 1.0}
+
+    plain, refined = FedAvg(min_available_nodes=2), FedAvg(min_available_nodes=2,
+                                                           refine_global=shift)  # fmt: skip
+    arrays = state_to_arrays(random_state(9))
+    results = []
+    for strategy in (plain, refined):
+        replies = list(
+            grid.send_and_receive(strategy.configure_train(3, arrays, ConfigRecord(), grid))
+        )
+        results.append(strategy.aggregate_train(3, replies))
+    (mean, _), (shifted, metrics) = results
+    assert seen == [3] and metrics is not None and metrics["shifted"] == 1.0
+    for key, value in arrays_to_state(mean).items():
+        torch.testing.assert_close(arrays_to_state(shifted)[key], value + 3)
+
+
 def test_fedprox_with_zero_mu_aggregates_as_fedavg_and_sends_mu() -> None:
     grid = InProcessGrid(
         [fixed_reply_node({ARRAYS: random_state(k)}, {NUM_EXAMPLES: k + 1}) for k in range(3)]
