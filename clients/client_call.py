@@ -14,7 +14,13 @@ import torch
 from flwr.app import ConfigRecord, Context, Message
 
 from fedfields.config import FederatedConfig
-from fedfields.flower.node import NodeState, client_index, node_device, pin_simulated_threads
+from fedfields.flower.node import (
+    NodeState,
+    RunAttempt,
+    client_index,
+    node_device,
+    pin_simulated_threads,
+)
 from fedfields.flower.protocol import CONFIG, SERVER_ROUND, ReplyParts
 from strategies import parse_app_config
 
@@ -22,7 +28,8 @@ from strategies import parse_app_config
 @dataclass(frozen=True)
 class ClientCall:
     """A message to this node with what every half reads: the run-config parsed once, the
-    node's private state and device, and the server round (None in split mode's steps)."""
+    node's private state (versioned by the message's round and the run's continuations) and
+    device, and the server round (None in split mode's steps)."""
 
     msg: Message
     context: Context
@@ -39,13 +46,15 @@ class ClientCall:
             raise ValueError(f"node {context.node_id}: the message carries no {CONFIG!r} record")
         round_config = msg.content[CONFIG]
         pin_simulated_threads(context)
+        server_round = int(round_config[SERVER_ROUND]) if SERVER_ROUND in round_config else None
+        attempt = None if server_round is None else RunAttempt.of_config(server_round, round_config)
         return cls(
             msg=msg,
             context=context,
             config=parse_app_config(context.run_config),
-            state=NodeState(context),
+            state=NodeState(context, attempt),
             device=node_device(context),
-            server_round=int(round_config[SERVER_ROUND]) if SERVER_ROUND in round_config else None,
+            server_round=server_round,
         )
 
     @property

@@ -238,6 +238,7 @@ def run_strategy_job(grid: Grid, config: FederatedConfig, job: RoundJob) -> Path
         report.resuming(initial)
         report.history = resumed_history(run_dir, checkpoint.server_round)
         checkpoint.restore(strategy)
+        strategy.continue_after(checkpoint.server_round)
         charge_journal(run_dir, checkpoint.server_round, strategy)
         arrays = checkpoint.arrays()
         log(INFO, "fedfields: resuming %s after round %d", run_dir, checkpoint.server_round)

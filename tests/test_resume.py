@@ -51,6 +51,23 @@ class CrashingGrid(InProcessGrid):
         return super().push_messages(messages)
 
 
+class LateCrashingGrid(InProcessGrid):
+    """An in-process grid whose server 'dies' once the nodes have trained in `crash_round`:
+    every node ran the round's train message and kept its state, the server never summed it."""
+
+    def __init__(self, *args: object, crash_round: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.crash_round = crash_round
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        ids = super().push_messages(messages)
+        crashing = any(m.metadata.group_id == str(self.crash_round) for m in messages)
+        if crashing and any(m.metadata.message_type == "train" for m in messages):
+            raise ServerCrash(f"server killed after the nodes trained in round {self.crash_round}")
+        return ids
+
+
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     """The global model the run ended with (its last round checkpoint)."""
     return load_round_checkpoint(run_dir / RESUME_FILE).state
@@ -138,6 +155,40 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
     straight_alpha = load_round_checkpoint(straight / RESUME_FILE).strategy_state
     resumed_alpha = load_round_checkpoint(tmp_path / "b" / RESUME_FILE).strategy_state
     assert straight_alpha["last-aggregate"] == resumed_alpha["last-aggregate"]
+
+
+def test_a_run_killed_after_its_nodes_trained_continues_as_if_never_stopped(
+    crowd_dir: Path, tmp_path: Path
+) -> None:
+    """DecentNeRF killed in round 2 of 3 after every node trained and wrote its state (personal
+    field, alpha, occupancy), then continued from round 1's checkpoint: each node reads the
+    version the checkpoint kept ("resume-points"), so the replayed round 2 and round 3 end
+    bit for bit where the uninterrupted run ends; twice killed, the same."""
+
+    def config(run_dir: Path, **extra: object) -> dict:
+        return tiny(crowd_dir, run_dir, "decentnerf", **{"num-server-rounds": 3, **extra})
+
+    def grid(config: dict, crash_round: int = 0) -> InProcessGrid:
+        return LateCrashingGrid([client_app(config)] * 3, raise_errors=True,
+                                crash_round=crash_round)  # fmt: skip
+
+    straight = run_federated_nerf(
+        grid(config(tmp_path / "a")), parse_app_config(config(tmp_path / "a")), True
+    )
+    crashed = config(tmp_path / "b")
+    nodes = grid(crashed, crash_round=2)
+    with pytest.raises(ServerCrash):
+        run_federated_nerf(nodes, parse_app_config(crashed), True)
+    nodes.crash_round = 3  # the nodes kept running; a new ServerApp continues, and dies again
+    with pytest.raises(ServerCrash):
+        run_federated_nerf(nodes, parse_app_config(config(tmp_path / "b", resume=True)), True)
+    nodes.crash_round = 0
+    run_federated_nerf(nodes, parse_app_config(config(tmp_path / "b", resume=True)), True)
+
+    assert metric_rounds(tmp_path / "b") == [1, 2, 3]
+    assert_bitwise_equal(final_state(straight), final_state(tmp_path / "b"))
+    sent = [m.content["config"] for m in nodes.sent if m.metadata.message_type == "train"]
+    assert [c.get("resume-points", "") for c in sent][-3:] == ["1,2"] * 3
 
 
 def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:

@@ -19,7 +19,14 @@ from fedfields.config.schema import (
     MetaSection,
     without_ignored_keys,
 )
-from fedfields.flower.node import NodeState, is_simulated, node_data_dir, node_state_dir
+from fedfields.flower.node import (
+    VERSION_KEY,
+    NodeState,
+    RunAttempt,
+    is_simulated,
+    node_data_dir,
+    node_state_dir,
+)
 from strategies import parse_app_config, strategy_settings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "RUN_CONFIG.md"
@@ -532,6 +539,35 @@ def test_a_damaged_node_state_file_is_one_error_naming_it(
     with pytest.raises(ValueError, match=reason) as error:
         read(name.split(".")[0])
     assert str(path) in str(error.value)
+
+
+def test_node_state_versions_follow_the_rounds_the_server_kept(tmp_path: Path) -> None:
+    """Written in rounds 1 and 2 of attempt 0 (the server died in round 2 after round 1's
+    checkpoint): the continued run (resume-points "1") reads round 1's version in round 2 and
+    after, tensors and values alike; its own writes replace the killed round's; an old file
+    without a version reads as it is; a bad stamp is one error naming the file."""
+    node_config = {"data-dir": str(tmp_path / "data"), "state-dir": str(tmp_path / "state")}
+    context = _context(node_config, {})
+
+    def state(server_round: int, points: str = "") -> NodeState:
+        return NodeState(context, RunAttempt.of_config(server_round, {"resume-points": points}))
+
+    for server_round in (1, 2):
+        state(server_round).put_tensors("field", {"w": torch.full((2,), float(server_round))})
+        state(server_round).put_values("alpha", {"alpha": server_round})
+    assert state(3).tensors("field")["w"].tolist() == [2.0, 2.0]  # attempt 0 goes on
+    for server_round in (2, 3):  # continued after round 1: the killed round's is not kept
+        assert state(server_round, "1").tensors("field")["w"].tolist() == [1.0, 1.0]
+        assert state(server_round, "1").values("alpha") == {"alpha": 1}
+    state(2, "1").put_tensors("field", {"w": torch.full((2,), 20.0)})
+    assert state(3, "1").tensors("field")["w"].tolist() == [20.0, 20.0]
+    assert state(3, "1,1").tensors("field")["w"].tolist() == [1.0, 1.0]  # killed again in 2
+    assert state(2, "1").tensors("nothing") is None
+    torch.save({"w": torch.zeros(1)}, tmp_path / "state" / "old.pt")  # before versions
+    assert state(5, "1,3").tensors("old")["w"].tolist() == [0.0]
+    torch.save({"w": torch.zeros(1), VERSION_KEY: torch.zeros(3)}, tmp_path / "state" / "bad.pt")
+    with pytest.raises(ValueError, match="bad.pt is not a readable node state 'bad': a bad ver"):
+        state(1).tensors("bad")
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,13 @@ from torch import Tensor
 
 from fedfields import atomic
 from fedfields.devices import parse_device
-from fedfields.flower.protocol import USER_KEY, USER_RECORD, arrays_to_state, state_to_arrays
+from fedfields.flower.protocol import (
+    RESUME_POINTS,
+    USER_KEY,
+    USER_RECORD,
+    arrays_to_state,
+    state_to_arrays,
+)
 
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
@@ -144,68 +151,162 @@ def node_state_dir(context: Context) -> Path | None:
     return None
 
 
+VERSION_KEY = "fedfields.state-version"
+"""Where a state file holds the (round, attempt) that wrote it: an int64 pair among its
+tensors, a two-item list in its JSON; stripped when read."""
+
+
+@dataclass(frozen=True)
+class RunAttempt:
+    """The round a message belongs to and the run's continuations so far: each entry of
+    `resume_points` is the round a continuation started after (`RESUME_POINTS`); the
+    attempt is their count (0 before any)."""
+
+    server_round: int
+    resume_points: tuple[int, ...] = ()
+
+    @classmethod
+    def of_config(cls, server_round: int, config: Mapping[str, Any]) -> RunAttempt:
+        """From a message's "server-round" and its "resume-points" entry (absent: none)."""
+        text = str(config.get(RESUME_POINTS, ""))
+        return cls(server_round, tuple(int(part) for part in text.split(",") if part))
+
+    @property
+    def attempt(self) -> int:
+        return len(self.resume_points)
+
+    def keeps(self, version: tuple[int, int] | None) -> bool:
+        """Whether a state version written in (round, attempt) `version` is one the server's
+        checkpoints kept: this attempt's up to this round; an earlier attempt's up to the
+        round every later continuation started after (what a killed round wrote is not).
+        An unversioned file (written before versions, or in split mode) is kept."""
+        if version is None:
+            return True
+        written_round, written_attempt = version
+        if written_attempt == self.attempt:
+            return written_round <= self.server_round
+        if written_attempt > self.attempt:
+            return False
+        return written_round <= min(self.resume_points[written_attempt:])
+
+
 class NodeState:
     """A client's private state, kept on its node: files in its state directory, if it has
     one, else Flower's per-node `context.state` (in memory, simulation only).
 
     Tensors are saved one dict per name (`<name>.pt`), small values as JSON (`<name>.json`),
-    each written atomically so a crash never leaves half a file.
+    each written atomically so a crash never leaves half a file. Given the message's
+    `RunAttempt`, each file also holds the round and attempt that wrote it, and the version
+    it replaces from an earlier round stays as `<name>.prev.pt` (`.prev.json`): a node that
+    finished a round the server then died in and did not keep reads the version before it
+    when the run continues, so a continued run is the run never stopped.
     """
 
-    def __init__(self, context: Context) -> None:
+    def __init__(self, context: Context, attempt: RunAttempt | None = None) -> None:
         self.context = context
+        self.attempt = attempt
         self.directory = node_state_dir(context)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def tensors(self, name: str) -> dict[str, Tensor] | None:
-        """The tensor dict saved under `name`, or None; ValueError naming the file when it is
-        cut short or damaged (not a dict of named tensors)."""
+        """The tensor dict saved under `name` (its newest version this run kept), or None;
+        ValueError naming the file when it is cut short or damaged (not named tensors)."""
         if self.directory is None:
             record = self.context.state.get(name)
             return arrays_to_state(record) if record is not None else None
+        for path in self._versions(name, "pt"):
+            tensors, version = self._read_tensors(path, name)
+            if self.attempt is None or self.attempt.keeps(version):
+                return tensors
+        return None
+
+    def put_tensors(self, name: str, tensors: Mapping[str, Tensor]) -> None:
+        """Keep `tensors` under `name` (the version this round's attempt wrote)."""
+        if self.directory is None:
+            self.context.state[name] = state_to_arrays(dict(tensors))
+            return
+        tensors = {key: value.detach().cpu() for key, value in tensors.items()}
         path = self.directory / f"{name}.pt"
-        if not path.is_file():
-            return None
+        if self.attempt is not None:
+            if path.is_file():
+                self._keep_previous(path, self._read_tensors(path, name)[1])
+            stamp = (self.attempt.server_round, self.attempt.attempt)
+            tensors[VERSION_KEY] = torch.tensor(stamp, dtype=torch.int64)
+        atomic.save_torch(path, tensors)
+
+    def values(self, name: str) -> dict[str, Any] | None:
+        """The JSON-able dict saved under `name` (its newest version this run kept), or None;
+        ValueError naming the file when it is cut short or damaged (not a JSON object)."""
+        if self.directory is None:
+            record = self.context.state.get(name)
+            return json.loads(str(record["json"])) if record is not None else None
+        for path in self._versions(name, "json"):
+            values, version = self._read_values(path, name)
+            if self.attempt is None or self.attempt.keeps(version):
+                return values
+        return None
+
+    def put_values(self, name: str, values: Mapping[str, Any]) -> None:
+        """Keep the JSON-able `values` under `name` (the version this round's attempt wrote)."""
+        values = dict(values)
+        if self.directory is None:
+            self.context.state[name] = ConfigRecord({"json": json.dumps(values)})
+            return
+        path = self.directory / f"{name}.json"
+        if self.attempt is not None:
+            if path.is_file():
+                self._keep_previous(path, self._read_values(path, name)[1])
+            values[VERSION_KEY] = [self.attempt.server_round, self.attempt.attempt]
+        atomic.write_text(path, json.dumps(values))
+
+    def _versions(self, name: str, suffix: str) -> list[Path]:
+        """`name`'s files, newest first: the current version, then the one before it."""
+        assert self.directory is not None
+        paths = (self.directory / f"{name}.{suffix}", self.directory / f"{name}.prev.{suffix}")
+        return [path for path in paths if path.is_file()]
+
+    def _keep_previous(self, path: Path, version: tuple[int, int] | None) -> None:
+        """Before a new version replaces `path`: if it is a version this run kept from an
+        earlier round, it becomes `<name>.prev`; one of this round's (a second write) or one a
+        killed round left is overwritten, and the `.prev` beside it stays."""
+        assert self.attempt is not None
+        if not self.attempt.keeps(version):
+            return
+        if version is not None and version == (self.attempt.server_round, self.attempt.attempt):
+            return
+        os.replace(path, path.with_name(f"{path.stem}.prev{path.suffix}"))
+
+    @staticmethod
+    def _read_tensors(path: Path, name: str) -> tuple[dict[str, Tensor], tuple[int, int] | None]:
         tensors = atomic.load_torch(path, f"node state {name!r}")
         if not isinstance(tensors, dict) or not all(
             isinstance(key, str) and isinstance(value, Tensor) for key, value in tensors.items()
         ):
             raise ValueError(f"{path} is not a readable node state {name!r}: not named tensors")
-        return tensors
+        stamp = tensors.pop(VERSION_KEY, None)
+        if stamp is None:
+            return tensors, None
+        if stamp.shape != (2,) or stamp.dtype != torch.int64:
+            raise ValueError(f"{path} is not a readable node state {name!r}: a bad version stamp")
+        return tensors, (int(stamp[0]), int(stamp[1]))
 
-    def put_tensors(self, name: str, tensors: Mapping[str, Tensor]) -> None:
-        """Keep `tensors` under `name`."""
-        if self.directory is None:
-            self.context.state[name] = state_to_arrays(dict(tensors))
-            return
-        tensors = {key: value.detach().cpu() for key, value in tensors.items()}
-        atomic.save_torch(self.directory / f"{name}.pt", tensors)
-
-    def values(self, name: str) -> dict[str, Any] | None:
-        """The JSON-able dict saved under `name`, or None; ValueError naming the file when it
-        is cut short or damaged (not a JSON object)."""
-        if self.directory is None:
-            record = self.context.state.get(name)
-            return json.loads(str(record["json"])) if record is not None else None
-        path = self.directory / f"{name}.json"
-        if not path.is_file():
-            return None
+    @staticmethod
+    def _read_values(path: Path, name: str) -> tuple[dict[str, Any], tuple[int, int] | None]:
         try:
             values = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{path} is not a readable node state {name!r}: {error}") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} is not a readable node state {name!r}: not a JSON object")
-        return values
-
-    def put_values(self, name: str, values: Mapping[str, Any]) -> None:
-        """Keep the JSON-able `values` under `name`."""
-        text = json.dumps(dict(values))
-        if self.directory is None:
-            self.context.state[name] = ConfigRecord({"json": text})
-            return
-        atomic.write_text(self.directory / f"{name}.json", text)
+        stamp = values.pop(VERSION_KEY, None)
+        if stamp is None:
+            return values, None
+        if not (
+            isinstance(stamp, list) and len(stamp) == 2 and all(isinstance(v, int) for v in stamp)
+        ):
+            raise ValueError(f"{path} is not a readable node state {name!r}: a bad version stamp")
+        return values, (stamp[0], stamp[1])
 
 
 USER = "user"

@@ -76,6 +76,10 @@ handler `@app.query("gradient")`)."""
 
 # ------------------------------------------------------------------ train config keys
 STRATEGY = "strategy"
+RESUME_POINTS = "resume-points"
+"""Train-config entry of a run continued from its checkpoint: the round each continuation
+started after, comma-separated in order (absent before the first), so a node keeps only the
+state versions the server's checkpoint kept (`fedfields.flower.node.RunAttempt`)."""
 
 COMPRESSION = "compression"
 """The scheme replies compress their ARRAYS update with ("lowrank", "quantise", "topk";

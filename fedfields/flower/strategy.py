@@ -45,6 +45,7 @@ from fedfields.flower.protocol import (
     NON_FINITE_AGGREGATE,
     NUM_EXAMPLES,
     NUM_REPLIES,
+    RESUME_POINTS,
     SERVER_ROUND,
     STRATEGY,
     USER_KEY_MESSAGE_TYPE,
@@ -376,6 +377,9 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         self.rounds_started = 0
         self.rounds_aggregated = 0
         """Rounds that formed an aggregate, over the whole run (resumed runs included)."""
+        self.resume_points: list[int] = []
+        """The round each continuation of this run started after (`continue_after`), sent as
+        "resume-points" so nodes read only the state versions the checkpoints kept."""
         checks = (self.weight_metric, self.min_train_nodes)
         self.privacy = RoundPrivacy.of_strategy(
             differential_privacy, secure_aggregation, self.dp_sums_per_round, self.dp_delta_scale,
@@ -403,7 +407,13 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
             own[LOCAL_STEPS] = self.local_steps
         if self.secure_aggregation is not None:
             own |= self.sum_rules().secure_config(self.privacy)
+        if self.resume_points:
+            own[RESUME_POINTS] = ",".join(str(point) for point in self.resume_points)
         return own
+
+    def continue_after(self, server_round: int) -> None:
+        """This run continues from its checkpoint of `server_round` (after `restore_state`)."""
+        self.resume_points.append(server_round)
 
     def sum_rules(self) -> SumRules:
         """How this strategy's replies are summed (`weight_metric`, `delta_records`, ...)."""
@@ -552,6 +562,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         state: dict[str, Any] = {
             "rounds-started": self.rounds_started,
             "rounds-aggregated": self.rounds_aggregated,
+            "resume-points": list(self.resume_points),
         }
         if self.privacy is not None:
             state |= self.privacy.resumable_state()
@@ -565,6 +576,7 @@ class ProtocolStrategy(RunConfigured, FederatedEvaluation):
         accountant's state (ValueError without it: its epsilon would restart at 0)."""
         self.rounds_started = int(state["rounds-started"])
         self.rounds_aggregated = int(state.get("rounds-aggregated", 1))
+        self.resume_points = [int(point) for point in state.get("resume-points", [])]
         if self.privacy is not None:
             self.privacy.restore(state)
         if self.downloads is not None:
