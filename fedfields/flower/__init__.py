@@ -9,8 +9,8 @@ side: `received_method`, `received_hooks`, `reply_parts` and `keep_results` (the
 message names, its client hooks: a loss term, a gradient correction; its reply: the local
 state or the method's transform of it, with the records and state they leave),
 `answer_gradient_query` (a gradient query's G_k), `DecentNeRFClient` (a user's alpha_k and
-its alpha-weighted reply), `meta_train_parts` (FedMeNF's LocalUpdate),
-`NodeState` (a node's private state), `answer_user_key` (the node's answer to
+its alpha-weighted reply), `meta_train_parts` (FedMeNF's LocalUpdate), `NodeState` (a
+node's private state, versioned by `RunAttempt`), `answer_user_key` (the node's answer to
 `USER_KEY_ACTION`: which user it is), `secure_aggregation_mod` (Flower SecAgg+ for every
 strategy) and `compressed_download_mod` (rebuilds a compressed download's global before the
 handler). The `*_parts` functions (`reply_parts`, `gradient_parts`, `meta_train_parts`)
@@ -32,7 +32,7 @@ from fedfields.flower.client_hooks import (
 from fedfields.flower.compressed_downloads import compressed_download_mod
 from fedfields.flower.decentnerf import DecentNeRFClient
 from fedfields.flower.fedmenf import FedMeNF, m_of_n_sampling, meta_train_parts
-from fedfields.flower.node import NodeState, answer_user_key, client_index
+from fedfields.flower.node import NodeState, RunAttempt, answer_user_key, client_index
 from fedfields.flower.protocol import USER_KEY_ACTION
 from fedfields.flower.secure_aggregation import secure_aggregation_mod
 from fedfields.flower.strategy import (
@@ -87,6 +87,7 @@ __all__ = [
     "MethodOptions",
     "MethodStrategy",
     "NodeState",
+    "RunAttempt",
     "ProtocolStrategy",
     "Scaffold",
     "StrategyOptions",
