@@ -8,7 +8,7 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -124,6 +124,29 @@ def test_meta_run_killed_after_round_3_of_6_resumes_to_the_same_model(tmp_path: 
     assert (tmp_path / "crashed" / "summary.json").is_file()
 
 
+def straight_then_crashed(
+    crowd_dir: Path, tmp_path: Path, rounds: int, grid_class: type
+) -> tuple[Callable[..., dict], Path, InProcessGrid]:
+    """DecentNeRF (`tiny`) for `rounds` rounds straight in tmp_path/a, then in tmp_path/b on a
+    `grid_class` grid whose server dies in round 2: the config maker, the straight run's
+    directory and the crashed run's grid (its nodes alive)."""
+
+    def config(run_dir: Path, **extra: object) -> dict:
+        return tiny(crowd_dir, run_dir, "decentnerf", **{"num-server-rounds": rounds, **extra})
+
+    def grid(run_dir: Path, crash_round: int) -> InProcessGrid:
+        app = client_app(config(run_dir))
+        return grid_class([app] * 3, raise_errors=True, crash_round=crash_round)
+
+    straight = run_federated_nerf(
+        grid(tmp_path / "a", 0), parse_app_config(config(tmp_path / "a")), True
+    )
+    nodes = grid(tmp_path / "b", 2)
+    with pytest.raises(ServerCrash):
+        run_federated_nerf(nodes, parse_app_config(config(tmp_path / "b")), True)
+    return config, straight, nodes
+
+
 def test_decentnerf_resume_continues_alpha_and_bookkeeping(
     crowd_dir: Path,
     tmp_path: Path,
@@ -132,19 +155,7 @@ def test_decentnerf_resume_continues_alpha_and_bookkeeping(
     and fields in its state directory): killed at round 2 of 2 and resumed, it ends where the
     uninterrupted run ends, bit for bit, and a round the crash cut short is not in the metrics."""
 
-    def config(run_dir: Path, **extra: object) -> dict:
-        return tiny(crowd_dir, run_dir, "decentnerf", **{"num-server-rounds": 2, **extra})
-
-    def grid(config: dict, crash_round: int = 0) -> InProcessGrid:
-        return CrashingGrid([client_app(config)] * 3, raise_errors=True, crash_round=crash_round)
-
-    straight = run_federated_nerf(
-        grid(config(tmp_path / "a")), parse_app_config(config(tmp_path / "a")), True
-    )
-    crashed = config(tmp_path / "b")
-    nodes = grid(crashed, crash_round=2)
-    with pytest.raises(ServerCrash):
-        run_federated_nerf(nodes, parse_app_config(crashed), True)
+    config, straight, nodes = straight_then_crashed(crowd_dir, tmp_path, 2, CrashingGrid)
     with (tmp_path / "b" / "metrics.jsonl").open("a") as out:  # a line the crash left behind
         out.write(json.dumps({"round": 2, "half-written": True}) + "\n")
     nodes.crash_round = 0  # the nodes kept running; a new ServerApp resumes
@@ -165,20 +176,7 @@ def test_a_run_killed_after_its_nodes_trained_continues_as_if_never_stopped(
     version the checkpoint kept ("resume-points"), so the replayed round 2 and round 3 end
     bit for bit where the uninterrupted run ends; twice killed, the same."""
 
-    def config(run_dir: Path, **extra: object) -> dict:
-        return tiny(crowd_dir, run_dir, "decentnerf", **{"num-server-rounds": 3, **extra})
-
-    def grid(config: dict, crash_round: int = 0) -> InProcessGrid:
-        return LateCrashingGrid([client_app(config)] * 3, raise_errors=True,
-                                crash_round=crash_round)  # fmt: skip
-
-    straight = run_federated_nerf(
-        grid(config(tmp_path / "a")), parse_app_config(config(tmp_path / "a")), True
-    )
-    crashed = config(tmp_path / "b")
-    nodes = grid(crashed, crash_round=2)
-    with pytest.raises(ServerCrash):
-        run_federated_nerf(nodes, parse_app_config(crashed), True)
+    config, straight, nodes = straight_then_crashed(crowd_dir, tmp_path, 3, LateCrashingGrid)
     nodes.crash_round = 3  # the nodes kept running; a new ServerApp continues, and dies again
     with pytest.raises(ServerCrash):
         run_federated_nerf(nodes, parse_app_config(config(tmp_path / "b", resume=True)), True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,6 +156,10 @@ VERSION_KEY = "fedfields.state-version"
 tensors, a two-item list in its JSON; stripped when read."""
 
 
+Versioned = tuple[Any, tuple[int, int] | None]
+"""A state file's content and the (round, attempt) that wrote it (None: unversioned)."""
+
+
 @dataclass(frozen=True)
 class RunAttempt:
     """The round a message belongs to and the run's continuations so far: each entry of
@@ -215,11 +219,7 @@ class NodeState:
         if self.directory is None:
             record = self.context.state.get(name)
             return arrays_to_state(record) if record is not None else None
-        for path in self._versions(name, "pt"):
-            tensors, version = self._read_tensors(path, name)
-            if self.attempt is None or self.attempt.keeps(version):
-                return tensors
-        return None
+        return self._newest_kept(name, "pt", self._read_tensors)
 
     def put_tensors(self, name: str, tensors: Mapping[str, Tensor]) -> None:
         """Keep `tensors` under `name` (the version this round's attempt wrote)."""
@@ -241,11 +241,7 @@ class NodeState:
         if self.directory is None:
             record = self.context.state.get(name)
             return json.loads(str(record["json"])) if record is not None else None
-        for path in self._versions(name, "json"):
-            values, version = self._read_values(path, name)
-            if self.attempt is None or self.attempt.keeps(version):
-                return values
-        return None
+        return self._newest_kept(name, "json", self._read_values)
 
     def put_values(self, name: str, values: Mapping[str, Any]) -> None:
         """Keep the JSON-able `values` under `name` (the version this round's attempt wrote)."""
@@ -259,6 +255,19 @@ class NodeState:
                 self._keep_previous(path, self._read_values(path, name)[1])
             values[VERSION_KEY] = [self.attempt.server_round, self.attempt.attempt]
         atomic.write_text(path, json.dumps(values))
+
+    def _newest_kept(
+        self,
+        name: str,
+        suffix: str,
+        read: Callable[[Path, str], tuple[Any, tuple[int, int] | None]],
+    ) -> Any:
+        """The content of `name`'s newest version this attempt keeps (all: without one)."""
+        for path in self._versions(name, suffix):
+            content, version = read(path, name)
+            if self.attempt is None or self.attempt.keeps(version):
+                return content
+        return None
 
     def _versions(self, name: str, suffix: str) -> list[Path]:
         """`name`'s files, newest first: the current version, then the one before it."""
