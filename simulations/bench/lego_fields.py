@@ -60,11 +60,16 @@ def run_splats(minutes: float, train_scene, test_scene, device: str) -> dict:
     """Splats (`fedfields.train.splats`: the torch rasteriser on CPU, gsplat's on CUDA) for
     `minutes` on `device`, scored like the others; the count and bytes of their Gaussians."""
     config = SplatTrainConfig(steps=30_000, seconds=60.0 * minutes)
-    field = train_splats(train_scene, config, device=resolve_device(device))
+    steps: list[int] = []
+    field = train_splats(
+        train_scene, config, on_step=lambda step, *_: steps.append(step),
+        device=resolve_device(device),
+    )  # fmt: skip
     render_config = splat_render_config(train_scene)
     evaluation = evaluate(field, test_scene, render_config, None, progress=False)
     return {
         "model": "splats",
+        "steps": len(steps),
         "psnr": round(evaluation.psnr, 2),
         "ssim": round(evaluation.ssim, 4),
         "lpips": evaluation.lpips,
