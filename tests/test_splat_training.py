@@ -29,7 +29,8 @@ def test_splats_learn_the_lego_and_density_control_changes_the_gaussians(lego_ti
     3 dB above an untrained field's; densification and pruning ran (the count moved)."""
     train, held_out = lego_tiny
     config = SplatTrainConfig(steps=80, initial_count=500, sh_degree=1, sh_degree_every=40,
-                              refine_start=20, refine_every=20, reset_every=10_000)  # fmt: skip
+                              refine_start=20, refine_every=20, reset_every=10_000,
+                              refine_fraction=1.0)  # fmt: skip
     log: list[tuple[int, float, int]] = []
     field = train_splats(train, config, on_step=lambda *entry: log.append(entry))
     losses = [loss for _, loss, _ in log]
@@ -44,7 +45,8 @@ def test_splats_learn_the_lego_and_density_control_changes_the_gaussians(lego_ti
 def test_a_node_s_gaussian_cap_holds_through_densification(lego_tiny) -> None:
     train, _ = lego_tiny
     config = SplatTrainConfig(steps=45, initial_count=400, max_gaussians=420, sh_degree=0,
-                              refine_start=10, refine_every=10, reset_every=10_000)  # fmt: skip
+                              refine_start=10, refine_every=10, reset_every=10_000,
+                              refine_fraction=1.0)  # fmt: skip
     counts: list[int] = []
     train_splats(train, config, on_step=lambda step, loss, count: counts.append(count))
     assert max(counts) <= 420
@@ -53,7 +55,8 @@ def test_a_node_s_gaussian_cap_holds_through_densification(lego_tiny) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [({"steps": 0}, "steps must be >= 1"), ({"initial_count": 10, "max_gaussians": 5},
-     "initial_count 10 is above max_gaussians 5")],
+     "initial_count 10 is above max_gaussians 5"),
+     ({"refine_fraction": 1.5}, "refine_fraction must be in \\[0, 1\\], got 1.5")],
 )  # fmt: skip
 def test_bad_splat_training_settings_are_refused_by_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -5,8 +5,11 @@ takes an L1 photometric loss (3DGS eq. 7 without its D-SSIM term) with one Adam 
 3DGS's learning rates (means scaled by the scene's extent). gsplat's `DefaultStrategy` (the
 3DGS paper's adaptive density control: clone small and split large Gaussians whose mean
 view-space gradient passes its threshold, prune faint and huge ones, reset opacities) grows
-and prunes the field in place; `max_gaussians` caps the count a node holds. The SH degree
-in use rises by one every `sh_degree_every` steps, as in 3DGS.
+and prunes the field in place for the first `refine_fraction` of the run (of its steps, or of
+its seconds when a wall-clock budget ends it first: 3DGS refines for 15,000 of 30,000 steps,
+and Gaussians added at the end of a run would go out untrained); `max_gaussians` caps the
+count a node holds. The SH degree in use rises by one every `sh_degree_every` steps, as in
+3DGS.
 
 A federated client trains the shared set without changing its structure
 (`local_train_splats`: every node's tensors keep the server's shapes, so every strategy that
@@ -53,6 +56,7 @@ class SplatTrainConfig:
     refine_start: int = 500
     refine_every: int = 100
     reset_every: int = 3000
+    refine_fraction: float = 0.5  # density control for this part of the run, as 3DGS's 15k of 30k
     seed: int = 0
     seconds: float | None = None  # wall-clock budget: stop after the step that passes it
 
@@ -60,6 +64,8 @@ class SplatTrainConfig:
         for name in ("steps", "initial_count", "max_gaussians", "refine_every", "reset_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"splat training's {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.refine_fraction <= 1.0:
+            raise ValueError(f"refine_fraction must be in [0, 1], got {self.refine_fraction}")
         if self.initial_count > self.max_gaussians:
             raise ValueError(
                 f"initial_count {self.initial_count} is above max_gaussians {self.max_gaussians}"
@@ -118,14 +124,17 @@ def train_splats(
         refine_start_iter=config.refine_start,
         refine_every=config.refine_every,
         reset_every=config.reset_every,
-        refine_stop_iter=config.steps,
+        refine_stop_iter=int(config.refine_fraction * config.steps),
     )
     state = strategy.initialize_state(scene_scale=extent)
     background = torch.tensor(scene.background, device=field.means.device)
     start = time.perf_counter()
     for step in range(config.steps):
-        if config.seconds is not None and time.perf_counter() - start > config.seconds:
+        elapsed = time.perf_counter() - start
+        if config.seconds is not None and elapsed > config.seconds:
             break
+        if config.seconds is not None and elapsed > config.refine_fraction * config.seconds:
+            strategy.refine_stop_iter = min(strategy.refine_stop_iter, step)
         view = draw.randrange(len(scene))
         info: dict = {}
         degree = min(config.sh_degree, step // config.sh_degree_every)
