@@ -4,12 +4,12 @@ Each step renders one random training view (`fedfields.render.splatting.render_s
 takes an L1 photometric loss (3DGS eq. 7 without its D-SSIM term) with one Adam per tensor at
 3DGS's learning rates (means scaled by the scene's extent). gsplat's `DefaultStrategy` (the
 3DGS paper's adaptive density control: clone small and split large Gaussians whose mean
-view-space gradient passes its threshold, prune faint and huge ones, reset opacities) grows
-and prunes the field in place for the first `refine_fraction` of the run (of its steps, or of
-its seconds when a wall-clock budget ends it first: 3DGS refines for 15,000 of 30,000 steps,
-and Gaussians added at the end of a run would go out untrained); `max_gaussians` caps the
-count a node holds. The SH degree in use rises by one every `sh_degree_every` steps, as in
-3DGS.
+view-space gradient passes its threshold, prune faint and huge ones; its opacity reset never
+fires in gsplat 1.5.3, whose test of the step is always false) grows and prunes the field in
+place for the first `refine_fraction` of the run (of its steps, or of its seconds when a
+wall-clock budget ends it first: 3DGS refines for 15,000 of 30,000 steps, and Gaussians
+added at the end of a run would go out untrained); `max_gaussians` caps the count a node
+holds. The SH degree in use rises by one every `sh_degree_every` steps, as in 3DGS.
 
 A federated client trains the shared set without changing its structure
 (`local_train_splats`: every node's tensors keep the server's shapes, so every strategy that
