@@ -162,12 +162,13 @@ def _pixel_pairs(projected: Projected, width: int, height: int) -> _PixelPairs:
     high = torch.minimum(high, torch.tensor([width - 1, height - 1]).to(high))
     spans = (high - low + 1).clamp(min=0).long()  # [V, 2] columns and rows each one covers
     counts = spans[:, 0] * spans[:, 1]
-    owner = torch.repeat_interleave(torch.arange(len(order)), counts)
+    device = counts.device
+    owner = torch.repeat_interleave(torch.arange(len(order), device=device), counts)
     first = torch.cumsum(counts, 0) - counts
     # one gather per pair of its Gaussian's box: first pair, left, top, columns spanned
     box = torch.stack([first, low[:, 0].long(), low[:, 1].long(), spans[:, 0]], dim=-1)
     first, left, top, across = box.index_select(0, owner).unbind(-1)
-    within = torch.arange(owner.shape[0]) - first
+    within = torch.arange(owner.shape[0], device=device) - first
     rows = top + torch.div(within, across, rounding_mode="floor")
     columns = left + within % across
     pixels, by_pixel = torch.sort(rows * width + columns, stable=True)  # keeps depth order
