@@ -201,6 +201,16 @@ def test_the_rasteriser_s_own_backward_equals_autograd_through_every_pixel() -> 
         torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-11)
 
 
+def test_with_no_gaussian_in_view_the_image_is_the_background_and_gradients_are_zero() -> None:
+    projected, colours, opacities = random_projected(5, 10, 8, seed=0)
+    means2d = projected.means2d.clone().requires_grad_()
+    culled = Projected(means2d, projected.conics, projected.depths, projected.radii * 0)
+    image, alpha = rasterise(culled, colours, opacities, 10, 8, torch.tensor([0.2, 0.4, 0.6]))
+    (image.sum() + alpha.sum()).backward()
+    assert torch.equal(image, torch.tensor([0.2, 0.4, 0.6]).expand(8, 10, 3))
+    assert not alpha.any() and not means2d.grad.any()
+
+
 def test_the_rendered_image_s_gradients_equal_finite_differences() -> None:
     """Three Gaussians over 16 x 12 pixels in float64: autograd's gradients of colour and alpha
     in every mean, quaternion, log-scale, opacity logit and SH coefficient equal central
