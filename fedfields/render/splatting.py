@@ -185,13 +185,13 @@ def _pixel_pairs(projected: Projected, width: int, height: int) -> _PixelPairs:
 
 
 def _segment_sums(values: Tensor, pairs: _PixelPairs) -> tuple[Tensor, Tensor]:
-    """Float64 running sums of per-pair `values` [M] within each pixel: inclusive prefix
-    sums, and each pair's pixel total."""
+    """Float64 sums of per-pair `values` [M] within each pixel: [M] inclusive running sums
+    and [H * W] pixel totals."""
     running = torch.cumsum(values.double(), 0)
     padded = torch.cat([running.new_zeros(1), running])
-    totals = padded[pairs.last + 1]  # the running sum at each pixel's last pair
-    base = torch.cat([totals.new_zeros(1), totals[:-1]])  # ... at the pixel before it
-    return running - base[pairs.pixels], (totals - base)[pairs.pixels]
+    ends = padded[pairs.last + 1]  # the running sum at each pixel's last pair
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # ... at the pixel before it
+    return running - starts[pairs.pixels], ends - starts
 
 
 def _sums(values: Tensor, index: Tensor, count: int) -> Tensor:
@@ -253,7 +253,7 @@ class _Rasterise(torch.autograd.Function):
         # d out / d weight_i; the weights j behind i in its pixel hold (1 - alpha_i)
         per_weight = (pixel_grads[:, :-1] * colours).sum(-1) + pixel_grads[:, -1]
         running, totals = _segment_sums(weights * per_weight, pairs)
-        behind = (totals - running).to(weights)
+        behind = (totals[pairs.pixels] - running).to(weights)
         grad_alpha = before * per_weight - behind / (1.0 - alpha)
         grad_unclamped = torch.where(moving, grad_alpha, 0.0) * kernel
         a, b, c, opacity = gathered[:, 2:6].unbind(-1)
