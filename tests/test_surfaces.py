@@ -511,3 +511,53 @@ def test_invalid_primitives_are_rejected() -> None:
         Sphere((0, 0, 0), 0.0)
     with pytest.raises(ValueError, match="texture"):
         Material((0.5, 0.5, 0.5), texture="dots")  # type: ignore[arg-type]
+
+
+def _bits(values) -> list[str]:
+    """Each float's exact bits (float.hex keeps a zero's sign)."""
+    return [float(v).hex() for v in np.asarray(values, dtype=np.float64).reshape(-1)]
+
+
+def test_python_and_tensor_inputs_give_the_same_bits_and_the_same_verdicts() -> None:
+    """The crowd builder's pure-Python fast paths (three numbers, nested tuples, cached
+    rotation checks) keep torch's float64 values, zero signs included, and its refusals."""
+    c, s = math.cos(0.3), math.sin(0.3)
+    turn = ((c, -s, -0.0), (s, c, 0.0), (0, 0, 1))
+    flipped = ((c, -s, 0.0), (s, c, 0.0), (0.0, 0.0, 1.0))  # equal to `turn` as a cache key
+    for rotation in (turn, flipped):
+        forms = (rotation, [list(r) for r in rotation], torch.tensor(rotation, dtype=torch.float64))
+        boxes = [Box((0.1, -0.0, 2), (1, 1, 1), form) for form in forms]
+        assert len({tuple(_bits(box.rotation)) for box in boxes}) == 1
+        assert _bits(boxes[0].rotation) == _bits(torch.tensor(rotation, dtype=torch.float64))
+        assert _bits(boxes[0].centre) == _bits(torch.tensor([0.1, -0.0, 2.0], dtype=torch.float64))
+    for bad in (
+        ((1, 0, 0), (0, 1.00003, 0), (0, 0, 1)),  # beyond allclose's 1e-5 + 1e-5 on the diagonal
+        ((1, 0, 0), (0, 1, 0), (0, 0, -1)),  # a reflection: determinant -1
+        ((1, 0, 0), (0, float("nan"), 0), (0, 0, 1)),
+    ):
+        for form in (bad, torch.tensor(bad)):
+            with pytest.raises(ValueError, match="not a rotation matrix"):
+                Box((0, 0, 0), (1, 1, 1), form)
+    Box((0, 0, 0), (1, 1, 1), ((1, 0, 0), (0, 1.000008, 0), (0, 0, 1)))  # R R^T within 2e-5
+    with pytest.raises(ValueError, match="rotation must be 3x3"):
+        Box((0, 0, 0), (1, 1, 1), ((1, 0), (0, 1)))
+    with pytest.raises(ValueError, match="expected 3 numbers"):
+        Sphere((0, 0), 1.0)
+    assert Sphere((True, 0, 0), 1.0).centre == (1.0, 0.0, 0.0)  # bools go through torch
+
+
+def test_bounds_equal_the_supports_along_torch_axes() -> None:
+    """bounds() walks tuple axes; the supports along torch's eye(3) and its negation agree."""
+    figure = SurfaceObject(
+        "mixed",
+        (
+            Box((0.2, -0.1, 0.3), (0.3, 0.2, 0.1), TURN_30),
+            Capsule((0.0, 0.0, 0.0), (0.0, 0.5, 0.5), 0.1),
+            Cylinder((0.4, 0.0, -0.2), (0.4, 0.0, 0.2), 0.05),
+            Sphere((-0.5, 0.2, 0.0), 0.2),
+        ),
+    )
+    axes = torch.eye(3, dtype=torch.float64)
+    high = [max(p.support(axis) for p in figure.primitives) for axis in axes]
+    low = [-max(p.support(-axis) for p in figure.primitives) for axis in axes]
+    assert _bits(figure.bounds()) == _bits(torch.tensor([low, high], dtype=torch.float32))

@@ -8,6 +8,7 @@ camera-to-world; depth is the Euclidean distance t along unit ray directions.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,11 @@ Mat3 = tuple[Vec3, Vec3, Vec3]
 VectorLike = Tensor | Sequence[float]
 MatrixLike = Tensor | Sequence[Sequence[float]]
 IDENTITY: Mat3 = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+_NUMBERS = (float, int)
+"""Python number types `_vec3` converts without torch (bool excluded: type(True) is bool)."""
+_SEQUENCES = (tuple, list)
+_ROTATION_TOLERANCE = 1e-5
+"""|R R^T - I| allowed per entry: torch.allclose's default rtol with atol 1e-5."""
 
 
 # ------------------------------------------------------------------ values
@@ -42,11 +48,28 @@ def _tensor(values: object, like: Tensor) -> Tensor:
 
 
 def _vec3(value: VectorLike) -> Vec3:
-    """Three floats from a tensor, array or sequence."""
+    """Three floats from a tensor, array or sequence.
+
+    Three Python numbers skip torch (the crowd builder makes about a million of these
+    calls); float() gives the same float64 values as torch's conversion.
+    """
+    if _three_numbers(value):
+        return (float(value[0]), float(value[1]), float(value[2]))  # type: ignore[index]
     values = torch.as_tensor(value, dtype=torch.float64).reshape(-1).tolist()
     if len(values) != 3:
         raise ValueError(f"expected 3 numbers, got {value!r}")
     return (values[0], values[1], values[2])
+
+
+def _three_numbers(value: object) -> bool:
+    """Whether `value` is a tuple or list of exactly three Python floats or ints."""
+    return (
+        type(value) in _SEQUENCES
+        and len(value) == 3  # type: ignore[arg-type]
+        and type(value[0]) in _NUMBERS  # type: ignore[index]
+        and type(value[1]) in _NUMBERS  # type: ignore[index]
+        and type(value[2]) in _NUMBERS  # type: ignore[index]
+    )
 
 
 def _colour(value: VectorLike) -> Vec3:
@@ -59,15 +82,31 @@ def _colour(value: VectorLike) -> Vec3:
 
 def _rotation(value: MatrixLike) -> Mat3:
     """A proper rotation as nested tuples; rejects matrices that are not orthonormal."""
-    matrix = torch.as_tensor(value, dtype=torch.float64)
-    if matrix.shape != (3, 3):
-        raise ValueError(f"rotation must be 3x3, got shape {tuple(matrix.shape)}")
-    if not torch.allclose(matrix @ matrix.T, torch.eye(3, dtype=torch.float64), atol=1e-5) or (
-        torch.linalg.det(matrix) < 0
-    ):
-        raise ValueError(f"not a rotation matrix: {matrix.tolist()}")
-    rows = [_vec3(row) for row in matrix]
-    return (rows[0], rows[1], rows[2])
+    if type(value) in _SEQUENCES and len(value) == 3 and all(map(_three_numbers, value)):
+        rows = tuple(_vec3(row) for row in value)  # type: ignore[union-attr]
+    else:
+        matrix = torch.as_tensor(value, dtype=torch.float64)
+        if matrix.shape != (3, 3):
+            raise ValueError(f"rotation must be 3x3, got shape {tuple(matrix.shape)}")
+        rows = tuple(_vec3(row) for row in matrix.tolist())
+    _check_rotation(rows)  # type: ignore[arg-type]
+    return rows  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_rotation(rows: Mat3) -> None:
+    """Raise unless `rows` is orthonormal (R R^T = I within 1e-5) with determinant +1.
+
+    Cached: an object's primitives are all moved by one rotation. Equal keys that differ in a
+    zero's sign pass or fail alike, and only the verdict is cached, never the rows.
+    """
+    for i, row in enumerate(rows):
+        for j, other in enumerate(rows):
+            expected = 1.0 if i == j else 0.0
+            if not abs(_dot(row, other) - expected) <= _ROTATION_TOLERANCE * (1.0 + expected):
+                raise ValueError(f"not a rotation matrix: {[list(r) for r in rows]}")
+    if _dot(rows[0], _cross(rows[1], rows[2])) < 0:
+        raise ValueError(f"not a rotation matrix: {[list(r) for r in rows]}")
 
 
 def _positive(value: float, name: str) -> float:
@@ -87,8 +126,13 @@ def _unit(value: VectorLike) -> Vec3:
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    """Dot product of two 3-vectors given as floats."""
-    return sum(x * y for x, y in zip(a, b, strict=True))
+    """Dot product of two 3-vectors given as floats, summed from 0.0 left to right."""
+    return 0.0 + a[0] * b[0] + a[1] * b[1] + a[2] * b[2]
+
+
+def _negated(a: Vec3) -> Vec3:
+    """-a, zeros turned to -0.0 as torch's negation turns them."""
+    return (-a[0], -a[1], -a[2])
 
 
 def _cross(a: Vec3, b: Vec3) -> Vec3:
@@ -380,9 +424,8 @@ class SurfaceObject:
 
     def bounds(self) -> Tensor:
         """Exact axis-aligned bounding box [2, 3] (min and max corners), float32."""
-        axes = torch.eye(3, dtype=torch.float64)
-        high = [max(p.support(axis) for p in self.primitives) for axis in axes]
-        low = [-max(p.support(-axis) for p in self.primitives) for axis in axes]
+        high = [max(p.support(axis) for p in self.primitives) for axis in IDENTITY]
+        low = [-max(p.support(_negated(axis)) for p in self.primitives) for axis in IDENTITY]
         return torch.tensor([low, high], dtype=torch.float32)
 
     def lowest_z(self) -> float:
@@ -548,7 +591,7 @@ class _Similarity:
 
     def frame(self, rotation: Mat3) -> Mat3:
         """A local-to-world rotation composed with this transform's rotation."""
-        return _rotation(self.rotation @ torch.tensor(rotation, dtype=torch.float64))
+        return _rotation((self.rotation @ torch.tensor(rotation, dtype=torch.float64)).tolist())
 
 
 def _rays_reaching(
