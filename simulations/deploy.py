@@ -3,7 +3,8 @@
 It starts what an operator starts on separate machines, here on one: one `flower-superlink`
 serving its APIs over TLS (certificates from `simulations.certificates`) and one
 `flower-supernode` per user, each given only its own data folder and a private state folder
-by `--node-config`; then `flwr run <app> <federation> --stream` with the CLI trusting the
+by `--node-config`; then `flwr run <app> <federation> --stream` (<app>: the deployment's copy
+of the files Flower packages, `planner.staged_app`) with the CLI trusting the
 CA through its own $FLWR_HOME/config.toml. The ServerApp's run-config names no data and no
 state directory: the server holds no user's data. Every process gets its own FLWR_HOME
 under the deployment directory (certificates, homes, node state and logs), runtime
@@ -54,6 +55,7 @@ from simulations.planner import (
     processes_with_home_under,
     run_id_of,
     run_status,
+    staged_app,
     stop_pids,
 )
 
@@ -435,8 +437,9 @@ def deploy(
             deployment.start_supernode(index, job.nodes.count, data_dir, device)
         deployment.wait_for_nodes(job.nodes.count)
         print(f"fedfields deploy: {job.nodes.count} SuperNodes online", flush=True)
+        app = staged_app(APP_DIR, deploy_dir / "app")  # Flower's FAB without its .venv walk
         return deployment.run(
-            APP_DIR, run_config, timeout, lambda line: print(line, end="", flush=True)
+            app, run_config, timeout, lambda line: print(line, end="", flush=True)
         )
 
 

@@ -2,7 +2,9 @@
 
 It does what a careful user of Flower 1.41 does by hand (docs/SIMULATION.md): gives the launch
 its own Flower home (.flwr-home/<run-dir name>-<pid>) and free ports for the local SuperLink
-`flwr run` starts, so launches run side by side; caps the private Ray instance at the CPUs
+`flwr run` starts, so launches run side by side; hands `flwr run` a copy of the files it
+packages (<home>/app: the same FAB, without Flower's walk through .venv); caps the private Ray
+instance at the CPUs
 the launch asks for (`--ray-cpus`); forbids run-time dependency installation (which would pull
 a CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
 object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
@@ -55,6 +57,7 @@ from simulations.planner import (
     reserved_ports,
     run_id_of,
     run_status,
+    staged_app,
     stop_launch,
 )
 
@@ -218,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     # where `ray start` left a cluster that Ray would otherwise join
     env["RAY_ADDRESS"] = args.ray_address or "local"
     flwr = str(Path(sys.executable).with_name("flwr"))
-    command = [flwr, "run", str(APP_DIR), "--stream", "--federation-config", federation]
+    home = fresh_home(launch_home(run_dir))
+    app = staged_app(APP_DIR, home / "app")  # the files Flower packages, without its long walk
+    command = [flwr, "run", str(app), "--stream", "--federation-config", federation]
     command += ["--run-config", f"{run_config} {user_overrides(args.run_config)}".strip()]
     print("$", " ".join(shlex.quote(part) for part in command), flush=True)
-    home = fresh_home(launch_home(run_dir))
     outcome = run_and_clean_up(command, env, home, flwr)
     if outcome.run_id is None:
         print(

@@ -26,7 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
 from flwr.common.config import parse_config_args
+from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
 from fedfields.config import FederatedConfig, MetaSettings, meta_settings
 from simulations import APP_DIR
@@ -380,6 +382,40 @@ class LocalSuperLink:
             "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
             "FLWR_LOCAL_CONTROL_API_PORT": str(self.control_port),
         }
+
+
+def staged_app(app_dir: Path, stage: Path) -> Path:
+    """`stage`, created holding a copy of exactly the files `flwr run app_dir` packages.
+
+    Flower 1.41 lists every file under the app before it filters (`collect_files`): with a
+    virtual environment inside that is about 50,000 files, 4 s a launch. This walk skips the
+    directories .gitignore or Flower's publish rules exclude whole, then keeps what Flower's
+    own filter keeps, so the FAB Flower builds from `stage` is the one it builds from
+    `app_dir`, byte for byte. A .gitignore that re-includes ('!') prunes nothing.
+    """
+    patterns = load_gitignore_patterns(app_dir / ".gitignore")
+    skipped = build_pathspec(
+        [*APP_PUBLISH_EXCLUDE_PATTERNS]
+        + ([] if any(p.lstrip().startswith("!") for p in patterns) else patterns)
+    )
+    files: dict[str, Path | bytes] = {}
+    for directory, subdirectories, names in os.walk(app_dir, followlinks=False):
+        relative = Path(directory).relative_to(app_dir)
+        subdirectories[:] = [
+            name
+            for name in subdirectories
+            if not skipped.match_file(f"{(relative / name).as_posix()}/")
+        ]
+        for name in names:
+            path = Path(directory) / name
+            if not path.is_symlink():
+                files[(relative / name).as_posix()] = path
+    shutil.rmtree(stage, ignore_errors=True)
+    for relative_path, source in filter_paths_for_publish(files).items():
+        target = stage / relative_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)  # type: ignore[arg-type]
+    return stage
 
 
 def launch_home(run_dir: Path, pid: int | None = None) -> Path:

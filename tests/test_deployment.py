@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flwr.cli.build import build_fab_from_disk
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.common.config import parse_config_args
 
@@ -31,6 +32,7 @@ from simulations.planner import (
     process_tree,
     processes_with_home_under,
     server_error,
+    staged_app,
     stop_pids,
     stop_tree,
 )
@@ -255,3 +257,35 @@ def test_a_failed_run_is_one_line_naming_the_server_apps_error() -> None:
     assert server_error("INFO : all good\nno error here: just text\n") is None
     quiet = failure_line(7, "finished:failed", "INFO : nothing named\n")
     assert quiet == "fedfields: run 7 failed: it ended as 'finished:failed'; see the log above"
+
+
+def test_the_staged_app_packs_into_the_fab_flower_builds_from_the_repository(
+    tmp_path: Path,
+) -> None:
+    """Flower's own FAB build is the oracle: from the launchers' staged copy it gives the bytes
+    it gives from the repository itself (whose .venv Flower walks file by file)."""
+    stage = staged_app(APP_DIR, tmp_path / "app")
+    assert build_fab_from_disk(stage) == build_fab_from_disk(APP_DIR)
+
+
+@pytest.mark.parametrize("reinclude", [False, True])
+def test_staging_skips_ignored_folders_and_keeps_what_flower_keeps(
+    tmp_path: Path, reinclude: bool
+) -> None:
+    """A toy app: a .gitignore'd folder (skipped unwalked unless a '!' pattern could re-include
+    from it), __pycache__, a symlink and non-packaged files; the FAB matches Flower's."""
+    app = tmp_path / "toy"
+    (app / "pkg" / "__pycache__").mkdir(parents=True)
+    (app / "ignored").mkdir()
+    (app / "pyproject.toml").write_text((APP_DIR / "pyproject.toml").read_text())
+    (app / ".gitignore").write_text("ignored/\n" + ("!ignored/keep.py\n" if reinclude else ""))
+    (app / "pkg" / "module.py").write_text("VALUE = 1\n")
+    (app / "pkg" / "__pycache__" / "module.py").write_text("stale\n")
+    (app / "pkg" / "weights.bin").write_bytes(b"\0" * 8)
+    (app / "ignored" / "keep.py").write_text("HIDDEN = 1\n")
+    (app / "pkg" / "link.py").symlink_to(app / "pkg" / "module.py")
+    stage = staged_app(app, tmp_path / "stage")
+    packaged = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    reincluded = ["ignored/keep.py"] if reinclude else []  # Flower's pathspec honours the '!'
+    assert packaged == [".gitignore", *reincluded, "pkg/module.py", "pyproject.toml"]
+    assert build_fab_from_disk(stage) == build_fab_from_disk(app)
