@@ -16,6 +16,10 @@ the paper's margin where one is named; below its bound for a claim of closeness)
 `--scale` picks the setting: `paper` (the paper's fields, samples and beta_min at the largest
 resolution the bundled lego has: for a GPU), `cpu` (what fits this project's 2-core CPU), `toy`
 (seconds: the tests); the output names the scale and what differs from the paper.
+`--run-config "KEY=VALUE ..."` (Flower's syntax) changes the scale's shared run-config for
+every setting, e.g. fewer rounds of the paper's fields on a borrowed GPU; the output names the
+change, a key a setting itself sets is refused, and finished runs in `--out` made with other
+values stop the command rather than enter the table.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import math
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from flwr.common.config import parse_config_args
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
@@ -473,7 +478,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--scene", type=Path, default=LEGO, help="the scene the crowds are built on"
     )
+    parser.add_argument(
+        "--run-config",
+        default="",
+        help='the scale\'s run-config changed for every setting, e.g. "num-server-rounds=3"',
+    )
     parser.add_argument("--table-only", action="store_true", help="rebuild from runs on disk")
+    parser.add_argument(
+        "--crowds-only",
+        action="store_true",
+        help="build the seeds' crowds into --out and stop (to carry them to a GPU machine)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
@@ -582,6 +597,47 @@ def run_one(
     run_federated_nerf(grid, strategies.parse_app_config(config), observe=True)
 
 
+class OtherSettingsError(RuntimeError):
+    """A finished run in `--out` was made with other run-config values than the ones asked."""
+
+
+def changed_scale(table: Table, scale: Scale, run_config: str) -> Scale:
+    """`scale` with `run_config`'s keys (Flower's "KEY=VALUE ..." syntax) over its shared
+    run-config, named in its `differs`; ValueError for a key one of the table's settings sets
+    or a setting the App refuses (an unknown key, a value out of range)."""
+    if not run_config.strip():
+        return scale
+    if table.job == "sdar":
+        raise ValueError(f"--run-config: {table.name} runs no App job (SDAR's own trainer)")
+    overrides = parse_config_args([run_config])
+    fixed = sorted(key for key in overrides for values in table.settings.values() if key in values)
+    if fixed:
+        raise ValueError(f"--run-config {fixed[0]}: set by the table's settings, not the scale")
+    changed = replace(
+        scale,
+        run_config={**scale.run_config, **overrides},
+        differs=f"{scale.differs}; with --run-config {run_config.strip()}",
+    )
+    import strategies
+
+    for values in table.settings.values():
+        strategies.parse_app_config({**changed.run_config, **values})
+    return changed
+
+
+def recorded_difference(run_dir: Path, scale: Scale) -> str | None:
+    """The first of `scale`'s run-config keys whose value differs in the finished run's
+    config.json ("key: recorded -> wanted"); None when all agree or nothing is recorded."""
+    try:
+        recorded = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key, wanted in scale.run_config.items():
+        if key in recorded and recorded[key] != wanted:
+            return f"{key}: {recorded[key]!r} -> {wanted!r}"
+    return None
+
+
 def run_metrics(run_dir: Path) -> dict[str, float] | None:
     """A finished run's final scores (and a split run's attack scores) plus its last round's
     metrics that the final lacks (upload-personal-psnr: what the server read of each user's
@@ -615,7 +671,10 @@ def reproduce(
     bar = tqdm(pending, desc=f"{table.name} ({scale.name})", disable=not progress)
     for seed, name in bar:
         run_dir = out / name / f"seed-{seed}"
-        if not table_only and run_metrics(run_dir) is None:
+        finished = run_metrics(run_dir) is not None
+        if finished and (change := recorded_difference(run_dir, scale)):
+            raise OtherSettingsError(f"{run_dir} finished with other settings ({change})")
+        if not table_only and not finished:
             bar.set_postfix_str(f"{name} seed {seed}")
             crowd = crowd_dir(out, table, scale, seed, scene) if table.job == "scene" else None
             run_one(table, scale, name, seed, crowd, run_dir, scene)
@@ -662,6 +721,7 @@ def render_table(table: Table, scale: Scale, results: Results) -> tuple[str, dic
     record: dict[str, Any] = {
         "table": table.name,
         "scale": scale.name,
+        "differs": scale.differs,
         "values": [],
         "differences": [],
     }
@@ -736,13 +796,29 @@ def plot(path: Path, table: Table, results: Results) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    table, scale = TABLES[args.table], TABLES[args.table].scales[args.scale]
-    out = (args.out or APP_DIR / "runs" / f"reproduce-{table.name}-{scale.name}").resolve()
+    table = TABLES[args.table]
+    out = (args.out or APP_DIR / "runs" / f"reproduce-{table.name}-{args.scale}").resolve()
     if len(args.seeds) < 3:
         print(f"reproduce: {len(args.seeds)} seed(s): intervals need 3 or more", file=sys.stderr)
-    results = reproduce(
-        table, scale, args.seeds, out, args.scene, not args.no_progress, args.table_only
-    )
+    try:
+        scale = changed_scale(table, table.scales[args.scale], args.run_config)
+    except ValueError as error:
+        print(f"reproduce: {error}", file=sys.stderr)
+        return 2
+    if args.crowds_only:
+        if table.job != "scene":
+            print(f"reproduce: --crowds-only: {table.name} builds no crowds", file=sys.stderr)
+            return 2
+        for seed in args.seeds:
+            print(f"reproduce: crowd in {crowd_dir(out, table, scale, seed, args.scene)}")
+        return 0
+    try:
+        results = reproduce(
+            table, scale, args.seeds, out, args.scene, not args.no_progress, args.table_only
+        )
+    except OtherSettingsError as error:
+        print(f"reproduce: {error}: give another --out", file=sys.stderr)
+        return 2
     text, record = render_table(table, scale, results)
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out / "table.md", text + "\n")

@@ -146,6 +146,25 @@ def test_the_carried_wheels_are_all_the_federated_rounds_need_on_the_device(
     assert counts is not None and 0 <= int(counts[1]) <= int(counts[2]) and int(counts[2]) > 0
 
 
+def test_the_reproduce_command_needs_nothing_but_the_image_and_the_carried_wheels(
+    tmp_path: Path,
+) -> None:
+    """Issue 58's GPU call: `simulations.reproduce decentnerf-table1` (toy scale, one seed,
+    one round) with every module blocked that is neither on the GPU image nor carried."""
+    code = ONLY_THESE.replace("simulations.bench.gpu", "simulations.reproduce")
+    out = tmp_path / "reproduce"
+    command = [sys.executable, "-c", code, str(tmp_path / "site"),
+               ",".join(sorted(_modules_off_the_device())), "decentnerf-table1", "--scale",
+               "toy", "--seeds", "0", "--run-config", "num-server-rounds=1", "--no-progress",
+               "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((out / "table.json").read_text())
+    assert record["scale"] == "toy" and record["differs"].endswith("num-server-rounds=1")
+    for setting in ("fednerf", "decentnerf"):
+        assert (out / setting / "seed-0" / "summary.json").is_file()
+
+
 def _options(**overrides: object) -> Options:
     values = dict(device="cuda", seconds=30.0, resolution=200, eval_views=20,
                   target_samples=None, backends=("torch", "triton"),

@@ -95,6 +95,67 @@ def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture) -> Non
     assert "--seeds must be distinct" in capsys.readouterr().err
 
 
+def test_run_config_changes_every_setting_and_is_named_in_the_table(tmp_path: Path) -> None:
+    """`--run-config` over the scale (fewer rounds, as on a borrowed GPU): each setting's run
+    has it, the table and its JSON say so."""
+    out = tmp_path / "fewer"
+    argv = ["decentnerf-table1", "--scale", "toy", "--seeds", "0", "--out", str(out)]
+    assert reproduce.main([*argv, "--run-config", "num-server-rounds=1", "--no-progress"]) == 0
+    for setting in ("fednerf", "decentnerf"):
+        run = out / setting / "seed-0"
+        assert json.loads((run / "config.json").read_text())["num-server-rounds"] == 1
+        assert [json.loads(line)["round"] for line in (run / "metrics.jsonl").open()] == [1]
+    assert "with --run-config num-server-rounds=1" in (out / "table.md").read_text()
+    assert json.loads((out / "table.json").read_text())["differs"].endswith("num-server-rounds=1")
+
+
+@pytest.mark.parametrize(
+    ("table", "run_config", "message"),
+    [
+        ("decentnerf-table1", "strategy='fedavg'", "--run-config strategy: set by the table's"),
+        ("decentnerf-table1", "local-stepz=2", "local-stepz"),
+        ("decentnerf-table1", "num-server-rounds=0", "num-server-rounds"),
+        ("sdar-levels", "num-server-rounds=1", "runs no App job"),
+    ],
+)
+def test_a_bad_run_config_is_refused_by_name_before_any_run(
+    table: str, run_config: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = [table, "--scale", "toy", "--out", str(tmp_path / "out"), "--run-config", run_config]
+    assert reproduce.main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_finished_runs_made_with_other_values_stop_the_command(
+    reproduced: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The module's runs have 2 rounds: asking for 1 into the same --out names the first
+    finished run that differs and runs nothing."""
+    before = sorted(path.stat().st_mtime_ns for path in reproduced.rglob("summary.json"))
+    argv = ["decentnerf-table1", "--scale", "toy", "--seeds", *SEEDS, "--out", str(reproduced)]
+    assert reproduce.main([*argv, "--run-config", "num-server-rounds=1", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "seed-0 finished with other settings (num-server-rounds: 2 -> 1)" in error
+    assert "give another --out" in error
+    assert sorted(path.stat().st_mtime_ns for path in reproduced.rglob("summary.json")) == before
+
+
+def test_crowds_only_builds_the_crowds_a_later_run_reuses(tmp_path: Path) -> None:
+    """`--crowds-only` writes each seed's crowd and runs nothing; the run then reuses it."""
+    out = tmp_path / "out"
+    argv = ["decentnerf-table1", "--scale", "toy", "--seeds", "4", "--out", str(out)]
+    assert reproduce.main([*argv, "--crowds-only"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["crowds"]
+    crowd = out / "crowds" / "seed-4" / "crowd.json"
+    assert json.loads(crowd.read_text())["source"]["config"]["seed"] == 4
+    table = reproduce.TABLES["decentnerf-table1"]
+    written = crowd.stat().st_mtime_ns
+    assert reproduce.crowd_dir(out, table, table.scales["toy"], 4, reproduce.LEGO) == crowd.parent
+    assert crowd.stat().st_mtime_ns == written  # found, not built again
+    assert reproduce.main(["fedmenf-table1", "--out", str(out), "--crowds-only"]) == 2
+
+
 def test_fedmenf_s_table_runs_the_meta_job_with_its_audit(tmp_path: Path) -> None:
     """Each (setting, seed) is the App's meta job with the simulation audit: PSNR_p and the
     membership attack are in its final scores, and a meta table builds no crowd."""
