@@ -15,13 +15,15 @@ from scipy import stats
 from simulations import reproduce
 
 SEEDS = ["0", "1"]
+CHANGE = ["--run-config", "local-steps=1"]
+"""The module's runs change the toy scale's 2 local steps to 1: `--run-config` end to end."""
 
 
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reproduce") / "table1"
     argv = ["decentnerf-table1", "--scale", "toy", "--seeds", *SEEDS, "--out", str(out)]
-    assert reproduce.main([*argv, "--no-progress"]) == 0
+    assert reproduce.main([*argv, *CHANGE, "--no-progress"]) == 0
     return out
 
 
@@ -74,7 +76,7 @@ def test_a_rerun_skips_finished_runs_and_finishes_a_cut_one(reproduced: Path) ->
     untouched = reproduced / "decentnerf" / "seed-0" / "summary.json"
     before = untouched.stat().st_mtime_ns
     argv = ["decentnerf-table1", "--scale", "toy", "--seeds", *SEEDS, "--out", str(reproduced)]
-    assert reproduce.main([*argv, "--no-progress"]) == 0
+    assert reproduce.main([*argv, *CHANGE, "--no-progress"]) == 0
     assert untouched.stat().st_mtime_ns == before
     rounds = [
         json.loads(line)["round"] for line in (cut / "metrics.jsonl").read_text().splitlines()
@@ -95,18 +97,16 @@ def test_bad_arguments_are_refused_by_name(capsys: pytest.CaptureFixture) -> Non
     assert "--seeds must be distinct" in capsys.readouterr().err
 
 
-def test_run_config_changes_every_setting_and_is_named_in_the_table(tmp_path: Path) -> None:
-    """`--run-config` over the scale (fewer rounds, as on a borrowed GPU): each setting's run
-    has it, the table and its JSON say so."""
-    out = tmp_path / "fewer"
-    argv = ["decentnerf-table1", "--scale", "toy", "--seeds", "0", "--out", str(out)]
-    assert reproduce.main([*argv, "--run-config", "num-server-rounds=1", "--no-progress"]) == 0
+def test_run_config_changes_every_setting_and_is_named_in_the_table(reproduced: Path) -> None:
+    """`--run-config` over the scale (as on a borrowed GPU, fewer steps): every setting's runs
+    have it, the table and its JSON say so."""
     for setting in ("fednerf", "decentnerf"):
-        run = out / setting / "seed-0"
-        assert json.loads((run / "config.json").read_text())["num-server-rounds"] == 1
-        assert [json.loads(line)["round"] for line in (run / "metrics.jsonl").open()] == [1]
-    assert "with --run-config num-server-rounds=1" in (out / "table.md").read_text()
-    assert json.loads((out / "table.json").read_text())["differs"].endswith("num-server-rounds=1")
+        for seed in SEEDS:
+            config = json.loads((reproduced / setting / f"seed-{seed}" / "config.json").read_text())
+            assert config["local-steps"] == 1
+    assert "with --run-config local-steps=1" in (reproduced / "table.md").read_text()
+    record = json.loads((reproduced / "table.json").read_text())
+    assert record["differs"].endswith("local-steps=1")
 
 
 @pytest.mark.parametrize(
@@ -130,13 +130,13 @@ def test_a_bad_run_config_is_refused_by_name_before_any_run(
 def test_finished_runs_made_with_other_values_stop_the_command(
     reproduced: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """The module's runs have 2 rounds: asking for 1 into the same --out names the first
-    finished run that differs and runs nothing."""
+    """The module's runs have 1 local step: asking for the scale's 2 (no --run-config) into
+    the same --out names the first finished run that differs and runs nothing."""
     before = sorted(path.stat().st_mtime_ns for path in reproduced.rglob("summary.json"))
     argv = ["decentnerf-table1", "--scale", "toy", "--seeds", *SEEDS, "--out", str(reproduced)]
-    assert reproduce.main([*argv, "--run-config", "num-server-rounds=1", "--no-progress"]) == 2
+    assert reproduce.main([*argv, "--no-progress"]) == 2
     error = capsys.readouterr().err
-    assert "seed-0 finished with other settings (num-server-rounds: 2 -> 1)" in error
+    assert "fednerf/seed-0 finished with other settings (local-steps: 1 -> 2)" in error
     assert "give another --out" in error
     assert sorted(path.stat().st_mtime_ns for path in reproduced.rglob("summary.json")) == before
 
