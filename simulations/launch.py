@@ -4,9 +4,9 @@ It does what a careful user of Flower 1.41 does by hand (docs/SIMULATION.md): gi
 its own Flower home (.flwr-home/<run-dir name>-<pid>) and free ports for the local SuperLink
 `flwr run` starts, so launches run side by side; hands `flwr run` a copy of the files it
 packages (<home>/app: the same FAB, without Flower's walk through .venv); caps the private Ray
-instance at the CPUs
-the launch asks for (`--ray-cpus`); forbids run-time dependency installation (which would pull
-a CUDA torch), builds the run-config `task`'s dataset once (the crowdsourced scene, or the
+instance at the CPUs the launch asks for (`--ray-cpus`); forbids run-time dependency
+installation (which would pull a CUDA torch), builds the run-config `task`'s dataset once (the
+crowdsourced scene, or the
 object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
 absolute paths (app bundles carry no images), starts one virtual SuperNode per user or
 client, streams the logs, then asks the SuperLink whether the run completed, since
