@@ -6,10 +6,10 @@ its own Flower home (.flwr-home/<run-dir name>-<pid>) and free ports for the loc
 packages (<home>/app: the same FAB, without Flower's walk through .venv); caps the private Ray
 instance at the CPUs the launch asks for (`--ray-cpus`); forbids run-time dependency
 installation (which would pull a CUDA torch), builds the run-config `task`'s dataset once (the
-crowdsourced scene, or the
-object collection for FedMeNF's objects; faces and video come with scikit-image) and passes
-absolute paths (app bundles carry no images), starts one virtual SuperNode per user or
-client, streams the logs, then asks the SuperLink whether the run completed, since
+crowdsourced scene, or the object collection for FedMeNF's objects; faces and video come
+with scikit-image) and passes absolute paths (app bundles carry no images), starts one
+virtual SuperNode per user or client, streams the logs, then asks the SuperLink whether the
+run completed, since
 `flwr run` exits 0 even when the ServerApp fails, and stops what it started (by its Flower
 home, also on Ctrl-C and SIGTERM), never another launch's processes.
 As the experimenter it attaches the simulation-only observers (`simulation-audit`), which
