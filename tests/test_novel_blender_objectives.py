@@ -1,0 +1,80 @@
+"""The objectives bench (issue 58, point 6 on a CPU): FedNeRF's and DecentNeRF's objectives and
+the clean ceiling trained centrally on a reproduce crowd, scored as the App scores a run, kept
+per seed and objective so a rerun skips finished ones."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedfields.data.crowd import CrowdData
+from simulations import reproduce
+from simulations.bench import novel_blender_objectives as bench
+from simulations.bench.federated_lego import all_photos
+
+SEED = 6
+
+
+@pytest.fixture(scope="module")
+def crowd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("objectives")
+    argv = ["decentnerf-table1", "--scale", "toy", "--seeds", str(SEED), "--out", str(out)]
+    assert reproduce.main([*argv, "--crowds-only"]) == 0
+    return out / "crowds" / f"seed-{SEED}"
+
+
+def test_each_objective_is_trained_scored_and_kept(crowd: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--crowds", str(crowd), "--scale", "toy", "--steps", "3", "--eval-every", "2",
+            "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    results = bench.load_results(out)
+    assert sorted(results) == sorted(bench.OBJECTIVES)
+    for objective, by_seed in results.items():
+        result = by_seed[SEED]
+        assert [r["step"] for r in result["history"]] == [2, 3]  # a short last chunk
+        last = result["history"][-1]
+        assert all(math.isfinite(last[metric]) for metric in bench.METRICS), objective
+        assert last["persons-kept-psnr"] > last["personal-psnr-floor"]
+    histories = {o: results[o][SEED]["history"] for o in bench.OBJECTIVES}
+    assert histories["photos"] != histories["nerfw"] != histories["clean"]
+    text = (out / "table.md").read_text()
+    assert "| nerfw − photos |" in text and "NeRF-W 27.09" in text
+    assert (out / "curves.png").stat().st_size > 0
+    written = (out / f"seed-{SEED}" / "photos.json").stat().st_mtime_ns
+    assert bench.main(argv) == 0  # finished: skipped, the table rewritten
+    assert (out / f"seed-{SEED}" / "photos.json").stat().st_mtime_ns == written
+
+
+def test_the_ceiling_trains_on_the_photos_poses_with_clean_images(crowd: Path) -> None:
+    data = CrowdData.load(crowd, 1.0)
+    photos, clean = all_photos(data), bench.clean_views(data)
+    assert torch.equal(clean.cameras.camera_to_world, photos.cameras.camera_to_world)
+    assert torch.equal(clean.images, torch.cat([u.clean_images for u in data.users]))
+    persons = torch.cat([u.personal_masks for u in data.users])
+    assert not torch.equal(clean.images[persons], photos.images[persons])
+
+
+def test_persons_kept_is_the_photos_psnr_against_the_clean_views(crowd: Path) -> None:
+    data = CrowdData.load(crowd, 1.0)
+    by_hand = [
+        10 * np.log10(1 / np.mean((u.scene.images[0].numpy() - u.clean_images[0].numpy()) ** 2))
+        for u in data.users
+    ]
+    assert bench.persons_kept_psnr(data) == pytest.approx(float(np.mean(by_hand)), abs=1e-4)
+
+
+def test_bad_crowds_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"crowd\.json: not found"):
+        bench.crowd_seed(tmp_path)
+    (tmp_path / "crowd.json").write_text(json.dumps({"format": "x"}))
+    with pytest.raises(ValueError, match=r"crowd\.json: no source\.config\.seed"):
+        bench.crowd_seed(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--crowds", str(tmp_path), "--steps", "0"])
+    assert exit_info.value.code == 2
