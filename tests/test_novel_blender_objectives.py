@@ -78,3 +78,22 @@ def test_bad_crowds_and_budgets_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--crowds", str(tmp_path), "--steps", "0"])
     assert exit_info.value.code == 2
+
+
+def test_scales_are_the_reproduce_command_s_or_the_app_s_defaults() -> None:
+    cpu = bench.bench_config("cpu", "target-samples=65536", 2)
+    assert (cpu.scene.scene_field, cpu.common.field_width, cpu.common.seed) == ("mlp", 64, 2)
+    assert cpu.scene.target_samples == 65536
+    app = bench.bench_config("app", "", 0)
+    assert app.scene.scene_field == "hashgrid" and app.scene.beta_min == 0.3
+
+
+def test_results_made_with_other_settings_stop_the_command(crowd: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    made = out / f"seed-{SEED}" / "photos.json"
+    made.parent.mkdir(parents=True)
+    made.write_text(json.dumps({"scale": "toy", "run-config": "local-steps=3", "history": []}))
+    argv = ["--crowds", str(crowd), "--scale", "toy", "--objectives", "photos", "--out", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2

@@ -13,7 +13,8 @@ Objectives, each from the same initial field: `photos` (the global field on ever
 FedNeRF's objective), `nerfw` (global + one personal field with per-photo appearance,
 NeRF-W's loss: DecentNeRF's objective, and Table 1's NeRF-W row), `clean` (the global field on
 the clean views of the same poses: the ceiling). Fields and sampling are the reproduce
-command's `--scale` (DecentNeRF's MLPs; `--run-config` changes them), trained with the App's
+command's `--scale` (DecentNeRF's MLPs; `--run-config` changes them) or the App's defaults
+(`--scale app`: its hash grid, as the Novel Blender bench federates it), trained with the App's
 `local_train` in chunks of `--eval-every` steps (Adam restarts each chunk, as a user's does
 each round). Scored as the App scores a run: every held-out pose no user photographed, and each
 user's first view against its clean version and inside its personal masks, beside
@@ -61,13 +62,15 @@ from fedfields.train.evaluation import FieldRenderer
 from fedfields.train.federated import LocalTrainConfig, federated_state, local_train
 from simulations.bench.devices import add_device_argument
 from simulations.bench.federated_lego import all_photos
-from simulations.reproduce import TABLES
+from simulations.reproduce import SCALES
 from simulations.sweep_statistics import describe, paired_difference
 
 OBJECTIVES = ("photos", "nerfw", "clean")
 METRICS = ("heldout-psnr", "heldout-ssim", "clean-psnr", "personal-psnr", "personal-psnr-floor")
 PAIRS = (("nerfw", "photos"), ("clean", "photos"), ("clean", "nerfw"))
 """The differences the table gives: a personal field's gain, and what persons cost each."""
+APP_DEFAULTS = "app"
+"""`--scale app`: the App's own defaults, its hash-grid fields, beside the reproduce scales."""
 PAPER = "the paper (Table 1, lego at 800x800): NeRF-W 27.09, FedNeRF 17.7, DecentNeRF 26.25 dB"
 
 
@@ -221,9 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--scale",
-        choices=("paper", "cpu", "toy"),
+        choices=(*SCALES, APP_DEFAULTS),
         default="cpu",
-        help="the reproduce command's decentnerf-table1 scale: fields and samples",
+        help="the reproduce command's decentnerf-table1 scale (its MLP fields and samples), or "
+        "app: the App's defaults (its hash grid)",
     )
     parser.add_argument(
         "--run-config",
@@ -238,20 +242,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bench_config(scale: str, run_config: str, seed: int) -> FederatedConfig:
+    """The App's parse of `scale`'s run-config (none for `app`) changed by `run_config`
+    (Flower's "KEY=VALUE ..."), with the crowd's `seed`."""
+    shared = SCALES[scale].run_config if scale in SCALES else {}
+    overrides = parse_config_args([run_config]) if run_config.strip() else {}
+    return strategies.parse_app_config({**shared, **overrides, "seed": seed})
+
+
+def recorded_elsewhere(path: Path, scale: str, run_config: str) -> str | None:
+    """How the finished result in `path` was made, where that differs from this command."""
+    record = json.loads(path.read_text())
+    made = (record.get("scale"), record.get("run-config"))
+    return None if made == (scale, run_config) else f"--scale {made[0]} --run-config {made[1]!r}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser.error("--steps and --eval-every must be positive")
-    scale = TABLES["decentnerf-table1"].scales[args.scale]
-    overrides = parse_config_args([args.run_config]) if args.run_config.strip() else {}
     for crowd_dir in args.crowds:
         seed = crowd_seed(crowd_dir)
-        config = strategies.parse_app_config({**scale.run_config, **overrides, "seed": seed})
+        config = bench_config(args.scale, args.run_config, seed)
         data = CrowdData.load(crowd_dir, config.common.downscale)
         for objective in args.objectives:
             path = args.out / f"seed-{seed}" / f"{objective}.json"
             if path.is_file():
+                if made := recorded_elsewhere(path, args.scale, args.run_config):
+                    parser.error(f"{path} was made with {made}; give another --out")
                 continue
             history = train_objective(
                 objective, config, data, args.steps, args.eval_every, args.device
@@ -259,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             history[-1]["persons-kept-psnr"] = persons_kept_psnr(data)
             path.parent.mkdir(parents=True, exist_ok=True)
             record = {"objective": objective, "seed": seed, "crowd": str(crowd_dir)}
-            record |= {"scale": scale.name, "run-config": args.run_config, "history": history}
+            record |= {"scale": args.scale, "run-config": args.run_config, "history": history}
             atomic.write_json(path, record)
     results = load_results(args.out)
     text = table(results)
