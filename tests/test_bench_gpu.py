@@ -149,20 +149,29 @@ def test_the_carried_wheels_are_all_the_federated_rounds_need_on_the_device(
 def test_the_reproduce_command_needs_nothing_but_the_image_and_the_carried_wheels(
     tmp_path: Path,
 ) -> None:
-    """Issue 58's GPU call: `simulations.reproduce decentnerf-table1` (toy scale, one seed,
-    one round) with every module blocked that is neither on the GPU image nor carried."""
+    """Issue 58's GPU calls: `simulations.reproduce decentnerf-table1` (toy scale, one seed,
+    one round), then the objectives bench on the crowd it built, each with every module
+    blocked that is neither on the GPU image nor carried."""
+    blocked = ",".join(sorted(_modules_off_the_device()))
     code = ONLY_THESE.replace("simulations.bench.gpu", "simulations.reproduce")
     out = tmp_path / "reproduce"
-    command = [sys.executable, "-c", code, str(tmp_path / "site"),
-               ",".join(sorted(_modules_off_the_device())), "decentnerf-table1", "--scale",
-               "toy", "--seeds", "0", "--run-config", "num-server-rounds=1", "--no-progress",
-               "--out", str(out)]  # fmt: skip
+    command = [sys.executable, "-c", code, str(tmp_path / "site"), blocked,
+               "decentnerf-table1", "--scale", "toy", "--seeds", "0", "--run-config",
+               "num-server-rounds=1", "--no-progress", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((out / "table.json").read_text())
     assert record["scale"] == "toy" and record["differs"].endswith("num-server-rounds=1")
     for setting in ("fednerf", "decentnerf"):
         assert (out / setting / "seed-0" / "summary.json").is_file()
+    code = ONLY_THESE.replace("simulations.bench.gpu", "simulations.bench.novel_blender_objectives")
+    objectives = tmp_path / "objectives"
+    command = [sys.executable, "-c", code, str(tmp_path / "site-2"), blocked, "--crowds",
+               str(out / "crowds" / "seed-0"), "--scale", "toy", "--objectives", "nerfw",
+               "--steps", "2", "--device", "cpu", "--out", str(objectives)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| heldout-psnr |" in (objectives / "table.md").read_text()
 
 
 def _options(**overrides: object) -> Options:
