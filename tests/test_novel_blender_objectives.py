@@ -41,6 +41,11 @@ def test_each_objective_is_trained_scored_and_kept(crowd: Path, tmp_path: Path) 
         last = result["history"][-1]
         assert all(math.isfinite(last[metric]) for metric in bench.METRICS), objective
         assert last["persons-kept-psnr"] > last["personal-psnr-floor"]
+        progress = out / f"seed-{SEED}" / f"{objective}.progress.jsonl"
+        lines = [json.loads(line) for line in progress.read_text().splitlines()]
+        assert lines == result["history"][:-1] + [
+            {k: v for k, v in last.items() if k != "persons-kept-psnr"}
+        ]  # each score as it came
     histories = {o: results[o][SEED]["history"] for o in bench.OBJECTIVES}
     assert histories["photos"] != histories["nerfw"] != histories["clean"]
     text = (out / "table.md").read_text()

@@ -19,7 +19,8 @@ command's `--scale` (DecentNeRF's MLPs; `--run-config` changes them) or the App'
 each round). Scored as the App scores a run: every held-out pose no user photographed, and each
 user's first view against its clean version and inside its personal masks, beside
 `persons-kept-psnr`, what a field that renders every person exactly scores on those clean
-views. Results per seed and objective are kept in `--out`; rerunning skips finished ones.
+views. Results per seed and objective are kept in `--out` (`seed-N/OBJECTIVE.json`; the scores
+so far in `OBJECTIVE.progress.jsonl` while it trains); rerunning skips finished ones.
 
     python -m simulations.bench.novel_blender_objectives \\
         --crowds runs/reproduce-decentnerf-table1-cpu/crowds/seed-0 [...] --steps 1200
@@ -118,9 +119,11 @@ def train_objective(
     steps: int,
     eval_every: int,
     device: str,
+    progress: Path | None = None,
 ) -> list[dict[str, float]]:
     """Train `objective`'s fields for `steps` from the run seed's initial global field; the
-    scores after every `eval_every` steps."""
+    scores after every `eval_every` steps, each also appended to `progress` as it comes (a
+    cut run keeps its curve)."""
     scene = clean_views(data) if objective == "clean" else all_photos(data)
     settings = render_config(config, scene)
     seed = config.common.seed
@@ -155,6 +158,8 @@ def train_objective(
             record |= score(config, federated_state(field), data, device)
             record["seconds"] = time.perf_counter() - started
             history.append(record)
+            if progress is not None:
+                atomic.append_json_line(progress, record)
             bar.set_postfix(heldout=f"{record.get('heldout-psnr', math.nan):.2f}")
     return history
 
@@ -272,11 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if made := recorded_elsewhere(path, args.scale, args.run_config):
                     parser.error(f"{path} was made with {made}; give another --out")
                 continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            progress = path.with_suffix(".progress.jsonl")
+            progress.unlink(missing_ok=True)
             history = train_objective(
-                objective, config, data, args.steps, args.eval_every, args.device
+                objective, config, data, args.steps, args.eval_every, args.device, progress
             )
             history[-1]["persons-kept-psnr"] = persons_kept_psnr(data)
-            path.parent.mkdir(parents=True, exist_ok=True)
             record = {"objective": objective, "seed": seed, "crowd": str(crowd_dir)}
             record |= {"scale": args.scale, "run-config": args.run_config, "history": history}
             atomic.write_json(path, record)
