@@ -40,12 +40,11 @@ def test_each_objective_is_trained_scored_and_kept(crowd: Path, tmp_path: Path) 
         assert [r["step"] for r in result["history"]] == [2, 3]  # a short last chunk
         last = result["history"][-1]
         assert all(math.isfinite(last[metric]) for metric in bench.METRICS), objective
-        assert last["persons-kept-psnr"] > last["personal-psnr-floor"]
+        assert result["persons-kept-psnr"] > last["personal-psnr-floor"]
+        assert result["diverged"] is None and result["steps"] == 3
         progress = out / f"seed-{SEED}" / f"{objective}.progress.jsonl"
         lines = [json.loads(line) for line in progress.read_text().splitlines()]
-        assert lines == result["history"][:-1] + [
-            {k: v for k, v in last.items() if k != "persons-kept-psnr"}
-        ]  # each score as it came
+        assert lines == result["history"]  # each score as it came
     histories = {o: results[o][SEED]["history"] for o in bench.OBJECTIVES}
     assert histories["photos"] != histories["nerfw"] != histories["clean"]
     text = (out / "table.md").read_text()
@@ -97,8 +96,24 @@ def test_results_made_with_other_settings_stop_the_command(crowd: Path, tmp_path
     out = tmp_path / "out"
     made = out / f"seed-{SEED}" / "photos.json"
     made.parent.mkdir(parents=True)
-    made.write_text(json.dumps({"scale": "toy", "run-config": "local-steps=3", "history": []}))
+    made.write_text(json.dumps({"scale": "toy", "run-config": "", "steps": 9, "eval-every": 100}))
     argv = ["--crowds", str(crowd), "--scale", "toy", "--objectives", "photos", "--out", str(out)]
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
     assert exit_info.value.code == 2
+
+
+def test_a_diverged_objective_is_reported_and_left_out_of_the_means(crowd: Path) -> None:
+    """A non-finite loss ends that objective's training; the table names it instead of
+    averaging its last scores (the cpu scale's NeRF-W diverged so at one seed)."""
+    config = bench.bench_config("toy", "", SEED)
+    data = CrowdData.load(crowd, 1.0)
+    data.users[0].scene.images[0] = math.nan  # a loss that cannot stay finite
+    history, diverged = bench.train_objective("nerfw", config, data, 4, 2, "cpu")
+    assert diverged is not None and "loss is nan" in diverged
+    scores = dict.fromkeys(bench.METRICS, 20.0)
+    good = {"history": [scores], "diverged": None, "persons-kept-psnr": 17.0}
+    results = {"photos": {0: good}, "nerfw": {0: {"history": history, "diverged": diverged}}}
+    text = bench.table(results)
+    assert "Left out: nerfw seed 0 diverged in the steps after" in text
+    assert "| nerfw − photos |" not in text

@@ -120,10 +120,11 @@ def train_objective(
     eval_every: int,
     device: str,
     progress: Path | None = None,
-) -> list[dict[str, float]]:
-    """Train `objective`'s fields for `steps` from the run seed's initial global field; the
+) -> tuple[list[dict[str, float]], str | None]:
+    """Train `objective`'s fields for `steps` from the run seed's initial global field: the
     scores after every `eval_every` steps, each also appended to `progress` as it comes (a
-    cut run keeps its curve)."""
+    cut run keeps its curve), and None, or how training diverged (a non-finite loss ends it:
+    the table reports it rather than the last scores)."""
     scene = clean_views(data) if objective == "clean" else all_photos(data)
     settings = render_config(config, scene)
     seed = config.common.seed
@@ -151,7 +152,12 @@ def train_objective(
                 seed=client_seed(seed, 0, done),
                 device=device,
             )
-            result = local_train(field, scene, local, settings, occupancy, personal_field=personal)
+            try:
+                result = local_train(
+                    field, scene, local, settings, occupancy, personal_field=personal
+                )
+            except FloatingPointError as error:
+                return history, f"in the steps after {done}: {error}"
             done += chunk
             bar.update(chunk)
             record = {"step": done, "train-psnr": result.psnr}
@@ -161,11 +167,12 @@ def train_objective(
             if progress is not None:
                 atomic.append_json_line(progress, record)
             bar.set_postfix(heldout=f"{record.get('heldout-psnr', math.nan):.2f}")
-    return history
+    return history, None
 
 
 def load_results(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
-    """objective -> seed -> its saved result, for every finished run under `out`."""
+    """objective -> seed -> its saved result, for every finished run under `out` (diverged
+    ones included)."""
     results: dict[str, dict[int, dict[str, Any]]] = {}
     for path in sorted(out.glob("seed-*/*.json")):
         result = json.loads(path.read_text())
@@ -173,13 +180,26 @@ def load_results(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
     return results
 
 
+def trained(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, dict]]:
+    """The results whose training ran its steps without diverging."""
+    kept = {
+        objective: {seed: result for seed, result in by_seed.items() if not result["diverged"]}
+        for objective, by_seed in results.items()
+    }
+    return {objective: by_seed for objective, by_seed in kept.items() if by_seed}
+
+
 def final(result: dict[str, Any], metric: str) -> float:
-    """`metric` after the run's last step."""
+    """`metric` after the run's last step (persons-kept-psnr: the crowd's)."""
+    if metric == "persons-kept-psnr":
+        return float(result[metric])
     return float(result["history"][-1][metric])
 
 
-def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
-    """Mean ± std per objective over seeds, then the paired differences with 95% intervals."""
+def table(everything: dict[str, dict[int, dict[str, Any]]]) -> str:
+    """Mean ± std per objective over seeds, the paired differences with 95% intervals, and
+    the runs that diverged (left out of both)."""
+    results = trained(everything)
     objectives = [o for o in OBJECTIVES if o in results]
     lines = ["| metric | " + " | ".join(objectives) + " |", "|---" * (len(objectives) + 1) + "|"]
     for metric in (*METRICS, "persons-kept-psnr"):
@@ -198,6 +218,14 @@ def table(results: dict[str, dict[int, dict[str, Any]]]) -> str:
             interval = "–" if math.isnan(paired.low) else f"[{paired.low:+.2f}, {paired.high:+.2f}]"
             seeds = " ".join(map(str, paired.seeds))
             lines.append(f"| {a} − {b} | {paired.mean:+.2f} dB | {interval} | {seeds} |")
+    diverged = [
+        f"{objective} seed {seed} diverged {result['diverged']}"
+        for objective, by_seed in everything.items()
+        for seed, result in sorted(by_seed.items())
+        if result["diverged"]
+    ]
+    if diverged:
+        lines += ["", "Left out: " + "; ".join(diverged) + "."]
     return "\n".join([*lines, "", f"For comparison, {PAPER}."])
 
 
@@ -205,6 +233,7 @@ def plot(path: Path, results: dict[str, dict[int, dict[str, Any]]]) -> None:
     """Held-out PSNR against steps, a line per seed and objective: is it still rising?"""
     figure = Figure(figsize=(6, 4))
     axes = figure.subplots()
+    results = trained(results)
     for index, objective in enumerate(o for o in OBJECTIVES if o in results):
         for seed, result in sorted(results[objective].items()):
             steps = [r["step"] for r in result["history"]]
@@ -255,11 +284,13 @@ def bench_config(scale: str, run_config: str, seed: int) -> FederatedConfig:
     return strategies.parse_app_config({**shared, **overrides, "seed": seed})
 
 
-def recorded_elsewhere(path: Path, scale: str, run_config: str) -> str | None:
-    """How the finished result in `path` was made, where that differs from this command."""
+def recorded_elsewhere(path: Path, wanted: dict[str, Any]) -> str | None:
+    """How the finished result in `path` was made (scale, run-config, steps, eval-every),
+    where that differs from `wanted`, this command's."""
     record = json.loads(path.read_text())
-    made = (record.get("scale"), record.get("run-config"))
-    return None if made == (scale, run_config) else f"--scale {made[0]} --run-config {made[1]!r}"
+    made = {key: record.get(key) for key in wanted}
+    differs = [f"--{key} {made[key]!r}" for key in wanted if made[key] != wanted[key]]
+    return " ".join(differs) or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -267,6 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser.error("--steps and --eval-every must be positive")
+    wanted = {
+        "scale": args.scale,
+        "run-config": args.run_config,
+        "steps": args.steps,
+        "eval-every": args.eval_every,
+    }
     for crowd_dir in args.crowds:
         seed = crowd_seed(crowd_dir)
         config = bench_config(args.scale, args.run_config, seed)
@@ -274,19 +311,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for objective in args.objectives:
             path = args.out / f"seed-{seed}" / f"{objective}.json"
             if path.is_file():
-                if made := recorded_elsewhere(path, args.scale, args.run_config):
+                if made := recorded_elsewhere(path, wanted):
                     parser.error(f"{path} was made with {made}; give another --out")
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             progress = path.with_suffix(".progress.jsonl")
             progress.unlink(missing_ok=True)
-            history = train_objective(
+            history, diverged = train_objective(
                 objective, config, data, args.steps, args.eval_every, args.device, progress
             )
-            history[-1]["persons-kept-psnr"] = persons_kept_psnr(data)
-            record = {"objective": objective, "seed": seed, "crowd": str(crowd_dir)}
-            record |= {"scale": args.scale, "run-config": args.run_config, "history": history}
-            atomic.write_json(path, record)
+            record = {"objective": objective, "seed": seed, "crowd": str(crowd_dir), **wanted}
+            record |= {"persons-kept-psnr": persons_kept_psnr(data), "diverged": diverged}
+            atomic.write_json(path, record | {"history": history})
     results = load_results(args.out)
     text = table(results)
     atomic.write_text(args.out / "table.md", text + "\n")
