@@ -14,6 +14,10 @@ from test_method_digests import SMALL_SCENE
 
 import strategies
 from fedfields.fields import NeRFField, PersonalField
+from fedfields.fields.base import trunc_exp
+from fedfields.fields.personal import GlobalPersonalField
+from fedfields.geometry import Rays
+from fedfields.render import render_rays
 from fedfields.train.builders import (
     global_field,
     marches,
@@ -21,6 +25,7 @@ from fedfields.train.builders import (
     render_config,
 )
 from fedfields.train.evaluation import FieldRenderer
+from fedfields.train.nerfw import nerfw_loss
 from simulations.in_process_grid import InProcessGrid
 
 TINY_MLP = {
@@ -119,3 +124,24 @@ def test_decentnerf_with_the_paper_fields_runs_through_the_app(
     states = sorted(path for path in nodes.rglob("*") if path.is_file())
     names = " ".join(path.name for path in states)
     assert "personal-field" in names and "occupancy" not in names, names
+
+
+def test_a_personal_mlp_s_huge_density_stays_finite_through_the_nerfw_loss() -> None:
+    """DecentNeRF's personal MLP drove its density pre-activation past exp's float32 range
+    (88.7) within 72 central steps: the density became inf, transmittance inf - inf = NaN,
+    and the run diverged. The density is capped at exp(60): opaque, finite, differentiable."""
+    config = strategies.parse_app_config(TINY_MLP)
+    settings = render_config(config, None)
+    personal = PersonalField(personal_field_config(config, settings, num_images=2))
+    with torch.no_grad():
+        personal.density_head[-1].bias[0] = 500.0  # exp(500 - 4) overflows float32
+    field = GlobalPersonalField(global_field(config), personal)
+    rays = Rays(torch.tensor([[0.0, 0.0, 4.0]] * 4), torch.tensor([[0.0, 0.0, -1.0]] * 4))
+    rendered, _ = render_rays(field, rays, settings, image_index=torch.tensor([0, 1, 0, 1]))
+    assert rendered.personal_density.max().item() == pytest.approx(math.exp(60.0), rel=1e-5)
+    loss = nerfw_loss(rendered.rgb, torch.zeros(4, 3), rendered.uncertainty,
+                      rendered.personal_density, beta_min=0.03).total  # fmt: skip
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(torch.isfinite(p.grad).all() for p in field.parameters() if p.grad is not None)
+    assert torch.equal(trunc_exp(torch.tensor([59.5, -3.0])), torch.exp(torch.tensor([59.5, -3.0])))

@@ -81,13 +81,22 @@ def build_field(config: dict[str, Any]) -> Field:
     return FIELD_KINDS[kind].from_options(options)
 
 
+DENSITY_EXPONENT_MAX = 60.0
+"""Largest exponent a density takes: exp(60) ~ 1e26 is opaque over any step, and 128 such
+samples sum to ~1e28, far from float32's 3.4e38. Past exp(88.7) the density was inf and
+volume rendering's transmittance inf - inf = NaN: a 4 x 32 personal MLP (DecentNeRF's, at
+NeRF-W's beta_min 0.03) got there within 72 central steps (docs/experiments/2026-12-06-
+objectives.md)."""
+
+
 class _TruncExp(torch.autograd.Function):
-    """exp with its gradient clamped at exp(15): Instant-NGP's stable density activation."""
+    """exp with its gradient clamped at exp(15): Instant-NGP's stable density activation; its
+    value capped at exp(DENSITY_EXPONENT_MAX) so that no density overflows to inf."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x)
-        return torch.exp(x)
+        return torch.exp(x.clamp(max=DENSITY_EXPONENT_MAX))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
@@ -96,7 +105,7 @@ class _TruncExp(torch.autograd.Function):
 
 
 def trunc_exp(x: Tensor) -> Tensor:
-    """Density activation exp(x) whose backward cannot overflow."""
+    """Density activation exp(x) whose value and backward cannot overflow."""
     return _TruncExp.apply(x)
 
 
