@@ -85,8 +85,8 @@ DENSITY_EXPONENT_MAX = 60.0
 """Largest exponent a density takes: exp(60) ~ 1e26 is opaque over any step, and 128 such
 samples sum to ~1e28, far from float32's 3.4e38. Past exp(88.7) the density was inf and
 volume rendering's transmittance inf - inf = NaN: a 4 x 32 personal MLP (DecentNeRF's, at
-NeRF-W's beta_min 0.03) got there within 72 central steps (docs/experiments/2026-12-06-
-objectives.md)."""
+NeRF-W's beta_min 0.03) got there within 72 central steps
+(docs/experiments/2026-12-06-objectives.md)."""
 
 
 class _TruncExp(torch.autograd.Function):
