@@ -64,7 +64,7 @@ from fedfields.train.federated import LocalTrainConfig, federated_state, local_t
 from simulations.bench.devices import add_device_argument
 from simulations.bench.federated_lego import all_photos
 from simulations.reproduce import SCALES
-from simulations.sweep_statistics import describe, paired_difference
+from simulations.sweep_statistics import describe, markdown_table, paired_difference
 
 OBJECTIVES = ("photos", "nerfw", "clean")
 METRICS = ("heldout-psnr", "heldout-ssim", "clean-psnr", "personal-psnr", "personal-psnr-floor")
@@ -201,23 +201,24 @@ def table(everything: dict[str, dict[int, dict[str, Any]]]) -> str:
     the runs that diverged (left out of both)."""
     results = trained(everything)
     objectives = [o for o in OBJECTIVES if o in results]
-    lines = ["| metric | " + " | ".join(objectives) + " |", "|---" * (len(objectives) + 1) + "|"]
+    rows = []
     for metric in (*METRICS, "persons-kept-psnr"):
         cells = []
         for objective in objectives:
             summary = describe([final(r, metric) for r in results[objective].values()])
             std = "" if math.isnan(summary.std) else f" ± {summary.std:.2f}"
             cells.append(f"{summary.mean:.2f}{std} (n={summary.n})")
-        lines.append(f"| {metric} | " + " | ".join(cells) + " |")
-    lines += ["", "| difference (heldout-psnr) | mean | 95% interval | seeds |"]
-    lines.append("|---|---|---|---|")
+        rows.append([metric, *cells])
+    differences = []
     for a, b in PAIRS:
         if a in results and b in results:
             values = [{s: final(r, "heldout-psnr") for s, r in results[o].items()} for o in (a, b)]
             paired = paired_difference(*values)
             interval = "–" if math.isnan(paired.low) else f"[{paired.low:+.2f}, {paired.high:+.2f}]"
             seeds = " ".join(map(str, paired.seeds))
-            lines.append(f"| {a} − {b} | {paired.mean:+.2f} dB | {interval} | {seeds} |")
+            differences.append([f"{a} − {b}", f"{paired.mean:+.2f} dB", interval, seeds])
+    header = ("difference (heldout-psnr)", "mean", "95% interval", "seeds")
+    lines = [markdown_table(("metric", *objectives), rows), markdown_table(header, differences)]
     diverged = [
         f"{objective} seed {seed} diverged {result['diverged']}"
         for objective, by_seed in everything.items()
@@ -225,8 +226,8 @@ def table(everything: dict[str, dict[int, dict[str, Any]]]) -> str:
         if result["diverged"]
     ]
     if diverged:
-        lines += ["", "Left out: " + "; ".join(diverged) + "."]
-    return "\n".join([*lines, "", f"For comparison, {PAPER}."])
+        lines.append("Left out: " + "; ".join(diverged) + ".\n")
+    return "\n".join([*lines, f"For comparison, {PAPER}."])
 
 
 def plot(path: Path, results: dict[str, dict[int, dict[str, Any]]]) -> None:
